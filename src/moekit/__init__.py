@@ -1,0 +1,6 @@
+"""moekit: Mixture-of-Experts models from dense checkpoints."""
+from moekit.errors import MoekitError
+from moekit.moe import MoELayer, MoESpec, RouterSpec, moe_layers
+from moekit.upcycle import upcycle
+
+__all__ = ["MoELayer", "MoESpec", "MoekitError", "RouterSpec", "moe_layers", "upcycle"]

@@ -1,0 +1,55 @@
+"""Config base class (frozen, extra="forbid") and YAML loading with dotted `key=value` overrides."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from moekit.errors import ConfigError
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def validate(cls: type[C], data: Any, source: str = "config") -> C:
+    """`cls.model_validate(data)` with pydantic's errors turned into one ConfigError."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a copy."""
+    out = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a mapping")
+        node[leaf] = yaml.safe_load(raw)
+    return out
+
+
+def load_yaml(path: str | Path, cls: type[C], overrides: list[str] | None = None) -> C:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must contain a mapping at the top level")
+    return validate(cls, apply_overrides(data, overrides or []), source=str(path))

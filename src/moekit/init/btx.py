@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from moekit.ffn import ExpertWeights
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
+
+
+@EXPERT_INITS.register("btx")
+class BTXInit(ExpertInitConfig):
+    """Branch-Train-MiX (Sukhbaatar et al. 2024, §2.2): N branch models trained from the same seed
+    model; expert i of every MoE layer is branch i's FFN (E = N), all other parameters are the
+    average of the branches (done by `moekit.upcycle`, which loads the branches), router random."""
+
+    method: Literal["btx"] = "btx"
+    branches: list[str]  # paths (or asset names) of the branch checkpoints, one per expert
+    needs_branches: ClassVar[bool] = True
+
+    def check(self, spec) -> None:
+        if len(self.branches) != spec.num_experts:
+            raise ValueError(f"btx needs one branch per expert: num_experts={spec.num_experts} but "
+                             f"{len(self.branches)} branches were given")
+
+    def init_experts(self, ctx: InitContext) -> ExpertWeights:
+        if len(ctx.branches) != ctx.spec.num_experts:
+            raise ValueError(f"btx: {len(ctx.branches)} branch FFNs for {ctx.spec.num_experts} experts at {ctx.path}")
+        return copies(ctx, list(ctx.branches))

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from moekit.ffn import ExpertWeights
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
+
+
+def perturb(w: torch.Tensor, ratio: float, std: float, gen: torch.Generator) -> torch.Tensor:
+    """w + m ⊙ N(0, (std·σ_w)²) with m ~ Bernoulli(ratio) per entry."""
+    mask = torch.rand(w.shape, generator=gen) < ratio
+    noise = torch.randn(w.shape, generator=gen) * (std * w.float().std())
+    return w + (mask * noise).to(w.dtype)
+
+
+@EXPERT_INITS.register("noise")
+class NoiseInit(ExpertInitConfig):
+    """Copy + Gaussian perturbation (SPRI eq. 5; the noisy upcycling described for Qwen2-MoE and
+    OLMoE): every expert copies the dense FFN, then a random fraction `ratio` of the entries of
+    each of its matrices gets additive noise N(0, (std·σ_W)²), σ_W the std of that dense matrix.
+    Independent masks and noise per expert and per matrix."""
+
+    method: Literal["noise"] = "noise"
+    ratio: float = Field(0.5, gt=0.0, le=1.0)
+    std: float = Field(0.01, gt=0.0)
+
+    def init_experts(self, ctx: InitContext) -> ExpertWeights:
+        d, g = ctx.dense, ctx.generator
+        experts = [
+            d.clone(up=perturb(d.up, self.ratio, self.std, g), down=perturb(d.down, self.ratio, self.std, g),
+                    gate=None if d.gate is None else perturb(d.gate, self.ratio, self.std, g))
+            for _ in range(ctx.spec.num_experts)
+        ]
+        return copies(ctx, experts)

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from moekit.ffn import ExpertWeights
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
+
+
+def svd_blocks(w: torch.Tensor, groups: int) -> list[torch.Tensor]:
+    """Split w (m, n) into `groups` residuals R_g = U_g S_g V_gᵀ, U_g S_g V_gᵀ built from the g-th
+    contiguous block of singular triplets (descending singular values); Σ_g R_g = w.
+
+    Computed from the eigendecomposition of the smaller Gram matrix in float64: for m ≤ n,
+    w wᵀ = U S² Uᵀ and R_g = U_g U_gᵀ w (= U_g S_g V_gᵀ), which avoids a full SVD of large matrices.
+    """
+    w64 = w.double()
+    left = w64.shape[0] <= w64.shape[1]
+    gram = w64 @ w64.T if left else w64.T @ w64  # (r, r), r = min(m, n)
+    _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+    vecs = vecs.flip(-1)  # (r, r) columns by descending singular value
+    blocks = []
+    for b in torch.tensor_split(vecs, groups, dim=1):  # (r, r_g) each
+        proj = b @ b.T  # (r, r) projector onto this block's singular subspace
+        blocks.append(proj @ w64 if left else w64 @ proj)
+    err = (torch.stack(blocks).sum(0) - w64).norm() / w64.norm().clamp_min(1e-30)
+    if err > 1e-6:
+        raise ArithmeticError(f"SVD partition does not reconstruct the matrix (relative error {err:.2e})")
+    return blocks
+
+
+@EXPERT_INITS.register("spri")
+class SPRIInit(ExpertInitConfig):
+    """SVD-Partitioned Residual Initialization (Shan et al. 2026, arXiv:2606.16456, eqs. 8-13).
+
+    The shared expert is the dense FFN (set `shared_expert: true`, §3.2). Routed experts copy the
+    dense gate/up; the matrix at `placement` (default down, Table 5) is split by SVD into
+    G = E/k residuals R_g from disjoint contiguous blocks of singular triplets (eqs. 8-10), and
+    routed expert i in group g = i // k gets α_g R_g + ε_i with
+    α_g = ρ‖W‖_F / (‖R_g‖_F + δ) (eq. 11) and ε_i ~ N(0, (eps·rms(α_g R_g))²) (eq. 12).
+    Different groups are Frobenius-orthogonal, so expert diversity ≈ 1 − same-group pairs / all pairs.
+    """
+
+    method: Literal["spri"] = "spri"
+    rho: float = Field(1e-3, ge=0.0)
+    delta: float = Field(1e-12, gt=0.0)
+    eps: float = Field(1e-2, ge=0.0)
+    placement: Literal["down", "gate", "up"] = "down"
+
+    def check(self, spec) -> None:
+        if spec.num_experts % spec.top_k:
+            raise ValueError(f"spri needs num_experts divisible by top_k to form G = E/k groups; "
+                             f"got E={spec.num_experts}, k={spec.top_k}")
+
+    def init_experts(self, ctx: InitContext) -> ExpertWeights:
+        d, spec = ctx.dense, ctx.spec
+        w = getattr(d, self.placement)
+        if w is None:
+            raise ValueError(f"spri placement={self.placement!r} needs a gated FFN; {ctx.path} has no gate")
+        k, groups = spec.top_k, spec.num_experts // spec.top_k
+        scaled = []
+        for r in svd_blocks(w, groups):
+            alpha = self.rho * w.double().norm() / (r.norm() + self.delta)
+            scaled.append(alpha * r)  # (m, n) float64
+        experts = []
+        for i in range(spec.num_experts):
+            base = scaled[i // k]
+            noise = torch.randn(base.shape, generator=ctx.generator, dtype=torch.float64)
+            resid = base + noise * (self.eps * base.pow(2).mean().sqrt())
+            experts.append(d.clone(**{self.placement: resid.to(w.dtype)}))
+        return copies(ctx, experts)

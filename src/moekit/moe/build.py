@@ -1,0 +1,66 @@
+"""Build MoE layers from ExpertWeights (upcycling) or from a recorded layout (loading)."""
+from __future__ import annotations
+
+import torch
+
+from moekit.ffn import ExpertWeights, FFNWeights
+from moekit.moe.experts import Experts
+from moekit.moe.layer import MoELayer, SharedExpert
+from moekit.moe.router import Router
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def init_router(router: Router, how: str, std: float, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        if how == "zeros":
+            router.weight.zero_()
+        else:
+            router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * std)
+
+
+def build_moe(w: ExpertWeights, router: Router, dropout: float = 0.0) -> MoELayer:
+    """An MoE layer holding `w` (in w's dtype); `router` may be shared with other layers."""
+    dtype = w.up.dtype
+    experts = Experts.from_weights(w).to(dtype)
+    shared = None if w.shared is None else SharedExpert(w.shared).to(dtype)
+    return MoELayer(router, experts, shared, dropout)
+
+
+def layout(moe: MoELayer) -> dict:
+    """Everything needed to rebuild an empty copy of `moe` (recorded in moekit.json)."""
+    ex, r, sh = moe.experts, moe.router, moe.shared
+    out = {
+        "num_experts": ex.num_experts, "top_k": r.top_k, "scoring": r.scoring, "jitter": r.jitter,
+        "hidden_size": ex.hidden_size, "intermediate_size": ex.intermediate_size, "act": ex.act,
+        "gated": ex.gated, "bias": ex.first_bias is not None,
+        "dropout": 0.0 if moe.dropout is None else moe.dropout.p,
+        "dtype": str(ex.down.dtype).removeprefix("torch."), "shared": None,
+    }
+    if sh is not None:
+        out["shared"] = {
+            "intermediate_size": sh.up_proj.out_features, "gated": sh.gate_proj is not None,
+            "bias": [lin is not None and lin.bias is not None for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)],
+        }
+    return out
+
+
+def _zeros_ffn(H: int, I: int, act: str, gated: bool, bias: list[bool], dtype) -> FFNWeights:
+    z = lambda *s: torch.zeros(*s, dtype=dtype)  # noqa: E731
+    return FFNWeights(up=z(I, H), down=z(H, I), act=act, gate=z(I, H) if gated else None,
+                      gate_bias=z(I) if bias[0] else None, up_bias=z(I) if bias[1] else None,
+                      down_bias=z(H) if bias[2] else None)
+
+
+def from_layout(lay: dict, router: Router | None = None) -> MoELayer:
+    """An MoE layer of the recorded shapes, all zeros (weights are loaded afterwards)."""
+    E, H, I, dtype = lay["num_experts"], lay["hidden_size"], lay["intermediate_size"], _DTYPES[lay["dtype"]]
+    b = lay["bias"]
+    one = _zeros_ffn(H, I, lay["act"], lay["gated"], [b and lay["gated"], b, b], dtype)
+    w = ExpertWeights.stack([one] * E)
+    if lay["shared"] is not None:
+        s = lay["shared"]
+        w.shared = _zeros_ffn(H, s["intermediate_size"], lay["act"], s["gated"], s["bias"], dtype)
+    if router is None:
+        router = Router(H, E, lay["top_k"], lay["scoring"], lay["jitter"]).to(dtype)
+    return build_moe(w, router, lay["dropout"])

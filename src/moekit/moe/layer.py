@@ -1,0 +1,76 @@
+"""The MoE layer: a drop-in replacement for a dense FFN module (same input and output shape)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+
+from moekit.ffn import FFNWeights
+from moekit.moe.experts import Experts
+from moekit.moe.router import Router, RoutingInfo
+
+
+class SharedExpert(nn.Module):
+    """An always-on dense FFN added to the routed output without a gate (SPRI eq. 3)."""
+
+    def __init__(self, w: FFNWeights):
+        super().__init__()
+        H, I = w.hidden_size, w.intermediate_size
+        self.act = w.act
+        self.act_fn = ACT2FN[w.act]
+        self.gate_proj = nn.Linear(H, I, bias=w.gate_bias is not None) if w.gated else None
+        self.up_proj = nn.Linear(H, I, bias=w.up_bias is not None)
+        self.down_proj = nn.Linear(I, H, bias=w.down_bias is not None)
+        with torch.no_grad():
+            for lin, wt, b in ((self.gate_proj, w.gate, w.gate_bias), (self.up_proj, w.up, w.up_bias),
+                               (self.down_proj, w.down, w.down_bias)):
+                if lin is not None:
+                    lin.weight.copy_(wt)
+                    if b is not None:
+                        lin.bias.copy_(b)
+
+    def to_weights(self) -> FFNWeights:
+        def b(lin):
+            return None if lin is None or lin.bias is None else lin.bias.detach()
+
+        g = self.gate_proj
+        return FFNWeights(up=self.up_proj.weight.detach(), down=self.down_proj.weight.detach(), act=self.act,
+                          gate=None if g is None else g.weight.detach(), up_bias=b(self.up_proj),
+                          gate_bias=b(g), down_bias=b(self.down_proj))
+
+    def forward(self, x: Tensor) -> Tensor:
+        u = self.up_proj(x)
+        h = self.act_fn(self.gate_proj(x)) * u if self.gate_proj is not None else self.act_fn(u)
+        return self.down_proj(h)
+
+
+class MoELayer(nn.Module):
+    """y = Σ_{i∈topk(x)} g_i(x) E_i(x) [+ S(x)], applied token-wise.
+
+    `router` may be the same module object in several layers (Omni-router); each layer feeds it
+    its own hidden state. After each forward, `last_routing` holds this layer's RoutingInfo
+    (read by aux losses and routing capture; not a global list).
+    """
+
+    def __init__(self, router: Router, experts: Experts, shared: SharedExpert | None = None, dropout: float = 0.0):
+        super().__init__()
+        self.router, self.experts, self.shared = router, experts, shared
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.last_routing: RoutingInfo | None = None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # (T, H)
+        info = self.router(x)
+        y = self.experts(x, info.topk_ids, info.topk_weights)  # (T, H)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.dropout is not None:
+            y = self.dropout(y)
+        self.last_routing = info
+        return y.reshape(shape)
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    """All MoE layers of a model, in module order, with their paths."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]

@@ -1,0 +1,60 @@
+"""Top-k router and the RoutingInfo it returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Scoring = Literal["softmax_topk", "topk_softmax"]
+
+
+@dataclass
+class RoutingInfo:
+    """What a router decided for T tokens."""
+
+    logits: Tensor  # (T, E) raw router logits
+    topk_ids: Tensor  # (T, k) int64 expert ids
+    topk_weights: Tensor  # (T, k) combine weights
+
+    @property
+    def num_experts(self) -> int:
+        return self.logits.shape[-1]
+
+    def tokens_per_expert(self, mask: Tensor | None = None) -> Tensor:
+        """(E,) how many (token, slot) assignments each expert got; `mask` (T,) drops padding."""
+        ids = self.topk_ids if mask is None else self.topk_ids[mask.reshape(-1).bool()]  # (T', k)
+        return torch.bincount(ids.reshape(-1), minlength=self.num_experts)  # (E,)
+
+
+class Router(nn.Module):
+    """Linear router, weight (E, H).
+
+    scoring="softmax_topk": p = softmax(logits); weights = top-k of p (they sum to < 1), as in
+    Switch / Qwen2-MoE with norm_topk_prob=False. scoring="topk_softmax": the top-k probabilities
+    renormalized to sum to 1 (= softmax over the top-k logits), as in Mixtral and UME.
+    `jitter` multiplies the input by U(1-j, 1+j) in training (Switch / Mixtral).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: Scoring, jitter: float = 0.0):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.num_experts, self.top_k, self.scoring, self.jitter = num_experts, top_k, scoring, jitter
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, x: Tensor) -> RoutingInfo:
+        x = x.reshape(-1, x.shape[-1])  # (T, H)
+        if self.training and self.jitter > 0:
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        logits = F.linear(x, self.weight)  # (T, E)
+        probs = torch.softmax(logits.float(), dim=-1)  # (T, E)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (T, k), (T, k)
+        if self.scoring == "topk_softmax":
+            weights = weights / weights.sum(dim=-1, keepdim=True)  # (T, k), rows sum to 1
+        return RoutingInfo(logits=logits, topk_ids=ids, topk_weights=weights.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}, jitter={self.jitter}"

@@ -1,0 +1,93 @@
+"""MoESpec: what MoE to build (experts, top-k, which FFNs, router, init method)."""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
+
+from moekit.config import Config
+from moekit.errors import ConfigError
+from moekit.moe.router import Scoring
+
+
+class RouterSpec(Config):
+    scoring: Scoring | None = None  # None -> the init method's default (see ExpertInitConfig)
+    jitter: float = Field(0.0, ge=0.0, lt=1.0)
+    init: Literal["normal", "zeros"] | None = None  # None -> the init method's default
+    init_std: float = Field(0.02, gt=0.0)
+
+
+class MoESpec(Config):
+    """Which dense FFNs become MoE layers and how.
+
+    Layer selection is per stack of blocks (e.g. Whisper has an encoder and a decoder stack):
+    `every=N` makes block i an MoE layer when (i + 1) % N == 0 (Qwen-MoE's decoder_sparse_step),
+    `layers=[...]` lists block indices, neither means all. `target` is a regular expression the
+    FFN's module path must match (e.g. "encoder" for Whisper's encoder only).
+    """
+
+    num_experts: int = Field(8, ge=1)
+    top_k: int = Field(2, ge=1)
+    every: int | None = Field(None, ge=1)
+    layers: list[int] | None = None
+    target: str | None = None
+    shared_expert: bool = False
+    router: RouterSpec = RouterSpec()
+    router_sharing: Literal["none", "all"] = "none"
+    init: SerializeAsAny[Any] = "naive"
+    seed: int = 0
+
+    @field_validator("init", mode="before")
+    @classmethod
+    def _parse_init(cls, v: Any) -> Any:
+        from moekit.init import EXPERT_INITS, ExpertInitConfig
+
+        if isinstance(v, ExpertInitConfig):
+            return v
+        if isinstance(v, str):
+            v = {"method": v}
+        if not isinstance(v, dict) or "method" not in v:
+            raise ValueError("init must be a method name or a mapping with a 'method' key")
+        try:
+            init_cls = EXPERT_INITS.get(v["method"])
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return init_cls.model_validate(v)
+
+    @field_validator("target")
+    @classmethod
+    def _check_regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"target is not a valid regular expression: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> MoESpec:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) cannot exceed num_experts ({self.num_experts})")
+        if self.every is not None and self.layers is not None:
+            raise ValueError("give either every or layers, not both")
+        if self.layers is not None and any(i < 0 for i in self.layers):
+            raise ValueError("layers must be non-negative block indices")
+        self.init.check(self)
+        return self
+
+    @property
+    def scoring(self) -> Scoring:
+        return self.router.scoring or self.init.default_scoring
+
+    @property
+    def router_init(self) -> str:
+        return self.router.init or self.init.default_router_init
+
+    def selects(self, index: int, path: str) -> bool:
+        """Whether block `index` of its stack (FFN at module path `path`) becomes an MoE layer."""
+        if self.target is not None and not re.search(self.target, path):
+            return False
+        if self.layers is not None:
+            return index in self.layers
+        return self.every is None or (index + 1) % self.every == 0

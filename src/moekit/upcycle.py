@@ -1,0 +1,83 @@
+"""Turn a dense HF model into an MoE model in place, one FFN at a time."""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moekit.errors import ConfigError
+from moekit.init.base import InitContext
+from moekit.moe.build import build_moe, init_router
+from moekit.moe.router import Router
+from moekit.moe.spec import MoESpec
+from moekit.surgery import Slot, find_slots
+
+
+def layer_generator(seed: int, path: str) -> torch.Generator:
+    """Per-layer RNG: the same spec seed and module path always give the same init."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(path.encode()))
+
+
+def selected_slots(model: nn.Module, spec: MoESpec) -> list[Slot]:
+    slots = find_slots(model)
+    chosen = [s for s in slots if spec.selects(s.index, s.path)]
+    if not chosen:
+        stacks = sorted({f"{s.stack} ({sum(t.stack == s.stack for t in slots)} blocks)" for s in slots})
+        raise ConfigError(f"the MoE spec selects no FFN; the model has {', '.join(stacks)}")
+    return chosen
+
+
+def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: list[str]) -> None:
+    """BTX: every non-FFN parameter of `model` becomes the mean over the branches."""
+    target = model.state_dict()
+    states = [b.state_dict() for b in branches]
+    for i, st in enumerate(states):
+        if st.keys() != target.keys() or any(st[k].shape != v.shape for k, v in target.items()):
+            raise ConfigError(f"btx branch {i} does not have the architecture of the base model "
+                              "(parameter names or shapes differ)")
+    with torch.no_grad():
+        for k, v in target.items():
+            if v.is_floating_point() and not any(k.startswith(p + ".") for p in ffn_paths):
+                v.copy_(torch.stack([st[k] for st in states]).float().mean(0).to(v.dtype))
+
+
+def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = None,
+            progress: Callable[[str], None] | None = None) -> nn.Module:
+    """Replace the FFNs `spec` selects by MoE layers initialized with `spec.init`. Returns `model`.
+
+    Works layer by layer (read dense FFN -> init experts -> install), so at most one extra layer's
+    experts are alive beside the model at any time.
+    """
+    slots = selected_slots(model, spec)
+    branch_slots: list[dict[str, Slot]] = []
+    if spec.init.needs_branches:
+        if not branches or len(branches) != spec.num_experts:
+            raise ConfigError(f"{spec.init.method} needs {spec.num_experts} branch models, got {len(branches or [])}")
+        branch_slots = [{s.path: s for s in find_slots(b)} for b in branches]
+        average_branches(model, branches, [s.path for s in slots])
+    shared_router = None
+    for slot in slots:
+        gen = layer_generator(spec.seed, slot.path)
+        ctx = InitContext(dense=slot.read(), spec=spec, generator=gen, path=slot.path,
+                          branches=[bs[slot.path].read() for bs in branch_slots])
+        with torch.no_grad():
+            w = spec.init.init_experts(ctx)
+        router = shared_router
+        if router is None:
+            router = Router(w.up.shape[2], spec.num_experts, spec.top_k, spec.scoring, spec.router.jitter)
+            init_router(router, spec.router_init, spec.router.init_std, gen)
+            router = router.to(w.up.dtype)
+            if w.router is not None:
+                with torch.no_grad():
+                    router.weight.copy_(w.router)
+            if spec.router_sharing == "all":
+                shared_router = router
+        moe = build_moe(w, router, slot.adapter.dropout(slot.block))
+        moe.slot = slot.describe()
+        slot.install(moe)
+        if progress:
+            progress(slot.path)
+    model.moekit_spec = spec
+    return model
