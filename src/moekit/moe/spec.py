@@ -35,7 +35,7 @@ class MoESpec(Config):
     shared_expert: bool = False
     router: RouterSpec = RouterSpec()
     router_sharing: Literal["none", "all"] = "none"
-    init: SerializeAsAny[Any] = "naive"
+    init: SerializeAsAny[Any] = Field("naive", validate_default=True)
     seed: int = 0
 
     @field_validator("init", mode="before")

@@ -1,0 +1,52 @@
+"""Upcycling metrics: expert diversity, KL(dense ‖ MoE), parameter counts."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moekit.moe.layer import moe_layers
+
+
+def expert_diversity(down: Tensor) -> float:
+    """1 − mean pairwise cosine similarity of the vectorized routed down-projections (E, H, I)."""
+    v = F.normalize(down.detach().double().reshape(down.shape[0], -1), dim=-1)  # (E, H·I)
+    sim = v @ v.T  # (E, E)
+    E = sim.shape[0]
+    if E < 2:
+        return 0.0
+    off = sim[~torch.eye(E, dtype=torch.bool)]  # (E·(E-1),)
+    return float(1.0 - off.mean())
+
+
+def diversity(model: nn.Module) -> float:
+    """Inter-expert diversity (SPRI appendix A.1), averaged over the model's MoE layers."""
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("the model has no MoE layers")
+    return sum(expert_diversity(m.experts.down) for _, m in layers) / len(layers)
+
+
+def kl_dense_moe(dense_logits: Tensor, moe_logits: Tensor, labels: Tensor | None = None) -> Tensor:
+    """Mean per-token KL(p_dense ‖ p_moe) under teacher forcing (SPRI appendix A.1).
+
+    logits (B, L, V); `labels` (B, L) in HF causal-LM convention (unshifted, -100 = ignore): the
+    prediction at position t is scored only if labels[t+1] != -100. Without labels every position counts.
+    """
+    logp, logq = dense_logits.float().log_softmax(-1), moe_logits.float().log_softmax(-1)  # (B, L, V)
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, L)
+    if labels is None:
+        return kl.mean()
+    keep = labels[:, 1:] != -100  # (B, L-1)
+    return kl[:, :-1][keep].mean()
+
+
+def param_counts(model: nn.Module) -> tuple[int, int]:
+    """(total, active) parameters; active counts k of E routed experts per MoE layer (shared tensors once)."""
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields shared tensors once
+    inactive = 0
+    for _, m in moe_layers(model):
+        ex = m.experts
+        per_expert = sum(p.numel() for p in ex.parameters()) // ex.num_experts
+        inactive += (ex.num_experts - m.router.top_k) * per_expert
+    return total, total - inactive
