@@ -76,7 +76,7 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
                 shared_router = router
         moe = build_moe(w, router, slot.adapter.dropout(slot.block))
         moe.slot = slot.describe()
-        slot.install(moe)
+        slot.install(moe.train(slot.block.training))
         if progress:
             progress(slot.path)
     model.moekit_spec = spec

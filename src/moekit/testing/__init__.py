@@ -1,0 +1,75 @@
+"""Tiny randomly initialized HF models built from configs (no network), shipped for users' tests too."""
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+_DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+
+
+def _build(cls, config, seed: int):
+    torch.manual_seed(seed)
+    return cls(config).eval()
+
+
+def tiny_llama(seed: int = 0, **kw):
+    return _build(tf.LlamaForCausalLM, tf.LlamaConfig(**{**_DECODER, **kw}), seed)
+
+
+def tiny_mistral(seed: int = 0, **kw):
+    return _build(tf.MistralForCausalLM, tf.MistralConfig(**{**_DECODER, **kw}), seed)
+
+
+def tiny_qwen2(seed: int = 0, **kw):
+    return _build(tf.Qwen2ForCausalLM, tf.Qwen2Config(**{**_DECODER, **kw}), seed)
+
+
+def tiny_qwen3(seed: int = 0, **kw):
+    return _build(tf.Qwen3ForCausalLM, tf.Qwen3Config(**{**_DECODER, "head_dim": 8, **kw}), seed)
+
+
+def tiny_gemma3(seed: int = 0, **kw):
+    cfg = tf.Gemma3TextConfig(**{**_DECODER, "head_dim": 8, "sliding_window": 16, **kw})
+    return _build(tf.Gemma3ForCausalLM, cfg, seed)
+
+
+def tiny_gpt2(seed: int = 0, **kw):
+    cfg = tf.GPT2Config(**{**dict(n_embd=32, n_layer=4, n_head=4, vocab_size=128, n_positions=64,
+                                  bos_token_id=1, eos_token_id=2), **kw})
+    return _build(tf.GPT2LMHeadModel, cfg, seed)
+
+
+def tiny_bert(seed: int = 0, **kw):
+    cfg = tf.BertConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                  vocab_size=128, max_position_embeddings=64), **kw})
+    return _build(tf.BertForMaskedLM, cfg, seed)
+
+
+def tiny_whisper(seed: int = 0, **kw):
+    cfg = tf.WhisperConfig(**{**dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                     num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+                                     vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                     decoder_start_token_id=1), **kw})
+    return _build(tf.WhisperForConditionalGeneration, cfg, seed)
+
+
+TINY_MODELS = {"llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3,
+               "gemma3": tiny_gemma3, "gpt2": tiny_gpt2, "bert": tiny_bert, "whisper": tiny_whisper}
+
+
+def tiny_inputs(model, batch: int = 2, length: int = 8, seed: int = 0) -> dict:
+    """Model inputs of the right kind (token ids, or mel features + decoder ids for Whisper)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    ids = torch.randint(3, cfg.vocab_size, (batch, length), generator=g)
+    if isinstance(model, tf.WhisperForConditionalGeneration):
+        feats = torch.randn(batch, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=g)
+        return {"input_features": feats, "decoder_input_ids": ids}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def logits(model, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).logits
