@@ -95,19 +95,25 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,)
         token = order // k  # (S,)
-        h = grouped_linear(x[token], self.first, offs)  # (S, 2I | I)
+        weight = topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (S, 1)
+        h = grouped_linear(x.index_select(0, token), self.first, offs)  # (S, 2I | I)
         if self.first_bias is not None:
-            h = h + self.first_bias[flat[order]]  # (S, 2I | I)
+            h = h + self.first_bias.index_select(0, flat[order])  # (S, 2I | I)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)  # (S, I) each
             h = self.act_fn(gate) * up  # (S, I)
         else:
             h = self.act_fn(h)
+        # scale by the routing weight on the narrower side: w·(D h) = D (w·h) when there is no down bias
+        early = self.down_bias is None and self.intermediate_size <= self.hidden_size
+        if early:
+            h = h * weight  # (S, I)
         y = grouped_linear(h, self.down, offs)  # (S, H)
         if self.down_bias is not None:
-            y = y + self.down_bias[flat[order]]  # (S, H)
-        y = y * topk_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)  # (S, H)
-        return x.new_zeros(T, x.shape[-1]).index_add(0, token, y.to(x.dtype))  # (T, H)
+            y = y + self.down_bias.index_select(0, flat[order])  # (S, H)
+        if not early:
+            y = y * weight  # (S, H)
+        return x.new_zeros(T, x.shape[-1]).index_add(0, token, y)  # (T, H)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
