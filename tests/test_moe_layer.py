@@ -60,7 +60,8 @@ def spy_grouped_mm(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("H,I,grouped", [(32, 64, True), (30, 50, False)])
+# I > H and I <= H: the routing weight is applied before the down projection when I <= H (no down bias)
+@pytest.mark.parametrize("H,I,grouped", [(32, 64, True), (30, 50, False), (64, 32, True), (50, 30, False)])
 @pytest.mark.parametrize("gated,act", [(True, "silu"), (False, "gelu_new")])
 @pytest.mark.parametrize("bias", [False, True])
 def test_experts_forward_and_grads_equal_reference(H, I, grouped, gated, act, bias, spy_grouped_mm):
@@ -98,7 +99,7 @@ def test_experts_forward_and_grads_equal_reference(H, I, grouped, gated, act, bi
         assert torch.count_nonzero(m.first_bias.grad[unused]) == 0 and torch.count_nonzero(m.down_bias.grad[unused]) == 0
 
 
-@pytest.mark.parametrize("H,I", [(32, 64), (30, 50)])
+@pytest.mark.parametrize("H,I", [(32, 64), (30, 50), (64, 32)])
 def test_experts_all_tokens_on_one_expert_and_empty_batch(H, I):
     m = _random_experts(H, I, True, True, "silu")
     x = torch.randn(5, H)
