@@ -1,0 +1,32 @@
+"""Export moekit MoE models to native transformers MoE architectures (one module per format).
+
+The result loads with plain `transformers.AutoModelForCausalLM.from_pretrained(out)` (no moekit) and
+gives the moekit model's outputs. Formats that cannot represent a model exactly refuse with ExportError.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from moekit.export.base import EXPORTERS
+from moekit.export import mixtral, qwen2_moe, qwen3_moe  # noqa: F401  (registration)
+from moekit.io import atomic_dir, check_output_dir
+
+
+def export_model(model: nn.Module, fmt: str, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
+    """Write `model` as a native `fmt` checkpoint (safetensors) to `out`, atomically.
+
+    Everything is checked and converted before anything is written: a refusal leaves no output.
+    """
+    exporter = EXPORTERS.get(fmt)
+    out = check_output_dir(out, overwrite)
+    native = exporter(model)
+    with atomic_dir(out, overwrite) as tmp:
+        native.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return out
+
+
+__all__ = ["EXPORTERS", "export_model"]
