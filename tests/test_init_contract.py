@@ -1,0 +1,135 @@
+"""The contract every registered expert-init method must honour (driven by the registry)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit import io
+from moekit.config import validate
+from moekit.init import EXPERT_INITS
+from moekit.losses import load_balance, mean_over_layers
+from moekit.moe import MoESpec, moe_layers
+from moekit.testing import TINY_MODELS, logits, tiny_inputs
+from moekit.upcycle import layer_generator, upcycle
+
+E, K = 4, 2
+METHODS = EXPERT_INITS.names()
+# methods whose routed experts depend on the seed (the others copy or scale the dense FFN)
+RANDOM_EXPERTS = {"drop", "noise", "spri"}
+FAMILIES = ["llama", "gpt2"]  # gated without biases, non-gated with biases (Conv1D)
+
+
+def test_registry_lists_the_methods():
+    assert set(METHODS) >= {"btx", "drop", "naive", "noise", "scaled_copy", "spri", "ume"}
+    assert METHODS == sorted(METHODS)
+
+
+def spec_for(method: str, seed: int = 0, **kw) -> MoESpec:
+    cls = EXPERT_INITS.get(method)
+    init: dict = {"method": method}
+    if cls.needs_branches:
+        init["branches"] = [f"branch-{i}" for i in range(E)]
+    # ume/scaled_copy keep the model dense-equal only without a shared expert; spri wants one
+    shared = method == "spri"
+    return validate(MoESpec, {"num_experts": E, "top_k": K, "init": init, "seed": seed,
+                              "shared_expert": shared, **kw})
+
+
+def build(method: str, family: str = "llama", seed: int = 0, **kw):
+    fn = TINY_MODELS[family]
+    spec = spec_for(method, seed, **kw)
+    branches = [fn(seed=100 + i) for i in range(E)] if spec.init.needs_branches else None
+    return upcycle(fn(seed=0), spec, branches=branches), spec
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", METHODS)
+def test_shapes(method, family):
+    model, spec = build(method, family)
+    H, I = 32, {"llama": 64, "gpt2": 4 * 32}[family]
+    layers = moe_layers(model)
+    assert len(layers) == 4
+    gated = family == "llama"
+    for _, moe in layers:
+        ex, r = moe.experts, moe.router
+        assert ex.num_experts == E and r.top_k == K and r.scoring == spec.scoring
+        assert ex.first.shape == (E, 2 * I if gated else I, H)
+        assert ex.down.shape == (E, H, I)
+        assert r.weight.shape == (E, H)
+        if gated:
+            assert ex.first_bias is None and ex.down_bias is None
+        else:
+            assert ex.first_bias.shape == (E, I) and ex.down_bias.shape == (E, H)
+        if spec.shared_expert:
+            sh = moe.shared
+            assert sh.up_proj.weight.shape == (I, H) and sh.down_proj.weight.shape == (H, I)
+            assert (sh.gate_proj is not None) == gated
+        else:
+            assert moe.shared is None
+        for p in moe.parameters():
+            assert p.dtype == torch.float32 and torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_determinism(method):
+    a, spec = build(method, seed=0)
+    b, _ = build(method, seed=0)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+    c, _ = build(method, seed=1)
+    sc = c.state_dict()
+    router_random = spec.router_init == "normal"
+    for path, moe in moe_layers(a):
+        key = f"{path}.router.weight"
+        assert torch.equal(sa[key], sc[key]) != router_random, key
+        experts_equal = all(torch.equal(sa[k], sc[k]) for k in sa if k.startswith(f"{path}.experts."))
+        assert experts_equal != (method in RANDOM_EXPERTS), path
+    # the per-layer generator: different layers get different random routers
+    (_, m0), (_, m1) = moe_layers(a)[:2]
+    if router_random:
+        assert not torch.equal(m0.router.weight, m1.router.weight)
+
+
+def test_layer_generator_depends_on_seed_and_path():
+    def draw(seed, path):
+        return torch.randn(8, generator=layer_generator(seed, path))
+
+    assert torch.equal(draw(0, "model.layers.0.mlp"), draw(0, "model.layers.0.mlp"))
+    assert not torch.equal(draw(0, "model.layers.0.mlp"), draw(0, "model.layers.1.mlp"))
+    assert not torch.equal(draw(0, "model.layers.0.mlp"), draw(1, "model.layers.0.mlp"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", METHODS)
+def test_save_load_bit_identical(method, family, tmp_path):
+    model, spec = build(method, family)
+    inputs = tiny_inputs(model)
+    before = logits(model, inputs)
+    io.save(model, tmp_path / "moe")
+    loaded = io.load(tmp_path / "moe")
+    assert torch.equal(logits(loaded, inputs), before)
+    assert loaded.moekit_spec == spec
+    sd, sl = model.state_dict(), loaded.state_dict()
+    assert sd.keys() == sl.keys() and all(torch.equal(sd[k], sl[k]) for k in sd)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_forward_backward_reaches_router_and_experts(method):
+    model, _ = build(method)
+    model.train()
+    inputs = tiny_inputs(model)
+    out = model(**inputs, labels=inputs["input_ids"])
+    layers = moe_layers(model)
+    infos = [m.last_routing for _, m in layers]
+    loss = out.loss + 0.01 * mean_over_layers(load_balance, infos, inputs["attention_mask"])
+    loss.backward()
+    for path, moe in layers:
+        assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0, path
+        used = moe.last_routing.tokens_per_expert() > 0
+        assert used.any()
+        for p in (moe.experts.first, moe.experts.down):
+            per_expert = p.grad.flatten(1).abs().sum(1)  # (E,)
+            # an expert's weights get gradient exactly when tokens were routed to it
+            assert torch.equal(per_expert > 0, used), path
