@@ -143,8 +143,11 @@ def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:
         return path
     asset = MODELS.get(str(name_or_path))
     if asset is None:
-        raise AssetError(f"{str(name_or_path)!r} is neither a local model directory nor a built-in model; "
-                         f"built-in models: {', '.join(sorted(MODELS))}")
+        known = ", ".join(sorted(MODELS))
+        if path.exists():
+            raise AssetError(f"{path} is not a directory; give a model directory or a built-in model ({known})")
+        raise AssetError(f"{str(name_or_path)!r} is neither an existing model directory nor a built-in model; "
+                         f"built-in models: {known}")
     out = cache_dir() / "models" / str(name_or_path)
     if (out / "config.json").is_file():
         return out

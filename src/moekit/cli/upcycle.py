@@ -1,0 +1,143 @@
+"""`moekit upcycle`: dense checkpoint (directory or built-in asset) -> moekit MoE checkpoint.
+
+Everything that can be checked without the weights (recipe, spec, output directory, model and
+branch paths) is checked before the model is loaded; nothing is written unless upcycling succeeds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from moekit.assets import resolve_model
+from moekit.cli.common import err_console, human, load_tokenizer, out_console
+from moekit.config import Config, apply_overrides, load_yaml, validate
+from moekit.errors import ConfigError
+from moekit.io import check_output_dir, load_dense, save
+from moekit.metrics import param_counts
+from moekit.moe.spec import MoESpec
+from moekit.upcycle import selected_slots, upcycle
+
+
+class UpcycleRecipe(Config):
+    """A YAML upcycling recipe. `model`: a model directory or built-in asset name; `out`: the
+    output directory (relative paths are relative to the working directory)."""
+
+    model: str
+    out: str
+    spec: MoESpec
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block indices, got {text!r}") from None
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "upcycle", help="turn a dense model into an MoE model",
+        description="Upcycle a dense model from flags (--model ... --out ...) or from a YAML recipe "
+                    "{model, out, spec} with optional KEY=VALUE overrides (e.g. spec.top_k=1). "
+                    "Flags given with a recipe override it.")
+    p.add_argument("recipe", nargs="?", help="YAML recipe file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the recipe")
+    p.add_argument("--model", help="model directory or built-in asset name (e.g. smollm2-135m)")
+    p.add_argument("--out", help="output directory")
+    p.add_argument("--method", help="expert-init method (see `moekit list methods`)")
+    p.add_argument("--experts", type=int, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, help="experts per token")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--every", type=int, help="block i becomes MoE when (i + 1) %% N == 0")
+    which.add_argument("--layers", type=int_list, help="comma-separated block indices, e.g. 0,4,8")
+    p.add_argument("--target", help="regular expression the FFN module path must match")
+    p.add_argument("--shared-expert", action=argparse.BooleanOptionalAction, default=None,
+                   help="add an always-on shared expert (a copy of the dense FFN)")
+    p.add_argument("--scoring", choices=["softmax_topk", "topk_softmax"], help="router scoring")
+    p.add_argument("--router-sharing", choices=["none", "all"], help="one router for all MoE layers")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec field, e.g. init.rho=1e-3 or router.jitter=0.01 (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--allow-pickle", action="store_true", help="load pickle (.bin) checkpoints (runs their code)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow models with custom code")
+    p.set_defaults(run=run)
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The recipe fields set by flags, as `key=<JSON>` overrides (JSON is valid YAML, so values
+    such as regular expressions reach the recipe unchanged)."""
+    given = {"model": args.model, "out": args.out, "spec.num_experts": args.experts, "spec.top_k": args.top_k,
+             "spec.target": args.target, "spec.shared_expert": args.shared_expert,
+             "spec.router.scoring": args.scoring, "spec.router_sharing": args.router_sharing,
+             "spec.seed": args.seed, "spec.init": None if args.method is None else {"method": args.method}}
+    values = {k: v for k, v in given.items() if v is not None}
+    if args.every is not None:  # the flag replaces the recipe's layer selection
+        values.update({"spec.every": args.every, "spec.layers": None})
+    if args.layers is not None:
+        values.update({"spec.layers": args.layers, "spec.every": None})
+    return [f"{k}={json.dumps(v)}" for k, v in values.items()]
+
+
+def read_recipe(args: argparse.Namespace) -> UpcycleRecipe:
+    """The recipe file (or flags) with KEY=VALUE overrides and flags applied, then `--set` applied to
+    the validated spec, where every field (e.g. init.rho) is present and can be overridden."""
+    if args.recipe is not None and "=" in args.recipe and not Path(args.recipe).exists():
+        args.recipe, args.overrides = None, [args.recipe, *args.overrides]  # no recipe, only overrides
+    overrides = [*args.overrides, *flag_overrides(args)]
+    if args.recipe is not None:
+        recipe = load_yaml(args.recipe, UpcycleRecipe, overrides)
+    elif args.overrides:
+        raise ConfigError("KEY=VALUE overrides need a recipe file; use --set KEY=VALUE to set spec fields")
+    elif args.model is None or args.out is None:
+        raise ConfigError("give a recipe file, or --model and --out")
+    else:
+        recipe = validate(UpcycleRecipe, apply_overrides({"spec": {}}, overrides), source="command line")
+    if not args.set:
+        return recipe
+    data = apply_overrides(recipe.model_dump(mode="json"), [f"spec.{s}" for s in args.set])
+    return validate(UpcycleRecipe, data, source="--set overrides")
+
+
+def prepare(args: argparse.Namespace) -> tuple[UpcycleRecipe, Path, Path, list[Path]]:
+    """Validate everything that can be checked without loading weights."""
+    recipe = read_recipe(args)
+    out = check_output_dir(recipe.out, args.overwrite)
+    log = err_console().print
+    model_dir = resolve_model(recipe.model, log=log)
+    if out.resolve() == model_dir.resolve():
+        raise ConfigError(f"the output directory {out} is the model directory; choose another --out")
+    branches = [resolve_model(b, log=log) for b in getattr(recipe.spec.init, "branches", [])]
+    return recipe, out, model_dir, branches
+
+
+def run(args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    recipe, out, model_dir, branch_dirs = prepare(args)
+    spec = recipe.spec
+    tokenizer = load_tokenizer(model_dir)
+    console = err_console()
+    with console.status(f"loading {model_dir}"):
+        model = load_dense(model_dir, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
+        branches = [load_dense(b, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
+                    for b in branch_dirs]
+    dense_params = sum(p.numel() for p in model.parameters())
+    n = len(selected_slots(model, spec))
+    columns = (TextColumn("upcycling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("", total=n)
+        upcycle(model, spec, branches or None, progress=lambda path: bar.update(task, advance=1, description=path))
+    with console.status(f"saving {out}"):
+        save(model, out, overwrite=args.overwrite, tokenizer=tokenizer)
+    total, active = param_counts(model)
+    show = out_console().print
+    show(f"upcycled {n} FFNs of {model_dir} into MoE layers: {spec.num_experts} experts, top-{spec.top_k}, "
+         f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")
+    show(f"parameters: dense {human(dense_params)}, total {human(total)}, active {human(active)}")
+    show(f"saved to {out}{' with tokenizer' if tokenizer is not None else ''} "
+         f"in {time.perf_counter() - start:.1f} s")
