@@ -5,6 +5,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from moekit.errors import ConfigError
 from moekit.ffn import ExpertWeights
 from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
 
@@ -40,6 +41,8 @@ class SPRIInit(ExpertInitConfig):
     G = E/k residuals R_g from disjoint contiguous blocks of singular triplets (eqs. 8-10), and
     routed expert i in group g = i // k gets α_g R_g + ε_i with
     α_g = ρ‖W‖_F / (‖R_g‖_F + δ) (eq. 11) and ε_i ~ N(0, (eps·rms(α_g R_g))²) (eq. 12).
+    Routed experts get a zero down bias (the dense bias is the shared expert's), so with ρ = 0 the
+    MoE equals the dense model (placement down; gate/up too when the FFN has no biases).
     Different groups are Frobenius-orthogonal, so expert diversity ≈ 1 − same-group pairs / all pairs.
     """
 
@@ -58,7 +61,7 @@ class SPRIInit(ExpertInitConfig):
         d, spec = ctx.dense, ctx.spec
         w = getattr(d, self.placement)
         if w is None:
-            raise ValueError(f"spri placement={self.placement!r} needs a gated FFN; {ctx.path} has no gate")
+            raise ConfigError(f"spri placement={self.placement!r} needs a gated FFN; {ctx.path} has no gate")
         k, groups = spec.top_k, spec.num_experts // spec.top_k
         scaled = []
         for r in svd_blocks(w, groups):
@@ -69,5 +72,7 @@ class SPRIInit(ExpertInitConfig):
             base = scaled[i // k]
             noise = torch.randn(base.shape, generator=ctx.generator, dtype=torch.float64)
             resid = base + noise * (self.eps * base.pow(2).mean().sqrt())
-            experts.append(d.clone(**{self.placement: resid.to(w.dtype)}))
+            # a residual expert has no constant term: the dense down bias lives in the shared expert only
+            zero_b = None if d.down_bias is None else torch.zeros_like(d.down_bias)
+            experts.append(d.clone(**{self.placement: resid.to(w.dtype), "down_bias": zero_b}))
         return copies(ctx, experts)
