@@ -1,0 +1,159 @@
+"""Finding FFN slots in HF models, selecting them, and installing MoE layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moekit.config import validate
+from moekit.errors import ConfigError, UnsupportedModelError
+from moekit.moe import MoELayer, MoESpec, moe_layers
+from moekit.surgery import find_slots, slot_at, supported_families
+from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama, tiny_whisper
+from moekit.upcycle import selected_slots, upcycle
+
+# family -> (stacks with their block counts, adapter, FFN path in the block, activation)
+EXPECTED = {
+    "llama": ({"model.layers": 4}, "gated_mlp", "mlp", "silu"),
+    "mistral": ({"model.layers": 4}, "gated_mlp", "mlp", "silu"),
+    "qwen2": ({"model.layers": 4}, "gated_mlp", "mlp", "silu"),
+    "qwen3": ({"model.layers": 4}, "gated_mlp", "mlp", "silu"),
+    "gemma3": ({"model.layers": 4}, "gated_mlp", "mlp", "gelu_pytorch_tanh"),
+    "gpt2": ({"transformer.h": 4}, "conv1d_mlp", "mlp", "gelu_new"),
+    "bert": ({"bert.encoder.layer": 4}, "bert_ffn", "intermediate", "gelu"),
+    "whisper": ({"model.encoder.layers": 2, "model.decoder.layers": 2}, "inline_fc", "fc1", "gelu"),
+}
+
+
+def test_every_tiny_family_is_covered():
+    assert set(EXPECTED) == set(TINY_MODELS)
+
+
+def _dense_ffn(block: nn.Module, adapter: str, x: torch.Tensor) -> torch.Tensor:
+    """The block's dense FFN applied to x, computed with the HF modules."""
+    if adapter in ("gated_mlp", "conv1d_mlp"):
+        return block.mlp(x)
+    if adapter == "bert_ffn":
+        return block.output.dense(block.intermediate(x))
+    return block.fc2(block.activation_fn(block.fc1(x)))
+
+
+@pytest.mark.parametrize("family", sorted(TINY_MODELS))
+def test_find_slots(family):
+    stacks, adapter, rel, act = EXPECTED[family]
+    model = TINY_MODELS[family]()
+    slots = find_slots(model)
+    assert [(s.stack, s.index) for s in slots] == [(st, i) for st, n in stacks.items() for i in range(n)]
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0))
+    for s in slots:
+        assert s.adapter.name == adapter and s.rel == rel and s.act == act
+        assert s.path == f"{s.stack}.{s.index}.{rel}"
+        assert s.block is model.get_submodule(s.stack)[s.index]
+        # the FFNWeights read from the block compute what the HF modules compute
+        with torch.no_grad():
+            torch.testing.assert_close(s.read()(x), _dense_ffn(s.block, adapter, x), atol=1e-6, rtol=1e-5)
+        again = slot_at(model, s.stack, s.index, adapter)
+        assert (again.block, again.rel, again.act, again.adapter) == (s.block, s.rel, s.act, s.adapter)
+
+
+@pytest.mark.parametrize("family", sorted(TINY_MODELS))
+def test_install_replaces_exactly_the_ffn(family):
+    stacks, adapter, rel, _ = EXPECTED[family]
+    model = upcycle(TINY_MODELS[family](), validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
+    layers = moe_layers(model)
+    assert [p for p, _ in layers] == [f"{st}.{i}.{rel}" for st, n in stacks.items() for i in range(n)]
+    for path, moe in layers:
+        stack, index, _ = path.rsplit(".", 2)
+        assert moe.slot == {"stack": stack, "index": int(index), "adapter": adapter}
+        block = model.get_submodule(stack)[int(index)]
+        if adapter == "bert_ffn":
+            assert isinstance(block.output.dense, nn.Identity) and isinstance(block.output.LayerNorm, nn.LayerNorm)
+        if adapter == "inline_fc":
+            assert isinstance(block.fc2, nn.Identity) and isinstance(block.activation_fn, nn.Identity)
+    assert find_slots(model) == []  # nothing dense is left, and no error for an all-MoE model
+
+
+def _moe_paths(model) -> list[str]:
+    return [p for p, _ in moe_layers(model)]
+
+
+@pytest.mark.parametrize("sel,expected", [
+    ({"every": 2}, [1, 3, 5]),
+    ({"every": 3}, [2, 5]),
+    ({"every": 1}, [0, 1, 2, 3, 4, 5]),
+    ({"every": 6}, [5]),
+    ({"layers": [0, 4]}, [0, 4]),
+    ({}, [0, 1, 2, 3, 4, 5]),
+])
+def test_every_and_layers(sel, expected):
+    dense = tiny_llama(num_hidden_layers=6)
+    model = upcycle(dense, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume", **sel}))
+    assert _moe_paths(model) == [f"model.layers.{i}.mlp" for i in expected]
+    for i, block in enumerate(model.model.layers):
+        assert isinstance(block.mlp, MoELayer) == (i in expected)
+        if i not in expected:
+            assert type(block.mlp).__name__ == "LlamaMLP"
+
+
+@pytest.mark.parametrize("sel,expected", [
+    ({"every": 2}, ["model.encoder.layers.1.fc1", "model.decoder.layers.1.fc1"]),  # per stack
+    ({"layers": [0]}, ["model.encoder.layers.0.fc1", "model.decoder.layers.0.fc1"]),
+    ({"target": "encoder"}, ["model.encoder.layers.0.fc1", "model.encoder.layers.1.fc1"]),
+    ({"target": r"decoder", "every": 2}, ["model.decoder.layers.1.fc1"]),
+    ({"target": r"layers\.0\."}, ["model.encoder.layers.0.fc1", "model.decoder.layers.0.fc1"]),
+])
+def test_selection_per_stack_and_target(sel, expected):
+    model = tiny_whisper()
+    spec = validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume", **sel})
+    assert [s.path for s in selected_slots(model, spec)] == expected
+    assert _moe_paths(upcycle(model, spec)) == expected
+
+
+def test_decoder_embedded_in_a_larger_model_is_found():
+    class SpeechLM(nn.Module):  # e.g. an audio encoder + a known LM, not a transformers class
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 32)
+            self.lm = tiny_llama()
+
+    wrapper = SpeechLM()
+    slots = find_slots(wrapper)
+    assert [s.path for s in slots] == [f"lm.model.layers.{i}.mlp" for i in range(4)]
+    assert all(s.act == "silu" for s in slots)  # read from the embedded model's config
+    inputs = tiny_inputs(wrapper.lm)
+    ref = logits(wrapper.lm, inputs)
+    upcycle(wrapper, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
+    assert (logits(wrapper.lm, inputs) - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("model", [
+    nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)),
+    nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]),
+])
+def test_model_without_ffn_is_unsupported(model):
+    with pytest.raises(UnsupportedModelError) as info:
+        find_slots(model)
+    msg = str(info.value)
+    assert supported_families() in msg
+    for family in ("Llama", "GPT-2", "BERT", "Whisper"):
+        assert family in msg
+    spec = validate(MoESpec, {"num_experts": 4, "top_k": 2})
+    with pytest.raises(UnsupportedModelError, match="Supported families"):
+        upcycle(model, spec)
+
+
+@pytest.mark.parametrize("sel", [{"layers": [4, 7]}, {"every": 5}, {"target": "encoder"}, {"target": "^mlp$"}])
+def test_spec_selecting_nothing(sel):
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    spec = validate(MoESpec, {"num_experts": 4, "top_k": 2, **sel})
+    with pytest.raises(ConfigError, match=r"selects no FFN.*model\.layers \(4 blocks\)"):
+        upcycle(model, spec)
+    assert moe_layers(model) == []
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_invalid_target_regex_is_a_config_error():
+    with pytest.raises(ConfigError, match="regular expression"):
+        validate(MoESpec, {"target": "layers.(0"})
