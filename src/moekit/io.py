@@ -125,6 +125,7 @@ def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=N
     meta = {"format": FORMAT, "architecture": type(model).__name__,
             "spec": None if spec is None else spec.model_dump(mode="json"),
             "layers": entries, "aliases": aliases}
+    model.config.dtype = str(model.dtype).removeprefix("torch.")  # as save_pretrained does; load builds in it
     with atomic_dir(out, overwrite) as tmp:
         model.config.save_pretrained(tmp)
         save_weights(tensors, tmp)
@@ -157,8 +158,8 @@ def load(folder: str | Path) -> nn.Module:
     folder = Path(folder)
     meta = read_meta(folder)
     config = transformers.AutoConfig.from_pretrained(folder)
-    with no_init_weights():
-        model = model_class(meta["architecture"])(config)
+    with no_init_weights():  # _from_config builds in config.dtype (e.g. bf16), as from_pretrained does
+        model = model_class(meta["architecture"])._from_config(config)
     routers = {}
     for e in meta["layers"]:
         moe = from_layout(e["layout"], router=routers.get(e["router_of"]))
