@@ -99,6 +99,15 @@ def test_layer_generator_depends_on_seed_and_path():
     assert torch.equal(draw(0, "model.layers.0.mlp"), draw(0, "model.layers.0.mlp"))
     assert not torch.equal(draw(0, "model.layers.0.mlp"), draw(0, "model.layers.1.mlp"))
     assert not torch.equal(draw(0, "model.layers.0.mlp"), draw(1, "model.layers.0.mlp"))
+    # any int seed the spec accepts works, huge or negative
+    assert not torch.equal(draw(2**70, "model.layers.0.mlp"), draw(2**70 + 1, "model.layers.0.mlp"))
+    assert not torch.equal(draw(-1, "model.layers.0.mlp"), draw(-2, "model.layers.0.mlp"))
+
+
+def test_huge_seed_upcycles():
+    a, _ = build("noise", seed=2**70)
+    b, _ = build("noise", seed=2**70)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -133,3 +142,30 @@ def test_forward_backward_reaches_router_and_experts(method):
             per_expert = p.grad.flatten(1).abs().sum(1)  # (E,)
             # an expert's weights get gradient exactly when tokens were routed to it
             assert torch.equal(per_expert > 0, used), path
+
+
+def test_btx_experts_are_branch_ffns_and_the_rest_is_averaged():
+    branches = [TINY_MODELS["llama"](seed=100 + i) for i in range(E)]
+    states = [{k: v.clone() for k, v in b.state_dict().items()} for b in branches]
+    model = upcycle(TINY_MODELS["llama"](seed=0), spec_for("btx"), branches=branches)
+    for i, (path, moe) in enumerate(moe_layers(model)):
+        for e, st in enumerate(states):
+            gate, up, down = (st[f"{path}.{n}_proj.weight"] for n in ("gate", "up", "down"))
+            assert torch.equal(moe.experts.gate_up[e], torch.cat([gate, up]))
+            assert torch.equal(moe.experts.down[e], down)
+    for k, v in model.state_dict().items():
+        if ".mlp." not in k:
+            mean = torch.stack([st[k] for st in states]).mean(0)
+            torch.testing.assert_close(v, mean, atol=1e-7, rtol=0)
+
+
+def test_btx_needs_matching_branches():
+    from moekit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="one branch per expert"):
+        validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": {"method": "btx", "branches": ["a", "b"]}})
+    with pytest.raises(ConfigError, match="needs 4 branch models, got 2"):
+        upcycle(TINY_MODELS["llama"](), spec_for("btx"), branches=[TINY_MODELS["llama"](seed=i) for i in range(2)])
+    other = [TINY_MODELS["llama"](seed=i, intermediate_size=48) for i in range(E)]
+    with pytest.raises(ConfigError, match="architecture"):
+        upcycle(TINY_MODELS["llama"](), spec_for("btx"), branches=other)

@@ -17,7 +17,8 @@ from moekit.surgery import Slot, find_slots
 
 def layer_generator(seed: int, path: str) -> torch.Generator:
     """Per-layer RNG: the same spec seed and module path always give the same init."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(path.encode()))
+    # mod 2**64: any int seed (torch takes [-2**63, 2**64) and reads negatives as two's complement)
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(path.encode())) % 2**64)
 
 
 def selected_slots(model: nn.Module, spec: MoESpec) -> list[Slot]:
