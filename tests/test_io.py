@@ -133,6 +133,10 @@ def test_overwrite_replaces(tmp_path):
     assert _siblings(out) == []
     inputs = tiny_inputs(model)
     assert torch.equal(logits(mio.load(out), inputs), logits(model, inputs))
+    # a file in the way is replaced too, leaving nothing beside the checkpoint
+    (tmp_path / "file").write_text("x")
+    mio.save(model, tmp_path / "file", overwrite=True)
+    assert (tmp_path / "file" / "moekit.json").is_file() and _siblings(tmp_path / "file") == ["out"]
 
 
 @pytest.mark.parametrize("existing", [False, True])

@@ -59,7 +59,10 @@ def atomic_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         os.replace(out, old)
     os.replace(tmp, out)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # overwrite replaced a plain file
+            old.unlink()
 
 
 def _unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
