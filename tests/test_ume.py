@@ -118,3 +118,13 @@ def test_dense_equal_methods_reject_incompatible_specs(bad, match):
     # direct construction raises pydantic's error (a ValueError); validate() is the user-facing path
     with pytest.raises(pydantic.ValidationError):
         MoESpec(num_experts=4, top_k=2, **bad)
+
+
+@pytest.mark.parametrize("init", ["ume", "scaled_copy"])
+def test_gated_ffn_with_biases_equals_dense(init):
+    # Llama with mlp_bias: gate, up and down biases all land in the experts (and are scaled for scaled_copy)
+    ref, out, moe = _dense_and_moe("llama", {"num_experts": 4, "top_k": 2, "init": init}, mlp_bias=True)
+    ex = moe_layers(moe)[0][1].experts
+    assert ex.first_bias.shape == (4, 128) and ex.down_bias.shape == (4, 32)
+    assert torch.count_nonzero(ex.first_bias[:, :64]) > 0  # the gate bias is kept
+    assert _max_diff(ref, out) <= TOL
