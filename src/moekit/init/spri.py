@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -8,6 +10,19 @@ from pydantic import Field
 from moekit.errors import ConfigError
 from moekit.ffn import ExpertWeights
 from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run LAPACK single-threaded. Its multithreaded eigh waits on OpenMP barriers and stalls when
+    the cores are shared: measured here, a 576² eigh took 0.03 s on 1 thread and 0.2-7 s on 2 threads
+    beside two busy processes, and a 2048² one 1.1 s vs 8.6 s on 2 threads of a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def svd_blocks(w: torch.Tensor, groups: int) -> list[torch.Tensor]:
@@ -20,7 +35,8 @@ def svd_blocks(w: torch.Tensor, groups: int) -> list[torch.Tensor]:
     w64 = w.double()
     left = w64.shape[0] <= w64.shape[1]
     gram = w64 @ w64.T if left else w64.T @ w64  # (r, r), r = min(m, n)
-    _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+    with one_thread():
+        _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
     vecs = vecs.flip(-1)  # (r, r) columns by descending singular value
     blocks = []
     for b in torch.tensor_split(vecs, groups, dim=1):  # (r, r_g) each
