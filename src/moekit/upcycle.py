@@ -1,8 +1,10 @@
 """Turn a dense HF model into an MoE model in place, one FFN at a time."""
 from __future__ import annotations
 
+import ctypes
 import zlib
 from collections.abc import Callable
+from functools import cache
 
 import torch
 from torch import nn
@@ -44,6 +46,45 @@ def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: lis
                 v.copy_(torch.stack([st[k] for st in states]).float().mean(0).to(v.dtype))
 
 
+def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Router | None) -> Router:
+    """Replace one dense FFN by an MoE layer; returns its router (`router` if one is given to share).
+    A function of its own so that the layer's temporaries are freed before the next layer starts."""
+    gen = layer_generator(spec.seed, slot.path)
+    ctx = InitContext(dense=slot.read(), spec=spec, generator=gen, path=slot.path,
+                      branches=[b.read() for b in branch_slots])
+    with torch.no_grad():
+        w = spec.init.init_experts(ctx)
+    if router is None:
+        router = Router(w.up.shape[2], spec.num_experts, spec.top_k, spec.scoring, spec.router.jitter)
+        init_router(router, spec.router_init, spec.router.init_std, gen)
+        router = router.to(w.up.dtype)
+        if w.router is not None:
+            with torch.no_grad():
+                router.weight.copy_(w.router)
+    moe = build_moe(w, router, slot.adapter.dropout(slot.block))
+    moe.slot = slot.describe()
+    slot.install(moe.train(slot.block.training))
+    return router
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> None:
+    """Return freed heap memory to the OS. glibc keeps freed blocks under its mmap threshold (up to
+    32 MiB, e.g. one expert matrix) in the heap, so the layers' temporaries would stay in the RSS:
+    upcycling + saving SmolLM2-135M with spri peaked at 1.86-1.88 GB without this, 1.63 GB with it.
+    No-op without glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = None,
             progress: Callable[[str], None] | None = None) -> nn.Module:
     """Replace the FFNs `spec` selects by MoE layers initialized with `spec.init`. Returns `model`.
@@ -60,24 +101,10 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
         average_branches(model, branches, [s.path for s in slots])
     shared_router = None
     for slot in slots:
-        gen = layer_generator(spec.seed, slot.path)
-        ctx = InitContext(dense=slot.read(), spec=spec, generator=gen, path=slot.path,
-                          branches=[bs[slot.path].read() for bs in branch_slots])
-        with torch.no_grad():
-            w = spec.init.init_experts(ctx)
-        router = shared_router
-        if router is None:
-            router = Router(w.up.shape[2], spec.num_experts, spec.top_k, spec.scoring, spec.router.jitter)
-            init_router(router, spec.router_init, spec.router.init_std, gen)
-            router = router.to(w.up.dtype)
-            if w.router is not None:
-                with torch.no_grad():
-                    router.weight.copy_(w.router)
-            if spec.router_sharing == "all":
-                shared_router = router
-        moe = build_moe(w, router, slot.adapter.dropout(slot.block))
-        moe.slot = slot.describe()
-        slot.install(moe.train(slot.block.training))
+        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], shared_router)
+        if spec.router_sharing == "all":
+            shared_router = router
+        release_freed_memory()  # this layer's temporaries are gone: hand them back before the next
         if progress:
             progress(slot.path)
     model.moekit_spec = spec

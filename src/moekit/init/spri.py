@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -39,9 +40,8 @@ def svd_blocks(w: torch.Tensor, groups: int) -> list[torch.Tensor]:
         _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
     vecs = vecs.flip(-1)  # (r, r) columns by descending singular value
     blocks = []
-    for b in torch.tensor_split(vecs, groups, dim=1):  # (r, r_g) each
-        proj = b @ b.T  # (r, r) projector onto this block's singular subspace
-        blocks.append(proj @ w64 if left else w64 @ proj)
+    for b in torch.tensor_split(vecs, groups, dim=1):  # (r, r_g) each: this block's singular subspace
+        blocks.append(b @ (b.T @ w64) if left else (w64 @ b) @ b.T)  # projection onto it, (m, n)
     err = (torch.stack(blocks).sum(0) - w64).norm() / w64.norm().clamp_min(1e-30)
     if err > 1e-6:
         raise ArithmeticError(f"SVD partition does not reconstruct the matrix (relative error {err:.2e})")
@@ -79,16 +79,14 @@ class SPRIInit(ExpertInitConfig):
         if w is None:
             raise ConfigError(f"spri placement={self.placement!r} needs a gated FFN; {ctx.path} has no gate")
         k, groups = spec.top_k, spec.num_experts // spec.top_k
-        scaled = []
-        for r in svd_blocks(w, groups):
-            alpha = self.rho * w.double().norm() / (r.norm() + self.delta)
-            scaled.append(alpha * r)  # (m, n) float64
+        norm, dt = w.double().norm(), torch.promote_types(w.dtype, torch.float32)  # residual + noise math in dt
+        scaled = [(self.rho * norm / (r.norm() + self.delta) * r).to(dt) for r in svd_blocks(w, groups)]  # (m, n)
         experts = []
         for i in range(spec.num_experts):
             base = scaled[i // k]
-            noise = torch.randn(base.shape, generator=ctx.generator, dtype=torch.float64)
+            noise = torch.randn(base.shape, generator=ctx.generator, dtype=dt)  # float32 randn: 6x faster than float64
             resid = base + noise * (self.eps * base.pow(2).mean().sqrt())
             # a residual expert has no constant term: the dense down bias lives in the shared expert only
             zero_b = None if d.down_bias is None else torch.zeros_like(d.down_bias)
-            experts.append(d.clone(**{self.placement: resid.to(w.dtype), "down_bias": zero_b}))
+            experts.append(replace(d, **{self.placement: resid.to(w.dtype), "down_bias": zero_b}))  # stacked later
         return copies(ctx, experts)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from transformers.initialization import no_init_weights
 
 from moekit.ffn import ExpertWeights, FFNWeights
 from moekit.moe.experts import Experts
@@ -23,7 +24,8 @@ def build_moe(w: ExpertWeights, router: Router, dropout: float = 0.0) -> MoELaye
     """An MoE layer holding `w` (in w's dtype); `router` may be shared with other layers."""
     dtype = w.up.dtype
     experts = Experts.from_weights(w).to(dtype)
-    shared = None if w.shared is None else SharedExpert(w.shared).to(dtype)
+    with no_init_weights():  # the shared expert's Linear layers are overwritten: skip their random init
+        shared = None if w.shared is None else SharedExpert(w.shared).to(dtype)
     return MoELayer(router, experts, shared, dropout)
 
 

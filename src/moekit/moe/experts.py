@@ -62,11 +62,18 @@ class Experts(nn.Module):
 
     @classmethod
     def from_weights(cls, w: ExpertWeights) -> Experts:
+        """Experts holding a copy of `w`, in w's dtype; each parameter is written once (no zero fill,
+        no temporary for the gate/up concatenation)."""
         E, I, H = w.up.shape
         has_bias = w.up_bias is not None or w.down_bias is not None
-        m = cls(E, H, I, w.act, gated=w.gate is not None, bias=has_bias)
+        with torch.device("meta"):
+            m = cls(E, H, I, w.act, gated=w.gate is not None, bias=has_bias).to(w.up.dtype)
+        m.to_empty(device=w.up.device)
         with torch.no_grad():
-            m.first.copy_(torch.cat([w.gate, w.up], dim=1) if m.gated else w.up)
+            if m.gated:
+                torch.cat([w.gate, w.up], dim=1, out=m.first)
+            else:
+                m.first.copy_(w.up)
             m.down.copy_(w.down)
             if has_bias:
                 zeros = w.up.new_zeros(E, I)
