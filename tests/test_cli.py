@@ -98,6 +98,15 @@ def test_btx_branches_from_recipe(tmp_path, run):
     torch.testing.assert_close(logits(load(tmp_path / "moe"), inputs), logits(ref, inputs), rtol=0, atol=0)
 
 
+def test_upcycle_builtin_asset_from_cache(tmp_path, run, monkeypatch):
+    monkeypatch.setenv("MOEKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a cached asset must not be fetched"))
+    tiny_llama().save_pretrained(tmp_path / "cache" / "models" / "smollm2-135m")
+    rc, _, err = run("upcycle", "--model", "smollm2-135m", "--experts", 2, "--top-k", 1, "--out", tmp_path / "moe")
+    assert rc == 0, err
+    assert len(moe_layers(load(tmp_path / "moe"))) == 4
+
+
 def test_inspect(dense, tmp_path, run):
     out = tmp_path / "moe"
     assert run("upcycle", "--model", dense, "--method", "ume", "--experts", 4, "--top-k", 2, "--out", out)[0] == 0
