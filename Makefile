@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q tests
 
 demo: $(STAMP)
-	$(BIN)/moekit demo
+	$(BIN)/moekit demo --overwrite
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

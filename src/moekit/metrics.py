@@ -50,3 +50,16 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
         per_expert = sum(p.numel() for p in ex.parameters()) // ex.num_experts
         inactive += (ex.num_experts - m.router.top_k) * per_expert
     return total, total - inactive
+
+
+@torch.inference_mode()
+def kl_on_texts(dense: nn.Module, moe: nn.Module, tokenizer, texts: list[str], batch: int = 16) -> float:
+    """Mean per-token KL(dense ‖ MoE) under teacher forcing over `texts` (padding excluded)."""
+    total, tokens = 0.0, 0
+    for i in range(0, len(texts), batch):
+        enc = tokenizer(texts[i:i + batch], return_tensors="pt", padding=True)
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        n = int((labels[:, 1:] != -100).sum())
+        total += float(kl_dense_moe(dense(**enc).logits, moe(**enc).logits, labels)) * n
+        tokens += n
+    return total / max(tokens, 1)
