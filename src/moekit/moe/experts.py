@@ -41,6 +41,34 @@ def grouped_linear(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
+class WeightedSwiGLU(torch.autograd.Function):
+    """y = silu(g) ⊙ u ⊙ w for h = [g | u] (S, 2I) and routing weights w (S, 1) or None.
+
+    Same math as autograd on `silu(g) * u * w`, but the backward writes dg and du straight into one
+    (S, 2I) gradient buffer (no concatenation of the two halves) with fused silu_backward.
+    """
+
+    @staticmethod
+    def forward(ctx, h: Tensor, w: Tensor | None) -> Tensor:
+        g, u = h.chunk(2, dim=-1)  # (S, I) each
+        a = F.silu(g)  # (S, I)
+        au = a * u  # (S, I)
+        ctx.save_for_backward(h, a, au, w)
+        return au if w is None else au * w
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        h, a, au, w = ctx.saved_tensors
+        g, u = h.chunk(2, dim=-1)
+        dyw = dy if w is None else dy * w  # (S, I)
+        dh = torch.empty_like(h)  # (S, 2I)
+        dg, du = dh.chunk(2, dim=-1)
+        torch.mul(dyw, a, out=du)
+        torch.ops.aten.silu_backward.grad_input(dyw * u, g, grad_input=dg)
+        dw = None if w is None else torch.linalg.vecdot(dy, au).unsqueeze(-1)  # (S, 1)
+        return dh, dw
+
+
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str,
                  gated: bool = True, bias: bool = False):
@@ -106,15 +134,18 @@ class Experts(nn.Module):
         h = grouped_linear(x.index_select(0, token), self.first, offs)  # (S, 2I | I)
         if self.first_bias is not None:
             h = h + self.first_bias.index_select(0, flat[order])  # (S, 2I | I)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)  # (S, I) each
-            h = self.act_fn(gate) * up  # (S, I)
-        else:
-            h = self.act_fn(h)
         # scale by the routing weight on the narrower side: w·(D h) = D (w·h) when there is no down bias
         early = self.down_bias is None and self.intermediate_size <= self.hidden_size
-        if early:
-            h = h * weight  # (S, I)
+        if self.gated and self.act == "silu":
+            h = WeightedSwiGLU.apply(h, weight if early else None)  # (S, I)
+        else:
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)  # (S, I) each
+                h = self.act_fn(gate) * up  # (S, I)
+            else:
+                h = self.act_fn(h)
+            if early:
+                h = h * weight  # (S, I)
         y = grouped_linear(h, self.down, offs)  # (S, H)
         if self.down_bias is not None:
             y = y + self.down_bias.index_select(0, flat[order])  # (S, H)
