@@ -113,8 +113,8 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
-    """Save an MoE model in the moekit format, atomically."""
+def write_checkpoint(model: nn.Module, folder: Path) -> None:
+    """Write config.json, the weights (shared tensors once) and moekit.json into an existing folder."""
     layers = moe_layers(model)
     if not layers:
         raise CheckpointError("the model has no MoE layers; use model.save_pretrained for dense models")
@@ -129,10 +129,17 @@ def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=N
             "spec": None if spec is None else spec.model_dump(mode="json"),
             "layers": entries, "aliases": aliases}
     model.config.dtype = str(model.dtype).removeprefix("torch.")  # as save_pretrained does; load builds in it
+    model.config.save_pretrained(folder)
+    save_weights(tensors, folder)
+    (folder / "moekit.json").write_text(json.dumps(meta, indent=2))
+
+
+def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
+    """Save an MoE model in the moekit format, atomically."""
+    if not moe_layers(model):
+        raise CheckpointError("the model has no MoE layers; use model.save_pretrained for dense models")
     with atomic_dir(out, overwrite) as tmp:
-        model.config.save_pretrained(tmp)
-        save_weights(tensors, tmp)
-        (tmp / "moekit.json").write_text(json.dumps(meta, indent=2))
+        write_checkpoint(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out)
@@ -156,6 +163,16 @@ def read_meta(folder: str | Path) -> dict:
     return meta
 
 
+def load_state(model: nn.Module, folder: Path, meta: dict) -> None:
+    """Load a checkpoint's weights (aliases restored) into a model of the same layout."""
+    tensors = load_weights(folder)
+    tensors.update({alias: tensors[key] for alias, key in meta["aliases"].items()})
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{folder}: weights do not match the model (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]})")
+
+
 def load(folder: str | Path) -> nn.Module:
     """Load a moekit checkpoint; outputs are bit-identical to the saved model's."""
     folder = Path(folder)
@@ -169,12 +186,7 @@ def load(folder: str | Path) -> nn.Module:
         routers.setdefault(e["path"], moe.router)
         moe.slot = {k: e[k] for k in ("stack", "index", "adapter")}
         slot_at(model, e["stack"], e["index"], e["adapter"]).install(moe)
-    tensors = load_weights(folder)
-    tensors.update({alias: tensors[key] for alias, key in meta["aliases"].items()})
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{folder}: weights do not match the model (missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]})")
+    load_state(model, folder, meta)
     model.tie_weights()
     if meta["spec"] is not None:
         model.moekit_spec = MoESpec.model_validate(meta["spec"])

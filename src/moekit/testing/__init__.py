@@ -73,3 +73,15 @@ def tiny_inputs(model, batch: int = 2, length: int = 8, seed: int = 0) -> dict:
 def logits(model, inputs: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs).logits
+
+
+def tiny_tokenizer():
+    """A character-level tokenizer (< 128 ids) with pad/eos/unk, built offline for tiny models."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'-\n"
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *chars])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")

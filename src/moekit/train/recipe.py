@@ -1,0 +1,93 @@
+"""Training recipe: one YAML file (pydantic, extra="forbid") with dotted key=value overrides."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from moekit.config import Config
+from moekit.data.parallel import DataConfig
+from moekit.moe.spec import MoESpec
+
+
+class ModelConfig(Config):
+    path: str = "smollm2-135m"  # model directory or built-in asset name
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+
+
+class LoraConfig(Config):
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+class FreezeConfig(Config):
+    """none: everything trains. spri_two_stage (SPRI §2.4): for the first tau·T optimizer steps only
+    the routed experts' down projections and the routers train, then every parameter trains.
+    ume (UME §III-C): only MoE layers (routed and shared experts, routers) train, throughout."""
+
+    schedule: Literal["none", "spri_two_stage", "ume"] = "none"
+    tau: float = Field(0.1, ge=0.0, le=1.0)
+
+
+class AuxConfig(Config):
+    load_balance: float = Field(1e-2, ge=0.0)  # λ_lb (SPRI, SIMoE)
+    z_loss: float = Field(1e-3, ge=0.0)  # λ_z
+    balance_variant: Literal["topk", "argmax"] = "topk"
+
+
+class OptimConfig(Config):
+    """AdamW with a linear schedule and warm-up (SPRI §3.3)."""
+
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+
+
+class TrainConfig(Config):
+    steps: int = Field(100, ge=1)  # optimizer steps
+    batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    seed: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    logging_steps: int = Field(10, ge=1)
+    eval_every: int = Field(0, ge=0)  # 0: evaluate at the end only
+    save_every: int = Field(0, ge=0)  # 0: no intermediate checkpoints
+    save_total_limit: int = Field(2, ge=1)
+
+
+class EvalConfig(Config):
+    kl_examples: int = Field(32, ge=0)  # held-out examples for KL(dense ‖ model), dense reference cached once
+    max_new_tokens: int = Field(64, ge=1)
+    generate: bool = True  # greedy generation for BLEU/chrF
+    batch_size: int = Field(8, ge=1)
+
+
+class Recipe(Config):
+    name: str = "run"
+    out: str = "runs/run"
+    model: ModelConfig = ModelConfig()
+    method: Literal["moe", "dense", "lora"] = "moe"
+    moe: MoESpec | None = None
+    lora: LoraConfig | None = None
+    freeze: FreezeConfig = FreezeConfig()
+    aux: AuxConfig = AuxConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> Recipe:
+        if (self.method == "moe") != (self.moe is not None):
+            raise ValueError("method=moe needs a `moe` spec, and only method=moe takes one")
+        if (self.method == "lora") != (self.lora is not None):
+            raise ValueError("method=lora needs a `lora` section, and only method=lora takes one")
+        if self.freeze.schedule != "none" and self.method != "moe":
+            raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
+        return self
