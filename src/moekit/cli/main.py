@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moekit.cli import demo, export, inspect, listing, upcycle
+from moekit.cli import demo, export, inspect, listing, train, upcycle
 from moekit.errors import MoekitError
 
-COMMANDS = (upcycle, inspect, export, listing, demo)
+COMMANDS = (upcycle, inspect, export, listing, train, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import yaml
 from torch import nn
 from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
@@ -77,6 +78,9 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
         cbs.append(FreezeCallback(model, recipe.freeze))
     trainer = MoETrainer(model=model, args=training_args(recipe, out), train_dataset=dataset,
                          data_collator=TranslationCollator(tok.pad_token_id), aux=recipe.aux, callbacks=cbs)
-    trainer.tokenizer_ = tok
     trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(str(out / "model"))  # main process only; moekit format for MoE, adapter for LoRA
+    if trainer.is_world_process_zero():
+        tok.save_pretrained(out / "model")
+        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
     return trainer
