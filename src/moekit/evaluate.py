@@ -1,0 +1,315 @@
+"""Evaluation of the En→XX translation recipes.
+
+Per direction: greedy translations scored with sacreBLEU (BLEU, chrF) and the mean target-token
+loss under teacher forcing. Per run: KL(dense ‖ model) per token on a fixed held-out subset
+against a dense reference cached once (SPRI appendix A.1), inter-expert diversity, expert usage
+per MoE layer, total / active parameters. Results go to results.json and results.csv.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.table import Table
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from sacrebleu.metrics import BLEU, CHRF
+from torch import Tensor, nn
+
+from moekit.data.parallel import Pair, TranslationCollator, encode_pair, prompt_of
+from moekit.errors import CheckpointError, ConfigError
+from moekit.metrics import diversity, param_counts
+from moekit.moe.layer import moe_layers
+
+# sacreBLEU's own per-language defaults: "13a" (mteval v13a) for space-delimited scripts; Chinese is
+# split per character ("zh"); Japanese and Korean need MeCab (`pip install sacrebleu[ja]` / `[ko]`).
+BLEU_TOKENIZE = {"zh": "zh", "ja": "ja-mecab", "ko": "ko-mecab"}
+CSV_COLUMNS = ("direction", "n", "bleu", "chrf", "loss", "kl", "diversity", "total_params", "active_params")
+
+
+@contextmanager
+def _inference(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout, no router jitter) and no autograd; restores the training flag."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _eos_pad(tokenizer) -> tuple[int, int]:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError("the tokenizer has no eos token (translations end with eos)")
+    pad = tokenizer.pad_token_id
+    return eos, eos if pad is None else pad
+
+
+def encode_pairs(pairs: list[Pair], tokenizer, template: str, max_length: int) -> list[dict[str, list[int]]]:
+    """`encode_pair` for each pair (prompt labels -100, target + eos scored)."""
+    return [encode_pair(p, tokenizer, template, max_length) for p in pairs]
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """(input_ids (B, L), attention_mask (B, L)), padded on the left for decoder-only generation."""
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad_id)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, n - len(s):], mask[i, n - len(s):] = torch.tensor(s), 1
+    return ids, mask
+
+
+def _hypothesis(tokenizer, new_ids: list[int], eos: int) -> str:
+    """Generated ids up to the first eos, decoded; the first non-empty line only."""
+    if eos in new_ids:
+        new_ids = new_ids[: new_ids.index(eos)]
+    lines = tokenizer.decode(new_ids, skip_special_tokens=True).strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
+def translate(model: nn.Module, tokenizer, pairs: list[Pair], template: str, max_new_tokens: int = 64,
+              batch_size: int = 8) -> list[str]:
+    """Greedy translations of `pairs` (one string each): prompt as in training, stop at eos."""
+    eos, pad = _eos_pad(tokenizer)
+    prompts = [tokenizer(prompt_of(p, template), add_special_tokens=False)["input_ids"] for p in pairs]
+    out = []
+    with _inference(model):
+        for i in range(0, len(prompts), batch_size):
+            ids, mask = _left_pad(prompts[i:i + batch_size], pad)  # (B, L), (B, L)
+            gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                 do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=pad)  # (B, L + new)
+            out += [_hypothesis(tokenizer, row.tolist(), eos) for row in gen[:, ids.shape[1]:]]
+    return out
+
+
+def bleu_tokenizer(lang: str) -> str:
+    """sacreBLEU tokenizer for a target language (see BLEU_TOKENIZE); ConfigError if it is not installed."""
+    name = BLEU_TOKENIZE.get(lang, "13a")
+    try:
+        BLEU(tokenize=name)
+    except RuntimeError:  # sacrebleu raises it when MeCab or its dictionary is missing
+        raise ConfigError(f"BLEU for target language {lang!r} needs sacreBLEU's {name} tokenizer: "
+                          f"pip install 'moekit[cjk]' (or 'sacrebleu[{lang}]')") from None
+    return name
+
+
+def bleu_chrf(hyps: list[str], refs: list[str], lang: str = "") -> tuple[float, float]:
+    """Corpus-level sacreBLEU (tokenizer `bleu_tokenizer(lang)`) and chrF (chrF2, character 6-grams), 0-100."""
+    if len(hyps) != len(refs) or not refs:
+        raise ConfigError(f"need as many hypotheses as references, at least one (got {len(hyps)}, {len(refs)})")
+    bleu = BLEU(tokenize=bleu_tokenizer(lang)).corpus_score(hyps, [refs]).score
+    return bleu, CHRF().corpus_score(hyps, [refs]).score
+
+
+def _scored_logits(model: nn.Module, examples: list[dict], batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Per batch: the logits (n, V) of the positions that predict a target token, and those tokens (n,).
+
+    Rows come in example order, so they do not depend on `batch_size`. Call under `_inference`."""
+    collate = TranslationCollator(pad_id=0)  # padding is masked and never scored: its id does not matter
+    for i in range(0, len(examples), batch_size):
+        b = {k: v.to(model.device) for k, v in collate(examples[i:i + batch_size]).items()}
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits  # (B, L, V)
+        keep = b["labels"][:, 1:] != -100  # (B, L-1): position t predicts label t+1
+        yield logits[:, :-1][keep].float(), b["labels"][:, 1:][keep]  # (n, V), (n,)
+
+
+def direction_loss(model: nn.Module, tokenizer, pairs: list[Pair], template: str, max_length: int = 128,
+                   batch_size: int = 8) -> float:
+    """Mean NLL per target token (target + eos; prompt excluded) under teacher forcing, token-weighted."""
+    examples = encode_pairs(pairs, tokenizer, template, max_length)
+    total, tokens = 0.0, 0
+    with _inference(model):
+        for logits, targets in _scored_logits(model, examples, batch_size):
+            total += float(F.cross_entropy(logits, targets, reduction="sum"))
+            tokens += targets.numel()
+    if tokens == 0:
+        raise ConfigError("no target tokens to score (empty pairs, or max_length cuts every target)")
+    return total / tokens
+
+
+class DenseReference:
+    """The dense model's next-token log-probs on a fixed held-out subset, computed once (SPRI appendix A.1).
+
+    Only the scored positions (those predicting a target token) are kept, as float16: the cache
+    takes scored tokens × vocab × 2 bytes (e.g. 256 examples × 40 target tokens × 49,152 for
+    SmolLM2 ≈ 1.0 GB). `kl(model)` re-runs `model` on the same examples.
+    """
+
+    FILE = "dense_reference.safetensors"
+
+    def __init__(self, examples: list[dict[str, list[int]]], logprobs: Tensor):
+        n = sum(sum(t != -100 for t in ex["labels"][1:]) for ex in examples)
+        if logprobs.dim() != 2 or logprobs.shape[0] != n:
+            raise CheckpointError(f"dense reference has {tuple(logprobs.shape)} log-probs for {n} scored tokens")
+        self.examples, self.logprobs = examples, logprobs  # logprobs (N, V) float16
+
+    @classmethod
+    def compute(cls, dense: nn.Module, examples: list[dict[str, list[int]]], batch_size: int = 8) -> DenseReference:
+        if not any(t != -100 for ex in examples for t in ex["labels"][1:]):
+            raise ConfigError("the held-out subset for the dense reference has no target tokens")
+        with _inference(dense):
+            rows = [lg.log_softmax(-1).half().cpu() for lg, _ in _scored_logits(dense, examples, batch_size)]
+        return cls(examples, torch.cat(rows))  # (N, V)
+
+    @property
+    def nbytes(self) -> int:
+        return self.logprobs.numel() * self.logprobs.element_size()
+
+    def kl(self, model: nn.Module, batch_size: int = 8) -> float:
+        """Mean per-token KL(dense ‖ model) over the cached positions, in float32. Rounding sets a noise
+        floor of ~1e-5 (SmolLM2: -7e-6 for the dense model itself), so ~0 may print slightly negative."""
+        total, start = 0.0, 0
+        with _inference(model):
+            for logits, _ in _scored_logits(model, self.examples, batch_size):
+                if logits.shape[-1] != self.logprobs.shape[1]:
+                    raise ConfigError(f"model vocab {logits.shape[-1]} != dense vocab {self.logprobs.shape[1]}")
+                logp = self.logprobs[start:start + len(logits)].to(logits.device).float()  # (n, V)
+                logp = logp - logp.logsumexp(-1, keepdim=True)  # renormalize after fp16 rounding
+                total += float((logp.exp() * (logp - logits.log_softmax(-1))).sum())
+                start += len(logits)
+        return total / max(start, 1)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write `folder`/dense_reference.safetensors (log-probs, examples flattened with their lengths)."""
+        path = Path(folder) / self.FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"logprobs": self.logprobs.contiguous(),
+                   "lengths": torch.tensor([len(ex["input_ids"]) for ex in self.examples]),
+                   "input_ids": torch.tensor([t for ex in self.examples for t in ex["input_ids"]]),
+                   "labels": torch.tensor([t for ex in self.examples for t in ex["labels"]])}
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, tmp, metadata={"format": "moekit-dense-reference/1"})
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> DenseReference:
+        path = Path(folder) / cls.FILE
+        try:
+            t = load_file(path)
+            ids, labels = t["input_ids"].split(t["lengths"].tolist()), t["labels"].split(t["lengths"].tolist())
+            examples = [{"input_ids": i.tolist(), "labels": lb.tolist()} for i, lb in zip(ids, labels)]
+            return cls(examples, t["logprobs"])
+        except (OSError, SafetensorError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read the dense reference {path}: {e}") from None
+
+
+def _batches(examples: list[dict], batch_size: int) -> Iterator[dict[str, Tensor]]:
+    collate = TranslationCollator(pad_id=0)  # padding is masked out: its id does not matter
+    return (collate(examples[i:i + batch_size]) for i in range(0, len(examples), batch_size))
+
+
+def _usage_counts(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """{MoE layer path: (E,) routed (token, slot) assignments per expert} over non-padding tokens."""
+    layers = moe_layers(model)
+    counts = {path: torch.zeros(m.router.num_experts, dtype=torch.long) for path, m in layers}
+    with _inference(model):
+        for b in batches:
+            ids = b["input_ids"].to(model.device)  # (B, L)
+            mask = b.get("attention_mask", torch.ones_like(ids)).to(model.device)  # (B, L)
+            model(input_ids=ids, attention_mask=mask)
+            for path, m in layers:
+                counts[path] += m.last_routing.tokens_per_expert(mask).cpu()  # routing rows are (B·L, k)
+    return counts
+
+
+def _fractions(counts: dict[str, Tensor]) -> dict[str, list[float]]:
+    if any(int(c.sum()) == 0 for c in counts.values()):
+        raise ConfigError("no non-padding tokens to measure expert usage on")
+    return {path: (c.double() / c.sum()).tolist() for path, c in counts.items()}
+
+
+def expert_usage(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[str, list[float]]:
+    """{MoE layer path: fraction of routed (token, slot) assignments per expert}, teacher-forced,
+    over the non-padding tokens (attention_mask) of `batches`; {} for a dense model."""
+    return _fractions(_usage_counts(model, batches))
+
+
+def _evaluate_direction(model, tokenizer, lang: str, pairs: list[Pair], template: str, max_length: int,
+                        max_new_tokens: int, batch_size: int, generate: bool) -> tuple[dict, list[str], dict]:
+    """(metrics row, greedy translations, expert-usage counts) for one direction."""
+    if not pairs:
+        raise ConfigError(f"direction {lang!r} has no test pairs")
+    row: dict = {"n": len(pairs), "loss": direction_loss(model, tokenizer, pairs, template, max_length, batch_size)}
+    hyps = translate(model, tokenizer, pairs, template, max_new_tokens, batch_size) if generate else []
+    if generate:
+        row["bleu"], row["chrf"] = bleu_chrf(hyps, [p.tgt for p in pairs], lang)
+    examples = encode_pairs(pairs, tokenizer, template, max_length)
+    return row, hyps, _usage_counts(model, _batches(examples, batch_size))
+
+
+def evaluate_run(model: nn.Module, tokenizer, test_pairs: dict[str, list[Pair]], template: str,
+                 dense_ref: DenseReference | None = None, max_length: int = 128, max_new_tokens: int = 64,
+                 batch_size: int = 8, generate: bool = True) -> dict:
+    """Every metric of a run: per direction n, loss (and BLEU, chrF with `generate`) and their
+    unweighted mean over directions ("avg"); KL(dense ‖ model) if `dense_ref`; diversity of an MoE
+    model; expert usage overall and per direction; total / active params; the translations."""
+    if not test_pairs:
+        raise ConfigError("no test directions to evaluate")
+    tokenize = {lang: bleu_tokenizer(lang) for lang in test_pairs} if generate else {}  # fail before the work
+    directions, translations, counts = {}, {}, {}
+    for lang, pairs in test_pairs.items():
+        directions[lang], hyps, counts[lang] = _evaluate_direction(
+            model, tokenizer, lang, pairs, template, max_length, max_new_tokens, batch_size, generate)
+        if generate:
+            translations[lang] = hyps
+    keys = [k for k in ("bleu", "chrf", "loss") if all(k in row for row in directions.values())]
+    total, active = param_counts(model)
+    return {
+        "directions": directions,
+        "avg": {k: sum(row[k] for row in directions.values()) / len(directions) for k in keys},
+        "kl": None if dense_ref is None else dense_ref.kl(model, batch_size),
+        "diversity": diversity(model) if moe_layers(model) else None,
+        "usage": _fractions({p: sum(c[p] for c in counts.values()) for p in next(iter(counts.values()))}),
+        "usage_by_direction": {lang: _fractions(c) for lang, c in counts.items()},
+        "params": {"total": total, "active": active},
+        "bleu_tokenize": tokenize,
+        "translations": translations,
+    }
+
+
+def result_rows(results: dict) -> list[dict]:
+    """One row per direction and an "avg" row (which also holds the run-level KL, diversity, params)."""
+    rows = [{"direction": lang, **row} for lang, row in results["directions"].items()]
+    rows.append({"direction": "avg", "n": sum(r["n"] for r in rows), **results["avg"], "kl": results["kl"],
+                 "diversity": results["diversity"], "total_params": results["params"]["total"],
+                 "active_params": results["params"]["active"]})
+    return [{c: r.get(c) for c in CSV_COLUMNS} for r in rows]
+
+
+def write_results(results: dict, folder: str | Path) -> tuple[Path, Path]:
+    """Write `folder`/results.json (everything) and `folder`/results.csv (`result_rows`; None → empty)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = folder / "results.json", folder / "results.csv"
+    json_path.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(result_rows(results))
+    return json_path, csv_path
+
+
+_FORMATS = {"bleu": "{:.2f}", "chrf": "{:.2f}", "loss": "{:.4f}", "kl": "{:.4g}", "diversity": "{:.4f}",
+            "n": "{:,}", "total_params": "{:,}", "active_params": "{:,}"}
+
+
+def results_table(rows: list[dict], title: str | None = None) -> Table:
+    """A rich Table of `result_rows` (columns that are empty in every row are left out)."""
+    columns = [c for c in CSV_COLUMNS if any(r.get(c) is not None for r in rows)]
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="left" if c == "direction" else "right")
+    for r in rows:
+        table.add_row(*("" if r.get(c) is None else _FORMATS.get(c, "{}").format(r[c]) for c in columns))
+    return table
