@@ -66,7 +66,8 @@ def initial_state(assets, r):
 
 
 def test_spri_two_stage(assets, tmp_path):
-    r = recipe(assets, tmp_path / "run", freeze={"schedule": "spri_two_stage", "tau": 0.5})
+    r = recipe(assets, tmp_path / "run", freeze={"schedule": "spri_two_stage", "tau": 0.5},
+               train={"eval_every": 2}, eval={"kl_examples": 4, "max_new_tokens": 8})
     snap = Snapshots(None, {2, 4})
     trainer = train(r, callbacks=[snap])
     start = initial_state(assets, r)
@@ -79,6 +80,12 @@ def test_spri_two_stage(assets, tmp_path):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 4 and all("moe/lb" in h and "moe/z" in h for h in logs)
     assert any(k.endswith("/usage_entropy") for k in logs[0]) and any(k.endswith("/max_load") for k in logs[0])
+    evals = [h for h in trainer.state.log_history if "eval_kl" in h]
+    assert [h["step"] for h in evals] == [2, 4] and all("eval_fr_loss" in h and "eval_de_loss" in h for h in evals)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert set(results["directions"]) == {"fr", "de"} and results["kl"] == pytest.approx(evals[-1]["eval_kl"], rel=1e-4)
+    for png in ("loss.png", "kl.png", "usage.png"):
+        assert (tmp_path / "run" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_ume_trains_only_moe_layers_and_no_weight_decay_leaks(assets, tmp_path):

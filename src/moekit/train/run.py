@@ -1,18 +1,22 @@
 """Run a recipe: load -> (upcycle | LoRA | dense) -> HF Trainer -> final model + evaluation."""
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
 import yaml
 from torch import nn
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from moekit.assets import resolve_model
 from moekit.data.parallel import TranslationCollator, encode_pair, load_pairs
 from moekit.errors import ConfigError
-from moekit.io import check_output_dir, load_dense, save
+from moekit.evaluate import DenseReference, direction_loss, encode_pairs, evaluate_run, write_results
+from moekit.io import check_output_dir, load_dense
+from moekit.plots import plot_curves, plot_usage
 from moekit.train.freeze import FreezeCallback
 from moekit.train.recipe import Recipe
 from moekit.train.trainer import MoETrainer
@@ -30,9 +34,13 @@ def load_tokenizer(path: Path):
     return tok
 
 
-def build_model(recipe: Recipe, path: Path) -> nn.Module:
+def load_base(recipe: Recipe, path: Path) -> nn.Module:
     dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
-    model = load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)
+    return load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)
+
+
+def adapt(recipe: Recipe, model: nn.Module) -> nn.Module:
+    """The model the recipe trains: upcycled (in place), wrapped with LoRA, or the dense model itself."""
     if recipe.method == "moe":
         upcycle(model, recipe.moe)
     elif recipe.method == "lora":
@@ -44,9 +52,71 @@ def build_model(recipe: Recipe, path: Path) -> nn.Module:
     return model.train()
 
 
+def build_model(recipe: Recipe, path: Path) -> nn.Module:
+    return adapt(recipe, load_base(recipe, path))
+
+
+def kl_examples(recipe: Recipe, test: dict[str, list], tok) -> list[dict]:
+    """The fixed held-out subset for KL(dense ‖ model): round-robin over directions."""
+    d, n = recipe.data, recipe.eval.kl_examples
+    pairs = [p for group in zip(*test.values()) for p in group][:n]
+    return encode_pairs(pairs, tok, d.template, d.max_length)
+
+
+class EvalCallback(TrainerCallback):
+    """Every `eval_every` steps: KL(dense ‖ model) and per-direction target loss, logged as
+    eval_kl / eval_<lang>_loss (SPRI A.1: KL tracked across training)."""
+
+    def __init__(self, recipe: Recipe, tok, test: dict[str, list], ref: DenseReference | None):
+        self.recipe, self.tok, self.test, self.ref, self.trainer = recipe, tok, test, ref, None
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        every = self.recipe.train.eval_every
+        if not every or state.global_step % every or not state.is_world_process_zero:
+            return
+        d, bs = self.recipe.data, self.recipe.eval.batch_size
+        logs = {f"eval_{lang}_loss": direction_loss(model, self.tok, pairs, d.template, d.max_length, bs)
+                for lang, pairs in self.test.items()}
+        if self.ref is not None:
+            logs["eval_kl"] = self.ref.kl(model, bs)
+        should_log = control.should_log  # Trainer.log clears it; keep this step's training log
+        self.trainer.log(logs)
+        control.should_log = should_log
+
+
+def finish(recipe: Recipe, trainer, tok, test, ref) -> dict:
+    """Save the final model and evaluate it (main process): results.json/csv and PNG plots in `out`."""
+    out = Path(recipe.out)
+    trainer.save_model(str(out / "model"))  # moekit format for MoE, adapter for LoRA
+    if not trainer.is_world_process_zero():
+        return {}
+    tok.save_pretrained(out / "model")
+    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))  # losses, aux metrics
+    return report(recipe, trainer.model, tok, test, ref, trainer.state.log_history)
+
+
+def report(recipe: Recipe, model, tok, test, ref, log_history) -> dict:
+    out, d, e = Path(recipe.out), recipe.data, recipe.eval
+    results = evaluate_run(model, tok, test, d.template, ref, d.max_length, e.max_new_tokens, e.batch_size,
+                           e.generate)
+    write_results(results, out)
+    plot_curves(log_history, out)
+    if results["usage"]:
+        plot_usage(results["usage"], out / "usage.png", title=f"{recipe.name}: expert usage on the test sets")
+    return results
+
+
+def cpu_multiprocess() -> bool:
+    """Launched as several processes (torchrun, accelerate launch) on a machine without CUDA. accelerate
+    sets up CPU DDP (gloo) only with use_cpu=True; without it every process trains alone on all the data."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
 def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
     t, o = recipe.train, recipe.optim
     return TrainingArguments(
+        use_cpu=cpu_multiprocess(),
         output_dir=str(out / "checkpoints"), max_steps=t.steps, per_device_train_batch_size=t.batch_size,
         gradient_accumulation_steps=t.grad_accum, learning_rate=o.lr, weight_decay=o.weight_decay,
         lr_scheduler_type="linear", warmup_steps=o.warmup_ratio, max_grad_norm=o.max_grad_norm,
@@ -59,28 +129,30 @@ def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
 
 
 def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbacks=()) -> MoETrainer:
-    """Train `recipe`; with `resume`, continue from the last checkpoint in its output directory."""
+    """Train `recipe` and evaluate the result; with `resume`, continue from the last checkpoint."""
     out = Path(recipe.out)
     last = get_last_checkpoint(str(out / "checkpoints")) if resume and (out / "checkpoints").is_dir() else None
     if last is None:
         check_output_dir(out, overwrite)
     path = resolve_model(recipe.model.path)
     tok = load_tokenizer(path)
-    train_pairs, _ = load_pairs(recipe.data)
+    train_pairs, test = load_pairs(recipe.data)
     d = recipe.data
     encoded = [encode_pair(p, tok, d.template, d.max_length) for p in train_pairs]
     dataset = [e for e in encoded if any(label != -100 for label in e["labels"])]  # target left after truncation
     if not dataset:
         raise ConfigError(f"no training example keeps a target token within data.max_length={d.max_length}")
-    model = build_model(recipe, path)
-    cbs = list(callbacks)
+    model = load_base(recipe, path)
+    ref = DenseReference.compute(model, kl_examples(recipe, test, tok), recipe.eval.batch_size) \
+        if recipe.eval.kl_examples else None  # before adapting: the dense model's own log-probs
+    model = adapt(recipe, model)
+    evaluator = EvalCallback(recipe, tok, test, ref)
+    cbs = [evaluator, *callbacks]
     if recipe.freeze.schedule != "none":
         cbs.append(FreezeCallback(model, recipe.freeze))
     trainer = MoETrainer(model=model, args=training_args(recipe, out), train_dataset=dataset,
                          data_collator=TranslationCollator(tok.pad_token_id), aux=recipe.aux, callbacks=cbs)
+    evaluator.trainer = trainer
     trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(str(out / "model"))  # main process only; moekit format for MoE, adapter for LoRA
-    if trainer.is_world_process_zero():
-        tok.save_pretrained(out / "model")
-        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    trainer.results = finish(recipe, trainer, tok, test, ref)
     return trainer
