@@ -148,3 +148,20 @@ def test_recipe_errors():
         validate(Recipe, {"method": "dense", "freeze": {"schedule": "ume"}})
     with pytest.raises(ConfigError, match="optimizer: Extra inputs are not permitted"):
         validate(Recipe, {"method": "dense", "optimizer": {}})
+
+
+def test_cli_train_then_evaluate(tmp_path, tiny_recipe_overrides, capsys):
+    from moekit.cli.main import main
+
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("method: moe\nmoe: {num_experts: 4, top_k: 2, init: ume}\nfreeze: {schedule: ume}\n")
+    out = tmp_path / "run"
+    assert main(["train", str(recipe_file), *tiny_recipe_overrides(out)]) == 0
+    trained = capsys.readouterr().out
+    first = json.loads((out / "results.json").read_text())
+    (out / "results.json").unlink()
+    assert main(["evaluate", str(out)]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["directions"] == first["directions"] and again["kl"] == pytest.approx(first["kl"], abs=1e-6)
+    assert "avg" in trained and "avg" in capsys.readouterr().out
+    assert main(["evaluate", str(tmp_path)]) == 2  # not a run directory

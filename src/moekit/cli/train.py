@@ -35,4 +35,7 @@ def run_train(args: argparse.Namespace) -> None:
     recipe = load_yaml(args.recipe, Recipe, args.overrides)
     trainer = train(recipe, overwrite=args.overwrite, resume=args.resume)
     if trainer.is_world_process_zero():
+        from moekit.evaluate import result_rows, results_table
+
+        out_console().print(results_table(result_rows(trainer.results), title=f"{recipe.name} ({recipe.out})"))
         out_console().print(f"trained {recipe.name}: {trainer.state.global_step} steps, output in {recipe.out}")

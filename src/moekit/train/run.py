@@ -23,6 +23,10 @@ from moekit.train.trainer import MoETrainer
 from moekit.upcycle import upcycle
 
 
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
@@ -61,6 +65,20 @@ def kl_examples(recipe: Recipe, test: dict[str, list], tok) -> list[dict]:
     d, n = recipe.data, recipe.eval.kl_examples
     pairs = [p for group in zip(*test.values()) for p in group][:n]
     return encode_pairs(pairs, tok, d.template, d.max_length)
+
+
+def dense_reference(recipe: Recipe, dense: nn.Module, tok, test, resumed: bool) -> DenseReference | None:
+    """The dense model's log-probs on the KL subset, computed once and kept in the run directory."""
+    out = Path(recipe.out)
+    if not recipe.eval.kl_examples:
+        return None
+    if resumed and (out / DenseReference.FILE).is_file():
+        return DenseReference.load(out)
+    ref = DenseReference.compute(dense, kl_examples(recipe, test, tok), recipe.eval.batch_size)
+    if is_main_process():
+        out.mkdir(parents=True, exist_ok=True)
+        ref.save(out)
+    return ref
 
 
 class EvalCallback(TrainerCallback):
@@ -132,8 +150,8 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     """Train `recipe` and evaluate the result; with `resume`, continue from the last checkpoint."""
     out = Path(recipe.out)
     last = get_last_checkpoint(str(out / "checkpoints")) if resume and (out / "checkpoints").is_dir() else None
-    if last is None:
-        check_output_dir(out, overwrite)
+    if last is None and is_main_process() and check_output_dir(out, overwrite).exists():
+        shutil.rmtree(out)  # overwrite: start clean (stale checkpoints must not be resumed later)
     path = resolve_model(recipe.model.path)
     tok = load_tokenizer(path)
     train_pairs, test = load_pairs(recipe.data)
@@ -143,8 +161,7 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     if not dataset:
         raise ConfigError(f"no training example keeps a target token within data.max_length={d.max_length}")
     model = load_base(recipe, path)
-    ref = DenseReference.compute(model, kl_examples(recipe, test, tok), recipe.eval.batch_size) \
-        if recipe.eval.kl_examples else None  # before adapting: the dense model's own log-probs
+    ref = dense_reference(recipe, model, tok, test, resumed=last is not None)  # before adapting
     model = adapt(recipe, model)
     evaluator = EvalCallback(recipe, tok, test, ref)
     cbs = [evaluator, *callbacks]

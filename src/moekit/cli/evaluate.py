@@ -1,0 +1,54 @@
+"""`moekit evaluate RUN_DIR`: re-evaluate a trained run (BLEU/chrF, loss, KL, diversity, usage)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moekit.cli.common import out_console
+from moekit.config import load_yaml
+from moekit.errors import CheckpointError
+from moekit.evaluate import DenseReference, result_rows, results_table
+from moekit.train.recipe import Recipe
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("evaluate", help="evaluate a trained run directory",
+                       description="Evaluate RUN_DIR/model on the recipe's held-out test sets; writes "
+                                   "results.json, results.csv and plots into RUN_DIR.")
+    p.add_argument("run_dir")
+    p.set_defaults(run=run)
+
+
+def load_run_model(recipe: Recipe, folder: Path):
+    """The trained model of a run: moekit checkpoint, LoRA adapter on the base model, or dense."""
+    from moekit.io import load, load_dense
+    from moekit.train.run import load_base
+
+    if (folder / "moekit.json").is_file():
+        return load(folder)
+    if (folder / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        from moekit.assets import resolve_model
+
+        return PeftModel.from_pretrained(load_base(recipe, resolve_model(recipe.model.path)), folder).eval()
+    return load_dense(folder)
+
+
+def run(args: argparse.Namespace) -> None:
+    from moekit.data.parallel import load_pairs
+    from moekit.train.run import load_tokenizer, report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "recipe.yaml").is_file() or not (run_dir / "model").is_dir():
+        raise CheckpointError(f"{run_dir} is not a finished run (needs recipe.yaml and model/)")
+    recipe = load_yaml(run_dir / "recipe.yaml", Recipe, [f"out={run_dir}"])
+    tok = load_tokenizer(run_dir / "model")
+    ref_file = run_dir / "dense_reference.safetensors"
+    ref = DenseReference.load(run_dir) if ref_file.is_file() else None
+    _, test = load_pairs(recipe.data)
+    log = run_dir / "log_history.json"
+    history = json.loads(log.read_text()) if log.is_file() else []
+    results = report(recipe, load_run_model(recipe, run_dir / "model"), tok, test, ref, history)
+    out_console().print(results_table(result_rows(results), title=f"{recipe.name} ({run_dir})"))
