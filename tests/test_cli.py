@@ -224,24 +224,15 @@ def test_python_dash_m_maps_errors_to_exit_code_2(tmp_path):
     assert res.stderr.strip() == f"moekit: error: {tmp_path} is not a moekit checkpoint (no moekit.json)"
 
 
-def test_demo_on_a_tiny_model(tmp_path, run, monkeypatch):
-    from moekit.assets import Verse
-    from moekit.cli import demo
-
-    folder = tmp_path / "dense"
-    tiny_llama().save_pretrained(folder)
-    save_tokenizer(folder)
-    tok = tf.AutoTokenizer.from_pretrained(folder)
-    tok.pad_token = tok.eos_token = "[UNK]"
-    tok.save_pretrained(folder)
-    monkeypatch.setattr(demo, "resolve_model", lambda name, log=None: folder)
-    verses = [Verse(1, 1, i, " ".join(["hello", "world", "a", "b", "c"][: 2 + i % 4])) for i in range(1, 40)]
-    monkeypatch.setattr(demo, "bible_verses", lambda code, log=None: verses)
-    rc, out, err = run("demo", "--out", tmp_path / "demo", "--verses", 8)
+def test_demo_on_a_tiny_model(tmp_path, run, tiny_recipe_overrides):
+    over = [o for o in tiny_recipe_overrides(tmp_path / "unused") if not o.startswith("out=")]
+    rc, out, err = run("demo", "--out", tmp_path / "demo", *over, "moe.num_experts=4", "moe.every=2")
     assert rc == 0, err
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 3}
-    assert "0.0000" in rows["naive"] and "0.8571" in rows["spri"]  # diversity: copies vs 1 - 4/28
-    for method in ("naive", "spri"):
-        assert load(tmp_path / "demo" / method).moekit_spec.init.method == method
+    diversity = {k: float(v.split("│")[6]) for k, v in rows.items() if k in ("naive", "spri_two_stage")}
+    assert diversity["naive"] < 0.01 < 0.5 < diversity["spri_two_stage"]  # copies vs SVD-partitioned residuals
+    for system in ("naive", "spri_two_stage"):
+        assert load(tmp_path / "demo" / system / "model").moekit_spec.init.method == system.split("_")[0]
+        assert (tmp_path / "demo" / system / "results.csv").is_file()
     rc, _, err = run("demo", "--out", tmp_path / "demo")  # existing output refused without --overwrite
     assert rc == 2 and "--overwrite" in err
