@@ -15,6 +15,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from report import write_section
+
 import torch
 import torch.nn.functional as F
 import transformers
@@ -135,14 +137,6 @@ def render(rows, T, repeats, cmd):
     return "\n".join(out + ["", MARK[1]])
 
 
-def write_section(path: Path, section: str):
-    text = path.read_text() if path.exists() else "# moekit benchmarks\n"
-    if MARK[0] in text:
-        head, rest = text.split(MARK[0], 1)
-        text = head + section + rest.split(MARK[1], 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
 
 
 def main():
@@ -159,7 +153,7 @@ def main():
     section = render(rows, args.tokens, args.repeats, cmd)
     print(section)
     if args.write:
-        write_section(args.write, section)
+        write_section(args.write, section, MARK)
 
 
 if __name__ == "__main__":

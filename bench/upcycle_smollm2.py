@@ -25,6 +25,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from report import write_section
+
 METHODS = ["naive", "noise", "drop", "ume", "spri"]
 MARK = ("<!-- upcycle_smollm2 -->", "<!-- /upcycle_smollm2 -->")
 TARGETS = {"time": 2.0, "rss": 1.5}  # spri: conversion / dense load+save, peak RSS / output size
@@ -201,14 +203,6 @@ def report(runs: dict, q: dict, args, cmd: str) -> str:
     return "\n".join(lines + [MARK[1]])
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if MARK[0] in text:
-        head, rest = text.split(MARK[0], 1)
-        text = head + section + rest.split(MARK[1], 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
 
 
 def main() -> None:
@@ -235,7 +229,7 @@ def main() -> None:
     section = report(runs, q, args, cmd)
     print(section)
     if args.write:
-        write_section(args.write, section)
+        write_section(args.write, section, MARK)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""SPRI Table 2 in miniature: every system fine-tuned on the same data-constrained En->XX subset for
+the same number of steps, then evaluated (BLEU/chrF per direction, KL to the dense model, diversity,
+parameters, wall time). Each system is one recipe from recipes/ with the shared overrides below;
+finished systems are cached (their results.json), so an interrupted run resumes where it stopped.
+
+    .venv/bin/python bench/spri_mini.py --out runs/spri_mini --write BENCHMARKS.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+from report import write_section
+
+SYSTEMS = ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]
+# sized for about 2 hours on 2 cores (8 systems): 4 directions, 2 low-resource (sw, tl)
+OVERRIDES = [
+    "data.directions=[fr, de, sw, tl]", "data.train_per_direction=160", "data.test_per_direction=16",
+    "data.max_length=96", "data.max_src_chars=160", "train.steps=60", "train.batch_size=8",
+    "train.logging_steps=5", "train.eval_every=20", "train.save_every=20", "eval.kl_examples=16",
+    "eval.max_new_tokens=48", "eval.batch_size=8",
+]
+MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
+
+
+def run_system(name: str, out: Path) -> dict:
+    from moekit.config import load_yaml
+    from moekit.train.recipe import Recipe
+    from moekit.train.run import train
+
+    folder = out / name
+    if (folder / "results.json").is_file():  # cached
+        return json.loads((folder / "summary.json").read_text())
+    recipe = load_yaml(Path("recipes") / f"{name}.yaml", Recipe, [*OVERRIDES, f"out={folder}"])
+    t0 = time.perf_counter()
+    trainer = train(recipe, overwrite=not (folder / "checkpoints").is_dir(), resume=(folder / "checkpoints").is_dir())
+    kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
+    summary = {"seconds": time.perf_counter() - t0, "mean_kl": statistics.mean(kls) if kls else None}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
+def fmt(x, nd=2) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def table(out: Path, summaries: dict) -> list[str]:
+    rows = []
+    for name in SYSTEMS:
+        r = json.loads((out / name / "results.json").read_text())
+        dirs = " / ".join(f"{lang} {fmt(v['bleu'], 1)}" for lang, v in r["directions"].items())
+        p = r["params"]
+        rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {dirs} | {fmt(r['kl'], 4)} | "
+                    f"{fmt(summaries[name]['mean_kl'], 4)} | {fmt(r['diversity'], 3)} | {p['total']:,} | "
+                    f"{p['active']:,} | {summaries[name]['seconds'] / 60:.1f} |")
+    return ["| system | BLEU avg | chrF avg | BLEU per direction | final KL | mean KL | diversity | total params "
+            "| active params | wall (min) |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/spri_mini"))
+    ap.add_argument("--write", type=Path)
+    args = ap.parse_args()
+    summaries = {name: run_system(name, args.out) for name in SYSTEMS}
+    cmd = f".venv/bin/python bench/spri_mini.py --out {args.out}" + (f" --write {args.write}" if args.write else "")
+    lines = [MARK[0], "## SPRI Table 2 in miniature (bench/spri_mini.py)", "",
+             f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Overrides on every recipe: "
+             f"`{' '.join(OVERRIDES)}`.", "", *table(args.out, summaries), "", MARK[1]]
+    section = "\n".join(lines)
+    print(section)
+    if args.write:
+        write_section(args.write, section, MARK)
+
+
+if __name__ == "__main__":
+    main()
