@@ -15,8 +15,6 @@ import time
 from datetime import date
 from pathlib import Path
 
-from report import write_section
-
 import torch
 import torch.nn.functional as F
 import transformers
@@ -24,6 +22,7 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from moekit.moe.experts import Experts
+from report import write_section  # bench/report.py
 
 SHAPES = [  # (name, E, k, H, I)
     ("E=8/top-2/H=1024/I=3072", 8, 2, 1024, 3072),
@@ -135,8 +134,6 @@ def render(rows, T, repeats, cmd):
         cells = [f"{ratio[n]:.2f}× ({1000 * t[n]:.0f} ms)" for n in ("moekit", "hf_eager", "hf_grouped_mm")]
         out.append(f"| {label} | {mode} | {1000 * limit:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(out + ["", MARK[1]])
-
-
 
 
 def main():

@@ -14,8 +14,7 @@ import statistics
 import time
 from datetime import date
 from pathlib import Path
-
-from report import write_section
+from report import write_section  # bench/report.py
 
 SYSTEMS = ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]
 # sized for about 2 hours on 2 cores (8 systems): 4 directions, 2 low-resource (sw, tl)

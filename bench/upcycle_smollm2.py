@@ -24,8 +24,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
-
-from report import write_section
+from report import write_section  # bench/report.py
 
 METHODS = ["naive", "noise", "drop", "ume", "spri"]
 MARK = ("<!-- upcycle_smollm2 -->", "<!-- /upcycle_smollm2 -->")
@@ -201,8 +200,6 @@ def report(runs: dict, q: dict, args, cmd: str) -> str:
     if "spri" in med:
         lines += [*targets(med), ""]
     return "\n".join(lines + [MARK[1]])
-
-
 
 
 def main() -> None:
