@@ -9,6 +9,7 @@ import torch
 import yaml
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from moekit.assets import resolve_model
@@ -79,6 +80,13 @@ def dense_reference(recipe: Recipe, dense: nn.Module, tok, test, resumed: bool) 
         out.mkdir(parents=True, exist_ok=True)
         ref.save(out)
     return ref
+
+
+class QuietProgress(ProgressCallback):
+    """A progress bar (stderr) without printing every log dict: logs go to log_history.json."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
 
 
 class EvalCallback(TrainerCallback):
@@ -170,6 +178,8 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     trainer = MoETrainer(model=model, args=training_args(recipe, out), train_dataset=dataset,
                          data_collator=TranslationCollator(tok.pad_token_id), aux=recipe.aux, callbacks=cbs)
     evaluator.trainer = trainer
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(QuietProgress)
     trainer.train(resume_from_checkpoint=last)
     trainer.results = finish(recipe, trainer, tok, test, ref)
     return trainer
