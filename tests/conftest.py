@@ -1,6 +1,9 @@
 """Shared pytest setup."""
+import json
 import os
+import random
 
+import pytest
 import torch
 
 # Under pytest-xdist every worker would otherwise start one OpenMP thread per core: with n workers on
@@ -8,3 +11,38 @@ import torch
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe_overrides(tmp_path_factory):
+    """`overrides(out, **extra)`: dotted key=value overrides that point any recipe at a tiny Llama (with
+    the character tokenizer) and small JSONL data in the directions fr and sw, for 2 steps of batch 2.
+    `extra` adds or replaces keys, e.g. `**{"train.steps": 4}`."""
+    from moekit.testing import tiny_llama, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_recipe")
+    tiny_llama().save_pretrained(root / "dense")
+    tiny_tokenizer().save_pretrained(root / "dense")
+    rng = random.Random(0)
+    words = "the light of the world is good and the day was long".split()
+    for split, n in (("train", 16), ("test", 4)):
+        lines = []
+        for i in range(n):
+            src = " ".join(rng.choice(words) for _ in range(4))
+            lines.append(json.dumps({"src": src, "tgt": src[::-1], "tgt_lang": "sw" if i % 2 else "fr"}))
+        (root / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+
+    def overrides(out, **extra) -> list[str]:
+        keys = {
+            "out": str(out), "model.path": str(root / "dense"), "data.source": "jsonl",
+            "data.directions": ["fr", "sw"],  # the JSONL's tgt_lang values
+            "data.train_files": [str(root / "train.jsonl")], "data.test_files": [str(root / "test.jsonl")],
+            "data.max_length": 160, "data.test_per_direction": 2,
+            "train.steps": 2, "train.batch_size": 2, "train.grad_accum": 1, "train.logging_steps": 1,
+            "train.eval_every": 0, "train.save_every": 0,
+            "eval.kl_examples": 2, "eval.max_new_tokens": 4, "eval.batch_size": 2, **extra,
+        }
+        return [f"{k}={json.dumps(v)}" for k, v in keys.items()]  # JSON values are YAML values
+
+    overrides.dense = root / "dense"  # the tiny model's folder
+    return overrides

@@ -33,7 +33,7 @@ class MoETrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mask = inputs.get("attention_mask")
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        layers = moe_layers(model)
+        layers = moe_layers(self.accelerator.unwrap_model(model))  # paths without DDP's `module.`
         if layers and model.training:
             aux = self._aux_loss(layers, mask)
             scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
@@ -66,6 +66,8 @@ class MoETrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         if not moe_layers(model):
             return super()._save(output_dir, state_dict)
+        if not self.args.should_save:  # Trainer calls _save on every rank and leaves the check to it
+            return
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         write_checkpoint(model, out)
