@@ -149,7 +149,7 @@ def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
         seed=t.seed, data_seed=t.seed, bf16=t.precision == "bf16", logging_steps=t.logging_steps,
         save_strategy="steps" if t.save_every else "no", save_steps=t.save_every or 500,
         save_total_limit=t.save_total_limit, report_to=[], remove_unused_columns=False,
-        dataloader_num_workers=0, disable_tqdm=True,
+        dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True,
         ddp_find_unused_parameters=recipe.freeze.schedule != "none" or recipe.method == "lora",
     )
 
