@@ -13,7 +13,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from moekit.assets import resolve_model
-from moekit.data.parallel import TranslationCollator, encode_pair, load_pairs
+from moekit.data.parallel import TranslationCollator, load_pairs
 from moekit.errors import ConfigError
 from moekit.evaluate import DenseReference, direction_loss, encode_pairs, evaluate_run, write_results
 from moekit.io import check_output_dir, load_dense
@@ -164,7 +164,7 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     tok = load_tokenizer(path)
     train_pairs, test = load_pairs(recipe.data)
     d = recipe.data
-    encoded = [encode_pair(p, tok, d.template, d.max_length) for p in train_pairs]
+    encoded = encode_pairs(train_pairs, tok, d.template, d.max_length)
     dataset = [e for e in encoded if any(label != -100 for label in e["labels"])]  # target left after truncation
     if not dataset:
         raise ConfigError(f"no training example keeps a target token within data.max_length={d.max_length}")
