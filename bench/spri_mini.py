@@ -33,7 +33,7 @@ def run_system(name: str, out: Path) -> dict:
     from moekit.train.run import train
 
     folder = out / name
-    if (folder / "results.json").is_file():  # cached
+    if (folder / "summary.json").is_file():  # cached (written after results.json)
         return json.loads((folder / "summary.json").read_text())
     recipe = load_yaml(Path("recipes") / f"{name}.yaml", Recipe, [*OVERRIDES, f"out={folder}"])
     t0 = time.perf_counter()
@@ -50,7 +50,7 @@ def fmt(x, nd=2) -> str:
 
 def table(out: Path, summaries: dict) -> list[str]:
     rows = []
-    for name in SYSTEMS:
+    for name in summaries:
         r = json.loads((out / name / "results.json").read_text())
         dirs = " / ".join(f"{lang} {fmt(v['bleu'], 1)}" for lang, v in r["directions"].items())
         p = r["params"]
@@ -65,12 +65,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/spri_mini"))
     ap.add_argument("--write", type=Path)
+    ap.add_argument("--report-only", action="store_true", help="report the systems finished so far, run nothing")
     args = ap.parse_args()
-    summaries = {name: run_system(name, args.out) for name in SYSTEMS}
+    if args.report_only:
+        done = [n for n in SYSTEMS if (args.out / n / "summary.json").is_file()]
+        summaries = {n: json.loads((args.out / n / "summary.json").read_text()) for n in done}
+    else:
+        summaries = {name: run_system(name, args.out) for name in SYSTEMS}
+    missing = [n for n in SYSTEMS if n not in summaries]
     cmd = f".venv/bin/python bench/spri_mini.py --out {args.out}" + (f" --write {args.write}" if args.write else "")
+    status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
     lines = [MARK[0], "## SPRI Table 2 in miniature (bench/spri_mini.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Overrides on every recipe: "
-             f"`{' '.join(OVERRIDES)}`.", "", *table(args.out, summaries), "", MARK[1]]
+             f"`{' '.join(OVERRIDES)}`.{status}", "", *table(args.out, summaries), "", MARK[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:
