@@ -46,3 +46,15 @@ def tiny_recipe_overrides(tmp_path_factory):
 
     overrides.dense = root / "dense"  # the tiny model's folder
     return overrides
+
+
+@pytest.fixture
+def run(capsys):
+    """Call the CLI in-process: run(*args) -> (exit code, stdout, stderr)."""
+    from moekit.cli.main import main
+
+    def call(*args):
+        rc = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+    return call

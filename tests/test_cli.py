@@ -7,7 +7,6 @@ import transformers as tf
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from moekit.cli.main import main
 from moekit.init import EXPERT_INITS
 from moekit.io import load
 from moekit.metrics import param_counts
@@ -30,15 +29,6 @@ def dense(tmp_path_factory):
     tiny_llama().save_pretrained(folder)
     save_tokenizer(folder)
     return folder
-
-
-@pytest.fixture
-def run(capsys):
-    def call(*args):
-        rc = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-    return call
 
 
 def write_recipe(path, data):

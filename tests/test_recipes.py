@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moekit.cli.main import main
 from moekit.config import load_yaml
 from moekit.train.recipe import Recipe
 from moekit.train.run import train
@@ -45,26 +44,17 @@ def test_recipe_trains_two_steps(path, tiny_recipe_overrides, tmp_path):
         assert all(math.isfinite(h["moe/lb"]) and math.isfinite(h["moe/z"]) for h in history if "loss" in h)
 
 
-@pytest.fixture
-def cli(capsys):
-    def call(*args):
-        rc = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-    return call
-
-
 @pytest.mark.parametrize("path", RECIPES, ids=ids)
-def test_cli_validate(path, cli):
-    rc, out, err = cli("validate", path)
+def test_cli_validate(path, run):
+    rc, out, err = run("validate", path)
     assert rc == 0 and "valid" in out and not err
 
 
-def test_cli_validate_rejects_an_unknown_key(tmp_path, cli):
+def test_cli_validate_rejects_an_unknown_key(tmp_path, run):
     bad = tmp_path / "bad.yaml"
     bad.write_text(RECIPES[0].read_text() + "optimizer: {lr: 0.1}\n")
     for args in ([bad], [RECIPES[0], "train.epochs=3"]):
-        rc, out, err = cli("validate", *args)
+        rc, out, err = run("validate", *args)
         key = "optimizer" if args[0] == bad else "train.epochs"
         assert rc == 2 and not out
         assert err.count("moekit: error:") == 1 and "Traceback" not in err
