@@ -165,3 +165,16 @@ def test_cli_train_then_evaluate(tmp_path, tiny_recipe_overrides, capsys):
     assert again["directions"] == first["directions"] and again["kl"] == pytest.approx(first["kl"], abs=1e-6)
     assert "avg" in trained and "avg" in capsys.readouterr().out
     assert main(["evaluate", str(tmp_path)]) == 2  # not a run directory
+
+
+def test_overwrite_starts_clean(tmp_path, tiny_recipe_overrides, run):
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("method: dense\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    rc, _, err = run("train", recipe_file, *tiny_recipe_overrides(out))
+    assert rc == 2 and "--overwrite" in err and (out / "stale.txt").is_file()
+    rc, _, err = run("train", recipe_file, "--overwrite", *tiny_recipe_overrides(out))
+    assert rc == 0, err
+    assert not (out / "stale.txt").exists() and (out / "results.json").is_file()
