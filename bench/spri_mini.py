@@ -17,11 +17,12 @@ from pathlib import Path
 from report import write_section  # bench/report.py
 
 SYSTEMS = ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]
-# sized for about 2 hours on 2 cores (8 systems): 4 directions, 2 low-resource (sw, tl)
+# sized for about 2 hours on 2 cores (8 systems): 4 directions, 2 low-resource (sw, tl); 120 steps of 8 = one
+# epoch over 4 x 240 pairs; 32 test verses per direction
 OVERRIDES = [
-    "data.directions=[fr, de, sw, tl]", "data.train_per_direction=160", "data.test_per_direction=16",
-    "data.max_length=96", "data.max_src_chars=160", "train.steps=60", "train.batch_size=8",
-    "train.logging_steps=5", "train.eval_every=20", "train.save_every=20", "eval.kl_examples=16",
+    "data.directions=[fr, de, sw, tl]", "data.train_per_direction=240", "data.test_per_direction=32",
+    "data.max_length=96", "data.max_src_chars=160", "train.steps=120", "train.batch_size=8",
+    "train.logging_steps=5", "train.eval_every=40", "train.save_every=40", "eval.kl_examples=32",
     "eval.max_new_tokens=48", "eval.batch_size=8",
 ]
 MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
