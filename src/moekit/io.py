@@ -209,3 +209,8 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     cls = model_class(arch) if arch and not trust_remote_code else transformers.AutoModel
     return cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype,
                                trust_remote_code=trust_remote_code).eval()
+
+
+def load_model(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
+    """A moekit checkpoint (has moekit.json) or any local HF model directory (e.g. transformers' MoE families)."""
+    return load(path) if (Path(path) / "moekit.json").is_file() else load_dense(path, allow_pickle, trust_remote_code)

@@ -1,6 +1,8 @@
 """The MoE layer: a drop-in replacement for a dense FFN module (same input and output shape)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
@@ -57,11 +59,16 @@ class MoELayer(nn.Module):
         self.router, self.experts, self.shared = router, experts, shared
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         self.last_routing: RoutingInfo | None = None
+        # optional RoutingInfo -> RoutingInfo applied after the router: routing analysis uses it to
+        # permute decisions (moekit.routing.permutation) and to disable experts (moekit.select.prune)
+        self.reroute: Callable[[RoutingInfo], RoutingInfo] | None = None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (T, H)
         info = self.router(x)
+        if self.reroute is not None:
+            info = self.reroute(info)
         y = self.experts(x, info.topk_ids, info.topk_weights)  # (T, H)
         if self.shared is not None:
             y = y + self.shared(x)

@@ -85,3 +85,46 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+# transformers' own MoE families (v5 fused experts), tiny and random: for routing capture/selection tests
+_MOE = dict(_DECODER, num_hidden_layers=3, intermediate_size=48)
+
+
+def tiny_mixtral(seed: int = 0, **kw):
+    cfg = tf.MixtralConfig(**{**_MOE, "num_local_experts": 8, "num_experts_per_tok": 2, **kw})
+    return _build(tf.MixtralForCausalLM, cfg, seed)
+
+
+def tiny_qwen2_moe(seed: int = 0, **kw):
+    cfg = tf.Qwen2MoeConfig(**{**_MOE, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                               "shared_expert_intermediate_size": 48, **kw})
+    return _build(tf.Qwen2MoeForCausalLM, cfg, seed)
+
+
+def tiny_qwen3_moe(seed: int = 0, **kw):
+    cfg = tf.Qwen3MoeConfig(**{**_MOE, "head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 24, "norm_topk_prob": True, **kw})
+    return _build(tf.Qwen3MoeForCausalLM, cfg, seed)
+
+
+def tiny_olmoe(seed: int = 0, **kw):
+    cfg = tf.OlmoeConfig(**{**_MOE, "num_experts": 8, "num_experts_per_tok": 2, "pad_token_id": 1, "eos_token_id": 2, **kw})
+    return _build(tf.OlmoeForCausalLM, cfg, seed)
+
+
+def tiny_phimoe(seed: int = 0, **kw):
+    cfg = tf.PhimoeConfig(**{**_MOE, "num_local_experts": 8, "num_experts_per_tok": 2, **kw})
+    return _build(tf.PhimoeForCausalLM, cfg, seed)
+
+
+def tiny_deepseek_v3(seed: int = 0, **kw):
+    cfg = tf.DeepseekV3Config(**{**_MOE, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+                                 "topk_group": 1, "moe_intermediate_size": 24, "n_shared_experts": 1,
+                                 "first_k_dense_replace": 1, "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                 "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, **kw})
+    return _build(tf.DeepseekV3ForCausalLM, cfg, seed)
+
+
+TINY_HF_MOE = {"mixtral": tiny_mixtral, "qwen2_moe": tiny_qwen2_moe, "qwen3_moe": tiny_qwen3_moe,
+               "olmoe": tiny_olmoe, "phimoe": tiny_phimoe, "deepseek_v3": tiny_deepseek_v3}

@@ -1,0 +1,1 @@
+"""Routing capture and analysis for moekit models and transformers MoE families."""

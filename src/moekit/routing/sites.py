@@ -1,0 +1,107 @@
+"""Where a model routes: one RouterSite per MoE layer, for moekit models and transformers v5 MoE families.
+
+transformers v5 MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3, ...) hold a
+router child whose forward returns `(logits, weights, indices)` and a fused `experts` child with
+3-D parameters (expert dimension first). Sites are found by that structure, not by class name, and
+the decision is read from the router's output, never recomputed.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from ..errors import UnsupportedModelError
+from ..moe.layer import MoELayer, moe_layers
+from ..moe.router import RoutingInfo
+
+# fn(ids (T, k), weights (T, k)) after each decision
+DecisionFn = Callable[[Tensor, Tensor], None]
+# fn(logits (T, E), ids (T, k), weights (T, k)) -> (ids, weights): replaces the decision
+RerouteFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+class _ResetReroute:
+    """Handle for a moekit layer's reroute: remove() puts the router's own decision back."""
+
+    def __init__(self, block: MoELayer):
+        self.block = block
+
+    def remove(self) -> None:
+        self.block.reroute = None
+
+
+@dataclass
+class RouterSite:
+    name: str  # module path of the MoE block
+    block: nn.Module
+    router: nn.Module
+    experts: nn.Module
+    num_experts: int
+    top_k: int
+
+    @property
+    def is_moekit(self) -> bool:
+        return isinstance(self.block, MoELayer)
+
+    def on_decision(self, fn: DecisionFn) -> RemovableHandle:
+        """Call fn with this layer's decision after every forward (a shared router still reports per layer)."""
+        if self.is_moekit:
+            return self.block.register_forward_hook(
+                lambda m, args, out: fn(m.last_routing.topk_ids, m.last_routing.topk_weights))
+        return self.router.register_forward_hook(lambda m, args, out: fn(out[2], out[1]))
+
+    def reroute(self, fn: RerouteFn) -> RemovableHandle | _ResetReroute:
+        """Replace this layer's decision by fn(logits, ids, weights) until the handle is removed."""
+        if self.is_moekit:
+            block = self.block
+
+            def apply(info: RoutingInfo) -> RoutingInfo:
+                ids, weights = fn(info.logits, info.topk_ids, info.topk_weights)
+                return RoutingInfo(info.logits, ids, weights)
+
+            block.reroute = apply
+            return _ResetReroute(block)
+
+        def hook(m, args, out):
+            ids, weights = fn(out[0], out[2], out[1])
+            return out[0], weights.to(out[1].dtype), ids
+
+        return self.router.register_forward_hook(hook)
+
+
+def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
+    experts = getattr(block, "experts", None)
+    num = getattr(experts, "num_experts", None)
+    if not isinstance(experts, nn.Module) or not isinstance(num, int):
+        return None
+    if not any(p.dim() == 3 and p.shape[0] == num for p in experts.parameters(recurse=False)):
+        return None  # not fused 3-D experts (e.g. transformers 4.x ModuleList experts)
+    for child_name, child in block.named_children():
+        w = getattr(child, "weight", None)
+        if child is not experts and isinstance(w, Tensor) and w.dim() == 2 and w.shape[0] == num \
+                and isinstance(getattr(child, "top_k", None), int):
+            return RouterSite(name, block, child, experts, num, child.top_k)
+    return None
+
+
+def find_sites(model: nn.Module, layers: str | None = None) -> list[RouterSite]:
+    """Every MoE layer of `model` in module order; `layers` is an optional regex on the block path."""
+    ours = moe_layers(model)
+    if ours:
+        sites = [RouterSite(n, m, m.router, m.experts, m.router.num_experts, m.router.top_k) for n, m in ours]
+    else:
+        sites = [s for n, m in model.named_modules() if (s := _hf_site(n, m)) is not None]
+    if not sites:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no MoE layer moekit can read: expected moekit MoE layers or a "
+            "transformers v5 MoE block (router child returning (logits, weights, indices) + fused 3-D experts), "
+            "as in Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3")
+    if layers is not None:
+        sites = [s for s in sites if re.search(layers, s.name)]
+        if not sites:
+            raise UnsupportedModelError(f"no MoE layer path matches {layers!r}")
+    return sites
