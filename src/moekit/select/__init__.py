@@ -1,0 +1,1 @@
+"""Expert-subnetwork selection (RISE, ESFT, baselines), selective fine-tuning and pruning."""
