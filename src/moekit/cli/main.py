@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moekit.cli import demo, evaluate, export, inspect, listing, train, upcycle
+from moekit.cli import demo, evaluate, export, finetune, inspect, listing, select, train, upcycle
 from moekit.errors import MoekitError
 
-COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo)
+COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, select, finetune)
 
 
 def build_parser() -> argparse.ArgumentParser:
