@@ -23,7 +23,7 @@ class Selector(Config):
         raise NotImplementedError
 
     def params(self) -> dict:
-        return self.model_dump(exclude={"method"})
+        return self.model_dump(mode="json", exclude={"method"})  # JSON types, so save -> load is equal
 
 
 SELECTORS: Registry[type[Selector]] = Registry("expert selection method")
