@@ -1,13 +1,23 @@
-"""Routing statistics on hand-built traces with known closed-form values (RISE eqs. 1–4, 12; Omni-router)."""
+"""Routing statistics on hand-built traces with known closed-form values (RISE eqs. 1–4, 12; Omni-router
+Cramér's V and entropies), and the expert-permutation test (Omni-router Fig. 6) on tiny MoE models."""
 import numpy as np
 import pytest
+import torch
 
 from moekit.errors import ConfigError
+from moekit.moe.spec import MoESpec
+from moekit.routing.permutation import mean_loss, permutation_test, random_experts
 from moekit.routing.stats import (activation_frequency, adjacent_association, align_experts, contingency,
                                   cramers_v, expert_usage, global_expert_sets, jaccard, layer_regions,
                                   layerwise_jaccard, overlap_mass, region_means, token_routing_entropy, top1,
                                   usage_entropy)
 from moekit.routing.trace import RoutingTrace
+from moekit.testing import TINY_HF_MOE, tiny_llama
+from moekit.upcycle import upcycle
+
+
+def moekit_model():
+    return upcycle(tiny_llama(), MoESpec(num_experts=4, top_k=2, every=1, init={"method": "noise"})).eval()
 
 
 def make_trace(ids, lang=None, languages=("en",), token=None, num_experts=8, weights=None):
@@ -138,3 +148,40 @@ def test_token_routing_entropy_most_frequent_tokens():
     tokens, H = token_routing_entropy(trace, num_tokens=2)
     assert tokens.tolist() == [7, 9] and H.shape == (2, 2)
     np.testing.assert_allclose(H, [[0, np.log(2)], [0, np.log(2)]], atol=1e-12)
+
+
+def lm_batches(seed=0, n=2):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, 128, (2, 12), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "moekit"])
+def test_permutation_test(family):
+    model = {**TINY_HF_MOE, "moekit": moekit_model}[family]()
+    batches = lm_batches()
+    before = model(**batches[0]).logits
+    res = permutation_test(model, batches, [0.0, 0.5, 1.0], seed=3)
+    assert res.losses[0.0] == res.base == mean_loss(model, batches)  # p = 0 is the model's own routing
+    assert res.losses[1.0] != res.base and res.deltas[1.0] == res.losses[1.0] - res.base
+    assert torch.equal(model(**batches[0]).logits, before)  # every reroute hook removed
+    assert permutation_test(model, batches, [0.5], seed=3).losses[0.5] == res.losses[0.5]  # seeded
+
+
+def test_random_experts_are_distinct_and_keep_weights():
+    gen = torch.Generator().manual_seed(0)
+    logits, ids, weights = torch.randn(500, 8), torch.zeros(500, 3, dtype=torch.long), torch.rand(500, 3)
+    new_ids, new_weights = random_experts(0.5, gen)(logits, ids, weights)
+    assert new_weights is weights
+    changed = (new_ids != ids).any(-1)  # (T,)
+    assert 0.4 < changed.float().mean() < 0.6
+    assert all(len(set(row.tolist())) == 3 for row in new_ids[changed])
+    assert new_ids.max() < 8 and new_ids.dtype == ids.dtype
+
+
+def test_permutation_rate_out_of_range():
+    with pytest.raises(ConfigError, match=r"\[0, 1\]"):
+        permutation_test(moekit_model(), lm_batches(), [1.5])
