@@ -49,12 +49,12 @@ def check_target(trace: RoutingTrace, target: str) -> np.ndarray:
 
 
 def check_budget(trace: RoutingTrace, budget: int | None) -> int:
-    """The budget K as an int. ConfigError unless 1 ≤ K ≤ the number of experts over all layers."""
+    """The budget K as an int. ConfigError unless K is a whole number, 1 ≤ K ≤ the experts of all layers."""
     total = int(trace.num_experts.sum())
     if budget is None:
         raise ConfigError("this selection method needs a budget (the number of experts to select)")
-    if not 1 <= budget <= total:
-        raise ConfigError(f"budget must be between 1 and the {total} experts of the trace's "
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= total:
+        raise ConfigError(f"budget must be a whole number between 1 and the {total} experts of the trace's "
                           f"{trace.num_layers} layers, got {budget}")
     return int(budget)
 

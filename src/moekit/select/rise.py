@@ -83,7 +83,7 @@ class RISESelector(Selector):
 
     method: Literal["rise"] = "rise"
     alpha: float = Field(10.0, ge=0)
-    ratios: Triple = (0.35, 0.25, 0.40)  # (ρ_s, ρ_m, ρ_d), the authors' defaults
+    ratios: Triple = (0.35, 0.25, 0.40)  # (ρ_s, ρ_m, ρ_d), the defaults of the authors' code
     regions: Triple = (0.375, 0.25, 0.375)  # shallow/middle/deep share of the MoE layers (RISE §3)
 
     @field_validator("ratios", "regions")
@@ -109,6 +109,6 @@ class RISESelector(Selector):
                                  {r: int(np.asarray(trace.num_experts)[region == r].sum()) for r in REGIONS})
         chosen = np.zeros_like(valid)  # (L, E)
         for r in REGIONS:
-            chosen |= top(score, valid & (region == r)[:, None] & ~chosen, budgets[r])
+            chosen |= top(score, valid & (region == r)[:, None], budgets[r])
         return to_selection(trace, self, target, chosen, score, region_budgets=budgets,
                             layer_regions=region.tolist(), languages=present)
