@@ -1,0 +1,62 @@
+"""Shared by selective fine-tuning and pruning: a selection's layers as RouterSites, and saving any MoE model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..io import atomic_dir, write_checkpoint
+from ..moe.layer import moe_layers
+from ..routing.sites import RouterSite, find_sites
+from .selection import Selection
+
+PRUNED_FILE = "pruned_experts.json"
+
+
+def experts_of(selection: Selection | dict[str, list[int]]) -> dict[str, list[int]]:
+    return selection.experts if isinstance(selection, Selection) else dict(selection)
+
+
+def resolve(model: nn.Module, selection: Selection | dict[str, list[int]]) -> list[tuple[RouterSite, list[int]]]:
+    """(site, sorted expert ids) for every layer the selection names; unknown layers or ids are errors."""
+    experts = experts_of(selection)
+    sites = {s.name: s for s in find_sites(model)}
+    unknown = sorted(set(experts) - set(sites))
+    if unknown:
+        raise ConfigError(f"the selection names layers the model does not have: {unknown[:5]} "
+                          f"(the model's MoE layers: {list(sites)[:5]}{' ...' if len(sites) > 5 else ''})")
+    out = []
+    for name, ids in experts.items():
+        site = sites[name]
+        bad = [i for i in ids if not 0 <= i < site.num_experts]
+        if bad or len(set(ids)) != len(ids):
+            raise ConfigError(f"{name}: expert ids must be distinct and in [0, {site.num_experts}), got {ids}")
+        out.append((site, sorted(ids)))
+    return out
+
+
+def write_pruned(model: nn.Module, folder: Path) -> None:
+    """pruned_experts.json for a model pruned by moekit.select.prune (its routing hooks are not weights)."""
+    pruned = getattr(model, "moekit_pruned", None)
+    if pruned:
+        sel = Selection(method="pruned", budget=sum(map(len, pruned.values())), experts=pruned)
+        (folder / PRUNED_FILE).write_text(json.dumps(sel.model_dump(), indent=2))
+
+
+def save_model(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None,
+               extra: dict[str, dict] | None = None) -> Path:
+    """Save atomically: the moekit format for moekit models, save_pretrained (safetensors) for HF models,
+    with pruned_experts.json if the model is pruned. `extra` maps file names to JSON objects to add."""
+    with atomic_dir(out, overwrite) as tmp:
+        if moe_layers(model):
+            write_checkpoint(model, tmp)  # writes pruned_experts.json itself
+        else:
+            model.save_pretrained(tmp)  # transformers v5 writes safetensors only
+            write_pruned(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, obj in (extra or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2))
+    return Path(out)

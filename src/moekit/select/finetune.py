@@ -1,0 +1,186 @@
+"""Selective fine-tuning: only the selected experts train, inside fused 3-D expert tensors.
+
+All experts of a layer are one Parameter (E, ...) in moekit and transformers v5, so requires_grad
+cannot freeze one expert. `attach` parametrizes every expert tensor whose dim 0 is the expert dim
+(torch.nn.utils.parametrize, unsafe): the trainable `original` holds only the K selected rows,
+the full tensor is a frozen buffer, and the forward sees base.index_copy(0, ids, rows). Everything
+else (routers, attention, embeddings, norms, shared experts, other layers) gets requires_grad=False.
+So gradients and AdamW state scale with K, and weight decay can never reach a frozen row (RISE §4.3:
+the update is confined to the selected subnetwork). `merge` puts the trained rows back into plain
+parameters for saving and export.
+"""
+from __future__ import annotations
+
+import random
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from ..errors import ConfigError
+from ..routing.sites import RouterSite
+from .common import experts_of, resolve
+from .selection import Selection
+
+
+class ExpertRows(nn.Module):
+    """Parametrization of a stacked expert tensor (E, ...) whose trainable part is K rows (K, ...).
+
+    The full tensor is computed once per forward of the experts module (a forward pre-hook turns
+    caching on), not once per attribute access: transformers' eager experts index it per expert.
+    """
+
+    def __init__(self, base: Tensor, ids: Tensor):
+        super().__init__()
+        self.register_buffer("base", base.detach(), persistent=False)  # (E, ...) frozen, shares storage
+        self.register_buffer("ids", ids, persistent=False)  # (K,)
+        self.caching = False
+        self._full: Tensor | None = None
+
+    def forward(self, rows: Tensor) -> Tensor:
+        if self._full is not None:
+            return self._full
+        full = self.base.index_copy(0, self.ids, rows)  # (E, ...): rows in place, gradient to rows only
+        if self.caching:
+            self._full = full
+        return full
+
+    def right_inverse(self, full: Tensor) -> Tensor:
+        return full.index_select(0, self.ids)  # (K, ...)
+
+    def set_caching(self, on: bool) -> None:
+        self.caching, self._full = on, None
+
+
+@dataclass
+class SelectiveHandle:
+    """What `attach` did: the trainable row parameters, and how to undo it (`merge`)."""
+
+    model: nn.Module
+    trainable: list[nn.Parameter]
+    per_expert: dict[str, int]  # layer -> elements of one expert (all its stacked tensors)
+    experts: dict[str, list[int]]
+    _flags: list[tuple[nn.Parameter, bool]] = field(default_factory=list, repr=False)
+    _hooks: list = field(default_factory=list, repr=False)
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.trainable)
+
+    def merge(self) -> nn.Module:
+        """Plain parameters with the trained rows in place; requires_grad restored to what it was."""
+        for h in self._hooks:
+            h.remove()
+        merge(self.model)
+        for p, flag in self._flags:
+            p.requires_grad_(flag)
+        return self.model
+
+
+def _expert_tensors(site: RouterSite) -> list[str]:
+    """Names of the experts module's own parameters stacked along the expert dim (dim 0)."""
+    return [n for n, p in site.experts.named_parameters(recurse=False)
+            if p.dim() >= 1 and p.shape[0] == site.num_experts]
+
+
+def _attach_layer(site: RouterSite, ids: list[int]) -> tuple[list[nn.Parameter], list]:
+    experts, trainable, rows = site.experts, [], []
+    for name in _expert_tensors(site):
+        full = getattr(experts, name)
+        idx = torch.tensor(ids, dtype=torch.long, device=full.device)  # (K,)
+        rows.append(ExpertRows(full, idx))
+        parametrize.register_parametrization(experts, name, rows[-1], unsafe=True)
+        p = experts.parametrizations[name].original  # the same Parameter object, now (K, ...)
+        p.requires_grad_(True)
+        trainable.append(p)
+
+    hooks = [experts.register_forward_pre_hook(_caching(rows, True)),
+             experts.register_forward_hook(_caching(rows, False), always_call=True)]
+    return trainable, hooks
+
+
+def _caching(rows: list[ExpertRows], on: bool):
+    def hook(*args) -> None:
+        for r in rows:
+            r.set_caching(on)
+    return hook
+
+
+def attach(model: nn.Module, selection: Selection | dict[str, list[int]]) -> SelectiveHandle:
+    """Make only the selected experts of `model` trainable (in place); see the module docstring."""
+    if any(isinstance(m, ExpertRows) for m in model.modules()):
+        raise ConfigError("the model already has selective-training parametrizations; merge them first")
+    layers = [(site, ids) for site, ids in resolve(model, selection) if ids]
+    if not layers:
+        raise ConfigError("the selection names no experts: nothing would train")
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    trainable, hooks, per_expert = [], [], {}
+    for site, ids in layers:
+        per_expert[site.name] = sum(getattr(site.experts, n)[0].numel() for n in _expert_tensors(site))
+        params, h = _attach_layer(site, ids)
+        trainable += params
+        hooks += h
+    return SelectiveHandle(model, trainable, per_expert, {s.name: ids for s, ids in layers}, flags, hooks)
+
+
+def merge(model: nn.Module) -> int:
+    """Remove every ExpertRows parametrization, leaving plain (E, ...) parameters with the trained
+    rows in place (the same Parameter objects). Returns how many tensors were merged."""
+    n = 0
+    for module in list(model.modules()):
+        plist = getattr(module, "parametrizations", None)
+        if not parametrize.is_parametrized(module) or plist is None:
+            continue
+        for name in [k for k, v in plist.items() if len(v) == 1 and isinstance(v[0], ExpertRows)]:
+            parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+            getattr(module, name).grad = None  # a (K, ...) gradient no longer fits the (E, ...) tensor
+            n += 1
+    return n
+
+
+def encode_lines(lines: list[str], tokenizer, max_length: int) -> list[dict[str, list[int]]]:
+    """Causal-LM examples: each non-empty line + eos, truncated to max_length; labels = input_ids."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = []
+    for line in lines:
+        if line.strip():
+            ids = (tokenizer(line.strip(), add_special_tokens=False)["input_ids"] + eos)[:max_length]
+            out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]], tokenizer, lines: list[str],
+                   steps: int, lr: float = 1e-4, batch_size: int = 8, max_length: int = 128,
+                   weight_decay: float = 0.0, seed: int = 0) -> list[dict]:
+    """Train only the selected experts of `model` (in place) on plain text lines with transformers'
+    Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history."""
+    from transformers import Trainer, TrainingArguments
+
+    from ..data.parallel import TranslationCollator
+
+    data = encode_lines(lines, tokenizer, max_length)
+    if not data:
+        raise ConfigError("no training text: every line is empty")
+    if not experts_of(selection):
+        raise ConfigError("the selection is empty")
+    random.Random(seed).shuffle(data)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    handle = attach(model, selection)
+    model.train()
+    try:
+        with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
+            args = TrainingArguments(
+                output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
+                weight_decay=weight_decay, lr_scheduler_type="linear", seed=seed, data_seed=seed,
+                logging_steps=max(1, steps // 10), save_strategy="no", report_to=[], disable_tqdm=True,
+                remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=False)
+            trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad))
+            trainer.train()
+            return trainer.state.log_history
+    finally:
+        handle.merge()
+        model.eval()
