@@ -6,6 +6,7 @@ A moekit checkpoint directory holds:
                              (slot + layout), tensor aliases (tied / shared tensors stored once)
   model-0000i-of-0000n.safetensors (+ model.safetensors.index.json when sharded)
   tokenizer files, if a tokenizer was given
+  pruned_experts.json        only for pruned models (moekit.select.prune): re-applied on load
 """
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
     model.config.save_pretrained(folder)
     save_weights(tensors, folder)
     (folder / "moekit.json").write_text(json.dumps(meta, indent=2))
+    from moekit.select.common import write_pruned
+
+    write_pruned(model, folder)  # a pruned model's disabled experts, re-applied by load()
 
 
 def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
@@ -190,7 +194,15 @@ def load(folder: str | Path) -> nn.Module:
     model.tie_weights()
     if meta["spec"] is not None:
         model.moekit_spec = MoESpec.model_validate(meta["spec"])
-    return model.eval()
+    return reapply_pruning(model.eval(), folder)
+
+
+def reapply_pruning(model: nn.Module, folder: str | Path) -> nn.Module:
+    """Disable the experts a pruned checkpoint lists in pruned_experts.json (moekit.select.prune): its
+    routing hooks are not in the weights, and losing them silently would re-enable the experts."""
+    from moekit.select.prune import reapply
+
+    return reapply(model, folder)
 
 
 def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False,
@@ -207,8 +219,8 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = model_class(arch) if arch and not trust_remote_code else transformers.AutoModel
-    return cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype,
-                               trust_remote_code=trust_remote_code).eval()
+    model = cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype, trust_remote_code=trust_remote_code)
+    return reapply_pruning(model.eval(), path)
 
 
 def load_model(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:

@@ -1,0 +1,172 @@
+"""Disable experts: the router never picks them and the top-k is taken over the rest (RISE Table 5).
+
+Each layer's own scoring rule is re-applied to its logits with the disabled experts' logits at -inf
+(RouterSite.reroute), so the weights are renormalized over the remaining experts exactly as the
+family does it:
+  moekit Router                      softmax -> top-k (-> renormalize for topk_softmax)
+  Mixtral                            softmax -> top-k -> renormalize
+  Qwen2-MoE, Qwen3-MoE, OLMoE        softmax -> top-k (-> renormalize if norm_topk_prob)
+  PhiMoE                             its own sparsemixer on the masked logits
+  DeepSeek-V3                        e_score_correction_bias = -inf for disabled experts (a persistent
+                                     buffer: the pruning is in the saved weights too)
+A routing hook is not saved with the weights, so `save_pruned` writes pruned_experts.json beside
+them and moekit.io's loaders disable the same experts again when they find it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ConfigError, UnsupportedModelError
+from ..moe.router import Router
+from ..routing.sites import RerouteFn, RouterSite
+from .common import PRUNED_FILE, resolve, save_model
+from .selection import Selection
+
+
+def _softmax_rule(top_k: int, renormalize: bool, mask: Tensor) -> RerouteFn:
+    """Mixtral / Qwen-MoE / OLMoE routers with disabled experts' logits at -inf."""
+    def fn(logits: Tensor, ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        probs = torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1, dtype=torch.float)  # (T, E)
+        w, i = torch.topk(probs, top_k, dim=-1)  # (T, k)
+        if renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)  # (T, k)
+        return i, w.to(weights.dtype)
+    return fn
+
+
+def _moekit_rule(router: Router, mask: Tensor) -> RerouteFn:
+    return _softmax_rule(router.top_k, router.scoring == "topk_softmax", mask)
+
+
+def _phimoe_rule(router: nn.Module, mask: Tensor) -> RerouteFn:
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    def fn(logits: Tensor, ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        masked = logits.masked_fill(mask, float("-inf"))  # (T, E)
+        w, i = sparsemixer(masked, jitter_eps=router.router_jitter_noise, training=router.training,
+                           top_k=router.top_k)  # (T, 2), (T, 2)
+        return i, w
+    return fn
+
+
+def _hf_rules() -> dict[type, Callable[[nn.Module, Tensor], RerouteFn]]:
+    """Router class -> rule, checked against each family's modeling_*.py (transformers v5)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
+    from transformers.models.phimoe.modeling_phimoe import PhimoeTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    norm = lambda r, mask: _softmax_rule(r.top_k, bool(r.norm_topk_prob), mask)  # noqa: E731
+    return {MixtralTopKRouter: lambda r, mask: _softmax_rule(r.top_k, True, mask),
+            Qwen2MoeTopKRouter: norm, Qwen3MoeTopKRouter: norm, OlmoeTopKRouter: norm,
+            PhimoeTopKRouter: _phimoe_rule}
+
+
+def _is_deepseek_v3(router: nn.Module) -> bool:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    return type(router) is DeepseekV3TopkRouter
+
+
+def _deepseek_check(site: RouterSite, mask: Tensor) -> None:
+    """Group-limited routing: a group scores the sum of its top-2 choices (-inf with < 2 experts left)
+    and only topk_group groups are searched, so even the worst admissible choice of groups must
+    leave top_k experts."""
+    r = site.router
+    left = (~mask).view(r.num_group, -1).sum(-1).tolist()  # (G,) experts left per group
+    finite = sorted(c for c in left if c >= 2)
+    rest = sorted(c for c in left if c < 2)
+    chosen = finite[:r.topk_group] if len(finite) >= r.topk_group else finite + rest[:r.topk_group - len(finite)]
+    if sum(chosen) < r.top_k:
+        raise ConfigError(f"{site.name}: with these experts disabled, {r.topk_group} of {r.num_group} groups "
+                          f"can hold only {sum(chosen)} experts, fewer than top_k={r.top_k}")
+
+
+class PruneHandle:
+    """remove() re-enables the experts (restores DeepSeek-V3 biases, removes routing hooks)."""
+
+    def __init__(self, model: nn.Module, layers: list[str], handles: list, biases: list[tuple[Tensor, Tensor]]):
+        self.model, self.layers, self.handles, self.biases = model, layers, handles, biases
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        with torch.no_grad():
+            for buf, old in self.biases:
+                buf.copy_(old)
+        pruned = getattr(self.model, "moekit_pruned", {})
+        for name in self.layers:
+            pruned.pop(name, None)
+
+
+def _plan(site: RouterSite, ids: list[int], rules) -> tuple[Tensor, Callable | None]:
+    """The layer's disabled mask (E,) and rule factory (None for DeepSeek-V3's bias); raises if it cannot be pruned."""
+    mask = torch.zeros(site.num_experts, dtype=torch.bool, device=site.router.weight.device)  # (E,)
+    mask[ids] = True
+    if int((~mask).sum()) < site.top_k:
+        raise ConfigError(f"{site.name}: disabling {len(ids)} of {site.num_experts} experts leaves fewer "
+                          f"than top_k={site.top_k}")
+    if site.is_moekit:
+        return mask, _moekit_rule
+    if _is_deepseek_v3(site.router):
+        _deepseek_check(site, mask)
+        return mask, None
+    if type(site.router) not in rules:
+        raise UnsupportedModelError(f"{site.name}: no pruning rule for router class {type(site.router).__name__} "
+                                    f"(supported: moekit Router, DeepseekV3TopkRouter, "
+                                    f"{', '.join(c.__name__ for c in rules)})")
+    return mask, rules[type(site.router)]
+
+
+def prune(model: nn.Module, selection: Selection | dict[str, list[int]]) -> PruneHandle:
+    """Disable the selected experts of `model` (in place). Every layer is checked before any changes.
+    Layers named with an empty list get the rule too (then it decides as the model does).
+    The disabled experts are recorded in model.moekit_pruned (saved by moekit.select.common.save_model)."""
+    layers = resolve(model, selection)
+    again = [s.name for s, _ in layers if s.name in getattr(model, "moekit_pruned", {})]
+    if again:
+        raise ConfigError(f"already pruned: {again[:5]}; remove() the earlier PruneHandle and prune once with all ids")
+    rules = _hf_rules()
+    plans = [(site, ids, *_plan(site, ids, rules)) for site, ids in layers]
+    handles, biases = [], []
+    for site, ids, mask, rule in plans:
+        if rule is not None:
+            handles.append(site.reroute(rule(site.router, mask)))
+            continue
+        bias = site.router.e_score_correction_bias  # (E,)
+        biases.append((bias, bias.detach().clone()))
+        with torch.no_grad():
+            bias.masked_fill_(mask, float("-inf"))  # scores + bias: never chosen; weights use the plain scores
+    if not hasattr(model, "moekit_pruned"):
+        model.moekit_pruned = {}
+    model.moekit_pruned.update({site.name: ids for site, ids in layers})
+    return PruneHandle(model, [s.name for s, _ in layers], handles, biases)
+
+
+def save_pruned(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
+    """Save a pruned model with its pruned_experts.json (moekit format or save_pretrained)."""
+    if not getattr(model, "moekit_pruned", None):
+        raise ConfigError("the model has no pruned experts; call moekit.select.prune.prune first")
+    return save_model(model, out, overwrite, tokenizer)
+
+
+def reapply(model: nn.Module, folder: str | Path) -> nn.Module:
+    """Disable the experts listed in folder/pruned_experts.json, if there is one (moekit.io calls this)."""
+    f = Path(folder) / PRUNED_FILE
+    if f.is_file():
+        prune(model, Selection.load(f))
+    return model
+
+
+def load_pruned(folder: str | Path) -> nn.Module:
+    """Load a model saved by save_pruned (or `moekit prune`) with the same experts disabled."""
+    from ..io import load_model
+
+    if not (Path(folder) / PRUNED_FILE).is_file():
+        raise ConfigError(f"{folder} has no {PRUNED_FILE}: not a pruned model")
+    return load_model(folder)  # re-applies the pruning
