@@ -5,9 +5,9 @@ cannot freeze one expert. `attach` parametrizes every expert tensor whose dim 0 
 (torch.nn.utils.parametrize, unsafe): the trainable `original` holds only the K selected rows,
 the full tensor is a frozen buffer, and the forward sees base.index_copy(0, ids, rows). Everything
 else (routers, attention, embeddings, norms, shared experts, other layers) gets requires_grad=False.
-So gradients and AdamW state scale with K, and weight decay can never reach a frozen row (RISE §4.3:
-the update is confined to the selected subnetwork). `merge` puts the trained rows back into plain
-parameters for saving and export.
+So gradients and AdamW state scale with K, and weight decay can never reach a frozen row: the update
+is confined to the selected subnetwork (the premise of RISE Theorem 1). `merge` puts the trained
+rows back into plain parameters for saving and export.
 """
 from __future__ import annotations
 
