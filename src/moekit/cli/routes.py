@@ -1,0 +1,107 @@
+"""`moekit routes collect|report`: record routing traces of per-language text, and report on them."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moekit.cli.common import err_console, load_tokenizer, out_console
+from moekit.errors import CheckpointError, ConfigError
+
+
+def lang_file(text: str) -> tuple[str, Path]:
+    lang, sep, path = text.partition("=")
+    if not sep or not lang or not path:
+        raise argparse.ArgumentTypeError(f"expected LANG=FILE, got {text!r}")
+    return lang, Path(path)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("routes", help="record and analyze MoE routing",
+                       description="Record which experts an MoE model routes each token of per-language texts "
+                                   "to (collect), and write figures and metrics about it (report).")
+    rsub = p.add_subparsers(dest="routes_command", required=True, metavar="SUBCOMMAND")
+    c = rsub.add_parser("collect", help="record a routing trace (.npz) of per-language text files",
+                        description="Run the model on every line of each FILE (one text per line) and save the "
+                                    "top-k experts and weights of every MoE layer for every token.")
+    c.add_argument("--model", required=True, help="moekit checkpoint or HF MoE model directory (with tokenizer)")
+    c.add_argument("--texts", required=True, nargs="+", type=lang_file, metavar="LANG=FILE")
+    c.add_argument("--out", required=True, help="trace file (.npz)")
+    c.add_argument("--max-length", type=int, default=256, help="truncate texts to this many tokens")
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--max-texts", type=int, help="use at most this many texts per language")
+    c.add_argument("--layers", help="regular expression on the MoE layer paths to record")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing trace file")
+    c.set_defaults(run=run_collect)
+    r = rsub.add_parser("report", help="figures, report.md and metrics.json of a trace",
+                        description="Language routing isolation (RISE), layer-wise similarity, expert usage, "
+                                    "Cramér's V of adjacent layers and routing entropy (Omni-router).")
+    r.add_argument("trace", help="trace file from `moekit routes collect`")
+    r.add_argument("--out", required=True, help="output directory")
+    r.add_argument("--reference", help="reference language of the layer-wise similarity (default: most tokens)")
+    r.add_argument("--top-k-set", type=int, help="K of the global expert sets (default: layers × top-k)")
+    r.add_argument("--selection", help="selection JSON (`moekit select ...`): adds Ω and the selected-expert map")
+    r.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    r.set_defaults(run=run_report)
+
+
+def read_texts(path: Path, limit: int | None) -> list[str]:
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read texts from {path}: {e}") from None
+    texts = [t for t in lines if t][:limit]
+    if not texts:
+        raise ConfigError(f"{path} has no texts (one per line)")
+    return texts
+
+
+def collect(model, tok, texts: dict[str, list[str]], max_length: int, batch_size: int, layers: str | None):
+    """A RoutingTrace of every language's texts, batch by batch."""
+    from moekit.routing.capture import RoutingCapture
+
+    device = next(model.parameters()).device
+    with RoutingCapture(model, layers) as cap:
+        for lang, lines in texts.items():
+            for i in range(0, len(lines), batch_size):
+                enc = tok(lines[i:i + batch_size], return_tensors="pt", padding=True, truncation=True,
+                          max_length=max_length)
+                cap.run(enc["input_ids"].to(device), enc["attention_mask"].to(device), language=lang)
+    return cap.trace()
+
+
+def run_collect(args: argparse.Namespace) -> None:
+    from moekit.io import check_output_dir, load_model
+
+    if args.max_length < 1 or args.batch_size < 1 or (args.max_texts is not None and args.max_texts < 1):
+        raise ConfigError("--max-length, --batch-size and --max-texts must be ≥ 1")
+    check_output_dir(args.out, args.overwrite)
+    texts = {lang: read_texts(path, args.max_texts) for lang, path in args.texts}
+    tok = load_tokenizer(args.model)
+    if tok is None:
+        raise CheckpointError(f"{args.model} has no tokenizer files")
+    if tok.pad_token is None:  # batches need padding; the attention mask keeps pads out of the trace
+        if tok.eos_token is None:
+            raise CheckpointError(f"the tokenizer of {args.model} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    with err_console().status(f"recording routing of {sum(map(len, texts.values()))} texts"):
+        trace = collect(load_model(args.model), tok, texts, args.max_length, args.batch_size, args.layers)
+    trace.meta.update(model=str(args.model), max_length=args.max_length)
+    trace.save(args.out)
+    counts = ", ".join(f"{lang} {int(trace.language_mask(lang).sum())}" for lang in trace.languages)
+    out_console().print(f"{args.out}: {trace.num_tokens} tokens ({counts}), {trace.num_layers} MoE layers, "
+                        f"top-{trace.top_k} of {int(trace.num_experts.max())} experts")
+
+
+def run_report(args: argparse.Namespace) -> None:
+    from moekit.routing.report import write_report
+    from moekit.routing.trace import RoutingTrace
+
+    trace = RoutingTrace.load(args.trace)
+    experts = target = None
+    if args.selection is not None:
+        from moekit.select.selection import Selection
+
+        sel = Selection.load(args.selection)
+        experts, target = sel.experts, sel.target if sel.target in trace.languages else None
+    out = write_report(trace, args.out, args.reference, args.top_k_set, experts, target, overwrite=args.overwrite)
+    out_console().print(f"wrote {out}/report.md, metrics.json and figures")
