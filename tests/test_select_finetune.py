@@ -53,9 +53,11 @@ def test_only_selected_rows_change(family):
     model = MODELS[family]()
     sel = selection_for(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    per_expert = {n: sum(before[k][0].numel() for k in expert_tensor_names(model, n)) for n in sel}
     handle = attach(model, sel)
-    assert handle.num_trainable == sum(len(ids) * handle.per_expert[name] for name, ids in sel.items())
-    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == handle.num_trainable
+    assert handle.per_expert == per_expert
+    expected = sum(len(ids) * per_expert[name] for name, ids in sel.items())
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == handle.num_trainable == expected
     adamw_steps(model, [p for p in model.parameters() if p.requires_grad])
     handle.merge()
     after = model.state_dict()
