@@ -129,7 +129,8 @@ def attach(model: nn.Module, selection: Selection | dict[str, list[int]]) -> Sel
 
 def merge(model: nn.Module) -> int:
     """Remove every ExpertRows parametrization, leaving plain (E, ...) parameters with the trained
-    rows in place (the same Parameter objects). Returns how many tensors were merged."""
+    rows in place (the same Parameter objects). Returns how many tensors were merged.
+    SelectiveHandle.merge also removes the caching hooks and restores every requires_grad flag."""
     n = 0
     for module in list(model.modules()):
         plist = getattr(module, "parametrizations", None)
