@@ -1,6 +1,7 @@
 """Helpers shared by the commands: consoles, number formatting, tokenizer discovery."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import sys
@@ -45,3 +46,11 @@ def load_tokenizer(folder: str | Path):
             return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{folder} has tokenizer files but they do not load: {e}") from None
+
+
+def lang_file(text: str) -> tuple[str, Path]:
+    """argparse type for LANG=FILE."""
+    lang, sep, path = text.partition("=")
+    if not sep or not lang or not path:
+        raise argparse.ArgumentTypeError(f"expected LANG=FILE, got {text!r}")
+    return lang, Path(path)

@@ -5,15 +5,8 @@ import argparse
 import time
 from pathlib import Path
 
-from moekit.cli.common import err_console, human, load_tokenizer, out_console
+from moekit.cli.common import lang_file, err_console, human, load_tokenizer, out_console
 from moekit.errors import CheckpointError, ConfigError
-
-
-def lang_file(text: str) -> tuple[str, Path]:
-    lang, sep, path = text.partition("=")
-    if not sep or not lang or not path:
-        raise argparse.ArgumentTypeError(f"expected LANG=FILE, got {text!r}")
-    return lang, Path(path)
 
 
 def add_parser(sub) -> None:

@@ -4,15 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moekit.cli.common import err_console, load_tokenizer, out_console
+from moekit.cli.common import lang_file, err_console, load_tokenizer, out_console
 from moekit.errors import CheckpointError, ConfigError
-
-
-def lang_file(text: str) -> tuple[str, Path]:
-    lang, sep, path = text.partition("=")
-    if not sep or not lang or not path:
-        raise argparse.ArgumentTypeError(f"expected LANG=FILE, got {text!r}")
-    return lang, Path(path)
 
 
 def add_parser(sub) -> None:
