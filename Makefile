@@ -4,7 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install sysdeps test demo bench clean
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+SYSDEPS := espeak-ng flite sox
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,12 +16,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) sysdeps
 
-test: $(STAMP)
+# speech synthesis for the speech corpora (moekit.speech): Debian packages, installed once
+sysdeps:
+	@command -v espeak-ng >/dev/null && command -v flite >/dev/null && command -v sox >/dev/null || \
+	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(SYSDEPS); }
+
+test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -n 2 -q tests
 
-demo: $(STAMP)
+demo: $(STAMP) sysdeps
 	$(BIN)/moekit demo --overwrite
 
 clean:
