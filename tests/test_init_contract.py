@@ -15,7 +15,7 @@ from moekit.upcycle import layer_generator, upcycle
 E, K = 4, 2
 METHODS = EXPERT_INITS.names()
 # methods whose routed experts depend on the seed (the others copy or scale the dense FFN)
-RANDOM_EXPERTS = {"drop", "noise", "spri"}
+RANDOM_EXPERTS = {"drop", "noise", "scratch", "spri"}
 FAMILIES = ["llama", "gpt2"]  # gated without biases, non-gated with biases (Conv1D)
 
 

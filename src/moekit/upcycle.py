@@ -67,6 +67,20 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
     return router
 
 
+def router_groups(slots: list[Slot], spec: MoESpec) -> dict[str, str | None]:
+    """{FFN path: its router-sharing group (None: own router)}; a group's layers need one hidden size."""
+    groups = {slot.path: spec.router_group(slot.path) for slot in slots}
+    sizes: dict[str, set[int]] = {}
+    for slot in slots:
+        if groups[slot.path] is not None:
+            sizes.setdefault(groups[slot.path], set()).add(slot.read().hidden_size)
+    for group, hidden in sizes.items():
+        if len(hidden) > 1:
+            raise ConfigError(f"router_sharing group {group!r} spans hidden sizes {sorted(hidden)}; "
+                              "one router needs one hidden size")
+    return groups
+
+
 @cache
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
@@ -99,11 +113,13 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
             raise ConfigError(f"{spec.init.method} needs {spec.num_experts} branch models, got {len(branches or [])}")
         branch_slots = [{s.path: s for s in find_slots(b)} for b in branches]
         average_branches(model, branches, [s.path for s in slots])
-    shared_router = None
+    groups = router_groups(slots, spec)  # checked before any layer changes
+    routers: dict[str, Router] = {}  # router-sharing group -> its router (Omni-router)
     for slot in slots:
-        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], shared_router)
-        if spec.router_sharing == "all":
-            shared_router = router
+        group = groups[slot.path]
+        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], routers.get(group))
+        if group is not None:
+            routers.setdefault(group, router)
         release_freed_memory()  # this layer's temporaries are gone: hand them back before the next
         if progress:
             progress(slot.path)

@@ -97,8 +97,8 @@ def _check_routers(fmt: str, model: nn.Module, moes: list[MoELayer]) -> None:
     spec = getattr(model, "moekit_spec", None)
     ids = {id(m.router) for m in moes}
     if (spec is not None and spec.router_sharing != "none") or len(ids) < len(moes):
-        raise refuse(fmt, "routers are shared between layers (router_sharing); native formats have one "
-                     "router per layer")
+        raise refuse(fmt, "routers are shared between layers (router_sharing, Omni-router); native formats have "
+                     "one router per layer, and untied copies would train differently from the shared router")
 
 
 def _one(fmt: str, what: str, values: list):

@@ -25,6 +25,12 @@ class MoESpec(Config):
     `every=N` makes block i an MoE layer when (i + 1) % N == 0 (Qwen-MoE's decoder_sparse_step),
     `layers=[...]` lists block indices, neither means all. `target` is a regular expression the
     FFN's module path must match (e.g. "encoder" for Whisper's encoder only).
+
+    `router_sharing` (Omni-router, Gu et al. 2025, eq. 4.1): "none" gives every MoE layer its own
+    router; "all" makes one router module serve every MoE layer (each feeds it its own hidden
+    state); a mapping {group name: regular expression} shares one router among the MoE layers whose
+    path matches the group's expression (e.g. {"enc": "encoder", "dec": "decoder"} for Whisper);
+    layers matching no group keep their own router, a layer matching two groups is an error.
     """
 
     num_experts: int = Field(8, ge=1)
@@ -34,7 +40,7 @@ class MoESpec(Config):
     target: str | None = None
     shared_expert: bool = False
     router: RouterSpec = RouterSpec()
-    router_sharing: Literal["none", "all"] = "none"
+    router_sharing: Literal["none", "all"] | dict[str, str] = "none"
     init: SerializeAsAny[Any] = Field("naive", validate_default=True)
     seed: int = 0
 
@@ -65,6 +71,19 @@ class MoESpec(Config):
                 raise ValueError(f"target is not a valid regular expression: {e}") from None
         return v
 
+    @field_validator("router_sharing")
+    @classmethod
+    def _check_groups(cls, v: str | dict[str, str]) -> str | dict[str, str]:
+        if isinstance(v, dict):
+            if not v:
+                raise ValueError('router_sharing groups must not be empty (use "none")')
+            for name, pattern in v.items():
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ValueError(f"router_sharing group {name!r} is not a valid regular expression: {e}") from None
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
@@ -83,6 +102,17 @@ class MoESpec(Config):
     @property
     def router_init(self) -> str:
         return self.router.init or self.init.default_router_init
+
+    def router_group(self, path: str) -> str | None:
+        """The name of the router-sharing group of the MoE layer at `path` (None: a router of its own)."""
+        if self.router_sharing == "none":
+            return None
+        if self.router_sharing == "all":
+            return "all"
+        groups = [name for name, pattern in self.router_sharing.items() if re.search(pattern, path)]
+        if len(groups) > 1:
+            raise ConfigError(f"MoE layer {path} matches several router_sharing groups: {', '.join(groups)}")
+        return groups[0] if groups else None
 
     def selects(self, index: int, path: str) -> bool:
         """Whether block `index` of its stack (FFN at module path `path`) becomes an MoE layer."""
