@@ -10,6 +10,7 @@ A moekit checkpoint directory holds:
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -149,10 +150,26 @@ def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=N
     return Path(out)
 
 
-def model_class(name: str) -> type[nn.Module]:
-    cls = getattr(transformers, name, None)
+# moekit's own architectures (transformers PreTrainedModels that transformers does not ship):
+# config model_type -> the module that defines them and registers their config with AutoConfig
+NATIVE_MODULES = {"moekit_ctc": "moekit.speech.ctc"}
+
+
+def _native_module(folder: Path):
+    """Import (and so register) the moekit module of `folder`'s config model_type, if it is one of ours."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # AutoConfig reports the problem
+    return importlib.import_module(NATIVE_MODULES[model_type]) if model_type in NATIVE_MODULES else None
+
+
+def model_class(name: str, folder: Path | None = None) -> type[nn.Module]:
+    """A transformers model class by name, or one of moekit's own (see NATIVE_MODULES) for `folder`."""
+    native = None if folder is None else _native_module(folder)
+    cls = getattr(transformers, name, None) or getattr(native, name, None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise CheckpointError(f"model class {name!r} is not a transformers model class "
+        raise CheckpointError(f"model class {name!r} is not a transformers or moekit model class "
                               "(custom code is not loaded)")
     return cls
 
@@ -181,9 +198,10 @@ def load(folder: str | Path) -> nn.Module:
     """Load a moekit checkpoint; outputs are bit-identical to the saved model's."""
     folder = Path(folder)
     meta = read_meta(folder)
+    cls = model_class(meta["architecture"], folder)
     config = transformers.AutoConfig.from_pretrained(folder)
     with no_init_weights():  # _from_config builds in config.dtype (e.g. bf16), as from_pretrained does
-        model = model_class(meta["architecture"])._from_config(config)
+        model = cls._from_config(config)
     routers = {}
     for e in meta["layers"]:
         moe = from_layout(e["layout"], router=routers.get(e["router_of"]))
@@ -216,9 +234,10 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
         found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}))
         raise CheckpointError(f"{path} has no safetensors weights{f' (found {found})' if found else ''}; pickle "
                               "checkpoints can run arbitrary code: pass --allow-pickle only if you trust them")
+    _native_module(path)
     config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = model_class(arch) if arch and not trust_remote_code else transformers.AutoModel
+    cls = model_class(arch, path) if arch and not trust_remote_code else transformers.AutoModel
     model = cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype, trust_remote_code=trust_remote_code)
     return reapply_pruning(model.eval(), path)
 

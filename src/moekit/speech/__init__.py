@@ -1,0 +1,1 @@
+"""Speech: TTS corpora, features, text normalization and WER, the CTC encoder model, Whisper helpers."""
