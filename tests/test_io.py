@@ -180,7 +180,7 @@ def test_load_rejects_non_moekit_dirs(tmp_path):
     with pytest.raises(CheckpointError, match="format"):
         mio.load(out)
     (out / "moekit.json").write_text(json.dumps({**meta, "architecture": "os"}))
-    with pytest.raises(CheckpointError, match="not a transformers model class"):
+    with pytest.raises(CheckpointError, match="not a transformers or moekit model class"):
         mio.load(out)
 
 
