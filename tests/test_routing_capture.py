@@ -97,3 +97,25 @@ def test_errors(tmp_path):
         RoutingTrace.load(tmp_path / "bad.npz")
     with pytest.raises(TraceError, match="nothing recorded"):
         RoutingCapture(moekit_model()).trace()
+
+
+def test_speech_encoder_frames_without_token_ids():
+    """A CTC encoder routes frames, not tokens: record(None, frame_mask) files them with token id -1."""
+    from moekit.speech.ctc import CTCConfig, CTCEncoderForASR
+
+    torch.manual_seed(0)
+    cfg = CTCConfig(input_dim=12, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                    vocab_size=6, dropout=0.0)
+    model = upcycle(CTCEncoderForASR(cfg), MoESpec(num_experts=4, top_k=1, init={"method": "scratch"})).eval()
+    feats, mask = torch.randn(2, 5, 12), torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    with RoutingCapture(model) as cap:
+        model(input_features=feats, attention_mask=mask)
+        cap.record(None, mask, language="sw")
+    trace = cap.trace()
+    assert trace.num_tokens == 7 and set(trace.token.tolist()) == {-1}
+    info = find_sites(model)[1].block.last_routing
+    np.testing.assert_array_equal(trace.ids[1], info.topk_ids[mask.reshape(-1).bool()].numpy())
+    with pytest.raises(TraceError, match="needs input_ids or an attention_mask"):
+        with RoutingCapture(model) as cap:
+            model(input_features=feats)
+            cap.record(None, None, language="sw")

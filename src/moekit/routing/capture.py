@@ -9,6 +9,13 @@ from .sites import find_sites
 from .trace import RoutingTrace, TraceError
 
 
+def _tokens(input_ids: Tensor | None, mask: Tensor) -> np.ndarray:
+    """The token ids at the kept positions, or -1 for models without token ids."""
+    if input_ids is None:
+        return np.full(int(mask.sum()), -1, dtype=np.int32)
+    return input_ids.cpu()[mask].numpy().astype(np.int32)
+
+
 class RoutingCapture:
     """Context manager recording the top-k ids and weights of every MoE layer for non-padding tokens.
 
@@ -43,12 +50,16 @@ class RoutingCapture:
             self._pending[i] = (ids.detach(), weights.detach())
         return keep
 
-    def record(self, input_ids: Tensor, attention_mask: Tensor | None, language: str,
+    def record(self, input_ids: Tensor | None, attention_mask: Tensor | None, language: str,
                sample_ids: Tensor | None = None) -> None:
-        """File the decisions of the forward that just ran: input_ids/attention_mask (B, S)."""
+        """File the decisions of the forward that just ran: input_ids/attention_mask (B, S). Models without
+        token ids (speech encoders: one position per frame) pass input_ids=None and the frame mask; their
+        trace stores token id -1."""
         if any(p is None for p in self._pending):
             raise TraceError("record() called before a forward pass reached every MoE layer")
-        b, s = input_ids.shape
+        if input_ids is None and attention_mask is None:
+            raise TraceError("record() needs input_ids or an attention_mask of shape (batch, positions)")
+        b, s = (input_ids if input_ids is not None else attention_mask).shape
         mask = (torch.ones(b, s, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu())
         flat = mask.reshape(-1)  # (B*S,)
         k = max(p[0].shape[-1] for p in self._pending)
@@ -66,7 +77,7 @@ class RoutingCapture:
         if language not in self._languages:
             self._languages.append(language)
         pos = torch.arange(s).expand(b, s)
-        self._parts.append(dict(ids=ids, weights=weights, token=input_ids.cpu()[mask].numpy().astype(np.int32),
+        self._parts.append(dict(ids=ids, weights=weights, token=_tokens(input_ids, mask),
                                 sample=sample_ids[:, None].expand(b, s)[mask].numpy().astype(np.int32),
                                 position=pos[mask].numpy().astype(np.int32),
                                 lang=np.full(int(flat.sum()), self._languages.index(language), dtype=np.int16)))
