@@ -27,3 +27,7 @@ class CheckpointError(MoekitError):
 
 class AssetError(MoekitError):
     """A built-in asset could not be fetched or converted."""
+
+
+class ToolError(MoekitError):
+    """An external program (espeak-ng, flite, sox) is missing or failed."""
