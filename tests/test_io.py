@@ -257,3 +257,17 @@ def test_kl_by_hand_and_ignores_masked_positions():
     labels2 = torch.tensor([[5, -100, 7], [5, 6, -100]])  # scores (0,1) and (1,0)
     expected = (expected_1 + per_pos[0, 0].item()) / 2
     assert kl_dense_moe(dense2, moe2, labels2).item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_generation_config_survives_save_and_load(tmp_path):
+    from moekit.testing import tiny_whisper
+
+    from transformers import GenerationConfig
+
+    model = tiny_whisper()
+    model.generation_config = GenerationConfig(decoder_start_token_id=1, lang_to_id={"<|en|>": 5, "<|sw|>": 6},
+                                               no_timestamps_token_id=7)  # as a real Whisper checkpoint has
+    moe = upcycle(model, _spec(init="naive"))
+    loaded = mio.load(mio.save(moe, tmp_path / "w"))
+    assert loaded.generation_config.lang_to_id == {"<|en|>": 5, "<|sw|>": 6}
+    assert loaded.generation_config.no_timestamps_token_id == 7

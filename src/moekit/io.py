@@ -2,6 +2,7 @@
 
 A moekit checkpoint directory holds:
   config.json                the dense base model's HF config (unchanged)
+  generation_config.json     for models that generate (e.g. Whisper's language and task tokens)
   moekit.json                format version, model class, MoE spec, one entry per MoE layer
                              (slot + layout), tensor aliases (tied / shared tensors stored once)
   model-0000i-of-0000n.safetensors (+ model.safetensors.index.json when sharded)
@@ -132,6 +133,8 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
             "layers": entries, "aliases": aliases}
     model.config.dtype = str(model.dtype).removeprefix("torch.")  # as save_pretrained does; load builds in it
     model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)  # e.g. Whisper's language and task tokens
     save_weights(tensors, folder)
     (folder / "moekit.json").write_text(json.dumps(meta, indent=2))
     from moekit.select.common import write_pruned
@@ -210,6 +213,8 @@ def load(folder: str | Path) -> nn.Module:
         slot_at(model, e["stack"], e["index"], e["adapter"]).install(moe)
     load_state(model, folder, meta)
     model.tie_weights()
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
     if meta["spec"] is not None:
         model.moekit_spec = MoESpec.model_validate(meta["spec"])
     return reapply_pruning(model.eval(), folder)

@@ -155,12 +155,30 @@ def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
     )
 
 
+def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
+    """MoETrainer for a recipe (translation or ASR): its freeze schedule, aux losses and a quiet progress bar."""
+    if recipe.freeze.schedule != "none":
+        callbacks = [*callbacks, FreezeCallback(model, recipe.freeze)]
+    trainer = MoETrainer(model=model, args=training_args(recipe, Path(recipe.out)), train_dataset=dataset,
+                         data_collator=collator, aux=recipe.aux, callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(QuietProgress)
+    return trainer
+
+
+def prepare_out(out: Path, overwrite: bool, resume: bool) -> str | None:
+    """The checkpoint to resume from (with `resume`), or None after checking that `out` may be written
+    (an existing run is removed with `overwrite`, so stale checkpoints are never resumed later)."""
+    last = get_last_checkpoint(str(out / "checkpoints")) if resume and (out / "checkpoints").is_dir() else None
+    if last is None and is_main_process() and check_output_dir(out, overwrite).exists():
+        shutil.rmtree(out)
+    return last
+
+
 def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbacks=()) -> MoETrainer:
     """Train `recipe` and evaluate the result; with `resume`, continue from the last checkpoint."""
     out = Path(recipe.out)
-    last = get_last_checkpoint(str(out / "checkpoints")) if resume and (out / "checkpoints").is_dir() else None
-    if last is None and is_main_process() and check_output_dir(out, overwrite).exists():
-        shutil.rmtree(out)  # overwrite: start clean (stale checkpoints must not be resumed later)
+    last = prepare_out(out, overwrite, resume)
     path = resolve_model(recipe.model.path)
     tok = load_tokenizer(path)
     train_pairs, test = load_pairs(recipe.data)
@@ -173,14 +191,8 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     ref = dense_reference(recipe, model, tok, test, resumed=last is not None)  # before adapting
     model = adapt(recipe, model)
     evaluator = EvalCallback(recipe, tok, test, ref)
-    cbs = [evaluator, *callbacks]
-    if recipe.freeze.schedule != "none":
-        cbs.append(FreezeCallback(model, recipe.freeze))
-    trainer = MoETrainer(model=model, args=training_args(recipe, out), train_dataset=dataset,
-                         data_collator=TranslationCollator(tok.pad_token_id), aux=recipe.aux, callbacks=cbs)
+    trainer = make_trainer(recipe, model, dataset, TranslationCollator(tok.pad_token_id), [evaluator, *callbacks])
     evaluator.trainer = trainer
-    trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(QuietProgress)
     trainer.train(resume_from_checkpoint=last)
     trainer.results = finish(recipe, trainer, tok, test, ref)
     return trainer
