@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moekit.cli import demo, evaluate, export, finetune, inspect, listing, routes, select, train, upcycle
+from moekit.cli import demo, evaluate, export, finetune, inspect, listing, routes, select, speech, train, upcycle
 from moekit.errors import MoekitError
 
-COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, select, finetune)
+COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, select, finetune, speech)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,258 @@
+"""Synthetic multilingual speech corpora: texts (verse-aligned Bible or the user's files) spoken by
+espeak-ng voices, with held-out texts and held-out voices for testing.
+
+A corpus directory holds
+  manifest.jsonl            one JSON object per utterance: id, audio (relative path), text, text_id,
+                            lang, voice (Voice.id), family ("espeak-ng" | "flite"), split
+                            ("train" | "test"), seconds
+  audio/<lang>/<id>.wav     16 kHz mono 16-bit PCM
+  corpus.json               the config, utterance counts, voices and total hours
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import wave
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from pydantic import Field, model_validator
+
+from moekit.config import Config
+from moekit.data.parallel import BIBLE_CODE, LANG_NAMES
+from moekit.errors import ConfigError
+from moekit.io import atomic_dir, check_output_dir
+from moekit.speech.tts import ESPEAK_LANG, SAMPLE_RATE, Voice, flite_voices, max_voices, require, synthesize, \
+    voices_for
+
+Progress = Callable[[int, int], None]
+FIELDS = ("id", "audio", "text", "text_id", "lang", "voice", "family", "split", "seconds")
+
+
+class CorpusConfig(Config):
+    """What to synthesize. Texts come from the verse-aligned Bible DB (`moekit.assets`) unless
+    `texts` maps every language to a UTF-8 file with one sentence per line."""
+
+    langs: list[str] = Field(min_length=1)
+    voices: int = Field(4, ge=1)  # training voices per language
+    test_voices: int = Field(1, ge=1)  # held-out voices per language (never used for training)
+    train_per_lang: int = Field(200, ge=1)
+    test_per_lang: int = Field(50, ge=1)
+    texts: dict[str, str] = Field(default_factory=dict)  # LANG -> text file; empty = Bible
+    books: list[int] | None = None  # Bible books to draw from (1 = Genesis ... 66); None = all
+    max_chars: int = Field(200, ge=10)  # longer texts are skipped
+    flite_test: bool = False  # English: also speak the test texts with flite (a voice family unseen in training)
+    seed: int = 0
+    workers: int = Field(2, ge=1)  # parallel synthesis processes
+
+    @model_validator(mode="after")
+    def _check(self) -> CorpusConfig:
+        unknown = [lang for lang in self.langs if lang not in LANG_NAMES]
+        if unknown:
+            raise ValueError(f"unknown languages {unknown}; known: {', '.join(sorted(LANG_NAMES))}")
+        if len(set(self.langs)) != len(self.langs):
+            raise ValueError(f"languages repeat: {self.langs}")
+        unvoiced = [lang for lang in self.langs if lang not in ESPEAK_LANG]
+        if unvoiced:
+            raise ValueError(f"no espeak-ng voice for {unvoiced}; voiced: {', '.join(sorted(ESPEAK_LANG))}")
+        if self.voices + self.test_voices > max_voices():
+            raise ValueError(f"voices + test_voices must be at most {max_voices()}")
+        if self.flite_test and "en" not in self.langs:
+            raise ValueError("flite_test speaks English test texts: add en to langs")
+        if any(not 1 <= b <= 66 for b in self.books or []):
+            raise ValueError("books are numbered 1 (Genesis) to 66 (Revelation)")
+        if self.texts:
+            self._check_files()
+        elif any(lang not in BIBLE_CODE for lang in self.langs):
+            raise ValueError(f"no Bible translation for {[x for x in self.langs if x not in BIBLE_CODE]}")
+        return self
+
+    def _check_files(self) -> None:
+        if set(self.texts) != set(self.langs):
+            raise ValueError(f"texts must give one file for each language {self.langs}, got {sorted(self.texts)}")
+        missing = [f for f in self.texts.values() if not Path(f).is_file()]
+        if missing:
+            raise ValueError(f"text files not found: {missing}")
+
+
+@dataclass(frozen=True)
+class Utterance:
+    id: str
+    audio: Path  # absolute
+    text: str
+    text_id: str  # e.g. "40:5:3" (book:chapter:verse, the same content in every language) or "file.txt:12"
+    lang: str
+    voice: str  # Voice.id
+    family: str  # "espeak-ng" | "flite"
+    split: str  # "train" | "test"
+    seconds: float
+
+
+class _Job(NamedTuple):
+    id: str
+    lang: str
+    split: str
+    text_id: str
+    text: str
+    voice: Voice
+
+
+def clean(text: str) -> str:
+    """Brackets removed (their content kept: it is spoken, and Whisper's normalizers would drop a
+    bracketed span from the reference), whitespace collapsed."""
+    return " ".join(re.sub(r"[()\[\]{}<>]", " ", text).split())
+
+
+def _bible_texts(cfg: CorpusConfig) -> dict[str, list[tuple[str, str]]]:
+    from moekit.assets import bible_verses
+
+    return {lang: [(f"{v.book}:{v.chapter}:{v.verse}", v.text) for v in bible_verses(BIBLE_CODE[lang], cfg.books)]
+            for lang in cfg.langs}
+
+
+def _file_texts(cfg: CorpusConfig) -> dict[str, list[tuple[str, str]]]:
+    out = {}
+    for lang, name in cfg.texts.items():
+        path = Path(name)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read texts from {path}: {e}") from None
+        out[lang] = [(f"{path.name}:{n}", line) for n, line in enumerate(lines, 1)]
+    return out
+
+
+def _usable(texts: list[tuple[str, str]], max_chars: int) -> dict[str, str]:
+    """text_id -> cleaned text, for non-empty texts of at most max_chars; a repeated text is kept only
+    at its first occurrence (so held-out texts never reappear in training)."""
+    out, seen = {}, set()
+    for tid, text in texts:
+        text = clean(text)
+        if text and len(text) <= max_chars and text not in seen:
+            out[tid] = text
+            seen.add(text)
+    return out
+
+
+def split_texts(cfg: CorpusConfig) -> dict[str, tuple[list[tuple[str, str]], list[tuple[str, str]]]]:
+    """{lang: (train, test)} lists of (text_id, text), disjoint, drawn with `seed`. Bible texts use the
+    same verse ids in every language (aligned content); text files are drawn per language."""
+    raw = _file_texts(cfg) if cfg.texts else _bible_texts(cfg)
+    usable = {lang: _usable(texts, cfg.max_chars) for lang, texts in raw.items()}
+    if not cfg.texts:  # aligned: only verses usable in every language
+        common = [tid for tid in usable[cfg.langs[0]] if all(tid in u for u in usable.values())]
+        usable = {lang: {tid: u[tid] for tid in common} for lang, u in usable.items()}
+    need, out = cfg.train_per_lang + cfg.test_per_lang, {}
+    for lang in cfg.langs:
+        items = list(usable[lang].items())
+        if len(items) < need:
+            raise ConfigError(f"{lang}: only {len(items)} distinct texts of at most {cfg.max_chars} characters, "
+                              f"need {need} (train_per_lang + test_per_lang)")
+        random.Random(cfg.seed).shuffle(items)  # same order for aligned ids in every language
+        out[lang] = (items[cfg.test_per_lang:need], items[:cfg.test_per_lang])
+    return out
+
+
+def plan(cfg: CorpusConfig) -> list[_Job]:
+    """Every utterance to synthesize: training texts by the training voices, test texts by the
+    held-out voices (and, with flite_test, English test texts by flite voices), round robin."""
+    jobs = []
+    for lang, (train, test) in split_texts(cfg).items():
+        voices = voices_for(lang, cfg.voices + cfg.test_voices, cfg.seed)
+        groups = [("train", train, voices[:cfg.voices]), ("test", test, voices[cfg.voices:])]
+        if cfg.flite_test and lang == "en":
+            groups.append(("flite", test, flite_voices()))
+        for name, texts, vs in groups:
+            jobs += [_Job(f"{lang}-{name}-{i:05d}", lang, "test" if name == "flite" else name, tid, text,
+                          vs[i % len(vs)]) for i, (tid, text) in enumerate(texts)]
+    return jobs
+
+
+def _synthesize_all(jobs: list[_Job], root: Path, workers: int, progress: Progress | None) -> None:
+    for lang in {j.lang for j in jobs}:
+        (root / "audio" / lang).mkdir(parents=True)
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        futures = [pool.submit(synthesize, j.text, j.voice, root / _audio(j)) for j in jobs]
+        for done, f in enumerate(as_completed(futures), 1):
+            f.result()
+            if progress is not None:
+                progress(done, len(jobs))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _audio(job: _Job) -> str:
+    return f"audio/{job.lang}/{job.id}.wav"
+
+
+def _seconds(path: Path) -> float:
+    with wave.open(str(path), "rb") as w:
+        return w.getnframes() / SAMPLE_RATE
+
+
+def _summary(cfg: CorpusConfig, rows: list[dict]) -> dict:
+    counts, voices = {}, {}
+    for r in rows:
+        key = "flite_test" if r["family"] == "flite" else r["split"]
+        counts.setdefault(r["lang"], {}).setdefault(key, 0)
+        counts[r["lang"]][key] += 1
+        voices.setdefault(r["lang"], {}).setdefault(key, [])
+        if r["voice"] not in voices[r["lang"]][key]:
+            voices[r["lang"]][key].append(r["voice"])
+    return {"config": cfg.model_dump(mode="json"), "utterances": len(rows),
+            "hours": sum(r["seconds"] for r in rows) / 3600, "counts": counts, "voices": voices}
+
+
+def build_corpus(cfg: CorpusConfig, out: str | Path, overwrite: bool = False, progress: Progress | None = None) -> Path:
+    """Synthesize the corpus `cfg` into `out` (atomically: nothing is left on failure). Everything
+    that can be checked (output directory, programs, texts) is checked before synthesis starts.
+    `progress(done, total)` is called after each utterance. Deterministic in `cfg`."""
+    check_output_dir(out, overwrite)
+    for binary in ("espeak-ng", "sox", *(["flite"] if cfg.flite_test else [])):
+        require(binary)
+    jobs = plan(cfg)
+    with atomic_dir(out, overwrite) as tmp:
+        _synthesize_all(jobs, tmp, cfg.workers, progress)
+        rows = [{"id": j.id, "audio": _audio(j), "text": j.text, "text_id": j.text_id, "lang": j.lang,
+                 "voice": j.voice.id, "family": j.voice.engine, "split": j.split,
+                 "seconds": _seconds(tmp / _audio(j))} for j in jobs]
+        (tmp / "manifest.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                                            encoding="utf-8")
+        (tmp / "corpus.json").write_text(json.dumps(_summary(cfg, rows), indent=2, ensure_ascii=False),
+                                         encoding="utf-8")
+    return Path(out)
+
+
+def read_manifest(path: str | Path) -> list[Utterance]:
+    """The utterances of a corpus directory or its manifest.jsonl, audio paths made absolute."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "manifest.jsonl"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read manifest {path}: {e}") from None
+    root, out = path.parent.resolve(), []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            out.append(_utterance(line, root, f"{path}:{n}"))
+    return out
+
+
+def _utterance(line: str, root: Path, where: str) -> Utterance:
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not JSON ({e})") from None
+    if not isinstance(d, dict) or set(FIELDS) - set(d):
+        missing = sorted(set(FIELDS) - set(d)) if isinstance(d, dict) else list(FIELDS)
+        raise ConfigError(f"{where}: expected a JSON object with {', '.join(FIELDS)}; missing {', '.join(missing)}")
+    if not isinstance(d["seconds"], (int, float)) or d["split"] not in ("train", "test"):
+        raise ConfigError(f"{where}: seconds must be a number and split train or test")
+    return Utterance(**{k: str(d[k]) for k in FIELDS if k not in ("audio", "seconds")},
+                     audio=root / str(d["audio"]), seconds=float(d["seconds"]))
