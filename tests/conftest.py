@@ -58,3 +58,23 @@ def run(capsys):
         out, err = capsys.readouterr()
         return rc, out, err
     return call
+
+
+@pytest.fixture(scope="session")
+def tiny_speech(tmp_path_factory):
+    """A tiny English + French speech corpus (espeak-ng, flite test voices for English) and a tiny random
+    Whisper directory with Whisper's special tokens: {"corpus": dir, "whisper": dir}."""
+    from moekit.speech.corpus import CorpusConfig, build_corpus
+    from moekit.testing import save_tiny_whisper_asr
+
+    root = tmp_path_factory.mktemp("tiny_speech")
+    texts = {"en": ["The sun is warm.", "I like green tea.", "We walk to school.", "Birds sing at dawn.",
+                    "Open the door.", "She reads a book."],
+             "fr": ["Le chat dort.", "Il fait beau.", "Nous mangeons du pain.", "La mer est calme.",
+                    "Ouvre la fenêtre.", "Elle chante bien."]}
+    for lang, lines in texts.items():
+        (root / f"{lang}.txt").write_text("\n".join(lines) + "\n")
+    cfg = CorpusConfig(langs=["en", "fr"], voices=1, test_voices=1, train_per_lang=4, test_per_lang=2,
+                       texts={lang: str(root / f"{lang}.txt") for lang in texts}, flite_test=True, seed=0)
+    build_corpus(cfg, root / "corpus")
+    return {"corpus": root / "corpus", "whisper": save_tiny_whisper_asr(root / "whisper")}

@@ -9,7 +9,7 @@ import torch
 from moekit import io as mio
 from moekit.config import validate
 from moekit.moe import MoESpec, moe_layers
-from moekit.speech.ctc import CTCConfig, CTCEncoderForASR, ctc_loss, greedy_decode
+from moekit.speech.ctc import CTCConfig, CTCEncoderForASR, ctc_loss
 from moekit.upcycle import upcycle
 
 
@@ -40,12 +40,6 @@ def test_ctc_loss_divides_by_target_length_and_averages_utterances():
     per = [float(ctc_loss(logp[i:i + 1], torch.tensor([6]), labels[i:i + 1, :n], 0)) * n
            for i, n in ((0, 2), (1, 3))]
     assert abs(float(ctc_loss(logp, torch.tensor([6, 6]), labels, 0)) - (per[0] / 2 + per[1] / 3) / 2) < 1e-5
-
-
-def test_greedy_decode_collapses_repeats_and_drops_blanks():
-    best = torch.tensor([[1, 1, 0, 1, 2, 2, 0, 0], [3, 0, 3, 3, 0, 0, 0, 0]])
-    logp = torch.nn.functional.one_hot(best, 4).float()
-    assert greedy_decode(logp, torch.tensor([8, 4])) == [[1, 1, 2], [3, 3]]
 
 
 def test_padding_does_not_change_valid_frames():

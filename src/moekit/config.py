@@ -43,6 +43,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_yaml(path: str | Path, cls: type[C], overrides: list[str] | None = None) -> C:
+    return validate(cls, apply_overrides(read_yaml(path), overrides or []), source=str(path))
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping in a YAML file; ConfigError if it is missing, invalid YAML, or not a mapping."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -52,4 +57,4 @@ def load_yaml(path: str | Path, cls: type[C], overrides: list[str] | None = None
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must contain a mapping at the top level")
-    return validate(cls, apply_overrides(data, overrides or []), source=str(path))
+    return data

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 from moekit.cli.common import out_console
-from moekit.config import load_yaml
 from moekit.errors import CheckpointError
 from moekit.evaluate import DenseReference, result_rows, results_table
-from moekit.train.recipe import Recipe
+from moekit.train.recipe import Recipe, load_recipe
 
 
 def add_parser(sub) -> None:
@@ -43,7 +42,9 @@ def run(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file() or not (run_dir / "model").is_dir():
         raise CheckpointError(f"{run_dir} is not a finished run (needs recipe.yaml and model/)")
-    recipe = load_yaml(run_dir / "recipe.yaml", Recipe, [f"out={run_dir}"])
+    recipe = load_recipe(run_dir / "recipe.yaml", [f"out={run_dir}"])
+    if recipe.task == "asr":
+        return run_asr(recipe, run_dir)
     tok = load_tokenizer(run_dir / "model")
     ref_file = run_dir / "dense_reference.safetensors"
     ref = DenseReference.load(run_dir) if ref_file.is_file() else None
@@ -52,3 +53,17 @@ def run(args: argparse.Namespace) -> None:
     history = json.loads(log.read_text()) if log.is_file() else []
     results = report(recipe, load_run_model(recipe, run_dir / "model"), tok, test, ref, history)
     out_console().print(results_table(result_rows(results), title=f"{recipe.name} ({run_dir})"))
+
+
+def run_asr(recipe, run_dir: Path) -> None:
+    from moekit.io import load_model
+    from moekit.speech.data import load_split
+    from moekit.speech.evaluate import asr_table
+    from moekit.train.asr import load_speech, report
+
+    _, test = load_split(recipe.data)
+    log = run_dir / "log_history.json"
+    history = json.loads(log.read_text()) if log.is_file() else []
+    model = load_model(run_dir / "model", recipe.model.allow_pickle)
+    results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
+    out_console().print(asr_table(results, title=f"{recipe.name} ({run_dir})"))

@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 
 from moekit.cli.common import out_console
-from moekit.config import load_yaml
-from moekit.train.recipe import Recipe
+from moekit.train.recipe import load_recipe
 
 
 def add_parser(sub) -> None:
@@ -25,17 +24,30 @@ def add_parser(sub) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> None:
-    recipe = load_yaml(args.recipe, Recipe, args.overrides)
-    out_console().print(f"{args.recipe}: valid ({recipe.method}, {recipe.train.steps} steps, out={recipe.out})")
+    recipe = load_recipe(args.recipe, args.overrides)
+    out_console().print(f"{args.recipe}: valid ({recipe.task}, {recipe.method}, {recipe.train.steps} steps, "
+                        f"out={recipe.out})")
 
 
 def run_train(args: argparse.Namespace) -> None:
-    from moekit.train.run import train
-
-    recipe = load_yaml(args.recipe, Recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.task == "asr":
+        from moekit.train.asr import train_asr as train
+    else:
+        from moekit.train.run import train
     trainer = train(recipe, overwrite=args.overwrite, resume=args.resume)
     if trainer.is_world_process_zero():
-        from moekit.evaluate import result_rows, results_table
-
-        out_console().print(results_table(result_rows(trainer.results), title=f"{recipe.name} ({recipe.out})"))
+        out_console().print(results_table(recipe, trainer.results))
         out_console().print(f"trained {recipe.name}: {trainer.state.global_step} steps, output in {recipe.out}")
+
+
+def results_table(recipe, results: dict):
+    """The results table of a translation or an ASR run."""
+    title = f"{recipe.name} ({recipe.out})"
+    if recipe.task == "asr":
+        from moekit.speech.evaluate import asr_table
+
+        return asr_table(results, title=title)
+    from moekit.evaluate import result_rows, results_table as table
+
+    return table(result_rows(results), title=title)

@@ -137,14 +137,4 @@ def ctc_loss(logp: Tensor, frames: Tensor, labels: Tensor, blank: int) -> Tensor
                       zero_infinity=True)
 
 
-def greedy_decode(logp: Tensor, frames: Tensor, blank: int = 0) -> list[list[int]]:
-    """Best path per utterance: argmax per frame, repeats collapsed, blanks dropped (Graves et al. 2006)."""
-    best = logp.argmax(-1)  # (B, T)
-    out = []
-    for row, n in zip(best.tolist(), frames.tolist()):
-        row = row[:n]
-        out.append([t for i, t in enumerate(row) if t != blank and (i == 0 or t != row[i - 1])])
-    return out
-
-
 AutoConfig.register(CTCConfig.model_type, CTCConfig)

@@ -28,6 +28,12 @@ def normalize(text: str, lang: str) -> str:
     return " ".join(_normalizer(lang == "en")(text).split())
 
 
+def spoken_text(text: str) -> str:
+    """CTC targets: what is said, as words, in every language — BasicTextNormalizer (lower case,
+    punctuation to spaces, diacritics kept), not the English one, which writes "one" as "1"."""
+    return " ".join(_normalizer(False)(text).split())
+
+
 def _edits(out) -> tuple[int, int]:
     """(substitutions + deletions + insertions, reference length) of a jiwer alignment."""
     return out.substitutions + out.deletions + out.insertions, out.substitutions + out.deletions + out.hits

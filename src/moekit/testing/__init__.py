@@ -128,3 +128,46 @@ def tiny_deepseek_v3(seed: int = 0, **kw):
 
 TINY_HF_MOE = {"mixtral": tiny_mixtral, "qwen2_moe": tiny_qwen2_moe, "qwen3_moe": tiny_qwen3_moe,
                "olmoe": tiny_olmoe, "phimoe": tiny_phimoe, "deepseek_v3": tiny_deepseek_v3}
+
+
+# <|notimestamps|> must have the highest id: Whisper's generate reads every id above it as a timestamp
+WHISPER_SPECIALS = ("<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|fr|>", "<|sw|>", "<|de|>", "<|transcribe|>",
+                    "<|notimestamps|>")
+
+
+def _whisper_char_tokenizer():
+    """Characters + Whisper's special tokens (<|endoftext|> is eos and pad), built offline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?'-"
+    vocab = {t: i for i, t in enumerate(["<unk>", *WHISPER_SPECIALS[:-1], *chars, WHISPER_SPECIALS[-1]])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
+                                      pad_token="<|endoftext|>", additional_special_tokens=list(WHISPER_SPECIALS[1:]))
+
+
+def save_tiny_whisper_asr(folder, multilingual: bool = True, seed: int = 0):
+    """A tiny random Whisper with the real input shape (80 mels, 30 s = 3000 frames -> 1500 positions), a
+    character tokenizer with Whisper's special tokens, the feature extractor and a generation config with
+    language/task tokens: a stand-in for a converted checkpoint in ASR tests. Returns `folder`."""
+    tok = _whisper_char_tokenizer()
+    ids = tok.convert_tokens_to_ids
+    cfg = tf.WhisperConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80,
+                           max_source_positions=1500, max_target_positions=96, vocab_size=len(tok),
+                           pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"),
+                           eos_token_id=ids("<|endoftext|>"), decoder_start_token_id=ids("<|startoftranscript|>"))
+    model = _build(tf.WhisperForConditionalGeneration, cfg, seed)
+    langs = [t for t in WHISPER_SPECIALS if len(t) == 6]  # <|xx|>
+    model.generation_config = tf.GenerationConfig(
+        decoder_start_token_id=cfg.decoder_start_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+        no_timestamps_token_id=ids("<|notimestamps|>"), is_multilingual=multilingual, max_length=96,
+        lang_to_id={t: ids(t) for t in langs} if multilingual else None,
+        task_to_id={"transcribe": ids("<|transcribe|>")} if multilingual else None, begin_suppress_tokens=[],
+        suppress_tokens=[])
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    tf.WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)
+    return folder

@@ -1,11 +1,12 @@
 """Training recipe: one YAML file (pydantic, extra="forbid") with dotted key=value overrides."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from moekit.config import Config
+from moekit.config import Config, apply_overrides, read_yaml, validate
 from moekit.data.parallel import DataConfig
 from moekit.moe.spec import MoESpec
 
@@ -69,6 +70,7 @@ class EvalConfig(Config):
 
 
 class Recipe(Config):
+    task: Literal["translation"] = "translation"  # En→XX translation by a decoder-only LM
     name: str = "run"
     out: str = "runs/run"
     model: ModelConfig = ModelConfig()
@@ -91,3 +93,13 @@ class Recipe(Config):
         if self.freeze.schedule != "none" and self.method != "moe":
             raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
         return self
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """A translation `Recipe`, or an `ASRRecipe` (moekit.train.asr) when the file says `task: asr`."""
+    data = apply_overrides(read_yaml(path), overrides or [])
+    if data.get("task") == "asr":
+        from moekit.train.asr import ASRRecipe
+
+        return validate(ASRRecipe, data, source=str(path))
+    return validate(Recipe, data, source=str(path))

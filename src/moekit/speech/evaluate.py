@@ -1,0 +1,153 @@
+"""ASR evaluation: greedy transcripts (CTC best path; Whisper `generate` with language and task set),
+WER/CER after Whisper's normalizer per language, voice family and voice, the real-time factor, and
+for MoE models the routing statistics of Omni-router (Gu et al. 2025): Cramér's V between adjacent
+layers' top-1 choices (Figs. 3-4), expert-usage entropy (Fig. 5) and the expert-permutation test
+(Fig. 6)."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from moekit.metrics import param_counts
+from moekit.moe.layer import moe_layers
+from moekit.routing.capture import RoutingCapture
+from moekit.routing.permutation import permutation_test
+from moekit.routing.sites import find_sites
+from moekit.routing.stats import adjacent_association, entropy, expert_usage
+from moekit.speech.corpus import Utterance
+from moekit.speech.data import CTCCollator, WhisperCollator
+from moekit.speech.text import CharVocab, error_rates
+
+
+class CTCTranscriber:
+    """Best-path decoding of a CTC model (Graves et al. 2006): argmax per frame, repeats collapsed, blanks dropped."""
+
+    def __init__(self, vocab: CharVocab, stack: int = 4):
+        self.vocab, self.batch = vocab, CTCCollator(vocab, stack)
+
+    @torch.no_grad()
+    def transcribe(self, model: nn.Module, utts: list[Utterance]) -> list[str]:
+        b = self.batch(utts)
+        best = model(input_features=b["input_features"], attention_mask=b["attention_mask"]).logits.argmax(-1)  # (B, T')
+        return [self.vocab.decode_ctc(row[:n].tolist()) for row, n in zip(best, b["attention_mask"].sum(-1))]
+
+    @staticmethod
+    def frame_mask(batch: dict, model: nn.Module) -> torch.Tensor:
+        return batch["attention_mask"]  # (B, T')
+
+
+class WhisperTranscriber:
+    """Greedy `generate` (no sampling, one beam); multilingual models get language and task="transcribe"."""
+
+    def __init__(self, tokenizer, multilingual: bool, max_new_tokens: int = 96):
+        self.tok, self.multilingual, self.max_new_tokens = tokenizer, multilingual, max_new_tokens
+        self.batch = WhisperCollator(tokenizer, multilingual)
+
+    @torch.no_grad()
+    def transcribe(self, model: nn.Module, utts: list[Utterance]) -> list[str]:
+        feats = self.batch(utts)["input_features"]  # (B, 80, 3000)
+        langs = {u.lang for u in utts}
+        kw = {"language": langs.pop(), "task": "transcribe"} if self.multilingual and len(langs) == 1 else {}
+        out = model.generate(input_features=feats, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
+                             **kw)
+        return [t.strip() for t in self.tok.batch_decode(out, skip_special_tokens=True)]
+
+    @staticmethod
+    def frame_mask(batch: dict, model: nn.Module) -> torch.Tensor:
+        """Every encoder position is real: Whisper hears 30 s windows, padded with silence."""
+        return torch.ones(batch["input_features"].shape[0], model.config.max_source_positions, dtype=torch.long)
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
+def _pool(rows: list[dict]) -> dict:
+    """Corpus-level rates over several `error_rates` results (edits summed, references summed)."""
+    words, chars = sum(r["words"] for r in rows), sum(r["chars"] for r in rows)
+    return {"wer": sum(r["wer"] * max(r["words"], 1) for r in rows) / max(words, 1),
+            "cer": sum(r["cer"] * max(r["chars"], 1) for r in rows) / max(chars, 1),
+            "n": sum(r["n"] for r in rows), "words": words, "chars": chars}
+
+
+def transcribe_all(model, transcriber, test: dict[str, list[Utterance]], batch_size: int) -> tuple[dict, float]:
+    """({language: hypotheses}, decoding seconds); one language per batch (Whisper's language token)."""
+    was = model.training
+    model.eval()
+    t0, hyps = time.perf_counter(), {}
+    try:
+        for lang, utts in test.items():
+            hyps[lang] = [h for chunk in _chunks(utts, batch_size) for h in transcriber.transcribe(model, chunk)]
+    finally:
+        model.train(was)
+    return hyps, time.perf_counter() - t0
+
+
+def error_table(test: dict[str, list[Utterance]], hyps: dict[str, list[str]]) -> dict:
+    """WER/CER per language, unweighted mean over languages ("avg"), and pooled per voice family and voice."""
+    per_lang = {lang: error_rates([u.text for u in utts], hyps[lang], lang) for lang, utts in test.items()}
+    groups: dict[str, dict[str, list[dict]]] = {"families": defaultdict(list), "voices": defaultdict(list)}
+    for lang, utts in test.items():
+        for u, h in zip(utts, hyps[lang]):
+            row = error_rates([u.text], [h], lang)
+            groups["families"][u.family].append(row)
+            groups["voices"][u.voice].append(row)
+    return {"languages": per_lang,
+            "avg": {k: sum(r[k] for r in per_lang.values()) / len(per_lang) for k in ("wer", "cer")},
+            **{name: {key: _pool(rows) for key, rows in g.items()} for name, g in groups.items()}}
+
+
+@torch.no_grad()
+def routing_report(model: nn.Module, transcriber, batches: list[dict], stack: str | None, ps: list[float],
+                   seed: int = 0) -> dict:
+    """Adjacent-layer Cramér's V and usage entropy of the encoder MoE layers matching `stack` over
+    teacher-forced `batches`, and the permutation test (Omni-router Fig. 6) over every MoE layer."""
+    model.eval()
+    with RoutingCapture(model, layers=stack) as cap:
+        for b in batches:
+            model(**b)
+            cap.record(None, transcriber.frame_mask(b, model), language="all")
+    trace = cap.trace()
+    v, _ = adjacent_association(trace)
+    usage = expert_usage(trace)  # (L, E)
+    perm = permutation_test(model, batches, ps, seed=seed)
+    return {"layers": trace.layers, "cramers_v": v.tolist(), "usage": usage.tolist(),
+            "usage_entropy": entropy(usage).tolist(),
+            "permutation": {"base": perm.base, "deltas": {str(p): d for p, d in perm.deltas.items()}}}
+
+
+def evaluate_asr(model: nn.Module, transcriber, test: dict[str, list[Utterance]], batch_size: int = 8,
+                 routing_stack: str | None = None, ps: tuple[float, ...] = (0.1, 0.5), routing_batches: int = 4) -> dict:
+    """Every ASR metric of a model on `test`: error rates (see `error_table`), real-time factor (decoding
+    seconds / audio seconds, features included), total/active params, the transcripts, and for MoE models
+    `routing_report` on the first `routing_batches` teacher-forced batches of each language."""
+    hyps, seconds = transcribe_all(model, transcriber, test, batch_size)
+    audio = sum(u.seconds for utts in test.values() for u in utts)
+    total, active = param_counts(model)
+    out = {**error_table(test, hyps), "rtf": seconds / audio, "decode_seconds": seconds, "audio_seconds": audio,
+           "params": {"total": total, "active": active},
+           "transcripts": {lang: [{"id": u.id, "voice": u.voice, "ref": u.text, "hyp": h}
+                                  for u, h in zip(utts, hyps[lang])] for lang, utts in test.items()}}
+    if moe_layers(model) and find_sites(model, routing_stack):
+        batches = [transcriber.batch(c) for utts in test.values() for c in _chunks(utts, batch_size)[:routing_batches]]
+        out["routing"] = routing_report(model, transcriber, batches, routing_stack, list(ps))
+    return out
+
+
+def asr_table(results: dict, title: str | None = None):
+    """A rich Table of `evaluate_asr` results: WER/CER per language, their mean, per voice family, and the RTF."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in ("", "n", "WER", "CER"):
+        table.add_column(c, justify="left" if not c else "right")
+    rows = [*results["languages"].items(), ("avg", {"n": "", **results["avg"]}),
+            *((f"family {k}", v) for k, v in results["families"].items())]
+    for name, r in rows:
+        table.add_row(name, str(r["n"]), f"{100 * r['wer']:.1f}%", f"{100 * r['cer']:.1f}%")
+    table.caption = f"RTF {results['rtf']:.3f}; params {results['params']['total']:,} total, " \
+                    f"{results['params']['active']:,} active"
+    return table

@@ -1,0 +1,215 @@
+"""ASR recipes (`task: asr`): a real pretrained Whisper (UME upcycling, or full fine-tuning as the FMFT
+baseline) or a Transformer-encoder CTC model trained from scratch (dense, Switch or Omni-router), on
+a speech corpus written by `moekit speech corpus`. Same Trainer, aux losses, freeze schedules and
+checkpoints as the translation recipes; evaluation gives WER/CER per language and voice, the
+real-time factor and routing statistics (moekit.speech.evaluate)."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+import yaml
+from pydantic import Field, model_validator
+from torch import nn
+from transformers import TrainerCallback
+
+from moekit.config import Config
+from moekit.errors import ConfigError
+from moekit.moe.spec import MoESpec
+from moekit.plots import plot_curves, plot_usage
+from moekit.routing.permutation import mean_loss
+from moekit.speech.data import ASRDataConfig, CTCCollator, WhisperCollator, load_split
+from moekit.speech.evaluate import CTCTranscriber, WhisperTranscriber, evaluate_asr
+from moekit.speech.text import CharVocab, spoken_text
+from moekit.train.recipe import AuxConfig, FreezeConfig, OptimConfig, TrainConfig
+from moekit.train.run import make_trainer, prepare_out
+
+VOCAB_FILE = "ctc_vocab.json"
+
+
+class CTCArch(Config):
+    """The from-scratch CTC encoder (Omni-router §5.2 in miniature; moekit.speech.ctc)."""
+
+    hidden_size: int = Field(256, ge=8)
+    num_layers: int = Field(6, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(1024, ge=8)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    act: str = "gelu"
+    stack: int = Field(4, ge=1)  # log-mel frames stacked per step (§5.3: 4 -> 40 ms)
+
+
+class ASRModelConfig(Config):
+    kind: Literal["whisper", "ctc"] = "whisper"
+    path: str | None = None  # Whisper: model directory or built-in asset (whisper-tiny.en, whisper-base)
+    ctc: CTCArch | None = None  # CTC: the architecture, trained from scratch
+    allow_pickle: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> ASRModelConfig:
+        if self.kind == "whisper" and (self.path is None or self.ctc is not None):
+            raise ValueError("model.kind=whisper needs model.path (a directory or whisper-tiny.en / whisper-base) "
+                             "and no model.ctc")
+        if self.kind == "ctc" and (self.ctc is None or self.path is not None):
+            raise ValueError("model.kind=ctc trains from scratch: give model.ctc (the architecture), not model.path")
+        return self
+
+
+class ASREvalConfig(Config):
+    batch_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(96, ge=1)  # Whisper generation
+    loss_per_lang: int = Field(16, ge=1)  # test utterances per language for the loss logged every eval_every
+    routing_stack: str | None = None  # regex of the MoE layers for Cramér's V / usage (Whisper: "encoder")
+    permutation: list[float] = Field(default_factory=lambda: [0.1, 0.5])  # rates p of the permutation test
+    routing_batches: int = Field(4, ge=1)  # teacher-forced batches per language for the routing statistics
+
+
+class ASRRecipe(Config):
+    task: Literal["asr"] = "asr"
+    name: str = "asr"
+    out: str = "runs/asr"
+    model: ASRModelConfig
+    method: Literal["moe", "dense"] = "moe"
+    moe: MoESpec | None = None
+    freeze: FreezeConfig = FreezeConfig()
+    aux: AuxConfig = AuxConfig()
+    data: ASRDataConfig = ASRDataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    eval: ASREvalConfig = ASREvalConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> ASRRecipe:
+        if (self.method == "moe") != (self.moe is not None):
+            raise ValueError("method=moe needs a `moe` spec, and only method=moe takes one")
+        if self.freeze.schedule != "none" and self.method != "moe":
+            raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
+        return self
+
+
+class Speech:
+    """What a run needs besides the model: the training collator, the evaluator's transcriber, and how to
+    save the tokenizer/feature extractor or CTC vocabulary next to the model."""
+
+    def __init__(self, collator, transcriber, save):
+        self.collator, self.transcriber, self.save = collator, transcriber, save
+
+
+def _whisper(recipe: ASRRecipe) -> tuple[nn.Module, Speech]:
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+    from moekit.assets import resolve_model
+    from moekit.io import load_dense
+
+    path = resolve_model(recipe.model.path)
+    model, tok = load_dense(path, recipe.model.allow_pickle), AutoTokenizer.from_pretrained(path)
+    multi = bool(getattr(model.generation_config, "is_multilingual", False))
+    d = recipe.data
+
+    def save(folder: Path) -> None:
+        tok.save_pretrained(folder)
+        WhisperFeatureExtractor.from_pretrained(path).save_pretrained(folder)
+
+    return model, Speech(WhisperCollator(tok, multi, d.spec_augment, d.seed),
+                         WhisperTranscriber(tok, multi, recipe.eval.max_new_tokens), save)
+
+
+def _ctc(recipe: ASRRecipe, train: list) -> tuple[nn.Module, Speech]:
+    from moekit.speech.ctc import CTCConfig, CTCEncoderForASR
+
+    a, d = recipe.model.ctc, recipe.data
+    vocab = CharVocab.build(spoken_text(u.text) for u in train)
+    torch.manual_seed(recipe.train.seed)
+    model = CTCEncoderForASR(CTCConfig(
+        input_dim=80 * a.stack, hidden_size=a.hidden_size, num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
+        intermediate_size=a.intermediate_size, hidden_act=a.act, dropout=a.dropout, vocab_size=len(vocab)))
+
+    def save(folder: Path) -> None:
+        (folder / VOCAB_FILE).write_text(vocab.to_json())
+
+    return model, Speech(CTCCollator(vocab, a.stack, d.spec_augment, d.seed), CTCTranscriber(vocab, a.stack), save)
+
+
+def build(recipe: ASRRecipe, train: list) -> tuple[nn.Module, Speech]:
+    """The model the recipe trains (Whisper or a fresh CTC model, upcycled for method=moe) and its Speech."""
+    model, speech = _whisper(recipe) if recipe.model.kind == "whisper" else _ctc(recipe, train)
+    if recipe.method == "moe":
+        from moekit.upcycle import upcycle
+
+        upcycle(model, recipe.moe)
+    return model.train(), speech
+
+
+class LossCallback(TrainerCallback):
+    """Every `eval_every` steps: teacher-forced loss per language on a fixed test subset (eval_<lang>_loss)."""
+
+    def __init__(self, recipe: ASRRecipe, speech: Speech, test: dict):
+        n, bs = recipe.eval.loss_per_lang, recipe.eval.batch_size
+        self.every, self.trainer = recipe.train.eval_every, None
+        self.batches = {lang: [speech.transcriber.batch(u[i:i + bs]) for i in range(0, min(n, len(u)), bs)]
+                        for lang, u in test.items()}
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if not self.every or state.global_step % self.every or not state.is_world_process_zero:
+            return
+        was = model.training
+        model.eval()
+        logs = {f"eval_{lang}_loss": mean_loss(model, b) for lang, b in self.batches.items()}
+        model.train(was)
+        should_log = control.should_log  # Trainer.log clears it; keep this step's training log
+        self.trainer.log(logs)
+        control.should_log = should_log
+
+
+def train_asr(recipe: ASRRecipe, overwrite: bool = False, resume: bool = False, callbacks=()):
+    """Train an ASR recipe and evaluate the result (results.json/csv, loss.png, usage.png in `out`)."""
+    out = Path(recipe.out)
+    last = prepare_out(out, overwrite, resume)
+    train, test = load_split(recipe.data)
+    model, speech = build(recipe, train)
+    losses = LossCallback(recipe, speech, test)
+    trainer = make_trainer(recipe, model, train, speech.collator, [losses, *callbacks])
+    losses.trainer = trainer
+    trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(str(out / "model"))  # moekit format for MoE models, save_pretrained for dense ones
+    if trainer.is_world_process_zero():
+        speech.save(out / "model")
+        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        trainer.results = report(recipe, trainer.model, speech, test, trainer.state.log_history)
+    return trainer
+
+
+def report(recipe: ASRRecipe, model: nn.Module, speech: Speech, test: dict, log_history: list[dict]) -> dict:
+    e, out = recipe.eval, Path(recipe.out)
+    results = evaluate_asr(model, speech.transcriber, test, e.batch_size, e.routing_stack, tuple(e.permutation),
+                           e.routing_batches)
+    (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["language", "n", "wer", "cer"])
+        w.writerows([lang, r["n"], r["wer"], r["cer"]] for lang, r in results["languages"].items())
+        w.writerow(["avg", sum(r["n"] for r in results["languages"].values()), results["avg"]["wer"],
+                    results["avg"]["cer"]])
+    plot_curves(log_history, out)
+    if "routing" in results:
+        r = results["routing"]
+        plot_usage(dict(zip(r["layers"], r["usage"])), out / "usage.png", title=f"{recipe.name}: expert usage")
+    return results
+
+
+def load_speech(recipe: ASRRecipe, folder: Path) -> Speech:
+    """The Speech of a finished run's model directory (for `moekit evaluate`)."""
+    if recipe.model.kind == "whisper":
+        from transformers import AutoTokenizer, GenerationConfig
+
+        tok = AutoTokenizer.from_pretrained(folder)
+        multi = bool(getattr(GenerationConfig.from_pretrained(folder), "is_multilingual", False))
+        return Speech(None, WhisperTranscriber(tok, multi, recipe.eval.max_new_tokens), None)
+    if not (folder / VOCAB_FILE).is_file():
+        raise ConfigError(f"{folder} has no {VOCAB_FILE} (the CTC model's characters)")
+    return Speech(None, CTCTranscriber(CharVocab.from_json((folder / VOCAB_FILE).read_text()),
+                                       recipe.model.ctc.stack), None)

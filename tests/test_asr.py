@@ -1,0 +1,177 @@
+"""ASR recipes (moekit.train.asr), data collators and evaluation on a tiny synthesized corpus and tiny models."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit.config import validate
+from moekit.errors import ConfigError
+from moekit.io import load_dense, load_model
+from moekit.moe import moe_layers
+from moekit.speech.corpus import read_manifest
+from moekit.speech.data import ASRDataConfig, CTCCollator, WhisperCollator, load_split
+from moekit.speech.evaluate import error_table
+from moekit.speech.features import log_mel, stack_frames
+from moekit.speech.text import CharVocab, spoken_text
+from moekit.speech.tts import load_audio
+from moekit.train.asr import ASRRecipe
+from moekit.train.recipe import load_recipe
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "asr").glob("*.yaml"))
+ids = [p.stem for p in RECIPES]
+CTC_TINY = {"model.ctc.hidden_size": 16, "model.ctc.num_layers": 2, "model.ctc.num_heads": 2,
+            "model.ctc.intermediate_size": 32}
+
+
+def tiny_overrides(recipe_path: Path, speech: dict, out: Path, **extra) -> list[str]:
+    kind = load_recipe(recipe_path).model.kind
+    keys = {"out": str(out), "data.corpus": str(speech["corpus"]), "data.langs": ["en", "fr"],
+            "train.steps": 2, "train.batch_size": 2, "train.logging_steps": 1, "train.eval_every": 1,
+            "train.save_every": 0, "eval.batch_size": 2, "eval.max_new_tokens": 4, "eval.loss_per_lang": 2,
+            "eval.routing_batches": 1, **({"model.path": str(speech["whisper"])} if kind == "whisper" else CTC_TINY),
+            **extra}
+    return [f"{k}={json.dumps(v)}" for k, v in keys.items()]
+
+
+def test_asr_recipes_exist():
+    assert {"ume_whisper_tiny", "ume_whisper_tiny_nofreeze", "ume_whisper_tiny_nobalance", "fmft_whisper_tiny",
+            "omni_ctc", "switch_ctc", "dense_ctc"} <= set(ids)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=ids)
+def test_asr_recipe_validates(path, run):
+    recipe = load_recipe(path)
+    assert isinstance(recipe, ASRRecipe) and recipe.name == path.stem and recipe.out == f"runs/asr/{path.stem}"
+    assert path.read_text().startswith("#")
+    rc, out, err = run("validate", path)
+    assert rc == 0 and "valid (asr" in out
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=ids)
+def test_asr_recipe_trains_two_steps(path, tiny_speech, tmp_path, run):
+    out = tmp_path / "run"
+    rc, stdout, err = run("train", path, *tiny_overrides(path, tiny_speech, out))
+    assert rc == 0, err
+    assert "WER" in stdout and "trained" in stdout
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["languages"]) == {"en", "fr"} and results["rtf"] > 0
+    assert {"espeak-ng", "flite"} == set(results["families"])  # flite: English test voices only
+    history = json.loads((out / "log_history.json").read_text())
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert all(f"eval_{lang}_loss" in {k for h in history for k in h} for lang in ("en", "fr"))
+    recipe = load_recipe(path)
+    model = load_model(out / "model")
+    assert bool(moe_layers(model)) == (recipe.method == "moe")
+    if recipe.method == "moe":
+        assert len(results["routing"]["cramers_v"]) == len(results["routing"]["layers"]) - 1
+        assert (out / "usage.png").is_file()
+
+
+def test_whisper_labels_and_features(tiny_speech):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_speech["whisper"])
+    utts = [u for u in read_manifest(tiny_speech["corpus"]) if u.lang == "fr"][:2]
+    batch = WhisperCollator(tok, multilingual=True)(utts)
+    assert batch["input_features"].shape == (2, 80, 3000)
+    first = batch["labels"][0][batch["labels"][0] != -100].tolist()
+    ids = tok.convert_tokens_to_ids
+    assert first[:3] == [ids("<|fr|>"), ids("<|transcribe|>"), ids("<|notimestamps|>")]
+    assert first[-1] == tok.eos_token_id
+    assert tok.decode(first[3:-1]) == " " + utts[0].text.strip()
+    english_only = WhisperCollator(tok, multilingual=False)(utts)["labels"][0]
+    assert english_only[0] == ids("<|notimestamps|>")
+
+
+def test_ctc_batches_stack_frames_and_spell_spoken_text(tiny_speech):
+    utts = read_manifest(tiny_speech["corpus"])[:3]
+    vocab = CharVocab.build(spoken_text(u.text) for u in utts)
+    batch = CTCCollator(vocab, stack=4)(utts)
+    feats, lengths = log_mel([load_audio(u.audio) for u in utts], pad_to_30s=False)
+    stacked, stacked_len = stack_frames(feats, lengths, 4)
+    assert torch.equal(batch["input_features"], stacked)
+    assert batch["attention_mask"].sum(-1).tolist() == stacked_len.tolist()
+    for row, u in zip(batch["labels"], utts):
+        assert vocab.decode(row[row != -100].tolist()) == spoken_text(u.text)
+
+
+def test_augmented_batches_differ_only_inside_utterances(tiny_speech):
+    from moekit.speech.data import SpecAugmentConfig
+
+    utts = read_manifest(tiny_speech["corpus"])[:2]
+    vocab = CharVocab.build(spoken_text(u.text) for u in utts)
+    plain = CTCCollator(vocab)(utts)
+    aug = CTCCollator(vocab, augment=SpecAugmentConfig())(utts)
+    assert not torch.equal(plain["input_features"], aug["input_features"])
+    pad = plain["attention_mask"] == 0
+    assert torch.equal(plain["input_features"][pad], aug["input_features"][pad])
+    assert torch.equal(plain["labels"], aug["labels"])
+
+
+def test_split_keeps_held_out_voices_and_caps(tiny_speech):
+    train, test = load_split(ASRDataConfig(corpus=str(tiny_speech["corpus"]), train_per_lang=3))
+    assert len(train) == 6 and set(test) == {"en", "fr"}
+    assert not {u.voice for u in train} & {u.voice for utts in test.values() for u in utts}
+    with pytest.raises(ConfigError, match="no utterances in"):
+        load_split(ASRDataConfig(corpus=str(tiny_speech["corpus"]), langs=["en", "sw"]))
+
+
+def test_error_table_pools_edits_over_voices(tiny_speech):
+    test = {"en": [u for u in read_manifest(tiny_speech["corpus"]) if u.lang == "en" and u.split == "test"]}
+    hyps = {"en": [u.text for u in test["en"]]}
+    hyps["en"][0] = "wrong"
+    table = error_table(test, hyps)
+    words = [len(spoken_text(u.text).split()) for u in test["en"]]
+    assert table["languages"]["en"]["words"] == sum(words)
+    wrong_voice = test["en"][0].voice
+    rows = [u for u in test["en"] if u.voice == wrong_voice]
+    assert table["voices"][wrong_voice]["words"] == sum(len(spoken_text(u.text).split()) for u in rows)
+    assert table["voices"][wrong_voice]["wer"] > 0
+    assert all(v["wer"] == 0 for k, v in table["voices"].items() if k != wrong_voice)
+    total = sum(v["wer"] * v["words"] for v in table["families"].values())
+    assert total == pytest.approx(table["languages"]["en"]["wer"] * table["languages"]["en"]["words"])
+
+
+def test_ume_whisper_freezing_keeps_everything_but_moe_layers(tiny_speech, tmp_path):
+    from moekit.config import load_yaml
+    from moekit.train.asr import train_asr
+
+    path = next(p for p in RECIPES if p.stem == "ume_whisper_tiny")
+    recipe = load_yaml(path, ASRRecipe, tiny_overrides(path, tiny_speech, tmp_path / "r",
+                                                        **{"optim.weight_decay": 0.1, "optim.lr": 1e-2}))
+    before = load_dense(tiny_speech["whisper"]).state_dict()
+    trained = train_asr(recipe).model
+    layers = moe_layers(trained)
+    for name, value in trained.state_dict().items():
+        if not any(name.startswith(p + ".") for p, _ in layers):
+            assert torch.equal(before[name], value), name  # frozen, weight decay included
+    for path, moe in layers:  # every MoE layer trained: its experts left the dense copy they started as
+        dense_up = before[f"{path}.weight"]  # (I, H): the replaced fc1
+        assert any(not torch.equal(moe.experts.up[e], dense_up) for e in range(moe.experts.num_experts)), path
+
+
+def test_recipe_errors():
+    with pytest.raises(ConfigError, match="model.kind=whisper needs model.path"):
+        validate(ASRRecipe, {"model": {"kind": "whisper"}, "method": "dense"})
+    with pytest.raises(ConfigError, match="trains from scratch"):
+        validate(ASRRecipe, {"model": {"kind": "ctc", "path": "x"}, "method": "dense"})
+    with pytest.raises(ConfigError, match="method=moe needs a `moe` spec"):
+        validate(ASRRecipe, {"model": {"kind": "ctc", "ctc": {}}, "method": "moe"})
+
+
+@pytest.mark.parametrize("name", ["omni_ctc", "ume_whisper_tiny"])
+def test_evaluate_reproduces_a_finished_run(name, tiny_speech, tmp_path, run):
+    path = next(p for p in RECIPES if p.stem == name)
+    out = tmp_path / "run"
+    assert run("train", path, *tiny_overrides(path, tiny_speech, out))[0] == 0
+    first = json.loads((out / "results.json").read_text())
+    rc, stdout, err = run("evaluate", out)
+    assert rc == 0, err
+    again = json.loads((out / "results.json").read_text())
+    assert again["languages"] == first["languages"] and again["transcripts"] == first["transcripts"]
+    assert again["routing"]["cramers_v"] == first["routing"]["cramers_v"]
