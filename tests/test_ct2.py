@@ -156,10 +156,15 @@ def test_vocabulary_txt_and_split_model_bin(tmp_path):
 
 
 def first_decoder_ids(model, **generate_kwargs) -> list[int]:
-    """The decoder prompt generate() starts from."""
+    """The decoder prompt generate() starts from: its first decoder input of more than one token (language
+    detection runs the decoder on <|startoftranscript|> alone; later steps feed one token each)."""
     seen = []
-    hook = model.model.decoder.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.append(kwargs["input_ids"][0].tolist()) if not seen else None, with_kwargs=True)
+
+    def record(module, args, kwargs):
+        if not seen and kwargs["input_ids"].shape[1] > 1:
+            seen.append(kwargs["input_ids"][0].tolist())
+
+    hook = model.model.decoder.register_forward_pre_hook(record, with_kwargs=True)
     feats = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model.generate(feats, max_new_tokens=2, **generate_kwargs)
@@ -177,6 +182,10 @@ def test_generation_config_multilingual(converted):
     assert gen.alignment_heads == [[1, 0], [1, 3]] and gen.no_timestamps_token_id == ID["<|notimestamps|>"]
     prompt = first_decoder_ids(model, language="fr", task="transcribe")
     assert prompt == [ID[t] for t in ("<|startoftranscript|>", "<|fr|>", "<|transcribe|>", "<|notimestamps|>")]
+    assert first_decoder_ids(model, language="en", task="translate")[1:3] == [ID["<|en|>"], ID["<|translate|>"]]
+    sot, lang, *rest = first_decoder_ids(model)  # language detected, then transcribed
+    assert sot == ID["<|startoftranscript|>"] and lang in OPTIONS["lang_ids"]
+    assert rest == [ID["<|transcribe|>"], ID["<|notimestamps|>"]]
 
 
 def test_generation_config_english_only(converted):
@@ -384,12 +393,17 @@ def speech(tmp_path_factory):
         return np.frombuffer(w.readframes(w.getnframes()), np.int16).astype(np.float32) / 32768
 
 
-def transcribe_and_score(name: str, audio, **lang):
-    """(greedy transcript, teacher-forced loss per token on SENTENCE + <|endoftext|>)."""
+def load_real(name: str, audio):
+    """(processor, model, input features of `audio`) for a built-in Whisper model."""
     path = assets.resolve_model(name)
     proc = tf.WhisperProcessor.from_pretrained(path)
     model = tf.WhisperForConditionalGeneration.from_pretrained(path).eval()
-    feats = proc(audio, sampling_rate=16000, return_tensors="pt").input_features
+    return proc, model, proc(audio, sampling_rate=16000, return_tensors="pt").input_features
+
+
+def transcribe_and_score(name: str, audio, **lang):
+    """(greedy transcript, teacher-forced loss per token on SENTENCE + <|endoftext|>)."""
+    proc, model, feats = load_real(name, audio)
     tok = proc.tokenizer
     tok.set_prefix_tokens(**lang)
     ids = torch.tensor([tok(" " + SENTENCE).input_ids])
@@ -414,6 +428,10 @@ def test_real_whisper_tiny_en(speech):
 def test_real_whisper_base(speech):
     text, loss = transcribe_and_score("whisper-base", speech, language="en", task="transcribe")
     assert normalize(text) == normalize(SENTENCE) and loss < 0.2
+    proc, model, feats = load_real("whisper-base", speech)
+    with torch.no_grad():  # no language given: detected, then transcribed
+        assert proc.tokenizer.convert_ids_to_tokens(model.detect_language(feats).tolist()) == ["<|en|>"]
+        assert normalize(proc.batch_decode(model.generate(feats), skip_special_tokens=True)[0]) == normalize(SENTENCE)
 
 
 @pytest.mark.slow

