@@ -13,3 +13,28 @@ def write_section(path: Path, section: str, mark: tuple[str, str]) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def cached(folder: Path, run) -> dict:
+    """`run()`'s summary dict (its wall time added as "seconds"), kept in folder/summary.json: a bench that
+    is interrupted resumes with the systems it has not finished."""
+    import json
+    import time
+
+    path = folder / "summary.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    t0 = time.perf_counter()
+    summary = {**run(), "seconds": time.perf_counter() - t0}
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary))
+    return summary
+
+
+def corpus(out: Path, **cfg) -> Path:
+    """A speech corpus (moekit.speech.corpus) built once into `out`."""
+    from moekit.speech.corpus import CorpusConfig, build_corpus
+
+    if not (out / "manifest.jsonl").is_file():
+        build_corpus(CorpusConfig(**cfg), out)
+    return out
