@@ -38,7 +38,7 @@ def run_system(name: str, out: Path) -> dict:
         return json.loads((folder / "summary.json").read_text())
     recipe = load_yaml(Path("recipes") / f"{name}.yaml", Recipe, [*OVERRIDES, f"out={folder}"])
     t0 = time.perf_counter()
-    trainer = train(recipe, overwrite=not (folder / "checkpoints").is_dir(), resume=(folder / "checkpoints").is_dir())
+    trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
     summary = {"seconds": time.perf_counter() - t0, "mean_kl": statistics.mean(kls) if kls else None}
     (folder / "summary.json").write_text(json.dumps(summary))

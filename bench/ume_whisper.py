@@ -47,8 +47,7 @@ def run_system(name: str, out: Path, corpus_dir: Path, steps: int) -> dict:
             folder.mkdir(parents=True, exist_ok=True)
             report(recipe, model, speech, test, [])
             return {"loss": []}
-        resume = (folder / "checkpoints").is_dir()
-        trainer = train_asr(recipe, overwrite=not resume, resume=resume)
+        trainer = train_asr(recipe, overwrite=True, resume=True)  # from the last checkpoint if any
         return {"loss": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]}
 
     return {**cached(folder, go), "folder": str(folder)}
