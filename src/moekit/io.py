@@ -68,7 +68,7 @@ def atomic_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
             old.unlink()
 
 
-def _unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """state_dict with each storage once; aliases maps a dropped key to the key that is kept."""
     kept, aliases, seen = {}, {}, {}
     for k, v in model.state_dict().items():
@@ -127,7 +127,7 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
     for path, moe in layers:
         owner = router_owner.setdefault(id(moe.router), path)
         entries.append({"path": path, **moe.slot, "layout": layout(moe), "router_of": owner})
-    tensors, aliases = _unique_tensors(model)
+    tensors, aliases = unique_tensors(model)
     meta = {"format": FORMAT, "architecture": type(model).__name__,
             "spec": None if spec is None else spec.model_dump(mode="json"),
             "layers": entries, "aliases": aliases}

@@ -1,0 +1,114 @@
+"""SIMoE checkpoints and exports (Chen et al. 2025, §3.2 and Table 8).
+
+* `save` / `load`: the SIMoE form (frozen pretrained weights, δ, masks, router, λ) in safetensors with
+  simoe.json; `prune` first drops the δ columns no expert's median gate uses (compact form).
+* `merge`: for fixed routing weights (e.g. one task's mean routing) fold every SI module into a plain
+  weight θ_pre + δ ⊙ m, giving an ordinary dense HF model.
+* `param_counts`: total stored parameters and active ones per input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers.initialization import no_init_weights
+
+from moekit.errors import CheckpointError
+from moekit.io import atomic_dir, load_state, model_class, save_weights, unique_tensors
+from moekit.simoe import hard_concrete as hc
+from moekit.simoe.layer import SILinear
+from moekit.simoe.model import SIMoEConfig, install, si_modules
+
+FORMAT = "moekit-simoe/1"
+
+
+def is_simoe(model: nn.Module) -> bool:
+    return hasattr(model, "simoe")
+
+
+def write_checkpoint(model: nn.Module, folder: Path) -> None:
+    """config.json, weights and simoe.json into an existing folder."""
+    kept = {p: m.delta.shape[1] for p, m in si_modules(model) if isinstance(m, SILinear) and m.keep is not None}
+    meta = {"format": FORMAT, "architecture": type(model).__name__,
+            "config": model.simoe.cfg.model_dump(mode="json"), "kept": kept}
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)
+    tensors, aliases = unique_tensors(model)  # tied embeddings once
+    meta["aliases"] = aliases
+    save_weights(tensors, folder)
+    (folder / "simoe.json").write_text(json.dumps(meta, indent=2))
+
+
+def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
+    """Save a SIMoE model atomically."""
+    with atomic_dir(out, overwrite) as tmp:
+        write_checkpoint(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(out)
+
+
+def read_meta(folder: str | Path) -> dict:
+    f = Path(folder) / "simoe.json"
+    if not f.is_file():
+        raise CheckpointError(f"{folder} is not a SIMoE checkpoint (no simoe.json)")
+    meta = json.loads(f.read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{folder}: unsupported SIMoE format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def load(folder: str | Path) -> nn.Module:
+    """Load a SIMoE checkpoint (pruned or not), in eval mode."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    cls = model_class(meta["architecture"], folder)
+    with no_init_weights():
+        model = cls._from_config(transformers.AutoConfig.from_pretrained(folder))
+    install(model, SIMoEConfig.model_validate(meta["config"]), meta["kept"])
+    load_state(model, folder, meta)
+    model.tie_weights()
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    return model.eval()
+
+
+def prune(model: nn.Module) -> nn.Module:
+    """Drop, in place, every δ column whose median gate is 0 for all experts (eval outputs unchanged)."""
+    for _, m in si_modules(model):
+        if isinstance(m, SILinear):
+            m.prune()
+    return model
+
+
+@torch.no_grad()
+def merge(model: nn.Module, weights: torch.Tensor) -> nn.Module:
+    """A plain dense model (in place) with every SI module folded for the (M,) routing `weights`:
+    W = W_pre + δ ⊙ m, m = Σ_i weights_i ẑ_i (median gates)."""
+    for path, m in si_modules(model):
+        base = m.base
+        if isinstance(m, SILinear):
+            base.weight += m.full_delta() * (weights.to(m.log_alpha.dtype) @ m.full_gates()).to(base.weight.dtype)
+        else:
+            base.weight += (weights.to(m.log_alpha.dtype) @ hc.median(m.log_alpha)).to(base.weight.dtype) * m.delta
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, base)
+    model.simoe.hook.remove()
+    del model.simoe
+    return model
+
+
+def param_counts(model: nn.Module) -> dict[str, int]:
+    """total: every stored parameter (frozen pretrained, δ, masks, router). active: what one input uses,
+    the pretrained weights, the router and the δ columns some expert's median gate keeps (all M experts
+    are mixed with softmax weights, so the union of their masks is active)."""
+    total = sum(p.numel() for p in model.parameters())
+    masks = sum(m.log_alpha.numel() for _, m in si_modules(model))
+    unused = 0
+    for _, m in si_modules(model):
+        idle = int(hc.median(m.log_alpha).eq(0).all(0).sum())  # stored δ columns no expert uses
+        unused += idle * (m.delta.shape[0] if isinstance(m, SILinear) else 1)
+    return {"total": total, "active": total - masks - unused}

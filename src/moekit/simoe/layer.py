@@ -1,0 +1,118 @@
+"""Sparse interpolated modules (SIMoE, Chen et al. 2025, eqs. 2 and 9).
+
+A frozen pretrained module θ_pre gets one shared trainable δ (initialized to 0) and M structured
+hard-concrete masks z_i over its input neurons. For routing weights α (per instance or per token) the
+effective weight is θ_pre + Σ_i α_i z_i ⊙ δ; because the masks act on input neurons this is computed as
+x θ_preᵀ + (m ⊙ x) δᵀ with m = Σ_i α_i z_i, never materializing per-instance weights. With δ = 0 the
+module is exactly the pretrained one."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from moekit.simoe import hard_concrete as hc
+
+
+class Routing:
+    """The routing weights every SI module of one model reads: (B, M) per instance, (B, T, M) per token,
+    or None (the pretrained model: δ is skipped). Set by the model's router before each forward."""
+
+    def __init__(self):
+        self.weights: torch.Tensor | None = None
+
+
+class SparseInterpolated(nn.Module):
+    """Base of SILinear / SINorm: δ, the masks' log α, and the per-forward mask mixture m."""
+
+    def __init__(self, base: nn.Module, d_in: int, delta_shape: tuple[int, ...], num_experts: int, p_zero: float,
+                 routing: Routing):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        w = base.weight
+        self.delta = nn.Parameter(torch.zeros(delta_shape, dtype=w.dtype, device=w.device))
+        self.log_alpha = nn.Parameter(torch.full((num_experts, d_in), hc.init_log_alpha(p_zero), device=w.device))
+        self.routing = routing
+        self.last_z: torch.Tensor | None = None  # (M, d_in) gates of the last training forward (orthogonality)
+
+    @property
+    def num_experts(self) -> int:
+        return self.log_alpha.shape[0]
+
+    def gates(self) -> torch.Tensor:
+        """(M, d_in): sampled gates in training, median gates in eval."""
+        if self.training:
+            self.last_z = hc.sample(self.log_alpha)
+            return self.last_z
+        return hc.median(self.log_alpha)
+
+    def mixture(self, x: torch.Tensor) -> torch.Tensor:
+        """m = Σ_i α_i z_i shaped to broadcast against x: (B, 1.., d_in) per instance, (B, T, 1.., d_in)
+        per token (inner dims such as Gemma's per-head q/k norms are shared)."""
+        w = self.routing.weights
+        m = w.to(self.log_alpha.dtype) @ self.gates()  # (B, d_in) or (B, T, d_in)
+        lead = m.shape[:-1]
+        if x.dim() < len(lead) + 1 or tuple(x.shape[:len(lead)]) != tuple(lead):
+            raise ValueError(f"SIMoE routing weights {tuple(w.shape)} do not match an input of shape {tuple(x.shape)}")
+        return m.reshape(*lead, *[1] * (x.dim() - len(lead) - 1), m.shape[-1]).to(x.dtype)
+
+
+class SILinear(SparseInterpolated):
+    """y = x W_preᵀ + b + (m ⊙ x)[:, keep] δᵀ. After pruning (`prune`), δ and log α keep only the input
+    columns some expert uses (`keep`); the dropped ones contributed exact zeros."""
+
+    def __init__(self, base: nn.Linear, num_experts: int, p_zero: float, routing: Routing, kept: int | None = None):
+        d_in = base.in_features if kept is None else kept
+        super().__init__(base, d_in, (base.out_features, d_in), num_experts, p_zero, routing)
+        self.register_buffer("keep", None if kept is None else torch.arange(kept, device=base.weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.routing.weights is None:
+            return y
+        xk = x if self.keep is None else x.index_select(-1, self.keep)
+        return y + F.linear(xk * self.mixture(x), self.delta)
+
+    @torch.no_grad()
+    def prune(self) -> None:
+        """Drop the input columns whose median gate is 0 for every expert (compact export)."""
+        used = (hc.median(self.log_alpha) > 0).any(0)  # (d_in,)
+        idx = used.nonzero().squeeze(1)
+        self.keep = idx if self.keep is None else self.keep[idx]
+        self.delta = nn.Parameter(self.delta[:, idx].contiguous(), requires_grad=self.delta.requires_grad)
+        self.log_alpha = nn.Parameter(self.log_alpha[:, idx].contiguous(), requires_grad=self.log_alpha.requires_grad)
+
+    def full_delta(self) -> torch.Tensor:
+        """(d_out, in_features) δ with pruned columns as zeros."""
+        if self.keep is None:
+            return self.delta
+        return self.delta.new_zeros(self.base.weight.shape).index_copy(1, self.keep, self.delta)
+
+    def full_gates(self) -> torch.Tensor:
+        """(M, in_features) median gates with pruned columns as zeros."""
+        z = hc.median(self.log_alpha)
+        if self.keep is None:
+            return z
+        return z.new_zeros(self.num_experts, self.base.in_features).index_copy(1, self.keep, z)
+
+
+class SINorm(SparseInterpolated):
+    """A norm with weight w_pre + m ⊙ δ (SIMoE applies its experts to norm weights too). Every norm family
+    here is affine in its weight, so y(w + d) = y(w) + n(x) ⊙ d with n(x) = y(w=1) − y(w=0), the
+    normalized input: works for LayerNorm, RMSNorm and Gemma's (1 + w) RMSNorm alike."""
+
+    def __init__(self, base: nn.Module, num_experts: int, p_zero: float, routing: Routing):
+        d = base.weight.shape[0]
+        super().__init__(base, d, (d,), num_experts, p_zero, routing)
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.base.weight
+        return functional_call(self.base, {"weight": torch.ones_like(w)}, (x,)) - \
+            functional_call(self.base, {"weight": torch.zeros_like(w)}, (x,))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.routing.weights is None:
+            return y
+        return y + self.normalized(x) * (self.mixture(x) * self.delta)

@@ -1,0 +1,163 @@
+"""SIMoE upcycling of a dense HF model (Chen, Wei & Schwarz 2025, "Automatic Expert Discovery in LLM
+Upcycling via Sparse Interpolated Mixture-of-Experts", §3).
+
+`simoe_upcycle` freezes the model, wraps the chosen linear layers (and norms) in sparse interpolated
+modules sharing one `Routing`, and attaches `model.simoe`: the instance router (§3.1.3: the pretrained
+model's last-token embedding of the prompt → MLP → softmax over M experts) and the Lagrange multiplier
+of the sparsity constraint. A forward pre-hook routes every call before the model runs."""
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Iterator, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from moekit.config import Config
+from moekit.errors import ConfigError
+from moekit.simoe.layer import Routing, SILinear, SINorm, SparseInterpolated
+
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "out_proj"]
+
+
+class SIMoEConfig(Config):
+    """Architecture (experts, targets, router) and objective (eqs. 10-13) of a SIMoE model."""
+
+    num_experts: int = Field(8, ge=1)  # M
+    modules: list[str] = Field(default_factory=lambda: list(LINEARS))  # linear layer names to upcycle
+    norms: bool = True  # norm weights get experts too
+    routing: Literal["instance", "token"] = "instance"  # token: the paper's ablation (d)
+    router_hidden: int = Field(256, ge=1)
+    p_zero: float = Field(0.05, gt=0.0, lt=1.0)  # initial P(z = 0) of every gate (appendix B.1)
+    tau: float = Field(0.75, ge=0.0, lt=1.0)  # constraint 1 − L0(Z) ≥ τ
+    ortho: float = Field(5e-6, ge=0.0)  # β of the orthogonality penalty ‖ZZᵀ − I‖
+    dual_lr: float = Field(0.01, gt=0.0)  # step of the projected gradient ascent on λ
+    mask_lr: float | None = Field(0.05, gt=0.0)  # AdamW lr of the masks' log α (None: the model's lr)
+
+
+class SIMoE(nn.Module):
+    """The router MLP, the multiplier λ and the shared routing state of one SIMoE model."""
+
+    def __init__(self, cfg: SIMoEConfig, hidden_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Sequential(nn.Linear(hidden_size, cfg.router_hidden), nn.GELU(),
+                                    nn.Linear(cfg.router_hidden, cfg.num_experts))
+        nn.init.zeros_(self.router[2].weight)  # uniform routing at init
+        nn.init.zeros_(self.router[2].bias)
+        self.register_buffer("lam", torch.zeros(()))  # λ ≥ 0
+        self.register_buffer("violation", torch.zeros(()))  # τ − (1 − L0) at the last training step
+        self.routing = Routing()
+        self.fixed: torch.Tensor | None = None  # (M,) or (B, M) routing weights imposed on the next calls
+
+    def route(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+              labels: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Routing weights (B, M), or (B, T, M) for token-level routing, from the pretrained model's
+        final hidden states (no gradient into the model). The prompt is every attended token before the
+        first scored label."""
+        B, T = input_ids.shape
+        pos = torch.arange(T, device=input_ids.device).expand(B, T)
+        prompt = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if labels is not None:
+            first = torch.where(labels != -100, pos, T).min(1, keepdim=True).values  # (B, 1)
+            prompt = prompt & (pos < first)
+        last = torch.where(prompt, pos, -1).max(1).values.clamp_min(0)  # (B,) last prompt token
+        n = T if self.cfg.routing == "token" else int(last.max()) + 1  # causal: later tokens do not matter
+        kwargs = {} if position_ids is None else {"position_ids": position_ids[:, :n]}
+        with self.pretrained(), torch.no_grad():
+            mask = None if attention_mask is None else attention_mask[:, :n]
+            h = model.base_model(input_ids=input_ids[:, :n], attention_mask=mask, **kwargs).last_hidden_state
+        feats = h if self.cfg.routing == "token" else h[torch.arange(B, device=h.device), last]  # (B,[T,] H)
+        return torch.softmax(self.router(feats.to(self.router[0].weight.dtype)), dim=-1)  # (B, [T,] M)
+
+    @contextlib.contextmanager
+    def pretrained(self) -> Iterator[None]:
+        """Run the model as the frozen pretrained one (δ skipped)."""
+        saved, self.routing.weights = self.routing.weights, None
+        try:
+            yield
+        finally:
+            self.routing.weights = saved
+
+
+def _pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    s: SIMoE = model.simoe
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        raise ConfigError("SIMoE routing needs input_ids (inputs_embeds alone cannot be routed)")
+    if s.fixed is not None:
+        s.routing.weights = s.fixed.expand(ids.shape[0], -1)  # (B, M) from (M,) or (B, M)
+        return
+    past = kwargs.get("past_key_values")
+    if past is not None and past.get_seq_length() > 0:  # generation continues the prompt
+        if s.cfg.routing == "token":
+            raise ConfigError("token-level SIMoE routing generates without a KV cache: pass use_cache=False")
+        return  # instance routing keeps the prompt's weights
+    s.routing.weights = s.route(model, ids, kwargs.get("attention_mask"), kwargs.get("labels"),
+                                kwargs.get("position_ids"))
+
+
+def _generate(model: nn.Module, *args, **kwargs):
+    """model.generate with instance routing decided once, from the prompt (with or without a KV cache)."""
+    s: SIMoE = model.simoe
+    if s.cfg.routing == "token" or s.fixed is not None:
+        return type(model).generate(model, *args, **kwargs)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    with fixed_routing(model, s.route(model, ids, kwargs.get("attention_mask"), None)):
+        return type(model).generate(model, *args, **kwargs)
+
+
+def _targets(model: nn.Module, cfg: SIMoEConfig) -> list[tuple[str, nn.Module]]:
+    found = []
+    for path, mod in model.named_modules():
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in cfg.modules and isinstance(mod, nn.Linear):
+            found.append((path, mod))
+        elif cfg.norms and "norm" in type(mod).__name__.lower() and getattr(mod, "weight", None) is not None:
+            found.append((path, mod))
+    return found
+
+
+def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = None) -> nn.Module:
+    """Wrap the targets in SI modules (in place), attach `model.simoe` and its routing hook. `kept`: the
+    δ column counts of a pruned checkpoint being loaded."""
+    if hasattr(model, "simoe"):
+        raise ConfigError("the model is already a SIMoE model")
+    targets = _targets(model, cfg)
+    if not targets:
+        raise ConfigError(f"no SIMoE targets: no nn.Linear named {cfg.modules}" + (" and no norm" if cfg.norms else ""))
+    model.requires_grad_(False)
+    s = SIMoE(cfg, model.config.get_text_config().hidden_size).to(next(model.parameters()).device)
+    for path, mod in targets:
+        parent, _, leaf = path.rpartition(".")
+        if isinstance(mod, nn.Linear):
+            si = SILinear(mod, cfg.num_experts, cfg.p_zero, s.routing, (kept or {}).get(path))
+        else:
+            si = SINorm(mod, cfg.num_experts, cfg.p_zero, s.routing)
+        setattr(model.get_submodule(parent) if parent else model, leaf, si)
+    model.simoe = s
+    s.hook = model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    model.generate = types.MethodType(_generate, model)
+    return model
+
+
+def simoe_upcycle(model: nn.Module, cfg: SIMoEConfig) -> nn.Module:
+    """Turn a dense HF model into a SIMoE model in place; outputs are unchanged (δ = 0)."""
+    return install(model, cfg).train(model.training)
+
+
+def si_modules(model: nn.Module) -> list[tuple[str, SparseInterpolated]]:
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, SparseInterpolated)]
+
+
+@contextlib.contextmanager
+def fixed_routing(model: nn.Module, weights: torch.Tensor) -> Iterator[None]:
+    """Route with fixed weights: (M,) for every input (e.g. a task's mean routing) or (B, M) per row."""
+    s: SIMoE = model.simoe
+    saved, s.fixed = s.fixed, weights
+    try:
+        yield
+    finally:
+        s.fixed = saved
