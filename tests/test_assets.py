@@ -182,3 +182,10 @@ def test_real_bible():
     verses = assets.bible_verses("k")
     assert len(verses) == 31102
     assert verses[0] == (1, 1, 1, "In the beginning God created the heaven and the earth.")
+
+
+def test_clean_verse_strips_native_numbering_and_normalizes():
+    from moekit.assets import clean_verse
+
+    assert clean_verse("(44:10)  Et il dit:\n  Que\xadlque") == "Et il dit: Quelque"
+    assert clean_verse("God`s word (1:2) stays") == "God's word (1:2) stays"  # only a leading number goes

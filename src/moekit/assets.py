@@ -16,6 +16,7 @@ import contextlib
 import copy
 import io
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -213,4 +214,13 @@ def bible_verses(code: str, books: Iterable[int] | None = None, log: Log | None 
         args += books
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
         rows = con.execute(query + " ORDER BY bNumber, cNumber, vNumber", args).fetchall()
-    return [Verse(*r) for r in rows]
+    return [Verse(b, c, v, clean_verse(t)) for b, c, v, t in rows]
+
+
+_NATIVE_REF = re.compile(r"^\(\d+[:.,-]\d+\)\s*")  # e.g. "(44:10) ": some translations number verses in the text
+
+
+def clean_verse(text: str) -> str:
+    """Whitespace normalized, soft hyphens dropped, ` as an apostrophe (the WEB writes "God`s"), and the
+    translation's own verse-number prefix removed (about 1,400 French and 240 Vietnamese verses)."""
+    return _NATIVE_REF.sub("", " ".join(text.replace("`", "'").replace("\xad", "").split()))

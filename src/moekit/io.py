@@ -248,5 +248,10 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
 
 
 def load_model(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
-    """A moekit checkpoint (has moekit.json) or any local HF model directory (e.g. transformers' MoE families)."""
+    """A moekit checkpoint (moekit.json), a SIMoE one (simoe.json) or any local HF model directory (e.g.
+    transformers' MoE families)."""
+    if (Path(path) / "simoe.json").is_file():
+        from moekit.simoe.export import load as load_simoe
+
+        return load_simoe(path)
     return load(path) if (Path(path) / "moekit.json").is_file() else load_dense(path, allow_pickle, trust_remote_code)

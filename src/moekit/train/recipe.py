@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from moekit.config import Config, apply_overrides, read_yaml, validate
 from moekit.data.parallel import DataConfig
 from moekit.moe.spec import MoESpec
+from moekit.simoe.model import SIMoEConfig
 
 
 class ModelConfig(Config):
@@ -74,9 +75,10 @@ class Recipe(Config):
     name: str = "run"
     out: str = "runs/run"
     model: ModelConfig = ModelConfig()
-    method: Literal["moe", "dense", "lora"] = "moe"
+    method: Literal["moe", "dense", "lora", "simoe"] = "moe"
     moe: MoESpec | None = None
     lora: LoraConfig | None = None
+    simoe: SIMoEConfig | None = None
     freeze: FreezeConfig = FreezeConfig()
     aux: AuxConfig = AuxConfig()
     data: DataConfig = DataConfig()
@@ -90,6 +92,8 @@ class Recipe(Config):
             raise ValueError("method=moe needs a `moe` spec, and only method=moe takes one")
         if (self.method == "lora") != (self.lora is not None):
             raise ValueError("method=lora needs a `lora` section, and only method=lora takes one")
+        if (self.method == "simoe") != (self.simoe is not None):
+            raise ValueError("method=simoe needs a `simoe` section, and only method=simoe takes one")
         if self.freeze.schedule != "none" and self.method != "moe":
             raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
         return self

@@ -19,6 +19,8 @@ from moekit.errors import ConfigError
 from moekit.evaluate import DenseReference, direction_loss, encode_pairs, evaluate_run, write_results
 from moekit.io import check_output_dir, load_dense
 from moekit.plots import plot_curves, plot_usage
+from moekit.simoe.model import simoe_upcycle
+from moekit.simoe.objective import DualCallback, param_groups
 from moekit.train.freeze import FreezeCallback
 from moekit.train.recipe import Recipe
 from moekit.train.trainer import MoETrainer
@@ -49,6 +51,8 @@ def adapt(recipe: Recipe, model: nn.Module) -> nn.Module:
     """The model the recipe trains: upcycled (in place), wrapped with LoRA, or the dense model itself."""
     if recipe.method == "moe":
         upcycle(model, recipe.moe)
+    elif recipe.method == "simoe":
+        simoe_upcycle(model, recipe.simoe)
     elif recipe.method == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -157,10 +161,14 @@ def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
 
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
     """MoETrainer for a recipe (translation or ASR): its freeze schedule, aux losses and a quiet progress bar."""
+    optimizers = (None, None)
     if recipe.freeze.schedule != "none":
         callbacks = [*callbacks, FreezeCallback(model, recipe.freeze)]
+    if getattr(recipe, "method", None) == "simoe":  # masks at their own lr; λ's ascent after each step
+        callbacks = [*callbacks, DualCallback(model)]
+        optimizers = (torch.optim.AdamW(param_groups(model, recipe.optim.lr, recipe.optim.weight_decay)), None)
     trainer = MoETrainer(model=model, args=training_args(recipe, Path(recipe.out)), train_dataset=dataset,
-                         data_collator=collator, aux=recipe.aux, callbacks=callbacks)
+                         data_collator=collator, aux=recipe.aux, callbacks=callbacks, optimizers=optimizers)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(QuietProgress)
     return trainer

@@ -10,6 +10,9 @@ from transformers import Trainer
 from moekit.io import load_state, read_meta, write_checkpoint
 from moekit.losses import load_balance, z_loss
 from moekit.moe.layer import moe_layers
+from moekit.simoe import export as simoe_export
+from moekit.simoe.export import is_simoe
+from moekit.simoe.objective import penalty
 from moekit.train.recipe import AuxConfig
 
 
@@ -23,7 +26,8 @@ def routing_stats(info, mask) -> dict[str, float]:
 
 class MoETrainer(Trainer):
     """Adds λ_lb·LB + λ_z·Z (each averaged over MoE layers, padding excluded) to the task loss and
-    logs them per layer with usage entropy and max load fraction."""
+    logs them per layer with usage entropy and max load fraction; for SIMoE models, the orthogonality
+    penalty and the Lagrangian sparsity term (moekit.simoe.objective), logged as simoe/*."""
 
     def __init__(self, *args, aux: AuxConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -33,9 +37,16 @@ class MoETrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mask = inputs.get("attention_mask")
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        layers = moe_layers(self.accelerator.unwrap_model(model))  # paths without DDP's `module.`
+        unwrapped = self.accelerator.unwrap_model(model)
+        layers = moe_layers(unwrapped)  # paths without DDP's `module.`
+        aux = None
         if layers and model.training:
             aux = self._aux_loss(layers, mask)
+        elif is_simoe(unwrapped) and model.training:
+            aux, logs = penalty(unwrapped)
+            for k, v in logs.items():
+                self._aux_logs[k].append(v)
+        if aux is not None:
             scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
             # the task loss is already normalized over the accumulated batch; the aux loss is a per-batch mean
             loss = loss + (aux / self.current_gradient_accumulation_steps if scaled else aux)
@@ -64,17 +75,19 @@ class MoETrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         model = self.accelerator.unwrap_model(self.model)
-        if not moe_layers(model):
+        if not (moe_layers(model) or is_simoe(model)):
             return super()._save(output_dir, state_dict)
         if not self.args.should_save:  # Trainer calls _save on every rank and leaves the check to it
             return
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        write_checkpoint(model, out)
+        (simoe_export.write_checkpoint if is_simoe(model) else write_checkpoint)(model, out)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         model = model or self.model
-        if not (Path(resume_from_checkpoint) / "moekit.json").is_file():
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         folder = Path(resume_from_checkpoint)
+        if (folder / "simoe.json").is_file():
+            return load_state(self.accelerator.unwrap_model(model), folder, simoe_export.read_meta(folder))
+        if not (folder / "moekit.json").is_file():
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_state(self.accelerator.unwrap_model(model), folder, read_meta(folder))

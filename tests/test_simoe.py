@@ -1,0 +1,228 @@
+"""SIMoE (Chen, Wei & Schwarz 2025): hard-concrete closed forms, exactness at init, the masked-input
+computation equals the explicit per-instance weight, routing from the prompt, the objective, save/load,
+pruned and merged exports."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekit import simoe
+from moekit.errors import ConfigError
+from moekit.simoe import hard_concrete as hc
+from moekit.simoe.layer import Routing, SILinear, SINorm
+from moekit.simoe.objective import density, dual_step, orthogonality, penalty
+from moekit.testing import logits, tiny_gemma3, tiny_inputs, tiny_llama
+
+CFG = simoe.SIMoEConfig(num_experts=4, router_hidden=16)
+
+
+def randomize(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _, m in simoe.si_modules(model):
+        m.delta.data = torch.randn(m.delta.shape, generator=g) * 0.05
+        m.log_alpha.data = torch.randn(m.log_alpha.shape, generator=g) * 3
+    model.simoe.router[2].weight.data = torch.randn(model.simoe.router[2].weight.shape, generator=g)
+    return model
+
+
+# --- hard-concrete gates (Louizos et al. 2018; SIMoE eqs. 6-8, appendix A.1/B.1) ---
+
+def test_init_log_alpha_closed_form():
+    la = hc.init_log_alpha(0.05)
+    assert la == pytest.approx(math.log(19) + (2 / 3) * math.log(0.1 / 1.1), abs=1e-12)  # 1.3458...
+    assert float(hc.prob_nonzero(torch.tensor(la, dtype=torch.float64))) == pytest.approx(0.95, abs=1e-12)
+    with pytest.raises(ValueError):
+        hc.init_log_alpha(0.0)
+
+
+def test_samples_match_the_closed_form_l0_and_median():
+    torch.manual_seed(0)
+    for la in (-2.0, 0.0, hc.init_log_alpha(0.05)):
+        la_t = torch.full((400_000,), la)
+        z = hc.sample(la_t)
+        assert z.min() >= 0 and z.max() <= 1
+        assert (z == 0).float().mean() == pytest.approx(1 - float(hc.prob_nonzero(torch.tensor(la))), abs=3e-3)
+        assert z.median() == pytest.approx(float(hc.median(torch.tensor(la))), abs=3e-3)
+    assert (hc.sample(torch.full((10_000,), 3.0)) == 1).any()  # exact ones too
+
+
+def test_median_gate_is_exactly_zero_below_the_threshold():
+    thr = hc.BETA * math.log((-hc.GAMMA) / (hc.ZETA))  # sigmoid(thr/β) = −γ/(ζ−γ)
+    assert float(hc.median(torch.tensor(thr - 1e-3))) == 0.0
+    assert float(hc.median(torch.tensor(thr + 1e-2))) > 0.0
+    assert float(hc.median(torch.tensor(10.0))) == 1.0
+
+
+def test_samples_are_differentiable_in_log_alpha():
+    la = torch.zeros(1000, requires_grad=True)
+    hc.sample(la).sum().backward()
+    assert la.grad.abs().sum() > 0
+
+
+# --- sparse interpolated modules (eqs. 2, 9) ---
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3])
+def test_simoe_model_equals_the_pretrained_model_at_init(build):
+    model = build().eval()
+    x = tiny_inputs(model)
+    ref = logits(model, x)
+    simoe.simoe_upcycle(model, CFG)
+    assert torch.equal(logits(model, x), ref)
+    kinds = {type(m) for _, m in simoe.si_modules(model)}
+    assert kinds == {SILinear, SINorm}  # every linear of attention and MLP, and the norms
+    assert all(not p.requires_grad for n, p in model.named_parameters() if ".base." in n)
+
+
+def test_masked_input_equals_the_explicit_per_instance_weight():
+    torch.manual_seed(0)
+    routing = Routing()
+    lin = nn.Linear(6, 5)
+    si = SILinear(lin, 3, 0.05, routing).eval()
+    si.delta.data.normal_()
+    si.log_alpha.data.normal_(std=3)
+    routing.weights = torch.softmax(torch.randn(2, 3), -1)  # (B, M)
+    x = torch.randn(2, 4, 6)
+    m = routing.weights @ hc.median(si.log_alpha)  # (B, d_in)
+    for b in range(2):
+        w = lin.weight + si.delta * m[b]  # θ_pre + Σ_i α_i z_i ⊙ δ, masks over input columns
+        torch.testing.assert_close(si(x)[b], F.linear(x[b], w, lin.bias), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm(6), "rms"])
+def test_norm_experts_equal_a_norm_with_interpolated_weight(norm):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(6) if norm == "rms" else norm
+    norm.weight.data.normal_()
+    routing = Routing()
+    si = SINorm(norm, 3, 0.05, routing).eval()
+    si.delta.data.normal_()
+    si.log_alpha.data.normal_(std=3)
+    routing.weights = torch.softmax(torch.randn(2, 3), -1)
+    x = torch.randn(2, 4, 6)
+    m = routing.weights @ hc.median(si.log_alpha)
+    for b in range(2):
+        expect = torch.func.functional_call(norm, {"weight": norm.weight + m[b] * si.delta}, (x[b],))
+        torch.testing.assert_close(si(x)[b], expect, rtol=1e-5, atol=1e-6)
+
+
+def test_configuration_errors():
+    with pytest.raises(ConfigError, match="no SIMoE targets"):
+        simoe.simoe_upcycle(tiny_llama(), simoe.SIMoEConfig(modules=["nope"], norms=False))
+    model = simoe.simoe_upcycle(tiny_llama(), CFG)
+    with pytest.raises(ConfigError, match="already"):
+        simoe.simoe_upcycle(model, CFG)
+    with pytest.raises(Exception, match="extra"):
+        simoe.SIMoEConfig(experts=3)
+    only_mlp = simoe.simoe_upcycle(tiny_llama(), simoe.SIMoEConfig(modules=["up_proj", "down_proj"], norms=False))
+    assert {p.rsplit(".", 1)[-1] for p, _ in simoe.si_modules(only_mlp)} == {"up_proj", "down_proj"}
+
+
+# --- routing (§3.1.3) ---
+
+def test_instance_routing_reads_the_last_prompt_token_only():
+    model = randomize(simoe.simoe_upcycle(tiny_llama(), CFG)).eval()
+    ids = torch.randint(3, 100, (1, 10))
+    labels = ids.clone()
+    labels[:, :6] = -100  # prompt = first 6 tokens
+    w = model.simoe.route(model, ids, None, labels)
+    other = ids.clone()
+    other[:, 6:] = 7  # a different target: same routing
+    assert torch.equal(model.simoe.route(model, other, None, labels), w)
+    assert torch.allclose(model.simoe.route(model, ids[:, :6], None, None), w, atol=1e-6)
+    padded = torch.cat([ids, torch.zeros(1, 3, dtype=ids.dtype)], 1)  # right padding
+    mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 3)], 1).long()
+    lab = torch.cat([labels, torch.full((1, 3), -100)], 1)
+    assert torch.allclose(model.simoe.route(model, padded, mask, lab), w, atol=1e-6)
+    assert w.shape == (1, 4) and torch.allclose(w.sum(-1), torch.ones(1))
+
+
+def test_token_routing_and_generation():
+    model = randomize(simoe.simoe_upcycle(tiny_llama(), CFG)).eval()
+    x = tiny_inputs(model)
+    a = model.generate(**x, max_new_tokens=5, do_sample=False)
+    b = model.generate(**x, max_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(a, b)  # instance routing is decided once from the prompt
+    tok = randomize(simoe.simoe_upcycle(tiny_llama(), CFG.model_copy(update={"routing": "token"}))).eval()
+    assert tok.simoe.route(tok, x["input_ids"], None, None).shape == (*x["input_ids"].shape, 4)
+    with pytest.raises(ConfigError, match="use_cache=False"):
+        tok.generate(**x, max_new_tokens=3, do_sample=False)
+    assert tok.generate(**x, max_new_tokens=3, do_sample=False, use_cache=False).shape[1] == x["input_ids"].shape[1] + 3
+
+
+# --- objective (eqs. 3, 8, 10-13) ---
+
+def test_density_orthogonality_and_dual_step_closed_forms():
+    model = simoe.simoe_upcycle(tiny_llama(), CFG).train()
+    assert float(density(model)) == pytest.approx(0.95, abs=1e-6)  # every gate starts at P(z≠0) = 0.95
+    x = tiny_inputs(model)
+    model(**x)
+    expect = sum(torch.linalg.matrix_norm(m.last_z @ m.last_z.T - torch.eye(4)) for _, m in simoe.si_modules(model))
+    assert float(orthogonality(model)) == pytest.approx(float(expect), rel=1e-6)
+    s = model.simoe
+    loss, logs = penalty(model)
+    g = CFG.tau - 0.05
+    assert logs["simoe/violation"] == pytest.approx(g, abs=1e-6) and float(s.lam) == 0.0
+    dual_step(s)
+    assert float(s.lam) == pytest.approx(CFG.dual_lr * g, abs=1e-6)  # ascent on λ
+    s.violation.fill_(-0.1)  # the constraint holds: λ resets to 0
+    dual_step(s)
+    assert float(s.lam) == 0.0
+
+
+def test_training_meets_the_sparsity_constraint(tmp_path):
+    """The Lagrangian drives the expected sparsity above τ; λ then resets to 0."""
+    torch.manual_seed(0)
+    cfg = CFG.model_copy(update={"tau": 0.5, "dual_lr": 1.0, "mask_lr": 0.1})
+    model = simoe.simoe_upcycle(tiny_llama(), cfg).train()
+    from moekit.simoe.objective import param_groups
+
+    opt = torch.optim.AdamW(param_groups(model, 1e-3, 0.0))
+    x = tiny_inputs(model, batch=4, length=12)
+    seen_positive = False
+    for _ in range(150):
+        out = model(**x, labels=x["input_ids"])
+        p, logs = penalty(model)
+        (out.loss + p).backward()
+        opt.step()
+        opt.zero_grad()
+        dual_step(model.simoe)
+        seen_positive |= float(model.simoe.lam) > 0
+    assert seen_positive and 1 - float(density(model)) >= 0.5 and float(model.simoe.lam) == 0.0
+
+
+# --- save / load / prune / merge (§3.2, Table 8) ---
+
+def test_save_load_prune_and_merge(tmp_path):
+    model = randomize(simoe.simoe_upcycle(tiny_llama(), CFG)).eval()
+    x = tiny_inputs(model)
+    out = logits(model, x)
+    simoe.save(model, tmp_path / "s")
+    with pytest.raises(Exception, match="exists"):
+        simoe.save(model, tmp_path / "s")
+    loaded = simoe.load(tmp_path / "s")
+    assert torch.equal(logits(loaded, x), out)
+    before = simoe.param_counts(loaded)
+    dropped = sum(int((hc.median(m.log_alpha) == 0).all(0).sum()) for _, m in simoe.si_modules(loaded)
+                  if isinstance(m, SILinear))
+    assert dropped > 0
+    simoe.prune(loaded)
+    torch.testing.assert_close(logits(loaded, x), out, rtol=0, atol=1e-6)  # pruned = unpruned in eval
+    after = simoe.param_counts(loaded)
+    assert after["total"] < before["total"] and after["active"] == before["active"]
+    simoe.save(loaded, tmp_path / "p")
+    pruned = simoe.load(tmp_path / "p")
+    torch.testing.assert_close(logits(pruned, x), out, rtol=0, atol=1e-6)
+    w = torch.softmax(torch.randn(4), 0)
+    with simoe.fixed_routing(pruned, w):
+        fixed = logits(pruned, x)
+    dense = simoe.merge(pruned, w)
+    assert not simoe.si_modules(dense) and not simoe.is_simoe(dense)
+    torch.testing.assert_close(logits(dense, x), fixed, rtol=0, atol=1e-5)
+    dense.save_pretrained(tmp_path / "d")
+    from moekit.io import load_dense
+
+    torch.testing.assert_close(logits(load_dense(tmp_path / "d"), x), fixed, rtol=0, atol=1e-5)
