@@ -15,8 +15,9 @@ if _workers > 1:
 
 @pytest.fixture(scope="session")
 def tiny_recipe_overrides(tmp_path_factory):
-    """`overrides(out, **extra)`: dotted key=value overrides that point any recipe at a tiny Llama (with
-    the character tokenizer) and small JSONL data in the directions fr and sw, for 2 steps of batch 2.
+    """`overrides(out, task="translation", **extra)`: dotted key=value overrides that point any recipe at a
+    tiny Llama (with the character tokenizer) and small JSONL data (directions fr and sw, or for
+    task="instruct" tasks a and b trained and c unseen), for 2 steps of batch 2.
     `extra` adds or replaces keys, e.g. `**{"train.steps": 4}`."""
     from moekit.testing import tiny_llama, tiny_tokenizer
 
@@ -31,13 +32,22 @@ def tiny_recipe_overrides(tmp_path_factory):
             src = " ".join(rng.choice(words) for _ in range(4))
             lines.append(json.dumps({"src": src, "tgt": src[::-1], "tgt_lang": "sw" if i % 2 else "fr"}))
         (root / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+        tasks = [json.dumps({"task": t, "instruction": f"do {t}", "input": " ".join(rng.choice(words) for _ in range(3)),
+                             "output": rng.choice(words)}) for i in range(n) for t in ("a", "b", "c")]
+        (root / f"instruct_{split}.jsonl").write_text("\n".join(tasks) + "\n")
 
-    def overrides(out, **extra) -> list[str]:
+    def overrides(out, task: str = "translation", **extra) -> list[str]:
+        if task == "instruct":  # tasks a, b trained, c unseen
+            data = {"data.train_tasks": ["a", "b"], "data.unseen_tasks": ["c"], "data.test_per_task": 2,
+                    "data.train_files": [str(root / "instruct_train.jsonl")],
+                    "data.test_files": [str(root / "instruct_test.jsonl")]}
+        else:
+            data = {"data.directions": ["fr", "sw"],  # the JSONL's tgt_lang values
+                    "data.train_files": [str(root / "train.jsonl")], "data.test_files": [str(root / "test.jsonl")],
+                    "data.test_per_direction": 2}
         keys = {
-            "out": str(out), "model.path": str(root / "dense"), "data.source": "jsonl",
-            "data.directions": ["fr", "sw"],  # the JSONL's tgt_lang values
-            "data.train_files": [str(root / "train.jsonl")], "data.test_files": [str(root / "test.jsonl")],
-            "data.max_length": 160, "data.test_per_direction": 2,
+            "out": str(out), "model.path": str(root / "dense"), "data.source": "jsonl", **data,
+            "data.max_length": 160,
             "train.steps": 2, "train.batch_size": 2, "train.grad_accum": 1, "train.logging_steps": 1,
             "train.eval_every": 0, "train.save_every": 0,
             "eval.kl_examples": 2, "eval.max_new_tokens": 4, "eval.batch_size": 2, **extra,

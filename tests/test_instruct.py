@@ -4,9 +4,9 @@ import pytest
 
 from moekit.assets import Verse, cache_dir
 from moekit.config import validate
-from moekit.data.instruct import (BLANK, BOOK_NAMES, CATEGORIES, TASKS, Example, InstructConfig, encode_example,
-                                  load_instruct, resolve_tasks, rouge_l)
-from moekit.data.parallel import BIBLE_CODE, LANG_NAMES, TranslationCollator
+from moekit.data.instruct import (BLANK, BOOK_NAMES, CATEGORIES, TASKS, Example, InstructConfig, TEMPLATE,
+                                  load_instruct, resolve_tasks, rouge_l, to_pair)
+from moekit.data.parallel import BIBLE_CODE, LANG_NAMES, TranslationCollator, encode_pair
 from moekit.errors import ConfigError
 from moekit.testing import tiny_tokenizer
 
@@ -122,11 +122,11 @@ def test_real_bible_known_verses():
 def test_labels_mask_the_prompt():
     tok = tiny_tokenizer()
     ex = Example("Instruction: Say hi.\nInput: hello\nOutput:", "hi there", "t", "c", "1:1:1")
-    e = encode_example(ex, tok, 200)
+    e = encode_pair(to_pair(ex), tok, TEMPLATE, 200)
     n = len(tok(ex.prompt, add_special_tokens=False)["input_ids"])
     assert e["labels"][:n] == [-100] * n and e["labels"][n:] == e["input_ids"][n:]
     assert e["input_ids"][-1] == tok.eos_token_id and tok.decode(e["input_ids"][n:-1]) == " hi there"
-    short = encode_example(ex, tok, 10)
+    short = encode_pair(to_pair(ex), tok, TEMPLATE, 10)
     assert len(short["input_ids"]) == len(short["labels"]) == 10 and set(short["labels"]) == {-100}
     batch = TranslationCollator(tok.pad_token_id)([e, short])
     assert batch["input_ids"].shape == batch["labels"].shape == (2, len(e["input_ids"]))

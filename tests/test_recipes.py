@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moekit.config import load_yaml
-from moekit.train.recipe import Recipe
+from moekit.config import read_yaml
+from moekit.train.recipe import load_recipe
 from moekit.train.run import train
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
@@ -16,12 +16,13 @@ ids = [p.stem for p in RECIPES]
 
 
 def test_recipes_exist():
-    assert {"spri_two_stage", "spri", "naive", "noise", "drop", "ume", "dense_ft", "lora"} <= set(ids)
+    assert {"spri_two_stage", "spri", "naive", "noise", "drop", "ume", "dense_ft", "lora", "simoe_instruct",
+            "instruct_ft", "instruct_upcycle"} <= set(ids)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=ids)
 def test_recipe_validates(path):
-    recipe = load_yaml(path, Recipe)
+    recipe = load_recipe(path)
     assert recipe.name == path.stem and recipe.out == f"runs/{path.stem}"
     assert path.read_text().startswith("#")  # says what it is and which paper section it follows
 
@@ -29,19 +30,25 @@ def test_recipe_validates(path):
 @pytest.mark.parametrize("path", RECIPES, ids=ids)
 def test_recipe_trains_two_steps(path, tiny_recipe_overrides, tmp_path):
     out = tmp_path / "run"
-    recipe = load_yaml(path, Recipe, tiny_recipe_overrides(out))
+    recipe = load_recipe(path, tiny_recipe_overrides(out, read_yaml(path).get("task", "translation")))
     trainer = train(recipe)
     assert trainer.state.global_step == 2
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     model = out / "model"
-    marker = {"moe": "moekit.json", "lora": "adapter_config.json", "dense": "config.json"}[recipe.method]
+    marker = {"moe": "moekit.json", "lora": "adapter_config.json", "dense": "config.json",
+              "simoe": "simoe.json"}[recipe.method]
     assert (model / marker).is_file() and (model / "tokenizer.json").is_file()
     assert yaml.safe_load((out / "recipe.yaml").read_text())["name"] == path.stem
     history = json.loads((out / "log_history.json").read_text())
     assert [h["loss"] for h in history if "loss" in h] == losses
     if recipe.method == "moe":
         assert all(math.isfinite(h["moe/lb"]) and math.isfinite(h["moe/z"]) for h in history if "loss" in h)
+    if recipe.method == "simoe":
+        assert all(0 < h["simoe/sparsity"] < 1 and h["simoe/lambda"] >= 0 for h in history if "loss" in h)
+    if recipe.task == "instruct":  # ROUGE-L per task, seen and unseen means
+        results = json.loads((out / "results.json").read_text())
+        assert set(results["groups"]) == {"seen", "unseen"} and "rougeL" in results["directions"]["c"]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=ids)

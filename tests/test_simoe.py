@@ -226,3 +226,26 @@ def test_save_load_prune_and_merge(tmp_path):
     from moekit.io import load_dense
 
     torch.testing.assert_close(logits(load_dense(tmp_path / "d"), x), fixed, rtol=0, atol=1e-5)
+
+
+def test_simoe_recipe_trains_resumes_and_evaluates(tiny_recipe_overrides, tmp_path, run):
+    """moekit train (SIMoE, instruction data) -> checkpoint resume -> moekit evaluate reproduces the results."""
+    import json
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "simoe_instruct.yaml"
+    out = tmp_path / "run"
+    over = tiny_recipe_overrides(out, "instruct", **{"train.steps": 4, "train.save_every": 2})
+    assert run("train", recipe, *over)[0] == 0
+    first = json.loads((out / "results.json").read_text())
+    ckpt = out / "checkpoints" / "checkpoint-4"
+    assert (ckpt / "simoe.json").is_file()
+    rc, _, err = run("train", recipe, "--resume", *over)
+    assert rc == 0, err
+    rc, stdout, err = run("evaluate", out)
+    assert rc == 0 and "unseen" in stdout, err
+    again = json.loads((out / "results.json").read_text())
+    assert again["groups"] == first["groups"]
+    loaded = simoe.load(out / "model")
+    assert simoe.is_simoe(loaded) and loaded.simoe.cfg == simoe.SIMoEConfig(**json.loads(
+        (out / "model" / "simoe.json").read_text())["config"])

@@ -30,7 +30,7 @@ from moekit.moe.layer import moe_layers
 # sacreBLEU's own per-language defaults: "13a" (mteval v13a) for space-delimited scripts; Chinese is
 # split per character ("zh"); Japanese and Korean need MeCab (`pip install sacrebleu[ja]` / `[ko]`).
 BLEU_TOKENIZE = {"zh": "zh", "ja": "ja-mecab", "ko": "ko-mecab"}
-CSV_COLUMNS = ("direction", "n", "bleu", "chrf", "loss", "kl", "diversity", "total_params", "active_params")
+CSV_COLUMNS = ("direction", "n", "rougeL", "bleu", "chrf", "loss", "kl", "diversity", "total_params", "active_params")
 
 
 @contextmanager
@@ -278,9 +278,26 @@ def evaluate_run(model: nn.Module, tokenizer, test_pairs: dict[str, list[Pair]],
     }
 
 
+def add_rouge(results: dict, test: dict[str, list[Pair]], unseen: list[str]) -> dict:
+    """Instruction runs: ROUGE-L per task (SNI's metric) and the unweighted means of every metric over the
+    trained tasks ("seen") and the held-out ones ("unseen") in results["groups"]."""
+    from moekit.data.instruct import rouge_l
+
+    for task, row in results["directions"].items():
+        row["rougeL"] = rouge_l(results["translations"][task], [p.tgt for p in test[task]])
+    results["avg"]["rougeL"] = sum(r["rougeL"] for r in results["directions"].values()) / len(test)
+    groups = {"seen": [t for t in test if t not in unseen], "unseen": [t for t in test if t in unseen]}
+    rows = results["directions"]
+    results["groups"] = {g: {"n": sum(rows[t]["n"] for t in ts),
+                             **{k: sum(rows[t][k] for t in ts) / len(ts) for k in results["avg"]}}
+                         for g, ts in groups.items() if ts}
+    return results
+
+
 def result_rows(results: dict) -> list[dict]:
     """One row per direction and an "avg" row (which also holds the run-level KL, diversity, params)."""
     rows = [{"direction": lang, **row} for lang, row in results["directions"].items()]
+    rows += [{"direction": g, **avg} for g, avg in results.get("groups", {}).items()]  # instruction runs
     rows.append({"direction": "avg", "n": sum(r["n"] for r in rows), **results["avg"], "kl": results["kl"],
                  "diversity": results["diversity"], "total_params": results["params"]["total"],
                  "active_params": results["params"]["active"]})
@@ -300,7 +317,7 @@ def write_results(results: dict, folder: str | Path) -> tuple[Path, Path]:
     return json_path, csv_path
 
 
-_FORMATS = {"bleu": "{:.2f}", "chrf": "{:.2f}", "loss": "{:.4f}", "kl": "{:.4g}", "diversity": "{:.4f}",
+_FORMATS = {"rougeL": "{:.2f}", "bleu": "{:.2f}", "chrf": "{:.2f}", "loss": "{:.4f}", "kl": "{:.4g}", "diversity": "{:.4f}",
             "n": "{:,}", "total_params": "{:,}", "active_params": "{:,}"}
 
 

@@ -20,24 +20,21 @@ def add_parser(sub) -> None:
 
 
 def load_run_model(recipe: Recipe, folder: Path):
-    """The trained model of a run: moekit checkpoint, LoRA adapter on the base model, or dense."""
-    from moekit.io import load, load_dense
+    """The trained model of a run: moekit or SIMoE checkpoint, LoRA adapter on the base model, or dense."""
+    from moekit.io import load_model
     from moekit.train.run import load_base
 
-    if (folder / "moekit.json").is_file():
-        return load(folder)
     if (folder / "adapter_config.json").is_file():
         from peft import PeftModel
 
         from moekit.assets import resolve_model
 
         return PeftModel.from_pretrained(load_base(recipe, resolve_model(recipe.model.path)), folder).eval()
-    return load_dense(folder)
+    return load_model(folder)
 
 
 def run(args: argparse.Namespace) -> None:
-    from moekit.data.parallel import load_pairs
-    from moekit.train.run import load_tokenizer, report
+    from moekit.train.run import load_data, load_tokenizer, report
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file() or not (run_dir / "model").is_dir():
@@ -48,7 +45,7 @@ def run(args: argparse.Namespace) -> None:
     tok = load_tokenizer(run_dir / "model")
     ref_file = run_dir / "dense_reference.safetensors"
     ref = DenseReference.load(run_dir) if ref_file.is_file() else None
-    _, test = load_pairs(recipe.data)
+    _, test = load_data(recipe)
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
     results = report(recipe, load_run_model(recipe, run_dir / "model"), tok, test, ref, history)

@@ -9,17 +9,21 @@ Prompts follow SNI: "Instruction: ...\\nInput: ...\\nOutput:"; only " " + output
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from moekit.config import Config
-from moekit.data.parallel import BIBLE_CODE, LANG_NAMES
+from moekit.data.parallel import BIBLE_CODE, LANG_NAMES, Pair
 from moekit.errors import ConfigError
 
 PROMPT = "Instruction: {instruction}\nInput: {input}\nOutput:"
+TEMPLATE = "{src}"  # see to_pair
 KJV, BBE, WEB = "k", "3", "4"  # English: King James, Bible in Basic English, World English Bible
 LANGID_LANGS = ("en", "fr", "de", "es", "it", "pt", "sw", "id", "tr", "pl")
 BOOK_NAMES = (
@@ -136,13 +140,28 @@ class InstructConfig(Config):
     max_length: int = Field(128, ge=8)  # tokens (prompt + target + eos)
     seed: int = 0
     books: list[int] | None = None  # Bible books to draw verses from (1-66); None = all
+    source: Literal["bible", "jsonl"] = "bible"  # jsonl: your own tasks, any names
+    train_files: list[str] = Field(default_factory=list)  # jsonl: {task, instruction, input, output} per line
+    test_files: list[str] = Field(default_factory=list)
+
+    def task_names(self) -> tuple[list[str], list[str]]:
+        """(trained tasks, unseen tasks), categories expanded for the Bible mix."""
+        if self.source == "jsonl":
+            return list(self.train_tasks), list(self.unseen_tasks)
+        return resolve_tasks(self.train_tasks), resolve_tasks(self.unseen_tasks)
+
+    @property
+    def template(self) -> str:
+        return TEMPLATE
 
     @model_validator(mode="after")
     def _check(self) -> InstructConfig:
         if not self.train_tasks:
             raise ValueError("train_tasks is empty")
+        if self.source == "jsonl" and not (self.train_files and self.test_files):
+            raise ValueError("source=jsonl needs train_files and test_files")
         try:
-            train, unseen = resolve_tasks(self.train_tasks), resolve_tasks(self.unseen_tasks)
+            train, unseen = self.task_names()
         except ConfigError as e:
             raise ValueError(str(e)) from None
         if overlap := sorted(set(train) & set(unseen)):
@@ -184,8 +203,10 @@ def load_instruct(cfg: InstructConfig) -> tuple[list[Example], dict[str, list[Ex
     """(train examples of the train tasks shuffled together, {task: test examples}) for train and
     unseen tasks. Verse ids are shuffled with `seed`; each task's test examples are its first
     `test_per_task` usable verses, and training never uses a test verse or its neighbours."""
-    train_names, unseen_names = resolve_tasks(cfg.train_tasks), resolve_tasks(cfg.unseen_tasks)
+    train_names, unseen_names = cfg.task_names()
     names = train_names + unseen_names
+    if cfg.source == "jsonl":
+        return _jsonl_split(cfg, train_names, names)
     texts = _load_texts([KJV, *(c for n in names for c in TASKS[n].codes)], cfg.books)
     rng = random.Random(cfg.seed)
     keys = sorted(texts[KJV])
@@ -198,13 +219,45 @@ def load_instruct(cfg: InstructConfig) -> tuple[list[Example], dict[str, list[Ex
     return train, test
 
 
-def encode_example(ex: Example, tokenizer, max_length: int) -> dict[str, list[int]]:
-    """input_ids = prompt + " " + target + eos, truncated to `max_length`; labels = -100 on the prompt."""
-    prompt = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-    target = tokenizer(" " + ex.target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    ids = (prompt + target)[:max_length]
-    labels = ([-100] * len(prompt) + target)[:max_length]
-    return {"input_ids": ids, "labels": labels}
+def _jsonl_examples(files: list[str]) -> list[Example]:
+    out = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise ConfigError(f"data file not found: {path}")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    d = json.loads(line)
+                    prompt = PROMPT.format(instruction=d["instruction"], input=d["input"])
+                    out.append(Example(prompt, d["output"], d["task"], d.get("category", d["task"]), f"{path.name}:{n}"))
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ConfigError(f"{path}:{n}: expected a JSON object with task, instruction, input, output "
+                                      f"({e})") from None
+    return out
+
+
+def _jsonl_split(cfg: InstructConfig, train_names: list[str], names: list[str]):
+    """Your own files: the first train_per_task / test_per_task examples of each task."""
+    train_all, test_all = _jsonl_examples(cfg.train_files), _jsonl_examples(cfg.test_files)
+    train = [e for t in train_names for e in [e for e in train_all if e.task == t][: cfg.train_per_task]]
+    test = {t: [e for e in test_all if e.task == t][: cfg.test_per_task] for t in names}
+    if empty := [t for t in names if not test[t]] + [t for t in train_names if not any(e.task == t for e in train)]:
+        raise ConfigError(f"no examples for tasks {', '.join(sorted(set(empty)))} in the jsonl files")
+    random.Random(cfg.seed).shuffle(train)
+    return train, test
+
+
+def to_pair(ex: Example) -> Pair:
+    """An example as a `Pair` for the shared encoding and evaluation code: src is the whole prompt and
+    the template is TEMPLATE, so `encode_pair` gives prompt + " " + target + eos, prompt unscored."""
+    return Pair(ex.prompt, ex.target, "en", f"{ex.task}:{ex.id}")
+
+
+def load_instruct_pairs(cfg: InstructConfig) -> tuple[list[Pair], dict[str, list[Pair]]]:
+    """`load_instruct` as Pairs: (training pairs, {task: test pairs})."""
+    train, test = load_instruct(cfg)
+    return [to_pair(e) for e in train], {t: [to_pair(e) for e in exs] for t, exs in test.items()}
 
 
 class _WhitespaceTokenizer:

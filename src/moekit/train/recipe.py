@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moekit.config import Config, apply_overrides, read_yaml, validate
+from moekit.data.instruct import InstructConfig
 from moekit.data.parallel import DataConfig
 from moekit.moe.spec import MoESpec
 from moekit.simoe.model import SIMoEConfig
@@ -99,9 +100,20 @@ class Recipe(Config):
         return self
 
 
+class InstructRecipe(Recipe):
+    """Multi-task instruction tuning (SIMoE §4) on the Bible instruction mix (moekit.data.instruct):
+    trained tasks are evaluated on held-out verses, unseen tasks measure cross-task generalization."""
+
+    task: Literal["instruct"] = "instruct"
+    data: InstructConfig = InstructConfig()
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """A translation `Recipe`, or an `ASRRecipe` (moekit.train.asr) when the file says `task: asr`."""
+    """A translation `Recipe`, an `InstructRecipe` (`task: instruct`) or an `ASRRecipe` (moekit.train.asr,
+    `task: asr`)."""
     data = apply_overrides(read_yaml(path), overrides or [])
+    if data.get("task") == "instruct":
+        return validate(InstructRecipe, data, source=str(path))
     if data.get("task") == "asr":
         from moekit.train.asr import ASRRecipe
 

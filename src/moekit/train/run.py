@@ -14,9 +14,10 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from moekit.assets import resolve_model
+from moekit.data.instruct import load_instruct_pairs
 from moekit.data.parallel import TranslationCollator, load_pairs
 from moekit.errors import ConfigError
-from moekit.evaluate import DenseReference, direction_loss, encode_pairs, evaluate_run, write_results
+from moekit.evaluate import DenseReference, add_rouge, direction_loss, encode_pairs, evaluate_run, write_results
 from moekit.io import check_output_dir, load_dense
 from moekit.plots import plot_curves, plot_usage
 from moekit.simoe.model import simoe_upcycle
@@ -40,6 +41,11 @@ def load_tokenizer(path: Path):
     if tok.eos_token_id is None:
         raise ConfigError(f"the tokenizer of {path} has no eos token; translation targets need one")
     return tok
+
+
+def load_data(recipe: Recipe) -> tuple[list, dict[str, list]]:
+    """(training pairs, {direction or task: test pairs}) of a translation or instruction recipe."""
+    return load_instruct_pairs(recipe.data) if recipe.task == "instruct" else load_pairs(recipe.data)
 
 
 def load_base(recipe: Recipe, path: Path) -> nn.Module:
@@ -131,6 +137,8 @@ def report(recipe: Recipe, model, tok, test, ref, log_history) -> dict:
     out, d, e = Path(recipe.out), recipe.data, recipe.eval
     results = evaluate_run(model, tok, test, d.template, ref, d.max_length, e.max_new_tokens, e.batch_size,
                            e.generate)
+    if recipe.task == "instruct" and e.generate:
+        add_rouge(results, test, d.task_names()[1])
     write_results(results, out)
     plot_curves(log_history, out)
     if results["usage"]:
@@ -189,7 +197,7 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     last = prepare_out(out, overwrite, resume)
     path = resolve_model(recipe.model.path)
     tok = load_tokenizer(path)
-    train_pairs, test = load_pairs(recipe.data)
+    train_pairs, test = load_data(recipe)
     d = recipe.data
     encoded = encode_pairs(train_pairs, tok, d.template, d.max_length)
     dataset = [e for e in encoded if any(label != -100 for label in e["labels"])]  # target left after truncation
