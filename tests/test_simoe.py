@@ -3,6 +3,7 @@ computation equals the explicit per-instance weight, routing from the prompt, th
 pruned and merged exports."""
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,3 +250,58 @@ def test_simoe_recipe_trains_resumes_and_evaluates(tiny_recipe_overrides, tmp_pa
     loaded = simoe.load(out / "model")
     assert simoe.is_simoe(loaded) and loaded.simoe.cfg == simoe.SIMoEConfig(**json.loads(
         (out / "model" / "simoe.json").read_text())["config"])
+
+    # moekit simoe report / export
+    rc, _, err = run("simoe", "report", out, "--out", tmp_path / "report")
+    assert rc == 0, err
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert set(report["task_routing"]) == {"a", "b", "c"} and "task_dendrogram.png" in report["figures"]
+    assert all((tmp_path / "report" / f).is_file() for f in report["figures"])
+    assert run("simoe", "report", out, "--out", tmp_path / "report")[0] == 2  # no silent overwrite
+    x = tiny_inputs(loaded)
+    ref = logits(loaded, x)
+    assert run("simoe", "export", out, "--out", tmp_path / "pruned", "--prune")[0] == 0
+    torch.testing.assert_close(logits(simoe.load(tmp_path / "pruned"), x), ref, rtol=0, atol=1e-6)
+    rc, _, err = run("simoe", "export", out, "--out", tmp_path / "dense", "--merge", "c")
+    assert rc == 0, err
+    with simoe.fixed_routing(loaded, torch.tensor(report["task_routing"]["c"])):
+        fixed = logits(loaded, x)
+    from moekit.io import load_dense
+
+    torch.testing.assert_close(logits(load_dense(tmp_path / "dense"), x), fixed, rtol=0, atol=1e-5)
+    rc, _, err = run("simoe", "export", out, "--out", tmp_path / "x", "--merge", "nope")
+    assert rc == 2 and "unknown task" in err and not (tmp_path / "x").exists()
+
+
+def test_analysis_closed_forms():
+    from moekit.simoe.analysis import nonzero_fractions, overlaps, task_routing
+
+    model = simoe.simoe_upcycle(tiny_llama(), CFG).eval()
+    for path, m in simoe.si_modules(model):
+        m.log_alpha.data.fill_(10.0 if path.endswith("q_proj") else -10.0)  # only q_proj experts are non-zero
+    fr = nonzero_fractions(model)
+    assert fr["by_type"]["q_proj"] == 1.0 and fr["by_type"]["down_proj"] == 0.0
+    q = sum(m.delta.numel() for p, m in simoe.si_modules(model) if p.endswith("q_proj"))
+    total = sum(m.delta.numel() for _, m in simoe.si_modules(model))
+    assert fr["overall"] == pytest.approx(q / total)
+    assert set(fr["by_depth"]) == {0, 1, 2, 3}  # tiny_llama has 4 blocks; the final norm has no depth
+    for path, m in simoe.si_modules(model):  # experts 0 = 1; expert 2 disjoint from 0; expert 3 = half of 0
+        d = m.log_alpha.shape[1]
+        la = torch.full_like(m.log_alpha, -10.0)
+        la[0, : d // 2] = la[1, : d // 2] = la[2, d // 2:] = 10.0
+        la[3, : d // 4] = 10.0
+        m.log_alpha.data = la
+    ov = overlaps(model)
+    assert ov[0, 1] == 1.0 and ov[0, 2] == 0.0 and np.diag(ov).tolist() == [1.0] * 4
+    expect = sum(m.delta.shape[0] * (m.log_alpha.shape[1] // 4) for _, m in simoe.si_modules(model)
+                 if isinstance(m, SILinear)) + sum(m.log_alpha.shape[1] // 4 for _, m in simoe.si_modules(model)
+                                                    if isinstance(m, SINorm))
+    half = sum(m.delta.shape[0] * (m.log_alpha.shape[1] // 2) for _, m in simoe.si_modules(model)
+               if isinstance(m, SILinear)) + sum(m.log_alpha.shape[1] // 2 for _, m in simoe.si_modules(model)
+                                                  if isinstance(m, SINorm))
+    assert ov[0, 3] == pytest.approx(expect / half)
+    model.simoe.router[2].bias.data = torch.tensor([1.0, 0.0, 0.0, -1.0])  # weights 0: routing = softmax(bias)
+    from moekit.testing import tiny_tokenizer
+
+    routing = task_routing(model, tiny_tokenizer(), {"t": ["hello there", "a"], "u": ["xyz"]})
+    assert routing["t"] == pytest.approx(torch.softmax(torch.tensor([1.0, 0, 0, -1]), 0).tolist(), abs=1e-6)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moekit.cli import demo, evaluate, export, finetune, inspect, listing, routes, select, speech, train, upcycle
+from moekit.cli import (demo, evaluate, export, finetune, inspect, listing, routes, select, simoe, speech, train,
+                        upcycle)
 from moekit.errors import MoekitError
 
-COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, select, finetune, speech)
+COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, select, finetune, speech, simoe)
 
 
 def build_parser() -> argparse.ArgumentParser:
