@@ -8,7 +8,6 @@ module is exactly the pretrained one."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -72,7 +71,8 @@ class SILinear(SparseInterpolated):
         if self.routing.weights is None:
             return y
         xk = x if self.keep is None else x.index_select(-1, self.keep)
-        return y + F.linear(xk * self.mixture(x), self.delta)
+        xm = (xk * self.mixture(x)).reshape(-1, xk.shape[-1])  # (N, d_k)
+        return y.view(-1, y.shape[-1]).addmm_(xm, self.delta.t()).view(y.shape)  # one GEMM accumulating into y
 
     @torch.no_grad()
     def prune(self) -> None:
