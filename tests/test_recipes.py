@@ -17,7 +17,7 @@ ids = [p.stem for p in RECIPES]
 
 def test_recipes_exist():
     assert {"spri_two_stage", "spri", "naive", "noise", "drop", "ume", "dense_ft", "lora", "simoe_instruct",
-            "instruct_ft", "instruct_upcycle"} <= set(ids)
+            "instruct_ft", "instruct_upcycle", "instruct_btx"} <= set(ids)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=ids)
@@ -30,7 +30,11 @@ def test_recipe_validates(path):
 @pytest.mark.parametrize("path", RECIPES, ids=ids)
 def test_recipe_trains_two_steps(path, tiny_recipe_overrides, tmp_path):
     out = tmp_path / "run"
-    recipe = load_recipe(path, tiny_recipe_overrides(out, read_yaml(path).get("task", "translation")))
+    data = read_yaml(path)
+    extra = {}
+    if data.get("moe", {}).get("init", {}).get("method") == "btx":  # branches: copies of the tiny model
+        extra["moe.init.branches"] = [str(tiny_recipe_overrides.dense)] * data["moe"]["num_experts"]
+    recipe = load_recipe(path, tiny_recipe_overrides(out, data.get("task", "translation"), **extra))
     trainer = train(recipe)
     assert trainer.state.global_step == 2
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

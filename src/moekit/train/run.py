@@ -56,7 +56,10 @@ def load_base(recipe: Recipe, path: Path) -> nn.Module:
 def adapt(recipe: Recipe, model: nn.Module) -> nn.Module:
     """The model the recipe trains: upcycled (in place), wrapped with LoRA, or the dense model itself."""
     if recipe.method == "moe":
-        upcycle(model, recipe.moe)
+        m = recipe.model
+        branches = [load_dense(resolve_model(b), m.allow_pickle, m.trust_remote_code, model.dtype)
+                    for b in getattr(recipe.moe.init, "branches", [])]  # BTX: one trained branch per expert
+        upcycle(model, recipe.moe, branches or None)
     elif recipe.method == "simoe":
         simoe_upcycle(model, recipe.simoe)
     elif recipe.method == "lora":
