@@ -27,7 +27,7 @@ MARK = ("<!-- omni_ctc -->", "<!-- /omni_ctc -->")
 
 def overrides(out: Path, corpus_dir: Path, experts: int | None, steps: int) -> list[str]:
     keys = {"out": str(out), "data.corpus": str(corpus_dir), "data.langs": LANGS, "train.steps": steps,
-            "train.eval_every": steps // 5, "train.logging_steps": 10, "train.save_every": steps // 2,
+            "train.eval_every": steps // 5, "train.logging_steps": max(1, min(10, steps // 10)), "train.save_every": steps // 2,
             "eval.routing_batches": 2}
     if experts is not None:
         keys["moe.num_experts"] = experts

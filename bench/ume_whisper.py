@@ -28,7 +28,7 @@ def recipe_for(name: str, folder: Path, corpus_dir: Path, steps: int):
     from moekit.train.recipe import load_recipe
 
     keys = {"out": str(folder), "data.corpus": str(corpus_dir), "train.steps": steps, "train.eval_every": steps // 4,
-            "train.logging_steps": 5, "train.save_every": steps // 2, "eval.routing_batches": 2}
+            "train.logging_steps": max(1, min(5, steps // 10)), "train.save_every": steps // 2, "eval.routing_batches": 2}
     return load_recipe(Path("recipes/asr") / f"{SYSTEMS[name] or 'fmft_whisper_tiny'}.yaml",
                        [f"{k}={json.dumps(v)}" for k, v in keys.items()])
 
@@ -78,7 +78,7 @@ def main() -> None:
              f"CTranslate2 package). Training: {CORPUS['train_per_lang']} English utterances (Bible verses of ≤ "
              f"{CORPUS['max_chars']} characters) by {CORPUS['voices']} espeak-ng voices; {args.steps} steps of 8, "
              f"AdamW 1e-4, linear schedule, 10 % warm-up. Test: {CORPUS['test_per_lang']} held-out verses spoken by "
-             f"{CORPUS['test_voices']} held-out espeak-ng voices (in-domain) and by the 4 flite voices (never seen "
+             f"{CORPUS['test_voices']} held-out espeak-ng voice{'s' if CORPUS['test_voices'] > 1 else ''} (in-domain) and by the 4 flite voices (never seen "
              f"in training: the forgetting check); {info['hours']:.2f} h of audio in all. WER/CER after Whisper's "
              "English normalizer; RTF = decoding time / audio time (greedy, batch 8, 2 cores).", "",
              "| system | WER espeak (in-domain) | WER flite (unseen family) | CER espeak | CER flite | final train loss "
