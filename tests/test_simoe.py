@@ -305,3 +305,12 @@ def test_analysis_closed_forms():
 
     routing = task_routing(model, tiny_tokenizer(), {"t": ["hello there", "a"], "u": ["xyz"]})
     assert routing["t"] == pytest.approx(torch.softmax(torch.tensor([1.0, 0, 0, -1]), 0).tolist(), abs=1e-6)
+
+
+def test_run_parameter_counts_use_the_simoe_definition():
+    from moekit.metrics import param_counts
+
+    model = simoe.simoe_upcycle(tiny_llama(), CFG)
+    c = simoe.param_counts(model)
+    masks = sum(m.log_alpha.numel() for _, m in simoe.si_modules(model))
+    assert param_counts(model) == (c["total"], c["active"]) and c["active"] == c["total"] - masks  # no gate is 0 at init

@@ -42,7 +42,13 @@ def kl_dense_moe(dense_logits: Tensor, moe_logits: Tensor, labels: Tensor | None
 
 
 def param_counts(model: nn.Module) -> tuple[int, int]:
-    """(total, active) parameters; active counts k of E routed experts per MoE layer (shared tensors once)."""
+    """(total, active) parameters; active counts k of E routed experts per MoE layer (shared tensors once),
+    or for a SIMoE model what one input uses (moekit.simoe.export.param_counts)."""
+    if hasattr(model, "simoe"):
+        from moekit.simoe.export import param_counts as simoe_counts
+
+        counts = simoe_counts(model)
+        return counts["total"], counts["active"]
     total = sum(p.numel() for p in model.parameters())  # parameters() yields shared tensors once
     inactive = 0
     for _, m in moe_layers(model):
