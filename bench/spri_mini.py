@@ -55,11 +55,47 @@ def table(out: Path, summaries: dict) -> list[str]:
         r = json.loads((out / name / "results.json").read_text())
         dirs = " / ".join(f"{lang} {fmt(v['bleu'], 1)}" for lang, v in r["directions"].items())
         p = r["params"]
-        rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {dirs} | {fmt(r['kl'], 4)} | "
+        rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {dirs} | {fmt(r['avg']['loss'], 3)} | "
+                    f"{fmt(r['kl'], 4)} | "
                     f"{fmt(summaries[name]['mean_kl'], 4)} | {fmt(r['diversity'], 3)} | {p['total']:,} | "
                     f"{p['active']:,} | {summaries[name]['seconds'] / 60:.1f} |")
-    return ["| system | BLEU avg | chrF avg | BLEU per direction | final KL | mean KL | diversity | total params "
-            "| active params | wall (min) |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
+    return ["| system | BLEU avg | chrF avg | BLEU per direction | target loss avg | final KL | mean KL | diversity "
+            "| total params | active params | wall (min) |", "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def references(name: str, out: Path) -> dict[str, list[str]]:
+    """The test references of a system's run (same verses for every system)."""
+    from moekit.data.parallel import load_pairs
+    from moekit.train.recipe import load_recipe
+
+    recipe = load_recipe(out / name / "recipe.yaml")
+    return {lang: [p.tgt for p in pairs] for lang, pairs in load_pairs(recipe.data)[1].items()}
+
+
+def paired(out: Path, names: list[str], base: str = "dense_ft", resamples: int = 2000) -> list[str]:
+    """Mean sentence chrF and target loss against `base`, with 95 % paired-bootstrap intervals over test
+    verses (one resample of verse indices shared by all directions and systems)."""
+    import numpy as np
+    from sacrebleu.metrics import CHRF
+
+    refs, chrf = references(base, out), CHRF()
+    def scores(name):  # (verses, directions) sentence chrF
+        hyps = json.loads((out / name / "results.json").read_text())["translations"]
+        return np.array([[chrf.sentence_score(h, [r]).score for h, r in zip(hyps[lang], refs[lang])]
+                         for lang in refs]).T
+    rng = np.random.default_rng(0)
+    base_s = scores(base)
+    idx = rng.integers(0, len(base_s), (resamples, len(base_s)))
+    rows = []
+    for name in names:
+        d = scores(name) - base_s  # (verses, directions)
+        boot = d.mean(1)[idx].mean(1)
+        lo, hi = np.percentile(boot, [2.5, 97.5])
+        per = " / ".join(f"{lang} {v:+.1f}" for lang, v in zip(refs, d.mean(0)))
+        rows.append(f"| {name} | {scores(name).mean():.2f} | {d.mean():+.2f} [{lo:+.2f}, {hi:+.2f}] | {per} |")
+    return [f"Mean sentence chrF and its paired difference to {base} (95 % bootstrap interval over the test verses, "
+            f"{resamples} resamples):", "", f"| system | sentence chrF | Δ vs {base} [95 % CI] | Δ per direction |",
+            "|---|---|---|---|", *rows]
 
 
 def main() -> None:
@@ -78,7 +114,8 @@ def main() -> None:
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
     lines = [MARK[0], "## SPRI Table 2 in miniature (bench/spri_mini.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Overrides on every recipe: "
-             f"`{' '.join(OVERRIDES)}`.{status}", "", *table(args.out, summaries), "", MARK[1]]
+             f"`{' '.join(OVERRIDES)}`.{status}", "", *table(args.out, summaries), "",
+             *(paired(args.out, list(summaries)) if "dense_ft" in summaries else []), "", MARK[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:
