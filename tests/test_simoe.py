@@ -247,6 +247,12 @@ def test_simoe_recipe_trains_resumes_and_evaluates(tiny_recipe_overrides, tmp_pa
     assert rc == 0 and "unseen" in stdout, err
     again = json.loads((out / "results.json").read_text())
     assert again["groups"] == first["groups"]
+    import csv
+
+    rows = {r["direction"]: r for r in csv.DictReader((out / "results.csv").open())}
+    assert set(rows) == {"a", "b", "c", "seen", "unseen", "avg"}
+    assert int(rows["avg"]["n"]) == sum(int(rows[t]["n"]) for t in "abc") == 6
+    assert int(rows["seen"]["n"]) == 4 and float(rows["unseen"]["rougeL"]) == pytest.approx(first["directions"]["c"]["rougeL"])
     loaded = simoe.load(out / "model")
     assert simoe.is_simoe(loaded) and loaded.simoe.cfg == simoe.SIMoEConfig(**json.loads(
         (out / "model" / "simoe.json").read_text())["config"])

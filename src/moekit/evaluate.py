@@ -297,8 +297,9 @@ def add_rouge(results: dict, test: dict[str, list[Pair]], unseen: list[str]) -> 
 def result_rows(results: dict) -> list[dict]:
     """One row per direction and an "avg" row (which also holds the run-level KL, diversity, params)."""
     rows = [{"direction": lang, **row} for lang, row in results["directions"].items()]
+    n = sum(r["n"] for r in rows)
     rows += [{"direction": g, **avg} for g, avg in results.get("groups", {}).items()]  # instruction runs
-    rows.append({"direction": "avg", "n": sum(r["n"] for r in rows), **results["avg"], "kl": results["kl"],
+    rows.append({"direction": "avg", "n": n, **results["avg"], "kl": results["kl"],
                  "diversity": results["diversity"], "total_params": results["params"]["total"],
                  "active_params": results["params"]["active"]})
     return [{c: r.get(c) for c in CSV_COLUMNS} for r in rows]
@@ -317,8 +318,8 @@ def write_results(results: dict, folder: str | Path) -> tuple[Path, Path]:
     return json_path, csv_path
 
 
-_FORMATS = {"rougeL": "{:.2f}", "bleu": "{:.2f}", "chrf": "{:.2f}", "loss": "{:.4f}", "kl": "{:.4g}", "diversity": "{:.4f}",
-            "n": "{:,}", "total_params": "{:,}", "active_params": "{:,}"}
+_FORMATS = {"rougeL": "{:.2f}", "bleu": "{:.2f}", "chrf": "{:.2f}", "loss": "{:.4f}", "kl": "{:.4g}",
+            "diversity": "{:.4f}", "n": "{:,}", "total_params": "{:,}", "active_params": "{:,}"}
 
 
 def results_table(rows: list[dict], title: str | None = None) -> Table:
