@@ -1,4 +1,5 @@
 import collections
+import json
 
 import pytest
 
@@ -142,3 +143,22 @@ def test_rouge_l_closed_forms():
     assert rouge_l(["x y", "x y"], ["x y", "z"]) == pytest.approx(50)  # mean over examples
     with pytest.raises(ConfigError, match="as many hypotheses"):
         rouge_l(["a"], [])
+
+
+def test_jsonl_tasks(tmp_path):
+    rows = [{"task": t, "instruction": f"do {t}", "input": f"x{i}", "output": f"y{i}"} for i in range(3) for t in "ab"]
+    (tmp_path / "tr.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    (tmp_path / "te.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    files = {"source": "jsonl", "train_files": [str(tmp_path / "tr.jsonl")], "test_files": [str(tmp_path / "te.jsonl")]}
+    cfg = InstructConfig(train_tasks=["a"], unseen_tasks=["b"], train_per_task=2, test_per_task=3, **files)
+    train, test = load_instruct(cfg)
+    assert sorted(ex.target for ex in train) == ["y0", "y1"] and {ex.task for ex in train} == {"a"}
+    assert [ex.target for ex in test["b"]] == ["y0", "y1", "y2"]
+    assert test["b"][0].prompt == "Instruction: do b\nInput: x0\nOutput:"
+    with pytest.raises(ConfigError, match="no examples for tasks c"):
+        load_instruct(InstructConfig(train_tasks=["a"], unseen_tasks=["c"], **files))
+    with pytest.raises(ConfigError, match="jsonl needs"):
+        validate(InstructConfig, {"source": "jsonl"})
+    (tmp_path / "bad.jsonl").write_text('{"task": "a"}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:1"):
+        load_instruct(InstructConfig(train_tasks=["a"], **{**files, "train_files": [str(tmp_path / "bad.jsonl")]}))
