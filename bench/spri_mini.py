@@ -54,13 +54,15 @@ def table(out: Path, summaries: dict) -> list[str]:
     for name in summaries:
         r = json.loads((out / name / "results.json").read_text())
         dirs = " / ".join(f"{lang} {fmt(v['bleu'], 1)}" for lang, v in r["directions"].items())
+        chrfs = " / ".join(f"{lang} {fmt(v['chrf'], 1)}" for lang, v in r["directions"].items())
         p = r["params"]
-        rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {dirs} | {fmt(r['avg']['loss'], 3)} | "
+        rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {dirs} | {chrfs} | "
+                    f"{fmt(r['avg']['loss'], 3)} | "
                     f"{fmt(r['kl'], 4)} | "
                     f"{fmt(summaries[name]['mean_kl'], 4)} | {fmt(r['diversity'], 3)} | {p['total']:,} | "
                     f"{p['active']:,} | {summaries[name]['seconds'] / 60:.1f} |")
-    return ["| system | BLEU avg | chrF avg | BLEU per direction | target loss avg | final KL | mean KL | diversity "
-            "| total params | active params | wall (min) |", "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+    return ["| system | BLEU avg | chrF avg | BLEU per direction | chrF per direction | target loss avg | final KL "
+            "| mean KL | diversity | total params | active params | wall (min) |", "|---" * 12 + "|", *rows]
 
 
 def references(name: str, out: Path) -> dict[str, list[str]]:
