@@ -116,6 +116,20 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def save_configs(model: nn.Module, folder: Path) -> None:
+    """config.json (with the dtype, as save_pretrained writes it; load builds in it) and, for generative
+    models, generation_config.json (e.g. Whisper's language and task tokens)."""
+    model.config.dtype = str(model.dtype).removeprefix("torch.")
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)
+
+
+def load_generation_config(model: nn.Module, folder: Path) -> None:
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+
+
 def write_checkpoint(model: nn.Module, folder: Path) -> None:
     """Write config.json, the weights (shared tensors once) and moekit.json into an existing folder."""
     layers = moe_layers(model)
@@ -131,10 +145,7 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
     meta = {"format": FORMAT, "architecture": type(model).__name__,
             "spec": None if spec is None else spec.model_dump(mode="json"),
             "layers": entries, "aliases": aliases}
-    model.config.dtype = str(model.dtype).removeprefix("torch.")  # as save_pretrained does; load builds in it
-    model.config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(folder)  # e.g. Whisper's language and task tokens
+    save_configs(model, folder)
     save_weights(tensors, folder)
     (folder / "moekit.json").write_text(json.dumps(meta, indent=2))
     from moekit.select.common import write_pruned
@@ -177,13 +188,15 @@ def model_class(name: str, folder: Path | None = None) -> type[nn.Module]:
     return cls
 
 
-def read_meta(folder: str | Path) -> dict:
-    f = Path(folder) / "moekit.json"
+def read_meta(folder: str | Path, file: str = "moekit.json", fmt: str = FORMAT, kind: str = "moekit") -> dict:
+    """The checkpoint's metadata file, checked for its format (moekit.json here; simoe.json for SIMoE)."""
+    f = Path(folder) / file
     if not f.is_file():
-        raise CheckpointError(f"{folder} is not a moekit checkpoint (no moekit.json)")
+        raise CheckpointError(f"{folder} is not a {kind} checkpoint (no {file})")
     meta = json.loads(f.read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{folder}: unsupported checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    if meta.get("format") != fmt:
+        what = "checkpoint" if kind == "moekit" else kind
+        raise CheckpointError(f"{folder}: unsupported {what} format {meta.get('format')!r} (expected {fmt})")
     return meta
 
 
@@ -213,8 +226,7 @@ def load(folder: str | Path) -> nn.Module:
         slot_at(model, e["stack"], e["index"], e["adapter"]).install(moe)
     load_state(model, folder, meta)
     model.tie_weights()
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    load_generation_config(model, folder)
     if meta["spec"] is not None:
         model.moekit_spec = MoESpec.model_validate(meta["spec"])
     return reapply_pruning(model.eval(), folder)

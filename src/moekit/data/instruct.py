@@ -9,17 +9,15 @@ Prompts follow SNI: "Instruction: ...\\nInput: ...\\nOutput:"; only " " + output
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from moekit.config import Config
-from moekit.data.parallel import BIBLE_CODE, LANG_NAMES, Pair
+from moekit.data.parallel import BIBLE_CODE, LANG_NAMES, Pair, read_jsonl
 from moekit.errors import ConfigError
 
 PROMPT = "Instruction: {instruction}\nInput: {input}\nOutput:"
@@ -219,22 +217,13 @@ def load_instruct(cfg: InstructConfig) -> tuple[list[Example], dict[str, list[Ex
     return train, test
 
 
+def _jsonl_example(d: dict, default_id: str) -> Example:
+    prompt = PROMPT.format(instruction=d["instruction"], input=d["input"])
+    return Example(prompt, d["output"], d["task"], d.get("category", d["task"]), default_id)
+
+
 def _jsonl_examples(files: list[str]) -> list[Example]:
-    out = []
-    for f in files:
-        path = Path(f)
-        if not path.is_file():
-            raise ConfigError(f"data file not found: {path}")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    d = json.loads(line)
-                    prompt = PROMPT.format(instruction=d["instruction"], input=d["input"])
-                    out.append(Example(prompt, d["output"], d["task"], d.get("category", d["task"]), f"{path.name}:{n}"))
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ConfigError(f"{path}:{n}: expected a JSON object with task, instruction, input, output "
-                                      f"({e})") from None
-    return out
+    return read_jsonl(files, "task, instruction, input, output", _jsonl_example)
 
 
 def _jsonl_split(cfg: InstructConfig, train_names: list[str], names: list[str]):

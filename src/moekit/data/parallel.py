@@ -11,13 +11,15 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal, TypeVar
 
 import torch
 from pydantic import Field, model_validator
 
 from moekit.config import Config
 from moekit.errors import ConfigError
+
+T = TypeVar("T")
 
 LANG_NAMES = {
     "en": "English", "fr": "French", "de": "German", "es": "Spanish", "it": "Italian", "pt": "Portuguese",
@@ -81,8 +83,10 @@ def _bible_pairs(cfg: DataConfig) -> dict[str, list[Pair]]:
     return out
 
 
-def _jsonl_pairs(files: list[str]) -> list[Pair]:
-    pairs = []
+def read_jsonl(files: list[str], fields: str, build: Callable[[dict, str], T]) -> list[T]:
+    """`build(record, default_id)` for every non-empty line of the JSONL `files`; a missing file or a line
+    that is not a JSON object with `fields` is one ConfigError naming file and line."""
+    out = []
     for f in files:
         path = Path(f)
         if not path.is_file():
@@ -90,11 +94,15 @@ def _jsonl_pairs(files: list[str]) -> list[Pair]:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
                 try:
-                    d = json.loads(line)
-                    pairs.append(Pair(d["src"], d["tgt"], d["tgt_lang"], d.get("id", f"{path.name}:{n}")))
+                    out.append(build(json.loads(line), f"{path.name}:{n}"))
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ConfigError(f"{path}:{n}: expected a JSON object with src, tgt, tgt_lang ({e})") from None
-    return pairs
+                    raise ConfigError(f"{path}:{n}: expected a JSON object with {fields} ({e})") from None
+    return out
+
+
+def _jsonl_pairs(files: list[str]) -> list[Pair]:
+    return read_jsonl(files, "src, tgt, tgt_lang",
+                      lambda d, default_id: Pair(d["src"], d["tgt"], d["tgt_lang"], d.get("id", default_id)))
 
 
 def load_pairs(cfg: DataConfig) -> tuple[list[Pair], dict[str, list[Pair]]]:

@@ -15,8 +15,9 @@ import transformers
 from torch import nn
 from transformers.initialization import no_init_weights
 
-from moekit.errors import CheckpointError
-from moekit.io import atomic_dir, load_state, model_class, save_weights, unique_tensors
+from moekit.io import (atomic_dir, load_generation_config, load_state, model_class, save_configs, save_weights,
+                       unique_tensors)
+from moekit.io import read_meta as io_read_meta
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoEConfig, install, si_modules
@@ -33,9 +34,7 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
     kept = {p: m.delta.shape[1] for p, m in si_modules(model) if isinstance(m, SILinear) and m.keep is not None}
     meta = {"format": FORMAT, "architecture": type(model).__name__,
             "config": model.simoe.cfg.model_dump(mode="json"), "kept": kept}
-    model.config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(folder)
+    save_configs(model, folder)
     tensors, aliases = unique_tensors(model)  # tied embeddings once
     meta["aliases"] = aliases
     save_weights(tensors, folder)
@@ -52,13 +51,7 @@ def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=N
 
 
 def read_meta(folder: str | Path) -> dict:
-    f = Path(folder) / "simoe.json"
-    if not f.is_file():
-        raise CheckpointError(f"{folder} is not a SIMoE checkpoint (no simoe.json)")
-    meta = json.loads(f.read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{folder}: unsupported SIMoE format {meta.get('format')!r} (expected {FORMAT})")
-    return meta
+    return io_read_meta(folder, "simoe.json", FORMAT, "SIMoE")
 
 
 def load(folder: str | Path) -> nn.Module:
@@ -71,8 +64,7 @@ def load(folder: str | Path) -> nn.Module:
     install(model, SIMoEConfig.model_validate(meta["config"]), meta["kept"])
     load_state(model, folder, meta)
     model.tie_weights()
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+    load_generation_config(model, folder)
     return model.eval()
 
 
