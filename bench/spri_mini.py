@@ -53,12 +53,11 @@ def table(out: Path, summaries: dict) -> list[str]:
     rows = []
     for name in summaries:
         r = json.loads((out / name / "results.json").read_text())
-        dirs = " / ".join(f"{lang} {fmt(v['bleu'], 1)}" for lang, v in r["directions"].items())
-        chrfs = " / ".join(f"{lang} {fmt(v['chrf'], 1)}" for lang, v in r["directions"].items())
+        per_dir = {key: " / ".join(f"{lang} {fmt(v[key], 1)}" for lang, v in r["directions"].items())
+                   for key in ("bleu", "chrf")}
         p = r["params"]
-        rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {dirs} | {chrfs} | "
-                    f"{fmt(r['avg']['loss'], 3)} | "
-                    f"{fmt(r['kl'], 4)} | "
+        rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {per_dir['bleu']} | "
+                    f"{per_dir['chrf']} | {fmt(r['avg']['loss'], 3)} | {fmt(r['kl'], 4)} | "
                     f"{fmt(summaries[name]['mean_kl'], 4)} | {fmt(r['diversity'], 3)} | {p['total']:,} | "
                     f"{p['active']:,} | {summaries[name]['seconds'] / 60:.1f} |")
     return ["| system | BLEU avg | chrF avg | BLEU per direction | chrF per direction | target loss avg | final KL "

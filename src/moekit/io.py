@@ -195,8 +195,7 @@ def read_meta(folder: str | Path, file: str = "moekit.json", fmt: str = FORMAT, 
         raise CheckpointError(f"{folder} is not a {kind} checkpoint (no {file})")
     meta = json.loads(f.read_text())
     if meta.get("format") != fmt:
-        what = "checkpoint" if kind == "moekit" else kind
-        raise CheckpointError(f"{folder}: unsupported {what} format {meta.get('format')!r} (expected {fmt})")
+        raise CheckpointError(f"{folder}: unsupported {kind} checkpoint format {meta.get('format')!r} (expected {fmt})")
     return meta
 
 

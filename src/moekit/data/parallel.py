@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 from pydantic import Field, model_validator
