@@ -9,16 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
-from transformers import AutoTokenizer
 
-import moekit.simoe.layer as si_layer
-from moekit.data.instruct import load_instruct_pairs
-from moekit.evaluate import add_rouge, evaluate_run
+from moekit.io import load_model
 from moekit.simoe import hard_concrete as hc
-from moekit.simoe.export import load
+from moekit.simoe.model import si_modules
 from moekit.train.recipe import load_recipe
+from moekit.train.run import evaluate, load_data, load_tokenizer
 from report import write_section  # bench/report.py
 
 MARK = ("<!-- simoe_gates -->", "<!-- /simoe_gates -->")
@@ -50,15 +49,13 @@ def main() -> None:
     ap.add_argument("--write", type=Path)
     args = ap.parse_args()
     recipe = load_recipe(args.run / "recipe.yaml", [])
-    d, e = recipe.data, recipe.eval
-    _, test = load_instruct_pairs(d)
-    model = load(args.run / "model").eval()
-    tok = AutoTokenizer.from_pretrained(args.run / "model")
-    log_alpha = torch.cat([m.log_alpha.detach().flatten() for m in model.modules() if hasattr(m, "log_alpha")])
-    median, median_gate = json.loads((args.run / "results.json").read_text()), hc.median
-    si_layer.hc.median = mean = mean_gates(DRAWS)  # every SI module's eval gates now read E[z]
-    expected = add_rouge(evaluate_run(model, tok, test, d.template, None, d.max_length, e.max_new_tokens,
-                                      e.batch_size), test, d.task_names()[1])
+    _, test = load_data(recipe)
+    model = load_model(args.run / "model").eval()
+    log_alpha = torch.cat([m.log_alpha.detach().flatten() for _, m in si_modules(model)])
+    median = json.loads((args.run / "results.json").read_text())
+    mean = mean_gates(DRAWS)
+    with mock.patch.object(hc, "median", mean):  # every SI module's eval gates read E[z]
+        expected = evaluate(recipe, model, load_tokenizer(args.run / "model"), test, None)
     cmd = f".venv/bin/python bench/simoe_gates.py --run {args.run}" + (f" --write {args.write}" if args.write else "")
     section = "\n".join([
         MARK[0], "## SIMoE evaluation gates (bench/simoe_gates.py)", "",
@@ -67,7 +64,7 @@ def main() -> None:
         "empty = answers that end immediately.", "",
         "| eval gates | mean gate | seen loss | seen ROUGE-L | unseen loss | unseen ROUGE-L | empty answers |",
         "|---|---|---|---|---|---|---|",
-        row("median (eq. 7)", median, median_gate(log_alpha)),
+        row("median (eq. 7)", median, hc.median(log_alpha)),
         row(f"E[z] ({DRAWS} draws)", expected, mean(log_alpha)), "", MARK[1]])
     print(section)
     if args.write:

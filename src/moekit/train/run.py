@@ -136,12 +136,21 @@ def finish(recipe: Recipe, trainer, tok, test, ref) -> dict:
     return report(recipe, trainer.model, tok, test, ref, trainer.state.log_history)
 
 
-def report(recipe: Recipe, model, tok, test, ref, log_history) -> dict:
-    out, d, e = Path(recipe.out), recipe.data, recipe.eval
+def evaluate(recipe: Recipe, model, tok, test, ref) -> dict:
+    """Every metric of `evaluate_run` with the recipe's settings, plus ROUGE-L and seen/unseen means for
+    instruction recipes."""
+    d, e = recipe.data, recipe.eval
     results = evaluate_run(model, tok, test, d.template, ref, d.max_length, e.max_new_tokens, e.batch_size,
                            e.generate)
     if recipe.task == "instruct" and e.generate:
         add_rouge(results, test, d.task_names()[1])
+    return results
+
+
+def report(recipe: Recipe, model, tok, test, ref, log_history) -> dict:
+    """`evaluate`, then results.json/csv and plots in the run directory."""
+    out = Path(recipe.out)
+    results = evaluate(recipe, model, tok, test, ref)
     write_results(results, out)
     plot_curves(log_history, out)
     if results["usage"]:
