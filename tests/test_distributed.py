@@ -114,7 +114,9 @@ def test_torchrun_two_processes(name, tiny_recipe_overrides, tmp_path):
     assert all(r["world_size"] == 2 and r["global_step"] == 4 for r in ranks)
     assert ranks[0]["digest"] == ranks[1]["digest"]  # DDP kept the replicas identical
     assert ranks[1]["writes"] == []  # only the main process writes
-    assert ranks[0]["writes"][-2:] == [str(out / "model")] * 2  # the final model, then the tokenizer
+    work = out.parent / f".{out.name}.moekit-partial"  # the run is built here, then renamed to `out`
+    assert ranks[0]["writes"][-2:] == [str(work / "model")] * 2  # the final model, then the tokenizer
+    assert not work.exists() and (out / "model" / "moekit.json" if name != "lora" else out / "model").exists()
     assert (out / "checkpoints" / "checkpoint-2").is_dir() and (out / "checkpoints" / "checkpoint-4").is_dir()
     assert f"trained {name}: 4 steps" in proc.stdout_text and proc.stdout_text.count("trained ") == 1
     history = json.loads((out / "log_history.json").read_text())

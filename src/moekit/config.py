@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from moekit._fs import read_small
 from moekit.errors import ConfigError
 
 C = TypeVar("C", bound=BaseModel)
@@ -21,8 +22,8 @@ def validate(cls: type[C], data: Any, source: str = "config") -> C:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"invalid {source}:\n" + "\n".join(lines)) from None
+        problems = [f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"invalid {source}: " + "; ".join(problems)) from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -51,9 +52,10 @@ def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    text = read_small(path, "config file", ConfigError)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
+        data = yaml.safe_load(text) or {}
+    except (yaml.YAMLError, RecursionError) as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must contain a mapping at the top level")

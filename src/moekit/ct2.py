@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from moekit.errors import AssetError
-from moekit.io import atomic_dir, check_output_dir
+from moekit._fs import output, reserve
 
 BINARY_VERSION = 6
 DTYPES = {0: torch.float32, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.float16, 5: torch.bfloat16}
@@ -334,9 +334,14 @@ def convert_whisper(ct2_dir: str | Path, out_dir: str | Path, overwrite: bool = 
     weights, config, generation config, tokenizer and feature extractor (`WhisperProcessor` loads them).
     `model_bin`: the pieces of a split model.bin, in order, instead of `ct2_dir/model.bin`;
     `multilingual`: see `whisper_model`."""
+    ct2_dir, out = Path(ct2_dir), Path(out_dir)
+    with reserve(out, [ct2_dir], overwrite):  # checked (and locked) before the model is read
+        return _convert(ct2_dir, out, overwrite, model_bin, multilingual)
+
+
+def _convert(ct2_dir: Path, out: Path, overwrite: bool, model_bin, multilingual: bool | None) -> Path:
     import transformers as tf
 
-    ct2_dir, out = Path(ct2_dir), check_output_dir(out_dir, overwrite)
     ck = read_model_bin(model_bin or ct2_dir / "model.bin")
     try:
         options = json.loads((ct2_dir / "config.json").read_text())
@@ -346,7 +351,7 @@ def convert_whisper(ct2_dir: str | Path, out_dir: str | Path, overwrite: bool = 
     model = whisper_model(ck, tokens, options, multilingual)
     features = tf.WhisperFeatureExtractor(feature_size=model.config.num_mel_bins)
     processor = tf.WhisperProcessor(feature_extractor=features, tokenizer=build_tokenizer(tokens))
-    with atomic_dir(out, overwrite) as tmp, contextlib.redirect_stderr(io.StringIO()):  # silence progress bars
+    with output(out, overwrite=overwrite) as tmp, contextlib.redirect_stderr(io.StringIO()):  # silence bars
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
     return out

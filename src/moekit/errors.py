@@ -13,8 +13,33 @@ class UnsupportedModelError(MoekitError):
     """The model's architecture has no surgery adapter."""
 
 
-class OutputExistsError(MoekitError):
-    """The output directory exists and is not empty, and overwrite was not requested."""
+class OutputError(MoekitError):
+    """An output cannot be written safely (checked before any work where possible)."""
+
+
+class OutputExistsError(OutputError):
+    """The output exists (a non-empty directory, or a file) and overwrite was not requested. The CLI
+    words the remedy as `--overwrite`, the library as `overwrite=True`."""
+
+    def __init__(self, path, message: str):
+        self.path, self.message = path, message
+        super().__init__(f"{message} (overwrite=True replaces it)")
+
+
+class UnsafeOutputError(OutputError):
+    """The output would replace or contain an input or the working directory, or is a symbolic link."""
+
+
+class OutputBusyError(OutputError):
+    """Another process holds the output's lock."""
+
+
+class WriteError(OutputError):
+    """Writing failed or cannot succeed: disk full, file too large, permission denied, read-only."""
+
+
+class NumericsError(MoekitError):
+    """Weights are not finite (NaN or Inf)."""
 
 
 class ExportError(MoekitError):
@@ -31,3 +56,7 @@ class AssetError(MoekitError):
 
 class ToolError(MoekitError):
     """An external program (espeak-ng, flite, sox) is missing or failed."""
+
+
+class ResourceError(MoekitError):
+    """The work needs more memory than the machine has (checked before it starts)."""

@@ -8,8 +8,8 @@ per MoE layer, total / active parameters. Results go to results.json and results
 from __future__ import annotations
 
 import csv
+import io
 import json
-import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from sacrebleu.metrics import BLEU, CHRF
 from torch import Tensor, nn
 
+from moekit._fs import output, write_text_atomic
 from moekit.data.parallel import Pair, TranslationCollator, encode_pair, prompt_of
 from moekit.errors import CheckpointError, ConfigError
 from moekit.metrics import diversity, param_counts
@@ -187,9 +188,8 @@ class DenseReference:
                    "lengths": torch.tensor([len(ex["input_ids"]) for ex in self.examples]),
                    "input_ids": torch.tensor([t for ex in self.examples for t in ex["input_ids"]]),
                    "labels": torch.tensor([t for ex in self.examples for t in ex["labels"]])}
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, tmp, metadata={"format": "moekit-dense-reference/1"})
-        os.replace(tmp, path)
+        with output(path, overwrite=True, kind="file", what="dense reference") as tmp:
+            save_file(tensors, tmp, metadata={"format": "moekit-dense-reference/1"})
         return path
 
     @classmethod
@@ -310,11 +310,12 @@ def write_results(results: dict, folder: str | Path) -> tuple[Path, Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = folder / "results.json", folder / "results.csv"
-    json_path.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(result_rows(results))
+    write_text_atomic(json_path, json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    writer.writerows(result_rows(results))
+    write_text_atomic(csv_path, table.getvalue())
     return json_path, csv_path
 
 

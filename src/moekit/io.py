@@ -11,61 +11,31 @@ A moekit checkpoint directory holds:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
-import os
-import shutil
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import transformers
+from pydantic import BaseModel, ValidationError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.initialization import no_init_weights
 
-from moekit.errors import CheckpointError, OutputExistsError
+from moekit._fs import output, read_small
+from moekit.checkpoint.files import read_headers, weight_files
+from moekit.checkpoint.meta import SAFETENSORS_DTYPES, MoekitMeta
+from moekit.config import validate
+from moekit.errors import CheckpointError, MoekitError, NumericsError
 from moekit.moe.build import from_layout, layout
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.surgery import slot_at
 
-FORMAT = "moekit/1"
 SHARD_BYTES = 1 << 30
-
-
-def check_output_dir(out: str | Path, overwrite: bool) -> Path:
-    """Refuse an existing non-empty directory unless `overwrite` (call before doing any work)."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise OutputExistsError(f"{out} exists and is not empty; pass --overwrite (overwrite=True) to replace it")
-    return out
-
-
-@contextmanager
-def atomic_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `out`, on error it is removed."""
-    out = check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:  # overwrite replaced a plain file
-            old.unlink()
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 
 
 def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -103,16 +73,13 @@ def save_weights(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: in
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"no safetensors weights in {folder}")
+    """All tensors of a checkpoint's validated safetensors files (moekit.checkpoint.files)."""
     out = {}
-    for f in files:
-        out.update(load_file(folder / f))
+    for f in weight_files(folder):
+        try:
+            out.update(load_file(f))
+        except Exception as e:  # noqa: BLE001  (SafetensorError, OSError of a damaged file)
+            raise CheckpointError(f"{f} is not a readable safetensors file ({e})") from None
     return out
 
 
@@ -142,7 +109,7 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
         owner = router_owner.setdefault(id(moe.router), path)
         entries.append({"path": path, **moe.slot, "layout": layout(moe), "router_of": owner})
     tensors, aliases = unique_tensors(model)
-    meta = {"format": FORMAT, "architecture": type(model).__name__,
+    meta = {"format": MoekitMeta.FORMAT, "architecture": type(model).__name__,
             "spec": None if spec is None else spec.model_dump(mode="json"),
             "layers": entries, "aliases": aliases}
     save_configs(model, folder)
@@ -154,10 +121,11 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
 
 
 def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
-    """Save an MoE model in the moekit format, atomically."""
+    """Save an MoE model in the moekit format, atomically (moekit._fs.output: nothing half-written, an
+    existing `out` replaced only with `overwrite` and only once the new one is complete)."""
     if not moe_layers(model):
         raise CheckpointError("the model has no MoE layers; use model.save_pretrained for dense models")
-    with atomic_dir(out, overwrite) as tmp:
+    with output(out, overwrite=overwrite) as tmp:
         write_checkpoint(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -188,33 +156,104 @@ def model_class(name: str, folder: Path | None = None) -> type[nn.Module]:
     return cls
 
 
-def read_meta(folder: str | Path, file: str = "moekit.json", fmt: str = FORMAT, kind: str = "moekit") -> dict:
-    """The checkpoint's metadata file, checked for its format (moekit.json here; simoe.json for SIMoE)."""
+def read_meta(folder: str | Path, file: str = "moekit.json", schema: type[BaseModel] = MoekitMeta,
+              kind: str = "moekit") -> dict:
+    """The checkpoint's metadata file (moekit.json here; simoe.json for SIMoE), validated by `schema`."""
     f = Path(folder) / file
     if not f.is_file():
         raise CheckpointError(f"{folder} is not a {kind} checkpoint (no {file})")
-    meta = json.loads(f.read_text())
-    if meta.get("format") != fmt:
-        raise CheckpointError(f"{folder}: unsupported {kind} checkpoint format {meta.get('format')!r} (expected {fmt})")
-    return meta
+    try:
+        data = json.loads(read_small(f, f"{kind} metadata", CheckpointError))
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{f} is not valid JSON ({e})") from None
+    fmt = schema.FORMAT
+    if not isinstance(data, dict) or data.get("format") != fmt:
+        found = data.get("format") if isinstance(data, dict) else None
+        raise CheckpointError(f"{folder}: unsupported {kind} checkpoint format {found!r} (expected {fmt})")
+    try:
+        return schema.model_validate(data).model_dump(mode="json")
+    except ValidationError as e:
+        where = ".".join(map(str, e.errors()[0]["loc"]))
+        raise CheckpointError(f"{f} is invalid: {where}: {e.errors()[0]['msg']}") from None
+
+
+def load_config(folder: Path, trust_remote_code: bool = False):
+    """The directory's transformers config; remote code only with `trust_remote_code` (never a prompt)."""
+    check_remote_code(folder, trust_remote_code)
+    _native_module(folder)
+    try:
+        return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
+    """The tokenizer saved in `folder`, or None if it has no tokenizer files; custom tokenizer code only with
+    `trust_remote_code`."""
+    folder = Path(folder)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    check_remote_code(folder, trust_remote_code)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder} has tokenizer files but they do not load: {' '.join(str(e).split())}") from None
+
+
+def check_remote_code(folder: Path, trust_remote_code: bool) -> None:
+    """Refuse a directory whose config, tokenizer or processor names its own Python code (`auto_map`),
+    unless the user trusts it: transformers would otherwise prompt on stdin or run it."""
+    if trust_remote_code:
+        return
+    for name in REMOTE_CODE_FILES:
+        f = folder / name
+        if f.is_file():
+            try:
+                data = json.loads(read_small(f, "config", CheckpointError))
+            except (ValueError, RecursionError):
+                continue  # not ours to judge here: the loader reports a broken file
+            if isinstance(data, dict) and data.get("auto_map"):
+                raise CheckpointError(f"{folder} needs its own Python code ({name} has an auto_map); pass "
+                                      "--trust-remote-code only if you trust that code")
 
 
 def load_state(model: nn.Module, folder: Path, meta: dict) -> None:
     """Load a checkpoint's weights (aliases restored) into a model of the same layout."""
     tensors = load_weights(folder)
-    tensors.update({alias: tensors[key] for alias, key in meta["aliases"].items()})
+    tensors.update({alias: tensors[key] for alias, key in meta["aliases"].items() if key in tensors})
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{folder}: weights do not match the model (missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]})")
 
 
-def load(folder: str | Path) -> nn.Module:
-    """Load a moekit checkpoint; outputs are bit-identical to the saved model's."""
-    folder = Path(folder)
-    meta = read_meta(folder)
+def check_headers(model: nn.Module, folder: Path, aliases: dict[str, str]) -> None:
+    """The shard headers hold exactly the tensors of `model` (built on the meta device from the metadata),
+    with the same shapes and dtypes, before any memory is allocated for them."""
+    headers = read_headers(folder)
+    expected = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    wrong_alias = [a for a, k in aliases.items() if k not in expected]
+    if wrong_alias:
+        raise CheckpointError(f"{folder}: tensor aliases point at tensors the model does not have: {wrong_alias[:3]}")
+    missing, unexpected = sorted(expected.keys() - headers.keys()), sorted(headers.keys() - expected.keys())
+    if missing or unexpected:
+        raise CheckpointError(f"{folder}: the weights do not match its metadata (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+    for k, v in expected.items():
+        h = headers[k]
+        if h.shape != tuple(v.shape) or SAFETENSORS_DTYPES.get(h.dtype) != v.dtype:
+            raise CheckpointError(f"{h.file}: {k} is {h.dtype}{list(h.shape)}, the metadata says "
+                                  f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
+
+
+def _build(meta: dict, config, folder: Path) -> nn.Module:
+    """The (empty) model a moekit.json describes, on the current default device."""
     cls = model_class(meta["architecture"], folder)
-    config = transformers.AutoConfig.from_pretrained(folder)
     with no_init_weights():  # _from_config builds in config.dtype (e.g. bf16), as from_pretrained does
         model = cls._from_config(config)
     routers = {}
@@ -222,12 +261,29 @@ def load(folder: str | Path) -> nn.Module:
         moe = from_layout(e["layout"], router=routers.get(e["router_of"]))
         routers.setdefault(e["path"], moe.router)
         moe.slot = {k: e[k] for k in ("stack", "index", "adapter")}
-        slot_at(model, e["stack"], e["index"], e["adapter"]).install(moe)
+        try:
+            slot = slot_at(model, e["stack"], e["index"], e["adapter"])
+        except (MoekitError, IndexError, KeyError, AttributeError) as err:
+            raise CheckpointError(f"{folder}/moekit.json: layer {e['path']} does not exist in the model ({err})") from None
+        slot.install(moe)
+    return model
+
+
+def load(folder: str | Path) -> nn.Module:
+    """Load a moekit checkpoint; outputs are bit-identical to the saved model's. The metadata is validated
+    and the model it describes is checked against the shard headers on the meta device first, so a
+    damaged or hostile checkpoint is refused before any large allocation."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    config = load_config(folder)
+    with torch.device("meta"):
+        check_headers(_build(meta, config, folder), folder, meta["aliases"])
+    model = _build(meta, config, folder)
     load_state(model, folder, meta)
     model.tie_weights()
     load_generation_config(model, folder)
     if meta["spec"] is not None:
-        model.moekit_spec = MoESpec.model_validate(meta["spec"])
+        model.moekit_spec = validate(MoESpec, meta["spec"], source=f"MoE spec in {folder}/moekit.json")
     return reapply_pruning(model.eval(), folder)
 
 
@@ -240,9 +296,14 @@ def reapply_pruning(model: nn.Module, folder: str | Path) -> nn.Module:
 
 
 def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False,
-               dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a dense HF model from a local directory: safetensors only unless `allow_pickle`."""
+               dtype: torch.dtype = torch.float32, allow_nonfinite: bool = False) -> nn.Module:
+    """Load a dense HF model from a local directory: safetensors only unless `allow_pickle`, custom code only
+    with `trust_remote_code`, shard files validated first, weights checked finite unless `allow_nonfinite`."""
     path = Path(path)
+    for file, kind, hint in (("moekit.json", "a moekit MoE checkpoint", "moekit inspect / moekit export"),
+                             ("simoe.json", "a SIMoE checkpoint", "moekit simoe export --merge TASK")):
+        if (path / file).is_file():
+            raise CheckpointError(f"{path} is {kind}, not a dense model; see `{hint}`")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} is not a Hugging Face model directory (no config.json)")
     has_st = any(path.glob("*.safetensors"))
@@ -250,19 +311,51 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
         found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}))
         raise CheckpointError(f"{path} has no safetensors weights{f' (found {found})' if found else ''}; pickle "
                               "checkpoints can run arbitrary code: pass --allow-pickle only if you trust them")
-    _native_module(path)
-    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = load_config(path, trust_remote_code)
+    if has_st:
+        read_headers(path)  # shard names, headers and coverage checked before transformers opens anything
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = model_class(arch, path) if arch and not trust_remote_code else transformers.AutoModel
-    model = cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        model = cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"{path} does not load: {' '.join(str(e).split())[:500]}") from None
+    if not allow_nonfinite:
+        check_finite(model.named_parameters(), str(path))
     return reapply_pruning(model.eval(), path)
+
+
+def meta_model(path: str | Path, trust_remote_code: bool = False) -> nn.Module:
+    """The dense model of a directory built on the meta device from its config: shapes without memory, to
+    check a spec and estimate sizes before any weight is read."""
+    path = Path(path)
+    config = load_config(path, trust_remote_code)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    with torch.device("meta"), no_init_weights():
+        if arch and not trust_remote_code:
+            return model_class(arch, path)._from_config(config)
+        return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def check_finite(tensors, where: str) -> None:
+    """NumericsError naming the first tensor with a NaN or Inf (--allow-nonfinite proceeds anyway)."""
+    for name, t in tensors:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise NumericsError(f"{where}: {name} has {bad} non-finite value{'s' * (bad > 1)} (NaN or Inf); "
+                                "pass --allow-nonfinite to proceed anyway")
 
 
 def load_model(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
     """A moekit checkpoint (moekit.json), a SIMoE one (simoe.json) or any local HF model directory (e.g.
     transformers' MoE families)."""
-    if (Path(path) / "simoe.json").is_file():
+    path = Path(path)
+    if (path / "simoe.json").is_file():
         from moekit.simoe.export import load as load_simoe
 
         return load_simoe(path)
-    return load(path) if (Path(path) / "moekit.json").is_file() else load_dense(path, allow_pickle, trust_remote_code)
+    if (path / "moekit.json").is_file():
+        return load(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a model directory")
+    return load_dense(path, allow_pickle, trust_remote_code, allow_nonfinite=True)

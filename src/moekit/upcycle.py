@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 import zlib
 from collections.abc import Callable
 from functools import cache
@@ -9,7 +10,8 @@ from functools import cache
 import torch
 from torch import nn
 
-from moekit.errors import ConfigError
+from moekit.errors import ConfigError, NumericsError
+from moekit.ffn import ExpertWeights
 from moekit.init.base import InitContext
 from moekit.moe.build import build_moe, init_router
 from moekit.moe.router import Router
@@ -24,12 +26,43 @@ def layer_generator(seed: int, path: str) -> torch.Generator:
 
 
 def selected_slots(model: nn.Module, spec: MoESpec) -> list[Slot]:
+    """The FFN slots `spec` selects; a spec that selects none, or names blocks no stack has, is an error."""
     slots = find_slots(model)
     chosen = [s for s in slots if spec.selects(s.index, s.path)]
+    stacks = sorted({f"{s.stack} ({sum(t.stack == s.stack for t in slots)} blocks)" for s in slots})
+    if spec.layers is not None:
+        eligible = [s.index for s in slots if spec.target is None or re.search(spec.target, s.path)]
+        beyond = sorted(i for i in set(spec.layers) if i > max(eligible, default=-1))
+        if beyond:
+            raise ConfigError(f"layers {beyond} do not exist; the model has {', '.join(stacks)}")
     if not chosen:
-        stacks = sorted({f"{s.stack} ({sum(t.stack == s.stack for t in slots)} blocks)" for s in slots})
         raise ConfigError(f"the MoE spec selects no FFN; the model has {', '.join(stacks)}")
     return chosen
+
+
+def added_parameters(model: nn.Module, spec: MoESpec) -> int:
+    """How many parameters upcycling `model` with `spec` adds (the model may live on the meta device): per
+    selected FFN, E - 1 more copies of its shape (+ 1 with a shared expert) and an E x H router."""
+    added = 0
+    for slot in selected_slots(model, spec):
+        ffn = slot.read()
+        size = sum(t.numel() for t in (ffn.up, ffn.down, ffn.gate, ffn.up_bias, ffn.gate_bias, ffn.down_bias)
+                   if t is not None)
+        added += size * (spec.num_experts - 1 + spec.shared_expert) + spec.num_experts * ffn.hidden_size
+    return added
+
+
+def check_finite_experts(w: ExpertWeights, path: str, method: str) -> None:
+    """Every init method's output must be finite (a NaN in the dense FFN would otherwise spread: SPRI turns
+    one into a whole down-projection)."""
+    shared = w.shared
+    tensors = {"up": w.up, "down": w.down, "gate": w.gate, "router": w.router,
+               **({} if shared is None else {"shared.up": shared.up, "shared.down": shared.down,
+                                             "shared.gate": shared.gate})}
+    for name, t in tensors.items():
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise NumericsError(f"{method} produced non-finite {name} weights for {path}; "
+                                "pass --allow-nonfinite to proceed anyway")
 
 
 def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: list[str]) -> None:
@@ -46,7 +79,8 @@ def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: lis
                 v.copy_(torch.stack([st[k] for st in states]).float().mean(0).to(v.dtype))
 
 
-def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Router | None) -> Router:
+def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Router | None,
+                 allow_nonfinite: bool = False) -> Router:
     """Replace one dense FFN by an MoE layer; returns its router (`router` if one is given to share).
     A function of its own so that the layer's temporaries are freed before the next layer starts."""
     gen = layer_generator(spec.seed, slot.path)
@@ -54,6 +88,8 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
                       branches=[b.read() for b in branch_slots])
     with torch.no_grad():
         w = spec.init.init_experts(ctx)
+    if not allow_nonfinite:
+        check_finite_experts(w, slot.path, spec.init.method)
     if router is None:
         router = Router(w.up.shape[2], spec.num_experts, spec.top_k, spec.scoring, spec.router.jitter)
         init_router(router, spec.router_init, spec.router.init_std, gen)
@@ -100,11 +136,12 @@ def release_freed_memory() -> None:
 
 
 def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = None,
-            progress: Callable[[str], None] | None = None) -> nn.Module:
+            progress: Callable[[str], None] | None = None, allow_nonfinite: bool = False) -> nn.Module:
     """Replace the FFNs `spec` selects by MoE layers initialized with `spec.init`. Returns `model`.
 
     Works layer by layer (read dense FFN -> init experts -> install), so at most one extra layer's
-    experts are alive beside the model at any time.
+    experts are alive beside the model at any time. Non-finite expert weights are a NumericsError unless
+    `allow_nonfinite`.
     """
     slots = selected_slots(model, spec)
     branch_slots: list[dict[str, Slot]] = []
@@ -117,7 +154,7 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
     routers: dict[str, Router] = {}  # router-sharing group -> its router (Omni-router)
     for slot in slots:
         group = groups[slot.path]
-        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], routers.get(group))
+        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], routers.get(group), allow_nonfinite)
         if group is not None:
             routers.setdefault(group, router)
         release_freed_memory()  # this layer's temporaries are gone: hand them back before the next

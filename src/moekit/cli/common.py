@@ -1,18 +1,13 @@
-"""Helpers shared by the commands: consoles, number formatting, tokenizer discovery."""
+"""Helpers shared by the commands: consoles, number formatting, LANG=FILE arguments."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
-from moekit.errors import CheckpointError
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
+from moekit.errors import ConfigError
 
 
 def out_console() -> Console:
@@ -34,23 +29,19 @@ def human(n: int) -> str:
     return f"{n:,}"
 
 
-def load_tokenizer(folder: str | Path):
-    """The tokenizer saved in `folder`, or None if it has no tokenizer files."""
-    folder = Path(folder)
-    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{folder} has tokenizer files but they do not load: {e}") from None
-
-
 def lang_file(text: str) -> tuple[str, Path]:
     """argparse type for LANG=FILE."""
     lang, sep, path = text.partition("=")
     if not sep or not lang or not path:
         raise argparse.ArgumentTypeError(f"expected LANG=FILE, got {text!r}")
     return lang, Path(path)
+
+
+def lang_files(pairs: list[tuple[str, Path]] | None, flag: str) -> dict[str, Path]:
+    """{LANG: FILE} of a repeatable/extendable LANG=FILE option; a language given twice is refused."""
+    out: dict[str, Path] = {}
+    for lang, path in pairs or []:
+        if lang in out:
+            raise ConfigError(f"{flag} gives language {lang!r} twice ({out[lang]} and {path}); give each once")
+        out[lang] = path
+    return out

@@ -18,7 +18,6 @@ from rich.table import Table
 
 from moekit.cli.common import human, out_console
 from moekit.config import apply_overrides, validate
-from moekit.io import check_output_dir
 from moekit.train.recipe import Recipe
 
 SYSTEMS = {
@@ -55,21 +54,30 @@ def recipes(out: Path, overrides: list[str]) -> dict[str, Recipe]:
 
 
 def run(args) -> None:
+    from moekit._fs import output
+
+    systems = recipes(Path(args.out), args.overrides)  # validated before any work
+    with output(args.out, overwrite=args.overwrite) as tmp:  # the old demo output stays until this one is done
+        table = run_systems(systems, tmp, Path(args.out))
+    out_console().print(table)
+    out_console().print(f"runs, results.json/csv and plots (loss.png, kl.png, usage.png): "
+                        f"{args.out}/{{{','.join(SYSTEMS)}}}")
+
+
+def run_systems(systems: dict[str, Recipe], folder: Path, final: Path) -> Table:
+    """Train and evaluate each system into `folder`/<system> (to be renamed `final`); the comparison table."""
     from moekit.train.run import train
 
-    out = check_output_dir(args.out, args.overwrite)
-    systems = recipes(out, args.overrides)  # validated before any work
     table = Table(title="moekit demo: SmolLM2-135M upcycled (E=8, top-2, every 4th block), equal fine-tuning budget")
     for col in ("system", "BLEU", "chrF", "target loss", "KL(dense‖model)", "diversity", "total params",
                 "active params", "train+eval (s)"):
         table.add_column(col)
     for name, recipe in systems.items():
         t0 = time.perf_counter()
-        r = train(recipe, overwrite=True).results
+        r = train(recipe.model_copy(update={"out": str(folder / name)}), final_out=str(final / name)).results
         avg = r["avg"]
         table.add_row(name, f"{avg.get('bleu', float('nan')):.2f}", f"{avg.get('chrf', float('nan')):.2f}",
                       f"{avg['loss']:.3f}", "-" if r["kl"] is None else f"{r['kl']:.4f}",
                       f"{round(r['diversity'], 4) + 0.0:.4f}", human(r["params"]["total"]),
                       human(r["params"]["active"]), f"{time.perf_counter() - t0:.0f}")
-    out_console().print(table)
-    out_console().print(f"runs, results.json/csv and plots (loss.png, kl.png, usage.png): {out}/{{{','.join(SYSTEMS)}}}")
+    return table

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from moekit.cli.common import err_console, load_tokenizer, out_console
-from moekit.io import check_output_dir, load, read_meta
+from moekit.cli.common import err_console, out_console
 
 
 def add_parser(sub) -> None:
@@ -19,15 +18,17 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from moekit._fs import reserve
     from moekit.export import EXPORTERS, export_model
+    from moekit.io import load, load_tokenizer, read_meta
 
     EXPORTERS.get(args.format)  # unknown format: ConfigError before any loading
-    check_output_dir(args.out, args.overwrite)
-    read_meta(args.dir)
-    tokenizer = load_tokenizer(args.dir)
-    with err_console().status(f"loading {args.dir}"):
-        model = load(args.dir)
-    with err_console().status(f"exporting to {args.out}"):
-        export_model(model, args.format, args.out, overwrite=args.overwrite, tokenizer=tokenizer)
+    with reserve(args.out, [args.dir], args.overwrite):
+        read_meta(args.dir)
+        tokenizer = load_tokenizer(args.dir)
+        with err_console().status(f"loading {args.dir}"):
+            model = load(args.dir)
+        with err_console().status(f"exporting to {args.out}"):
+            export_model(model, args.format, args.out, overwrite=args.overwrite, tokenizer=tokenizer)
     out_console().print(f"exported {args.dir} as {args.format} to {args.out}"
                         f"{' with tokenizer' if tokenizer is not None else ''}")

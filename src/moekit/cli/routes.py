@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moekit.cli.common import lang_file, err_console, load_tokenizer, out_console
+from moekit.cli.common import err_console, lang_file, lang_files, out_console
 from moekit.errors import CheckpointError, ConfigError
 
 
@@ -17,13 +17,16 @@ def add_parser(sub) -> None:
                         description="Run the model on every line of each FILE (one text per line) and save the "
                                     "top-k experts and weights of every MoE layer for every token.")
     c.add_argument("--model", required=True, help="moekit checkpoint or HF MoE model directory (with tokenizer)")
-    c.add_argument("--texts", required=True, nargs="+", type=lang_file, metavar="LANG=FILE")
+    c.add_argument("--texts", required=True, nargs="+", action="extend", type=lang_file, metavar="LANG=FILE",
+                   help="one text per line per language; several per flag or one flag per language")
     c.add_argument("--out", required=True, help="trace file (.npz)")
     c.add_argument("--max-length", type=int, default=256, help="truncate texts to this many tokens")
     c.add_argument("--batch-size", type=int, default=8)
     c.add_argument("--max-texts", type=int, help="use at most this many texts per language")
     c.add_argument("--layers", help="regular expression on the MoE layer paths to record")
     c.add_argument("--overwrite", action="store_true", help="replace an existing trace file")
+    c.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model directory that ships its own Python code (auto_map); it will run")
     c.set_defaults(run=run_collect)
     r = rsub.add_parser("report", help="figures, report.md and metrics.json of a trace",
                         description="Language routing isolation (RISE), layer-wise similarity, expert usage, "
@@ -63,38 +66,44 @@ def collect(model, tok, texts: dict[str, list[str]], max_length: int, batch_size
 
 
 def run_collect(args: argparse.Namespace) -> None:
-    from moekit.io import check_output_dir, load_model
+    from moekit._fs import reserve
+    from moekit.io import load_model, load_tokenizer
 
     if args.max_length < 1 or args.batch_size < 1 or (args.max_texts is not None and args.max_texts < 1):
         raise ConfigError("--max-length, --batch-size and --max-texts must be ≥ 1")
-    check_output_dir(args.out, args.overwrite)
-    texts = {lang: read_texts(path, args.max_texts) for lang, path in args.texts}
-    tok = load_tokenizer(args.model)
-    if tok is None:
-        raise CheckpointError(f"{args.model} has no tokenizer files")
-    if tok.pad_token is None:  # batches need padding; the attention mask keeps pads out of the trace
-        if tok.eos_token is None:
-            raise CheckpointError(f"the tokenizer of {args.model} has neither a pad nor an eos token")
-        tok.pad_token = tok.eos_token
-    with err_console().status(f"recording routing of {sum(map(len, texts.values()))} texts"):
-        trace = collect(load_model(args.model), tok, texts, args.max_length, args.batch_size, args.layers)
-    trace.meta.update(model=str(args.model), max_length=args.max_length)
-    trace.save(args.out)
+    files = lang_files(args.texts, "--texts")
+    with reserve(args.out, [args.model, *files.values()], args.overwrite, what="trace"):
+        texts = {lang: read_texts(path, args.max_texts) for lang, path in files.items()}
+        tok = load_tokenizer(args.model, args.trust_remote_code)
+        if tok is None:
+            raise CheckpointError(f"{args.model} has no tokenizer files")
+        if tok.pad_token is None:  # batches need padding; the attention mask keeps pads out of the trace
+            if tok.eos_token is None:
+                raise CheckpointError(f"the tokenizer of {args.model} has neither a pad nor an eos token")
+            tok.pad_token = tok.eos_token
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+        with err_console().status(f"recording routing of {sum(map(len, texts.values()))} texts"):
+            trace = collect(model, tok, texts, args.max_length, args.batch_size, args.layers)
+        trace.meta.update(model=str(args.model), max_length=args.max_length)
+        trace.save(args.out, overwrite=args.overwrite)
     counts = ", ".join(f"{lang} {int(trace.language_mask(lang).sum())}" for lang in trace.languages)
     out_console().print(f"{args.out}: {trace.num_tokens} tokens ({counts}), {trace.num_layers} MoE layers, "
                         f"top-{trace.top_k} of {int(trace.num_experts.max())} experts")
 
 
 def run_report(args: argparse.Namespace) -> None:
+    from moekit._fs import reserve
     from moekit.routing.report import write_report
     from moekit.routing.trace import RoutingTrace
 
-    trace = RoutingTrace.load(args.trace)
-    experts = target = None
-    if args.selection is not None:
-        from moekit.select.selection import Selection
+    inputs = [args.trace, *([args.selection] if args.selection else [])]
+    with reserve(args.out, inputs, args.overwrite):
+        trace = RoutingTrace.load(args.trace)
+        experts = target = None
+        if args.selection is not None:
+            from moekit.select.selection import Selection
 
-        sel = Selection.load(args.selection)
-        experts, target = sel.experts, sel.target if sel.target in trace.languages else None
-    out = write_report(trace, args.out, args.reference, args.top_k_set, experts, target, overwrite=args.overwrite)
+            sel = Selection.load(args.selection)
+            experts, target = sel.experts, sel.target if sel.target in trace.languages else None
+        out = write_report(trace, args.out, args.reference, args.top_k_set, experts, target, overwrite=args.overwrite)
     out_console().print(f"wrote {out}/report.md, metrics.json and figures")

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from moekit.cli.common import out_console
-from moekit.errors import ConfigError, OutputExistsError
+from moekit.errors import ConfigError
 
 SETTINGS = ("alpha", "ratios", "regions", "top_p", "score", "seed")  # flags that set a method's settings
 
@@ -47,17 +47,16 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from moekit._fs import reserve
     from moekit.routing.trace import RoutingTrace
     from moekit.select import select
 
     out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise OutputExistsError(f"{out} exists; pass --overwrite to replace it")
     params = settings(args)
-    trace = RoutingTrace.load(args.trace)
-    selection = select(trace, args.method, args.target, args.budget, **params)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    selection.save(out)
+    with reserve(out, [args.trace], args.overwrite, what="selection"):
+        trace = RoutingTrace.load(args.trace)
+        selection = select(trace, args.method, args.target, args.budget, **params)
+        selection.save(out, overwrite=args.overwrite)
     print_selection(selection, trace.num_experts, out)
 
 

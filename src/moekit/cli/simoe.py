@@ -30,8 +30,7 @@ def add_parser(sub) -> None:
 
 def _open(run_dir: str):
     """(model, tokenizer, recipe or None) of a run directory or a bare SIMoE checkpoint."""
-    from transformers import AutoTokenizer
-
+    from moekit.io import load_tokenizer
     from moekit.simoe.export import load
     from moekit.train.recipe import load_recipe
 
@@ -39,8 +38,7 @@ def _open(run_dir: str):
     folder = run / "model" if (run / "model").is_dir() else run
     model = load(folder)
     recipe = load_recipe(run / "recipe.yaml", [f"out={run}"]) if (run / "recipe.yaml").is_file() else None
-    tok = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
-    return model, tok, recipe
+    return model, load_tokenizer(folder), recipe
 
 
 def _routing(model, tok, recipe) -> dict[str, list[float]] | None:
@@ -57,20 +55,27 @@ def _routing(model, tok, recipe) -> dict[str, list[float]] | None:
 
 
 def run_report(args: argparse.Namespace) -> None:
-    from moekit.io import check_output_dir
+    from moekit._fs import reserve
     from moekit.simoe.analysis import write_report
 
-    check_output_dir(args.out, args.overwrite)
-    model, tok, recipe = _open(args.run_dir)
-    out = write_report(model, args.out, _routing(model, tok, recipe), overwrite=args.overwrite)
+    with reserve(args.out, [args.run_dir], args.overwrite):
+        model, tok, recipe = _open(args.run_dir)
+        out = write_report(model, args.out, _routing(model, tok, recipe), overwrite=args.overwrite)
     out_console().print(f"SIMoE report written to {out}")
 
 
 def run_export(args: argparse.Namespace) -> None:
-    from moekit.io import atomic_dir, check_output_dir
+    from moekit._fs import reserve
+
+    with reserve(args.out, [args.run_dir], args.overwrite):
+        message = _export(args)
+    out_console().print(message)
+
+
+def _export(args: argparse.Namespace) -> str:
+    from moekit._fs import output
     from moekit.simoe.export import merge, param_counts, prune, save
 
-    check_output_dir(args.out, args.overwrite)
     model, tok, recipe = _open(args.run_dir)
     before = param_counts(model)
     if args.merge:
@@ -82,17 +87,16 @@ def run_export(args: argparse.Namespace) -> None:
         import torch
 
         dense = merge(model, torch.tensor(routing[args.merge]))
-        with atomic_dir(args.out, args.overwrite) as tmp:
+        with output(args.out, overwrite=args.overwrite) as tmp:
             dense.save_pretrained(tmp)
             if tok is not None:
                 tok.save_pretrained(tmp)
         total = sum(p.numel() for p in dense.parameters())
-        out_console().print(f"dense model for {args.merge!r} written to {args.out}: {total:,} parameters "
-                            f"(SIMoE form: {before['total']:,} total, {before['active']:,} active)")
-        return
+        return (f"dense model for {args.merge!r} written to {args.out}: {total:,} parameters "
+                f"(SIMoE form: {before['total']:,} total, {before['active']:,} active)")
     if args.prune:
         prune(model)
     save(model, args.out, args.overwrite, tokenizer=tok)
     after = param_counts(model)
-    out_console().print(f"SIMoE model written to {args.out}: {after['total']:,} total / {after['active']:,} active "
-                        f"parameters (before: {before['total']:,} / {before['active']:,})")
+    return (f"SIMoE model written to {args.out}: {after['total']:,} total / {after['active']:,} active "
+            f"parameters (before: {before['total']:,} / {before['active']:,})")

@@ -5,7 +5,7 @@ import argparse
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moekit.cli.common import err_console, lang_file, out_console
+from moekit.cli.common import err_console, lang_file, lang_files, out_console
 from moekit.errors import ConfigError
 
 OPTIONS = ("voices", "test_voices", "train_per_lang", "test_per_lang", "max_chars", "seed", "workers")
@@ -56,9 +56,7 @@ def config_of(args: argparse.Namespace):
     from moekit.config import validate
     from moekit.speech.corpus import CorpusConfig
 
-    texts = {lang: str(path) for lang, path in args.texts or []}
-    if len(texts) != len(args.texts or []):
-        raise ConfigError("--texts names a language more than once")
+    texts = {lang: str(path) for lang, path in lang_files(args.texts, "--texts").items()}
     data = {key: getattr(args, key) for key in OPTIONS if getattr(args, key) is not None}
     data.update(langs=args.langs, flite_test=args.flite_test, books=args.books,
                 texts=texts)

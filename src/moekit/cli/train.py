@@ -6,6 +6,7 @@ train RECIPE`; transformers' Trainer picks the distributed setup up from the env
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from moekit.cli.common import out_console
 from moekit.train.recipe import load_recipe
@@ -35,7 +36,7 @@ def run_train(args: argparse.Namespace) -> None:
         from moekit.train.asr import train_asr as train
     else:
         from moekit.train.run import train
-    trainer = train(recipe, overwrite=args.overwrite, resume=args.resume)
+    trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])
     if trainer.is_world_process_zero():
         out_console().print(results_table(recipe, trainer.results))
         out_console().print(f"trained {recipe.name}: {trainer.state.global_step} steps, output in {recipe.out}")

@@ -8,18 +8,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from moekit.assets import resolve_model
-from moekit.cli.common import err_console, human, load_tokenizer, out_console
+from moekit.assets import model_inputs, resolve_model
+from moekit.cli.common import err_console, human, out_console
 from moekit.config import Config, apply_overrides, load_yaml, validate
-from moekit.errors import ConfigError
-from moekit.io import check_output_dir, load_dense, save
+from moekit.errors import ConfigError, ResourceError
 from moekit.metrics import param_counts
 from moekit.moe.spec import MoESpec
-from moekit.upcycle import selected_slots, upcycle
+from moekit.upcycle import upcycle
 
 
 class UpcycleRecipe(Config):
@@ -64,7 +64,12 @@ def add_parser(sub) -> None:
                    help="override a spec field, e.g. init.rho=1e-3 or router.jitter=0.01 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--allow-pickle", action="store_true", help="load pickle (.bin) checkpoints (runs their code)")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow models with custom code")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow models whose directory ships its own Python code (auto_map); it will run")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="proceed although the dense weights or the initialized experts hold NaN or Inf")
+    p.add_argument("--force", action="store_true",
+                   help="proceed although the estimated memory exceeds what this machine has available")
     p.set_defaults(run=run)
 
 
@@ -103,41 +108,64 @@ def read_recipe(args: argparse.Namespace) -> UpcycleRecipe:
     return validate(UpcycleRecipe, data, source="--set overrides")
 
 
-def prepare(args: argparse.Namespace) -> tuple[UpcycleRecipe, Path, Path, list[Path]]:
-    """Validate everything that can be checked without loading weights."""
-    recipe = read_recipe(args)
-    out = check_output_dir(recipe.out, args.overwrite)
-    log = err_console().print
-    model_dir = resolve_model(recipe.model, log=log)
-    if out.resolve() == model_dir.resolve():
-        raise ConfigError(f"the output directory {out} is the model directory; choose another --out")
-    branches = [resolve_model(b, log=log) for b in getattr(recipe.spec.init, "branches", [])]
-    return recipe, out, model_dir, branches
+def inputs_of(args: argparse.Namespace, recipe: UpcycleRecipe) -> list[Path]:
+    """Everything the command reads: the output may not be, or contain, any of it."""
+    branches = getattr(recipe.spec.init, "branches", [])
+    paths = [*model_inputs(recipe.model), *(p for b in branches for p in model_inputs(b))]
+    return paths + ([Path(args.recipe)] if args.recipe else [])
+
+
+def plan(args: argparse.Namespace, recipe: UpcycleRecipe, model_dir: Path) -> tuple[int, int]:
+    """(MoE layers, bytes) of the result, from the model's config on the meta device (no weights read);
+    refuses, before any work, a spec that does not fit the model or a result the disk or memory cannot
+    hold (memory: the dense model, its MoE and the save, about 1.5x the result; --force skips that check)."""
+    from moekit._fs import available_memory, check_space
+    from moekit.io import meta_model
+    from moekit.upcycle import added_parameters, selected_slots
+
+    meta = meta_model(model_dir, args.trust_remote_code)
+    layers = len(selected_slots(meta, recipe.spec))
+    params = sum(p.numel() for p in meta.parameters()) + added_parameters(meta, recipe.spec)
+    size = params * 4  # loaded and written in float32
+    check_space(recipe.out, size)
+    need, have = int(size * 1.5), available_memory()
+    if need > have and not args.force:
+        raise ResourceError(f"upcycling {model_dir} needs about {need / 2**30:.1f} GiB of memory, "
+                            f"{have / 2**30:.1f} GiB are available; pass --force to try anyway")
+    return layers, size
 
 
 def run(args: argparse.Namespace) -> None:
+    from moekit._fs import guard, reserve
+    from moekit.io import load_dense, load_tokenizer, save
+
     start = time.perf_counter()
-    recipe, out, model_dir, branch_dirs = prepare(args)
-    spec = recipe.spec
-    tokenizer = load_tokenizer(model_dir)
+    recipe = read_recipe(args)
+    spec, inputs = recipe.spec, inputs_of(args, recipe)
+    guard(recipe.out, inputs, args.overwrite)  # before resolving (possibly fetching) any model
     console = err_console()
-    with console.status(f"loading {model_dir}"):
-        model = load_dense(model_dir, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
-        branches = [load_dense(b, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
-                    for b in branch_dirs]
-    dense_params = sum(p.numel() for p in model.parameters())
-    n = len(selected_slots(model, spec))
-    columns = (TextColumn("upcycling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.description}"))
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("", total=n)
-        upcycle(model, spec, branches or None, progress=lambda path: bar.update(task, advance=1, description=path))
-    with console.status(f"saving {out}"):
-        save(model, out, overwrite=args.overwrite, tokenizer=tokenizer)
+    with reserve(recipe.out, inputs, args.overwrite) as out:
+        model_dir = resolve_model(recipe.model, log=console.print)
+        branch_dirs = [resolve_model(b, log=console.print) for b in getattr(spec.init, "branches", [])]
+        n, size = plan(args, recipe, model_dir)
+        tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
+        load = partial(load_dense, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
+                       allow_nonfinite=args.allow_nonfinite)
+        with console.status(f"loading {model_dir}"):
+            model, branches = load(model_dir), [load(b) for b in branch_dirs]
+        dense_params = sum(p.numel() for p in model.parameters())
+        columns = (TextColumn("upcycling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.description}"))
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("", total=n)
+            upcycle(model, spec, branches or None, allow_nonfinite=args.allow_nonfinite,
+                    progress=lambda path: bar.update(task, advance=1, description=path))
+        with console.status(f"saving {recipe.out}"):
+            save(model, out, overwrite=args.overwrite, tokenizer=tokenizer)
     total, active = param_counts(model)
     show = out_console().print
     show(f"upcycled {n} FFNs of {model_dir} into MoE layers: {spec.num_experts} experts, top-{spec.top_k}, "
          f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")
     show(f"parameters: dense {human(dense_params)}, total {human(total)}, active {human(active)}")
-    show(f"saved to {out}{' with tokenizer' if tokenizer is not None else ''} "
+    show(f"saved to {recipe.out}{' with tokenizer' if tokenizer is not None else ''} "
          f"in {time.perf_counter() - start:.1f} s")

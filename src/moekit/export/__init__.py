@@ -11,7 +11,7 @@ from torch import nn
 
 from moekit.export.base import EXPORTERS
 from moekit.export import mixtral, qwen2_moe, qwen3_moe  # noqa: F401  (registration)
-from moekit.io import atomic_dir, check_output_dir
+from moekit._fs import output
 
 
 def export_model(model: nn.Module, fmt: str, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
@@ -20,13 +20,12 @@ def export_model(model: nn.Module, fmt: str, out: str | Path, overwrite: bool = 
     Everything is checked and converted before anything is written: a refusal leaves no output.
     """
     exporter = EXPORTERS.get(fmt)
-    out = check_output_dir(out, overwrite)
-    native = exporter(model)
-    with atomic_dir(out, overwrite) as tmp:
+    with output(out, overwrite=overwrite) as tmp:
+        native = exporter(model)
         native.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-    return out
+    return Path(out)
 
 
 __all__ = ["EXPORTERS", "export_model"]

@@ -12,7 +12,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..errors import ConfigError
-from ..io import atomic_dir, check_output_dir
+from .._fs import output
 from ..plots import plot_usage
 from . import stats
 from .trace import RoutingTrace
@@ -184,13 +184,12 @@ def write_report(trace: RoutingTrace, out_dir: str | Path, reference: str | None
     when a selection {layer: [expert ids]} is given; its background is `target`'s activation frequency,
     or all tokens' when no target), report.md and metrics.json into `out_dir`, atomically.
     Arguments as in `routing_metrics`; an existing non-empty `out_dir` is refused unless `overwrite`."""
-    check_output_dir(out_dir, overwrite)
-    m = routing_metrics(trace, reference, top_k_set, layer_k, fractions, selection)
-    if target is not None:
-        background, label = stats.activation_frequency(trace, [target])[0], f"activation frequency ({target})"
-    else:
-        background, label = np.array(m["expert_usage"]), "expert usage (all tokens)"
-    with atomic_dir(out_dir, overwrite) as tmp:
+    with output(out_dir, overwrite=overwrite) as tmp:
+        m = routing_metrics(trace, reference, top_k_set, layer_k, fractions, selection)
+        if target is not None:
+            background, label = stats.activation_frequency(trace, [target])[0], f"activation frequency ({target})"
+        else:
+            background, label = np.array(m["expert_usage"]), "expert usage (all tokens)"
         figures = dict(jaccard=_heatmap_jaccard(m, tmp / "jaccard.png"),
                        layerwise=_curves_layerwise(m, tmp / "layerwise_similarity.png"),
                        usage=plot_usage(dict(zip(trace.layers, m["expert_usage"])), tmp / "expert_usage.png",

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import ast
-import os
+import json
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .._fs import output
 from ..errors import MoekitError
+
+FIELDS = ("layers", "num_experts", "languages", "ids", "weights", "token", "sample", "position", "lang", "meta")
+MAX_BYTES = 64 << 30  # uncompressed arrays larger than this are refused (a zip bomb, not a trace)
 
 
 class TraceError(MoekitError):
@@ -59,26 +64,56 @@ class RoutingTrace:
                             self.weights[:, mask], self.token[mask], self.sample[mask], self.position[mask],
                             self.lang[mask], dict(self.meta))
 
-    def save(self, path: str | Path) -> Path:
-        """Write an .npz atomically (temp file, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez_compressed(tmp, layers=np.array(self.layers), num_experts=self.num_experts,
-                            languages=np.array(self.languages), ids=self.ids, weights=self.weights,
-                            token=self.token, sample=self.sample, position=self.position, lang=self.lang,
-                            meta=np.array(repr(self.meta)))
-        os.replace(tmp, path)
-        return path
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write an .npz atomically (moekit._fs.output: temporary file, then rename)."""
+        self.validate(str(path))
+        with output(path, overwrite=overwrite, kind="file", what="trace") as tmp, open(tmp, "wb") as f:
+            np.savez_compressed(f, layers=np.array(self.layers), num_experts=self.num_experts,
+                                languages=np.array(self.languages), ids=self.ids, weights=self.weights,
+                                token=self.token, sample=self.sample, position=self.position, lang=self.lang,
+                                meta=np.array(json.dumps(self.meta)))
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingTrace:
+        """Read and validate a trace (an untrusted file: sizes, shapes, dtypes and id ranges are checked)."""
+        _check_size(Path(path))
         try:
             with np.load(path, allow_pickle=False) as z:
-                return cls([str(s) for s in z["layers"]], z["num_experts"], [str(s) for s in z["languages"]],
-                           z["ids"], z["weights"], z["token"], z["sample"], z["position"], z["lang"],
-                           ast.literal_eval(str(z["meta"])))
-        except (OSError, KeyError, ValueError) as e:
-            raise TraceError(f"{path}: not a moekit routing trace ({e})") from e
+                missing = sorted(set(FIELDS) - set(z.files))
+                if missing:
+                    raise TraceError(f"{path}: not a moekit routing trace (missing {', '.join(missing)})")
+                trace = cls([str(s) for s in z["layers"]], z["num_experts"], [str(s) for s in z["languages"]],
+                            z["ids"], z["weights"], z["token"], z["sample"], z["position"], z["lang"],
+                            _read_meta(str(z["meta"])))
+        except TraceError:
+            raise
+        except Exception as e:  # noqa: BLE001  (zipfile, numpy and OS errors of a damaged file)
+            raise TraceError(f"{path}: not a moekit routing trace ({type(e).__name__}: {e})") from None
+        return trace.validate(str(path))
+
+    def validate(self, name: str = "trace") -> RoutingTrace:
+        """Shapes, dtypes and ranges: ids in [-1, E) per layer (-1 pads a smaller top-k), languages indexed."""
+        L, n = len(self.layers), self.token.shape[0] if self.token.ndim == 1 else -1
+        shapes = {"num_experts": (self.num_experts, (L,)), "ids": (self.ids, (L, n, self.ids.shape[-1])),
+                  "weights": (self.weights, self.ids.shape), "token": (self.token, (n,)),
+                  "sample": (self.sample, (n,)), "position": (self.position, (n,)), "lang": (self.lang, (n,))}
+        for key, (a, shape) in shapes.items():
+            kind = "f" if key == "weights" else "iu"
+            if a.ndim != len(shape) or tuple(a.shape) != tuple(shape) or a.dtype.kind not in kind:
+                raise TraceError(f"{name}: {key} has shape {tuple(a.shape)} ({a.dtype}), expected {tuple(shape)} "
+                                 f"({'float' if kind == 'f' else 'integer'}) for {L} layers and {n} tokens")
+        if L and (self.num_experts.min() < 1 or len(set(self.layers)) != L):
+            raise TraceError(f"{name}: layers must be distinct and have at least one expert each")
+        bad = (self.ids < -1) | (self.ids >= self.num_experts.reshape(L, 1, 1))
+        if bad.any():
+            li = int(np.argwhere(bad)[0][0])
+            raise TraceError(f"{name}: expert ids of layer {self.layers[li]} outside [0, {int(self.num_experts[li])})")
+        if n and (self.lang.min() < 0 or self.lang.max() >= len(self.languages)):
+            raise TraceError(f"{name}: language indices outside the {len(self.languages)} languages")
+        if not np.isfinite(self.weights).all():
+            raise TraceError(f"{name}: routing weights are not finite")
+        return self
 
     @classmethod
     def merge(cls, traces: list[RoutingTrace]) -> RoutingTrace:
@@ -100,3 +135,30 @@ class RoutingTrace:
                    cat([t.weights for t in traces], axis=1), cat([t.token for t in traces]),
                    cat([p[0] for p in parts]).astype(np.int32), cat([t.position for t in traces]),
                    cat([p[1] for p in parts]).astype(np.int16), dict(first.meta))
+
+
+def _check_size(path: Path) -> None:
+    """Refuse a file whose arrays would decompress to more than MAX_BYTES, before decompressing them."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            size = sum(i.file_size for i in z.infolist())
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        raise TraceError(f"{path}: not a moekit routing trace ({type(e).__name__}: {e})") from None
+    if size > MAX_BYTES:
+        raise TraceError(f"{path}: its arrays would take {size / 2**30:.1f} GiB (more than {MAX_BYTES >> 30} GiB)")
+
+
+def _read_meta(text: str) -> dict:
+    """The trace's metadata: JSON (older traces: a Python literal, read with ast.literal_eval)."""
+    try:
+        meta = json.loads(text)
+    except ValueError:
+        try:
+            meta = ast.literal_eval(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
+            raise TraceError(f"unreadable trace metadata ({type(e).__name__})") from None
+    except RecursionError:
+        raise TraceError("trace metadata is nested too deeply") from None
+    if not isinstance(meta, dict):
+        raise TraceError("trace metadata must be a mapping")
+    return meta

@@ -7,7 +7,8 @@ from pathlib import Path
 from torch import nn
 
 from ..errors import ConfigError
-from ..io import atomic_dir, write_checkpoint
+from .._fs import output
+from ..io import write_checkpoint
 from ..moe.layer import moe_layers
 from ..routing.sites import RouterSite, find_sites
 from .selection import Selection
@@ -49,7 +50,7 @@ def save_model(model: nn.Module, out: str | Path, overwrite: bool = False, token
                extra: dict[str, dict] | None = None) -> Path:
     """Save atomically: the moekit format for moekit models, save_pretrained (safetensors) for HF models,
     with pruned_experts.json if the model is pruned. `extra` maps file names to JSON objects to add."""
-    with atomic_dir(out, overwrite) as tmp:
+    with output(out, overwrite=overwrite) as tmp:
         if moe_layers(model):
             write_checkpoint(model, tmp)  # writes pruned_experts.json itself
         else:

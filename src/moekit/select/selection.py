@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from pydantic import Field
 
-from ..config import Config
+from .._fs import output, read_small
+from ..config import Config, validate
 from ..errors import ConfigError
 
 
@@ -25,16 +25,17 @@ class Selection(Config):
     def count(self) -> int:
         return sum(len(v) for v in self.experts.values())
 
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.model_dump(), indent=2))
-        os.replace(tmp, path)
-        return path
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the JSON file atomically (moekit._fs.output)."""
+        with output(path, overwrite=overwrite, kind="file", what="selection") as tmp:
+            tmp.write_text(json.dumps(self.model_dump(), indent=2))
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> Selection:
+        text = read_small(path, "selection", ConfigError)
         try:
-            return cls.model_validate_json(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{path}: not a moekit expert selection ({e})") from e
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"{path}: not a moekit expert selection (not JSON: {e})") from None
+        return validate(cls, data, source=f"expert selection {path}")

@@ -17,7 +17,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import nn
 
-from moekit.io import atomic_dir
+from moekit._fs import output
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoE, si_modules
@@ -122,8 +122,8 @@ def write_report(model: nn.Module, out: str | Path, routing: dict[str, list[floa
     with ≥ 2 tasks' mean routing) into `out`, atomically."""
     from moekit.simoe.export import param_counts
 
-    fr, ov = nonzero_fractions(model), overlaps(model)
-    with atomic_dir(out, overwrite) as tmp:
+    with output(out, overwrite=overwrite) as tmp:
+        fr, ov = nonzero_fractions(model), overlaps(model)
         figures = [_bars(fr["by_type"], "where SIMoE upcycled: layer type", "layer type", tmp / "nonzero_by_type.png"),
                    _bars(fr["by_depth"], "where SIMoE upcycled: depth", "block", tmp / "nonzero_by_depth.png"),
                    _overlap_map(ov, tmp / "overlap.png")]

@@ -11,19 +11,19 @@ import json
 from pathlib import Path
 
 import torch
-import transformers
 from torch import nn
 from transformers.initialization import no_init_weights
 
-from moekit.io import (atomic_dir, load_generation_config, load_state, model_class, save_configs, save_weights,
-                       unique_tensors)
+from moekit._fs import output
+from moekit.checkpoint.meta import SIMoEMeta
+from moekit.config import validate
+from moekit.errors import CheckpointError
+from moekit.io import (check_headers, load_config, load_generation_config, load_state, model_class, save_configs,
+                       save_weights, unique_tensors)
 from moekit.io import read_meta as io_read_meta
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoEConfig, install, si_modules
-
-FORMAT = "moekit-simoe/1"
-
 
 def is_simoe(model: nn.Module) -> bool:
     return hasattr(model, "simoe")
@@ -32,7 +32,7 @@ def is_simoe(model: nn.Module) -> bool:
 def write_checkpoint(model: nn.Module, folder: Path) -> None:
     """config.json, weights and simoe.json into an existing folder."""
     kept = {p: m.delta.shape[1] for p, m in si_modules(model) if isinstance(m, SILinear) and m.keep is not None}
-    meta = {"format": FORMAT, "architecture": type(model).__name__,
+    meta = {"format": SIMoEMeta.FORMAT, "architecture": type(model).__name__,
             "config": model.simoe.cfg.model_dump(mode="json"), "kept": kept}
     save_configs(model, folder)
     tensors, aliases = unique_tensors(model)  # tied embeddings once
@@ -43,7 +43,7 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
 
 def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
     """Save a SIMoE model atomically."""
-    with atomic_dir(out, overwrite) as tmp:
+    with output(out, overwrite=overwrite) as tmp:
         write_checkpoint(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -51,17 +51,29 @@ def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=N
 
 
 def read_meta(folder: str | Path) -> dict:
-    return io_read_meta(folder, "simoe.json", FORMAT, "SIMoE")
+    return io_read_meta(folder, "simoe.json", SIMoEMeta, "SIMoE")
+
+
+def _build(meta: dict, config, cfg: SIMoEConfig, folder: Path) -> nn.Module:
+    with no_init_weights():
+        model = model_class(meta["architecture"], folder)._from_config(config)
+    try:
+        install(model, cfg, meta["kept"])
+    except (ValueError, KeyError, IndexError) as e:
+        raise CheckpointError(f"{folder}/simoe.json does not fit the model: {e}") from None
+    return model
 
 
 def load(folder: str | Path) -> nn.Module:
-    """Load a SIMoE checkpoint (pruned or not), in eval mode."""
+    """Load a SIMoE checkpoint (pruned or not), in eval mode; validated against the shard headers on the
+    meta device first (as moekit.io.load)."""
     folder = Path(folder)
     meta = read_meta(folder)
-    cls = model_class(meta["architecture"], folder)
-    with no_init_weights():
-        model = cls._from_config(transformers.AutoConfig.from_pretrained(folder))
-    install(model, SIMoEConfig.model_validate(meta["config"]), meta["kept"])
+    config = load_config(folder)
+    cfg = validate(SIMoEConfig, meta["config"], source=f"SIMoE config in {folder}/simoe.json")
+    with torch.device("meta"):
+        check_headers(_build(meta, config, cfg, folder), folder, meta["aliases"])
+    model = _build(meta, config, cfg, folder)
     load_state(model, folder, meta)
     model.tie_weights()
     load_generation_config(model, folder)

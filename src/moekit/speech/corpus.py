@@ -25,7 +25,7 @@ from pydantic import Field, model_validator
 from moekit.config import Config
 from moekit.data.parallel import BIBLE_CODE, LANG_NAMES
 from moekit.errors import ConfigError
-from moekit.io import atomic_dir, check_output_dir
+from moekit._fs import output, reserve
 from moekit.speech.tts import ESPEAK_LANG, SAMPLE_RATE, Voice, flite_voices, max_voices, require, synthesize, \
     voices_for
 
@@ -70,6 +70,10 @@ class CorpusConfig(Config):
         elif any(lang not in BIBLE_CODE for lang in self.langs):
             raise ValueError(f"no Bible translation for {[x for x in self.langs if x not in BIBLE_CODE]}")
         return self
+
+    def inputs(self) -> list[Path]:
+        """The files the corpus reads (the output may not be or contain them)."""
+        return [Path(f) for f in self.texts.values()]
 
     def _check_files(self) -> None:
         if set(self.texts) != set(self.langs):
@@ -212,11 +216,15 @@ def build_corpus(cfg: CorpusConfig, out: str | Path, overwrite: bool = False, pr
     """Synthesize the corpus `cfg` into `out` (atomically: nothing is left on failure). Everything
     that can be checked (output directory, programs, texts) is checked before synthesis starts.
     `progress(done, total)` is called after each utterance. Deterministic in `cfg`."""
-    check_output_dir(out, overwrite)
-    for binary in ("espeak-ng", "sox", *(["flite"] if cfg.flite_test else [])):
-        require(binary)
-    jobs = plan(cfg)
-    with atomic_dir(out, overwrite) as tmp:
+    with reserve(out, cfg.inputs(), overwrite):
+        for binary in ("espeak-ng", "sox", *(["flite"] if cfg.flite_test else [])):
+            require(binary)
+        jobs = plan(cfg)
+        return _build(cfg, jobs, out, progress)
+
+
+def _build(cfg: CorpusConfig, jobs: list, out: str | Path, progress: Progress | None) -> Path:
+    with output(out) as tmp:
         _synthesize_all(jobs, tmp, cfg.workers, progress)
         rows = [{"id": j.id, "audio": _audio(j), "text": j.text, "text_id": j.text_id, "lang": j.lang,
                  "voice": j.voice.id, "family": j.voice.engine, "split": j.split,

@@ -6,16 +6,17 @@ real-time factor and routing statistics (moekit.speech.evaluate)."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Literal
 
 import torch
-import yaml
 from pydantic import Field, model_validator
 from torch import nn
 from transformers import TrainerCallback
 
+from moekit._fs import write_text_atomic
 from moekit.config import Config
 from moekit.errors import ConfigError
 from moekit.moe.spec import MoESpec
@@ -25,7 +26,7 @@ from moekit.speech.data import ASRDataConfig, CTCCollator, WhisperCollator, load
 from moekit.speech.evaluate import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.train.recipe import AuxConfig, FreezeConfig, OptimConfig, TrainConfig
-from moekit.train.run import make_trainer, prepare_out
+from moekit.train.run import make_trainer, recipe_inputs, resume_from, run_directory, write_run_files
 
 VOCAB_FILE = "ctc_vocab.json"
 
@@ -99,13 +100,15 @@ class Speech:
 
 
 def _whisper(recipe: ASRRecipe) -> tuple[nn.Module, Speech]:
-    from transformers import AutoTokenizer, WhisperFeatureExtractor
+    from transformers import WhisperFeatureExtractor
 
     from moekit.assets import resolve_model
-    from moekit.io import load_dense
+    from moekit.io import load_dense, load_tokenizer
 
     path = resolve_model(recipe.model.path)
-    model, tok = load_dense(path, recipe.model.allow_pickle), AutoTokenizer.from_pretrained(path)
+    model, tok = load_dense(path, recipe.model.allow_pickle), load_tokenizer(path)
+    if tok is None:
+        raise ConfigError(f"{path} has no tokenizer files; a Whisper recipe needs Whisper's tokenizer")
     multi = bool(getattr(model.generation_config, "is_multilingual", False))
     d = recipe.data
 
@@ -164,21 +167,25 @@ class LossCallback(TrainerCallback):
         control.should_log = should_log
 
 
-def train_asr(recipe: ASRRecipe, overwrite: bool = False, resume: bool = False, callbacks=()):
-    """Train an ASR recipe and evaluate the result (results.json/csv, loss.png, usage.png in `out`)."""
+def train_asr(recipe: ASRRecipe, overwrite: bool = False, resume: bool = False, callbacks=(), inputs=()):
+    """Train an ASR recipe and evaluate the result (results.json/csv, loss.png, usage.png in `out`); the run
+    lives in a working directory until it has finished (moekit.train.run.run_directory)."""
+    with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
+        return _train_asr(work, last, callbacks, final_out=recipe.out)
+
+
+def _train_asr(recipe: ASRRecipe, last: Path | None, callbacks, final_out: str):
     out = Path(recipe.out)
-    last = prepare_out(out, overwrite, resume)
     train, test = load_split(recipe.data)
     model, speech = build(recipe, train)
     losses = LossCallback(recipe, speech, test)
     trainer = make_trainer(recipe, model, train, speech.collator, [losses, *callbacks])
     losses.trainer = trainer
-    trainer.train(resume_from_checkpoint=last)
+    resume_from(trainer, last)
     trainer.save_model(str(out / "model"))  # moekit format for MoE models, save_pretrained for dense ones
     if trainer.is_world_process_zero():
         speech.save(out / "model")
-        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        write_run_files(recipe, trainer, final_out)
         trainer.results = report(recipe, trainer.model, speech, test, trainer.state.log_history)
     return trainer
 
@@ -187,13 +194,14 @@ def report(recipe: ASRRecipe, model: nn.Module, speech: Speech, test: dict, log_
     e, out = recipe.eval, Path(recipe.out)
     results = evaluate_asr(model, speech.transcriber, test, e.batch_size, e.routing_stack, tuple(e.permutation),
                            e.routing_batches)
-    (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
-    with (out / "results.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["language", "n", "wer", "cer"])
-        w.writerows([lang, r["n"], r["wer"], r["cer"]] for lang, r in results["languages"].items())
-        w.writerow(["avg", sum(r["n"] for r in results["languages"].values()), results["avg"]["wer"],
-                    results["avg"]["cer"]])
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+    table = io.StringIO()
+    w = csv.writer(table)
+    w.writerow(["language", "n", "wer", "cer"])
+    w.writerows([lang, r["n"], r["wer"], r["cer"]] for lang, r in results["languages"].items())
+    w.writerow(["avg", sum(r["n"] for r in results["languages"].values()), results["avg"]["wer"],
+                results["avg"]["cer"]])
+    write_text_atomic(out / "results.csv", table.getvalue())
     plot_curves(log_history, out)
     if "routing" in results:
         r = results["routing"]
@@ -204,9 +212,11 @@ def report(recipe: ASRRecipe, model: nn.Module, speech: Speech, test: dict, log_
 def load_speech(recipe: ASRRecipe, folder: Path) -> Speech:
     """The Speech of a finished run's model directory (for `moekit evaluate`)."""
     if recipe.model.kind == "whisper":
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import GenerationConfig
 
-        tok = AutoTokenizer.from_pretrained(folder)
+        from moekit.io import load_tokenizer
+
+        tok = load_tokenizer(folder)
         multi = bool(getattr(GenerationConfig.from_pretrained(folder), "is_multilingual", False))
         return Speech(None, WhisperTranscriber(tok, multi, recipe.eval.max_new_tokens), None)
     if not (folder / VOCAB_FILE).is_file():

@@ -1,9 +1,10 @@
 """Run a recipe: load -> (upcycle | LoRA | dense) -> HF Trainer -> final model + evaluation."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -13,12 +14,13 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from moekit.assets import resolve_model
+from moekit._fs import PARTIAL, output, remove
+from moekit.assets import model_inputs, resolve_model
 from moekit.data.instruct import load_instruct_pairs
 from moekit.data.parallel import TranslationCollator, load_pairs
-from moekit.errors import ConfigError
+from moekit.errors import CheckpointError, ConfigError, OutputExistsError
 from moekit.evaluate import DenseReference, add_rouge, direction_loss, encode_pairs, evaluate_run, write_results
-from moekit.io import check_output_dir, load_dense
+from moekit.io import load_dense
 from moekit.plots import plot_curves, plot_usage
 from moekit.simoe.model import simoe_upcycle
 from moekit.simoe.objective import DualCallback, param_groups
@@ -32,10 +34,13 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The model directory's tokenizer, with a pad token (eos) for batching; it must have an eos token."""
+    from moekit.io import load_tokenizer as load
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load(path, trust_remote_code)
+    if tok is None:
+        raise CheckpointError(f"{path} has no tokenizer files; translation and instruction recipes need one")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.eos_token_id is None:
@@ -82,16 +87,15 @@ def kl_examples(recipe: Recipe, test: dict[str, list], tok) -> list[dict]:
     return encode_pairs(pairs, tok, d.template, d.max_length)
 
 
-def dense_reference(recipe: Recipe, dense: nn.Module, tok, test, resumed: bool) -> DenseReference | None:
-    """The dense model's log-probs on the KL subset, computed once and kept in the run directory."""
+def dense_reference(recipe: Recipe, dense: nn.Module, tok, test, saved: Path | None) -> DenseReference | None:
+    """The dense model's log-probs on the KL subset, computed once and kept in the run directory (`saved`:
+    the directory of the run being resumed, whose reference is reused)."""
     out = Path(recipe.out)
     if not recipe.eval.kl_examples:
         return None
-    if resumed and (out / DenseReference.FILE).is_file():
-        return DenseReference.load(out)
-    ref = DenseReference.compute(dense, kl_examples(recipe, test, tok), recipe.eval.batch_size)
+    ref = (DenseReference.load(saved) if saved is not None and (saved / DenseReference.FILE).is_file() else
+           DenseReference.compute(dense, kl_examples(recipe, test, tok), recipe.eval.batch_size))
     if is_main_process():
-        out.mkdir(parents=True, exist_ok=True)
         ref.save(out)
     return ref
 
@@ -124,15 +128,22 @@ class EvalCallback(TrainerCallback):
         control.should_log = should_log
 
 
-def finish(recipe: Recipe, trainer, tok, test, ref) -> dict:
+def write_run_files(recipe: Recipe, trainer, final_out: str) -> None:
+    """recipe.yaml (with the run's real `out`) and log_history.json (losses, aux metrics) in the run directory."""
+    out = Path(recipe.out)
+    (out / "recipe.yaml").write_text(yaml.safe_dump({**recipe.model_dump(mode="json"), "out": final_out},
+                                                    sort_keys=False))
+    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+
+
+def finish(recipe: Recipe, trainer, tok, test, ref, final_out: str) -> dict:
     """Save the final model and evaluate it (main process): results.json/csv and PNG plots in `out`."""
     out = Path(recipe.out)
     trainer.save_model(str(out / "model"))  # moekit format for MoE, adapter for LoRA
     if not trainer.is_world_process_zero():
         return {}
     tok.save_pretrained(out / "model")
-    (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
-    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))  # losses, aux metrics
+    write_run_files(recipe, trainer, final_out)
     return report(recipe, trainer.model, tok, test, ref, trainer.state.log_history)
 
 
@@ -194,21 +205,62 @@ def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -
     return trainer
 
 
-def prepare_out(out: Path, overwrite: bool, resume: bool) -> str | None:
-    """The checkpoint to resume from (with `resume`), or None after checking that `out` may be written
-    (an existing run is removed with `overwrite`, so stale checkpoints are never resumed later)."""
-    last = get_last_checkpoint(str(out / "checkpoints")) if resume and (out / "checkpoints").is_dir() else None
-    if last is None and is_main_process() and check_output_dir(out, overwrite).exists():
-        shutil.rmtree(out)
-    return last
+def recipe_inputs(recipe) -> list[Path]:
+    """Every local file or directory a recipe reads (base model, BTX branches, data files, speech corpus):
+    the run directory may not be, or contain, any of them."""
+    d, init = recipe.data, getattr(getattr(recipe, "moe", None), "init", None)
+    paths = [*model_inputs(recipe.model.path), *(p for b in getattr(init, "branches", []) for p in model_inputs(b))]
+    files = [*getattr(d, "train_files", []), *getattr(d, "test_files", []), getattr(d, "corpus", None)]
+    return paths + [Path(f) for f in files if f]
 
 
-def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbacks=()) -> MoETrainer:
-    """Train `recipe` and evaluate the result; with `resume`, continue from the last checkpoint."""
+def last_checkpoint(run: Path) -> Path | None:
+    folder = run / "checkpoints"
+    last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    return None if last is None else Path(last)
+
+
+@contextlib.contextmanager
+def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> Iterator[tuple[Recipe, Path | None]]:
+    """(the recipe pointed at its working directory, the checkpoint to resume from or None).
+
+    A run is built in `.NAME.moekit-partial` beside `out` and renamed to `out` only when it has finished, so
+    `--overwrite` keeps the old run until the new one is complete. If the run stops early (error, Ctrl-C,
+    SIGTERM) after saving a checkpoint, the partial directory is kept and `--resume` continues it; `--resume`
+    on a finished run continues from its last checkpoint and replaces it when done. Only the main process
+    (rank 0) locks and renames; the other ranks of a multi-process run use the same working directory.
+    """
     out = Path(recipe.out)
-    last = prepare_out(out, overwrite, resume)
+    partial = out.parent / f".{out.name}{PARTIAL}"
+    last = (last_checkpoint(partial) or last_checkpoint(out)) if resume else None
+    if last is not None and last.parent.parent == out:  # continuing a finished run replaces it
+        overwrite = True
+    if last is None and partial.exists() and not overwrite and is_main_process():
+        raise OutputExistsError(partial, f"{partial} holds an interrupted run of {out} (--resume continues it)")
+    if not is_main_process():
+        yield recipe.model_copy(update={"out": str(partial)}), last
+        return
+    keep = (lambda work: last_checkpoint(work) is not None) if recipe.train.save_every else None
+    with output(out, inputs, overwrite, partial=True, keep=keep, what="run directory") as work:
+        if last is None or last.parent.parent != work:  # a fresh start, or resuming from the finished run
+            for entry in work.iterdir():
+                remove(entry)
+        yield recipe.model_copy(update={"out": str(work)}), last
+
+
+def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbacks=(),
+          final_out: str | None = None, inputs: list[Path] = ()) -> MoETrainer:
+    """Train `recipe` and evaluate the result; with `resume`, continue from the last checkpoint
+    (see `run_directory` for where the run lives meanwhile). `final_out`: where the run will finally live, as
+    recorded in its recipe.yaml, if not `recipe.out` (`moekit demo` builds its runs inside its own output).
+    `inputs`: files read besides the recipe's own (e.g. the recipe file), which `out` may not be or contain."""
+    with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
+        return _train(work, last, callbacks, final_out=final_out or recipe.out)
+
+
+def _train(recipe: Recipe, last: Path | None, callbacks, final_out: str) -> MoETrainer:
     path = resolve_model(recipe.model.path)
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(path, recipe.model.trust_remote_code)
     train_pairs, test = load_data(recipe)
     d = recipe.data
     encoded = encode_pairs(train_pairs, tok, d.template, d.max_length)
@@ -216,11 +268,25 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     if not dataset:
         raise ConfigError(f"no training example keeps a target token within data.max_length={d.max_length}")
     model = load_base(recipe, path)
-    ref = dense_reference(recipe, model, tok, test, resumed=last is not None)  # before adapting
+    ref = dense_reference(recipe, model, tok, test, None if last is None else last.parent.parent)  # before adapting
     model = adapt(recipe, model)
     evaluator = EvalCallback(recipe, tok, test, ref)
     trainer = make_trainer(recipe, model, dataset, TranslationCollator(tok.pad_token_id), [evaluator, *callbacks])
     evaluator.trainer = trainer
-    trainer.train(resume_from_checkpoint=last)
-    trainer.results = finish(recipe, trainer, tok, test, ref)
+    resume_from(trainer, last)
+    trainer.results = finish(recipe, trainer, tok, test, ref, final_out)
     return trainer
+
+
+def resume_from(trainer, last: Path | None) -> None:
+    """trainer.train, continuing from checkpoint `last` (checked first: an incomplete or corrupt checkpoint is
+    one clear error; MoETrainer turns failures to load its tensors into CheckpointError too)."""
+    if last is not None:
+        for name in ("trainer_state.json", "optimizer.pt"):
+            if not (last / name).is_file():
+                raise CheckpointError(f"cannot resume from {last}: it has no {name} (an incomplete checkpoint)")
+        try:
+            json.loads((last / "trainer_state.json").read_text())
+        except (OSError, ValueError, RecursionError) as e:
+            raise CheckpointError(f"cannot resume from {last}: trainer_state.json is unreadable ({e})") from None
+    trainer.train(resume_from_checkpoint=None if last is None else str(last))

@@ -1,12 +1,14 @@
 """transformers.Trainer with MoE auxiliary losses, per-layer routing logs and moekit checkpoints."""
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from transformers import Trainer
 
+from moekit.errors import CheckpointError, MoekitError
 from moekit.io import load_state, read_meta, write_checkpoint
 from moekit.losses import load_balance, z_loss
 from moekit.moe.layer import moe_layers
@@ -22,6 +24,17 @@ def routing_stats(info, mask) -> dict[str, float]:
     frac = counts / counts.sum().clamp_min(1)  # (E,)
     entropy = -(frac * frac.clamp_min(1e-12).log()).sum()
     return {"usage_entropy": float(entropy), "max_load": float(frac.max())}
+
+
+@contextlib.contextmanager
+def checkpoint_errors(folder):
+    """A checkpoint that does not load (truncated, corrupt, of another model) is one CheckpointError."""
+    try:
+        yield
+    except MoekitError:
+        raise
+    except Exception as e:  # noqa: BLE001  (torch/safetensors raise many types for a bad file)
+        raise CheckpointError(f"cannot resume from {folder}: {type(e).__name__}: {e}") from e
 
 
 class MoETrainer(Trainer):
@@ -84,6 +97,18 @@ class MoETrainer(Trainer):
         (simoe_export.write_checkpoint if is_simoe(model) else write_checkpoint)(model, out)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        with checkpoint_errors(resume_from_checkpoint):
+            self._load_weights(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        with checkpoint_errors(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        with checkpoint_errors(checkpoint):
+            super()._load_rng_state(checkpoint)
+
+    def _load_weights(self, resume_from_checkpoint: str, model=None) -> None:
         model = model or self.model
         folder = Path(resume_from_checkpoint)
         if (folder / "simoe.json").is_file():

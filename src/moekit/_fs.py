@@ -1,0 +1,379 @@
+"""Safe outputs: every file or directory moekit writes goes through `output()`.
+
+What it guarantees (README "Safety"):
+
+* **Nothing the user did not name is touched.** Before any work, `guard()` refuses an output that
+  equals or contains an input of the command, the working directory, or an ancestor of either, an
+  output that is a symbolic link, an existing output without `overwrite`, an unwritable parent and a
+  disk without room for the expected bytes.
+* **One writer per output.** An exclusive `flock` on `.NAME.moekit-lock` beside the output is held
+  from the first check to the final rename; a second writer fails at once. (The `filelock` package
+  leaves its lock files behind; this lock file is unlinked by its holder, and acquirers check that the
+  inode they locked is still the one at the path, so the unlink cannot let two holders in.)
+* **Complete or nothing.** The output is built in a temporary sibling `.NAME.moekit-tmp-PID-XXXX` and
+  renamed into place only when complete; an existing output (with `overwrite`) is swapped out
+  atomically (`renameat2(RENAME_EXCHANGE)` where the kernel has it). A failure, Ctrl-C, SIGTERM or
+  SIGHUP removes the temporary. Temporaries of dead processes are removed by the next writer.
+* **Write faults are one line.** ENOSPC, EFBIG, EDQUOT, EACCES, EPERM and EROFS become `WriteError`.
+
+Leaf module: no torch, no transformers.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from moekit.errors import MoekitError, OutputBusyError, OutputExistsError, UnsafeOutputError, WriteError
+
+TMP, LOCK, PARTIAL = ".moekit-tmp-", ".moekit-lock", ".moekit-partial"
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+_RUST_OS_ERROR = re.compile(r"os error (\d+)")  # safetensors (Rust) reports I/O errors in its message
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that every cleanup runs (the CLI exits 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP raise `Terminated` (as SIGINT raises KeyboardInterrupt). Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _raise_terminated)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While writing, SIGTERM/SIGHUP left at their default (which kills without cleanup) raise instead."""
+    changed = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                changed.append(sig)
+                signal.signal(sig, _raise_terminated)
+    try:
+        yield
+    finally:
+        for sig in changed:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Signals that arrive during cleanup or the final rename are delivered after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _real(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(os.path.abspath(path)))
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def guard(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
+          need_bytes: int = 0, what: str = "output") -> Path:
+    """Check, before any work, that `out` may be written (see the module docstring); returns its real path.
+
+    `inputs` are every file or directory the command reads (model, data, recipe, trace, selection, ...).
+    """
+    given = Path(out)
+    if given.is_symlink():
+        raise UnsafeOutputError(f"the {what} {given} is a symbolic link; give the path it points to")
+    real = _real(given)
+    for name, path in [*((f"input {p}", _real(p)) for p in inputs), ("the working directory", _real(os.getcwd()))]:
+        if real == path or real in path.parents:
+            holds = "is" if real == path else "contains"
+            raise UnsafeOutputError(f"the {what} {given} {holds} {name}; choose another {what} path")
+    if real.exists() and not overwrite and (not real.is_dir() or any(real.iterdir())):
+        raise OutputExistsError(real, f"{given} exists{' and is not empty' if real.is_dir() else ''}")
+    anchor = _existing_ancestor(real.parent)
+    if not anchor.is_dir():
+        raise UnsafeOutputError(f"cannot create {given}: {anchor} is not a directory")
+    if not os.access(anchor, os.W_OK | os.X_OK):
+        raise WriteError(f"cannot write {given}: {anchor} is not writable")
+    check_space(given, need_bytes)
+    return real
+
+
+def check_space(out: str | os.PathLike, need_bytes: int) -> None:
+    """WriteError unless the file system that will hold `out` has `need_bytes` free."""
+    anchor = _existing_ancestor(_real(out).parent)
+    free = shutil.disk_usage(anchor).free
+    if need_bytes > free:
+        raise WriteError(f"not enough disk space for {out}: it needs about {need_bytes / 1e9:.2f} GB, "
+                         f"{free / 1e9:.2f} GB are free on the file system of {anchor}")
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can give a process now (Linux MemAvailable; else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def write_errno(exc: BaseException) -> int | None:
+    """The errno of a disk or permission fault anywhere in `exc`'s chain (OSError, or a Rust I/O error)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        code = exc.errno if isinstance(exc, OSError) else None
+        if code is None and (m := _RUST_OS_ERROR.search(str(exc))):
+            code = int(m.group(1))
+        if code in _WRITE_ERRNOS:
+            return code
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _remove_stale(parent: Path, name: str) -> None:
+    """Temporaries of `name` left by processes that died (e.g. SIGKILL, power loss)."""
+    pattern = re.compile(re.escape(f".{name}{TMP}") + r"(\d+)-")
+    for entry in parent.iterdir():
+        m = pattern.match(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            remove(entry)
+
+
+class _Lock:
+    """flock on `.NAME.moekit-lock`, unlinked on release (see the module docstring)."""
+
+    def __init__(self, out: Path):
+        self.path, self.out, self.fd = out.parent / f".{out.name}{LOCK}", out, None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise OutputBusyError(f"{self.out} is being written by another moekit process (pid {holder}); "
+                                      "wait for it to finish or choose another output") from None
+            try:
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else the previous holder unlinked it between our open and flock: try again
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+                self.fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self.fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS):  # file system or kernel without RENAME_EXCHANGE
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _commit(tmp: Path, out: Path, overwrite: bool, kind: str) -> None:
+    """Move the complete temporary into place; never replace something that appeared meanwhile unless
+    `overwrite` (other moekit writers are locked out; this covers everyone else)."""
+    exists = out.exists() or out.is_symlink()
+    if exists and not overwrite and (kind == "file" or not out.is_dir() or any(out.iterdir())):
+        raise OutputExistsError(out, f"{out} appeared while moekit was writing it; nothing was replaced")
+    if not exists:
+        if kind == "file":
+            os.link(tmp, out)  # fails if `out` appeared this instant
+            tmp.unlink()
+        else:
+            os.rename(tmp, out)
+        return
+    if not _exchange(tmp, out):
+        old = out.parent / f".{out.name}{TMP}{os.getpid()}-old-{secrets.token_hex(4)}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        tmp = old
+    remove(tmp)  # now the old output
+
+
+_reserved: dict[Path, tuple[list, bool]] = {}  # outputs this process has locked: (inputs, overwrite)
+
+
+@contextlib.contextmanager
+def reserve(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
+            need_bytes: int = 0, what: str = "output") -> Iterator[Path]:
+    """Check `out` (`guard`) and lock it for this process, before the work that produces it; yields its real
+    path. `output(out)` inside the block (e.g. in a library call such as `moekit.save`) then writes it under
+    this lock, with these inputs and `overwrite`. The CLI reserves each command's output first thing."""
+    real = guard(out, inputs, overwrite, need_bytes, what)
+    if real in _reserved:
+        yield real
+        return
+    created = [p for p in reversed(real.parents) if not p.exists()]
+    with _signals_raise():
+        try:
+            real.parent.mkdir(parents=True, exist_ok=True)
+            lock = _Lock(real)
+            lock.acquire()
+        except BaseException as e:
+            _rmdirs(created)
+            if isinstance(e, OSError):
+                raise _as_write_error(e, real) from None
+            raise
+        _reserved[real] = (list(inputs), overwrite)
+        try:
+            guard(out, inputs, overwrite, 0, what)  # again, under the lock
+            _remove_stale(real.parent, real.name)
+            yield real
+        finally:
+            del _reserved[real]
+            with _signals_deferred():
+                lock.release()
+                if not real.exists():
+                    _rmdirs(created)
+
+
+@contextlib.contextmanager
+def output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
+           need_bytes: int = 0, kind: str = "dir", what: str = "output", partial: bool = False,
+           keep: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """Yield a temporary path to build `out` in (a directory for kind="dir", a file path for "file");
+    when the block ends without error it replaces `out`, otherwise it is removed and `out` is untouched.
+
+    Enter it before the work that produces the output (or `reserve` the output first): the checks and the
+    lock come first. `partial`: the temporary is the stable `.NAME.moekit-partial` (reused if present, e.g.
+    a training run to resume), and on failure it is kept if `keep(temporary)` says so.
+    """
+    if kind not in ("dir", "file"):
+        raise ValueError(f"kind must be 'dir' or 'file', not {kind!r}")
+    real = _real(out)
+    if real in _reserved:  # the caller holds the lock: its inputs and overwrite apply
+        held_inputs, held_overwrite = _reserved[real]
+        inputs, overwrite = [*held_inputs, *inputs], overwrite or held_overwrite
+    with reserve(out, inputs, overwrite, need_bytes, what):
+        tmp = real.parent / (f".{real.name}{PARTIAL}" if partial else
+                             f".{real.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            if kind == "dir":
+                tmp.mkdir(exist_ok=partial)
+            yield tmp
+            with _signals_deferred():
+                _commit(tmp, real, overwrite, kind)
+        except BaseException as e:
+            with _signals_deferred():
+                if keep is None or not keep(tmp):
+                    remove(tmp)
+            if isinstance(e, MoekitError) or not write_errno(e):
+                raise
+            raise _as_write_error(e, real) from None
+
+
+def _rmdirs(created: list[Path]) -> None:
+    """Remove the parent directories `output` created, deepest first, if still empty."""
+    for p in reversed(created):
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
+def _as_write_error(e: BaseException, out: Path) -> WriteError:
+    code = write_errno(e)
+    if code is None:
+        return WriteError(f"cannot write {out}: {e}")
+    hint = {errno.ENOSPC: "; free some space or choose another output",
+            errno.EDQUOT: "; free some space or choose another output",
+            errno.EFBIG: " (the file system's or the process's file size limit)"}.get(code, "")
+    return WriteError(f"cannot write {out}: {os.strerror(code)}{hint}; nothing was written")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Replace one small file inside a directory moekit owns (results.json in a run directory, ...):
+    temp file in the same directory, then rename, so readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException as e:
+        remove(tmp)
+        if write_errno(e):
+            raise _as_write_error(e, path) from None
+        raise
+    return path
+
+
+def read_small(path: str | os.PathLike, what: str, error: type[MoekitError] = MoekitError, limit: int = 64 << 20) -> str:
+    """The UTF-8 text of an untrusted metadata file (JSON/YAML): a regular file of at most `limit` bytes
+    (so a name pointing at /dev/zero or a FIFO, or a huge file, is one clear error, not a hang)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{what} {path} is not a regular file")
+        if st.st_size > limit:
+            raise error(f"{what} {path} is {st.st_size / 2**20:.0f} MiB; more than {limit >> 20} MiB is refused")
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"cannot read {what} {path}: {e}") from None
