@@ -299,13 +299,7 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
                dtype: torch.dtype = torch.float32, allow_nonfinite: bool = False) -> nn.Module:
     """Load a dense HF model from a local directory: safetensors only unless `allow_pickle`, custom code only
     with `trust_remote_code`, shard files validated first, weights checked finite unless `allow_nonfinite`."""
-    path = Path(path)
-    for file, kind, hint in (("moekit.json", "a moekit MoE checkpoint", "moekit inspect / moekit export"),
-                             ("simoe.json", "a SIMoE checkpoint", "moekit simoe export --merge TASK")):
-        if (path / file).is_file():
-            raise CheckpointError(f"{path} is {kind}, not a dense model; see `{hint}`")
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path} is not a Hugging Face model directory (no config.json)")
+    path = check_dense_dir(path)
     has_st = any(path.glob("*.safetensors"))
     if not has_st and not allow_pickle:
         found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}))
@@ -325,10 +319,22 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     return reapply_pruning(model.eval(), path)
 
 
+def check_dense_dir(path: str | Path) -> Path:
+    """A HF model directory that is not one of moekit's MoE formats (those have their own commands)."""
+    path = Path(path)
+    for file, kind, hint in (("moekit.json", "a moekit MoE checkpoint", "moekit inspect / moekit export"),
+                             ("simoe.json", "a SIMoE checkpoint", "moekit simoe export --merge TASK")):
+        if (path / file).is_file():
+            raise CheckpointError(f"{path} is {kind}, not a dense model; see `{hint}`")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
 def meta_model(path: str | Path, trust_remote_code: bool = False) -> nn.Module:
     """The dense model of a directory built on the meta device from its config: shapes without memory, to
     check a spec and estimate sizes before any weight is read."""
-    path = Path(path)
+    path = check_dense_dir(path)
     config = load_config(path, trust_remote_code)
     arch = (getattr(config, "architectures", None) or [None])[0]
     with torch.device("meta"), no_init_weights():

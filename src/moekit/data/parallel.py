@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,10 +67,27 @@ class DataConfig(Config):
             raise ValueError("no Bible translation for some directions")
         if self.source == "jsonl" and not (self.train_files and self.test_files):
             raise ValueError("source=jsonl needs train_files and test_files")
-        for key in ("{src}", "{tgt_name}"):
-            if key not in self.template:
-                raise ValueError(f"template must contain {key}")
+        check_template(self.template, TEMPLATE_FIELDS, required=("src", "tgt_name"))
         return self
+
+
+TEMPLATE_FIELDS = ("src_name", "tgt_name", "src")  # what prompt_of fills in
+
+
+def check_template(template: str, fields: tuple[str, ...], required: tuple[str, ...]) -> None:
+    """ValueError for a template that names a field `prompt_of` does not fill, lacks a required one, or is
+    not a valid format string (so training cannot fail on it later)."""
+    try:
+        used = [name for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"template is not a valid format string: {e}") from None
+    unknown = sorted({n for n in used if n not in fields})
+    if unknown:
+        raise ValueError(f"template uses unknown fields {unknown}; it may use {', '.join(fields)} "
+                         "(write {{ and }} for literal braces)")
+    missing = [f"{{{r}}}" for r in required if r not in used]
+    if missing:
+        raise ValueError(f"template must contain {', '.join(missing)}")
 
 
 def _bible_pairs(cfg: DataConfig) -> dict[str, list[Pair]]:

@@ -2,8 +2,9 @@
 
 transformers v5 MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3, ...) hold a
 router child whose forward returns `(logits, weights, indices)` and a fused `experts` child with
-3-D parameters (expert dimension first). Sites are found by that structure, not by class name, and
-the decision is read from the router's output, never recomputed.
+3-D parameters (expert dimension first). Llama 4's router returns `(scores, logits)` instead, with scores
+(T, E) zero outside each token's top-k; its decision is the top-k of the scores. Sites are found by that
+structure, not by class name, and the decision is read from the router's output, never recomputed.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -47,12 +49,27 @@ class RouterSite:
     def is_moekit(self) -> bool:
         return isinstance(self.block, MoELayer)
 
+    def decision(self, out) -> tuple[Tensor, Tensor, Tensor]:
+        """(logits (T, E), ids (T, k), weights (T, k)) from a transformers router's output."""
+        if isinstance(out, tuple) and len(out) == 3:  # (logits, weights, indices)
+            return out[0], out[2], out[1]
+        if isinstance(out, tuple) and len(out) == 2:  # Llama 4: (scores (T, E), logits (T, E))
+            weights, ids = out[0].topk(self.top_k, dim=-1)  # (T, k)
+            return out[1], ids, weights
+        raise UnsupportedModelError(f"the router of {self.name} ({type(self.router).__name__}) returns "
+                                    f"{type(out).__name__}; moekit reads (logits, weights, indices) or (scores, logits)")
+
     def on_decision(self, fn: DecisionFn) -> RemovableHandle:
         """Call fn with this layer's decision after every forward (a shared router still reports per layer)."""
         if self.is_moekit:
             return self.block.register_forward_hook(
                 lambda m, args, out: fn(m.last_routing.topk_ids, m.last_routing.topk_weights))
-        return self.router.register_forward_hook(lambda m, args, out: fn(out[2], out[1]))
+
+        def hook(m, args, out):
+            _, ids, weights = self.decision(out)
+            fn(ids, weights)
+
+        return self.router.register_forward_hook(hook)
 
     def reroute(self, fn: RerouteFn) -> RemovableHandle | _ResetReroute:
         """Replace this layer's decision by fn(logits, ids, weights) until the handle is removed."""
@@ -67,8 +84,12 @@ class RouterSite:
             return _ResetReroute(block)
 
         def hook(m, args, out):
-            ids, weights = fn(out[0], out[2], out[1])
-            return out[0], weights.to(out[1].dtype), ids
+            logits, ids, weights = self.decision(out)
+            new_ids, new_weights = fn(logits, ids, weights)
+            if len(out) == 2:  # Llama 4: scores (T, E), zero outside the top-k
+                scores = torch.zeros_like(out[0]).scatter(-1, new_ids, new_weights.to(out[0].dtype))
+                return scores, out[1]
+            return out[0], new_weights.to(out[1].dtype), new_ids
 
         return self.router.register_forward_hook(hook)
 
@@ -99,7 +120,7 @@ def find_sites(model: nn.Module, layers: str | None = None) -> list[RouterSite]:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no MoE layer moekit can read: expected moekit MoE layers or a "
             "transformers v5 MoE block (router child returning (logits, weights, indices) + fused 3-D experts), "
-            "as in Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3")
+            "as in Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3, Llama 4")
     if layers is not None:
         sites = [s for s in sites if re.search(layers, s.name)]
         if not sites:

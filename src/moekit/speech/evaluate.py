@@ -123,7 +123,11 @@ def evaluate_asr(model: nn.Module, transcriber, test: dict[str, list[Utterance]]
                  routing_stack: str | None = None, ps: tuple[float, ...] = (0.1, 0.5), routing_batches: int = 4) -> dict:
     """Every ASR metric of a model on `test`: error rates (see `error_table`), real-time factor (decoding
     seconds / audio seconds, features included), total/active params, the transcripts, and for MoE models
-    `routing_report` on the first `routing_batches` teacher-forced batches of each language."""
+    `routing_report` on the first `routing_batches` teacher-forced batches of each language, over the MoE layers
+    matching `routing_stack` (default: the encoder's for encoder-decoder models such as Whisper, whose
+    decoder routes a different number of tokens than the encoder has frames)."""
+    if routing_stack is None and getattr(model.config, "is_encoder_decoder", False):
+        routing_stack = "encoder"
     hyps, seconds = transcribe_all(model, transcriber, test, batch_size)
     audio = sum(u.seconds for utts in test.values() for u in utts)
     total, active = param_counts(model)

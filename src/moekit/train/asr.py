@@ -63,7 +63,7 @@ class ASREvalConfig(Config):
     batch_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(96, ge=1)  # Whisper generation
     loss_per_lang: int = Field(16, ge=1)  # test utterances per language for the loss logged every eval_every
-    routing_stack: str | None = None  # regex of the MoE layers for Cramér's V / usage (Whisper: "encoder")
+    routing_stack: str | None = None  # regex of the MoE layers for Cramér's V / usage (default Whisper: "encoder")
     permutation: list[float] = Field(default_factory=lambda: [0.1, 0.5])  # rates p of the permutation test
     routing_batches: int = Field(4, ge=1)  # teacher-forced batches per language for the routing statistics
 
