@@ -257,7 +257,13 @@ def _commit(tmp: Path, out: Path, overwrite: bool, kind: str) -> None:
     remove(tmp)  # now the old output
 
 
-_reserved: dict[Path, tuple[list, bool]] = {}  # outputs this process has locked: (inputs, overwrite)
+_local = threading.local()  # .reserved: {output: (inputs, overwrite)} this thread has locked
+
+
+def _reserved() -> dict[Path, tuple[list, bool]]:
+    if not hasattr(_local, "reserved"):
+        _local.reserved = {}
+    return _local.reserved
 
 
 @contextlib.contextmanager
@@ -267,7 +273,7 @@ def reserve(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), ov
     path. `output(out)` inside the block (e.g. in a library call such as `moekit.save`) then writes it under
     this lock, with these inputs and `overwrite`. The CLI reserves each command's output first thing."""
     real = guard(out, inputs, overwrite, need_bytes, what)
-    if real in _reserved:
+    if real in _reserved():
         yield real
         return
     created = [p for p in reversed(real.parents) if not p.exists()]
@@ -281,13 +287,13 @@ def reserve(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), ov
             if isinstance(e, OSError):
                 raise _as_write_error(e, real) from None
             raise
-        _reserved[real] = (list(inputs), overwrite)
+        _reserved()[real] = (list(inputs), overwrite)
         try:
             guard(out, inputs, overwrite, 0, what)  # again, under the lock
             _remove_stale(real.parent, real.name)
             yield real
         finally:
-            del _reserved[real]
+            del _reserved()[real]
             with _signals_deferred():
                 lock.release()
                 if not real.exists():
@@ -308,8 +314,8 @@ def output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), ove
     if kind not in ("dir", "file"):
         raise ValueError(f"kind must be 'dir' or 'file', not {kind!r}")
     real = _real(out)
-    if real in _reserved:  # the caller holds the lock: its inputs and overwrite apply
-        held_inputs, held_overwrite = _reserved[real]
+    if real in _reserved():  # the caller holds the lock: its inputs and overwrite apply
+        held_inputs, held_overwrite = _reserved()[real]
         inputs, overwrite = [*held_inputs, *inputs], overwrite or held_overwrite
     with reserve(out, inputs, overwrite, need_bytes, what):
         tmp = real.parent / (f".{real.name}{PARTIAL}" if partial else

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from moekit.cli.common import err_console, lang_file, lang_files, out_console
+from moekit.cli.common import lang_file, lang_files, out_console, progress
 from moekit.errors import ConfigError
 
 OPTIONS = ("voices", "test_voices", "train_per_lang", "test_per_lang", "max_chars", "seed", "workers")
@@ -67,11 +65,8 @@ def run_corpus(args: argparse.Namespace) -> None:
     from moekit.speech.corpus import build_corpus, read_manifest
 
     cfg = config_of(args)
-    columns = (TextColumn("synthesizing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console(), transient=True) as bar:
-        task = bar.add_task("", total=None)
-        out = build_corpus(cfg, args.out, overwrite=args.overwrite,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    with progress("synthesizing") as step:
+        out = build_corpus(cfg, args.out, overwrite=args.overwrite, progress=lambda done, total: step(done, total))
     utts = read_manifest(out)
     hours = sum(u.seconds for u in utts) / 3600
     voices = len({u.voice for u in utts})

@@ -11,10 +11,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from moekit.assets import model_inputs, resolve_model
-from moekit.cli.common import err_console, human, out_console
+from moekit.cli.common import err_console, human, out_console, progress
 from moekit.config import Config, apply_overrides, load_yaml, validate
 from moekit.errors import ConfigError, ResourceError
 from moekit.metrics import param_counts
@@ -154,12 +152,9 @@ def run(args: argparse.Namespace) -> None:
         with console.status(f"loading {model_dir}"):
             model, branches = load(model_dir), [load(b) for b in branch_dirs]
         dense_params = sum(p.numel() for p in model.parameters())
-        columns = (TextColumn("upcycling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.description}"))
-        with Progress(*columns, console=console, transient=True) as bar:
-            task = bar.add_task("", total=n)
+        with progress("upcycling", n) as step:
             upcycle(model, spec, branches or None, allow_nonfinite=args.allow_nonfinite,
-                    progress=lambda path: bar.update(task, advance=1, description=path))
+                    progress=lambda path: step(note=path))
         with console.status(f"saving {recipe.out}"):
             save(model, out, overwrite=args.overwrite, tokenizer=tokenizer)
     total, active = param_counts(model)

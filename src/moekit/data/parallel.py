@@ -88,6 +88,10 @@ def check_template(template: str, fields: tuple[str, ...], required: tuple[str, 
     missing = [f"{{{r}}}" for r in required if r not in used]
     if missing:
         raise ValueError(f"template must contain {', '.join(missing)}")
+    try:
+        template.format(**dict.fromkeys(fields, "x"))
+    except (ValueError, KeyError, IndexError) as e:
+        raise ValueError(f"template does not format: {e}") from None
 
 
 def _bible_pairs(cfg: DataConfig) -> dict[str, list[Pair]]:
