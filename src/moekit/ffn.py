@@ -44,6 +44,15 @@ class FFNWeights:
         cloned = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
         return replace(self, **{**cloned, **changes})
 
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> FFNWeights:
+        """A copy in `dtype` / on `device` (tensors already there are shared, not copied)."""
+        return replace(self, **{k: v.to(dtype=dtype, device=device) for k, v in self.__dict__.items()
+                                if isinstance(v, Tensor)})
+
+    def math(self) -> FFNWeights:
+        """For init math: float32 or wider (bf16/fp16 weights are upcast; float32/float64 kept)."""
+        return self if self.up.dtype in (torch.float32, torch.float64) else self.to(torch.float32)
+
     def __call__(self, x: Tensor) -> Tensor:
         """Reference forward (used by tests and metrics)."""
         act = ACT2FN[self.act]
@@ -81,6 +90,11 @@ class ExpertWeights:
 
         fields = ("up", "down", "gate", "up_bias", "gate_bias", "down_bias")
         return cls(act=first.act, **{f: st(f) for f in fields}, **extra)
+
+    def to(self, dtype: torch.dtype) -> ExpertWeights:
+        out = replace(self, **{k: v.to(dtype) for k, v in self.__dict__.items() if isinstance(v, Tensor)})
+        out.shared = None if self.shared is None else self.shared.to(dtype)
+        return out
 
     def expert(self, i: int) -> FFNWeights:
         def pick(t: Tensor | None) -> Tensor | None:

@@ -84,10 +84,11 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
     """Replace one dense FFN by an MoE layer; returns its router (`router` if one is given to share).
     A function of its own so that the layer's temporaries are freed before the next layer starts."""
     gen = layer_generator(spec.seed, slot.path)
-    ctx = InitContext(dense=slot.read(), spec=spec, generator=gen, path=slot.path,
-                      branches=[b.read() for b in branch_slots])
+    dense = slot.read()
+    ctx = InitContext(dense=dense.math(), spec=spec, generator=gen, path=slot.path,
+                      branches=[b.read().math() for b in branch_slots])
     with torch.no_grad():
-        w = spec.init.init_experts(ctx)
+        w = spec.init.init_experts(ctx).to(dense.up.dtype)  # math in float32 or wider, stored as the model
     if not allow_nonfinite:
         check_finite_experts(w, slot.path, spec.init.method)
     if router is None:

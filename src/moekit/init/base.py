@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -26,7 +26,10 @@ class InitContext:
 
 
 class ExpertInitConfig(Config):
-    """Base class. Subclasses set `method: Literal[...]` and implement `init_experts`."""
+    """Base class. Subclasses set `method: Literal[...]` and override `expert` (and `prepare` for work done
+    once per layer). Experts are produced one at a time, in order, so that a streaming upcycle holds one
+    expert at a time; `init_experts` stacks the very same calls for the in-memory path (bit-identical).
+    The dense FFN arrives in float32 (or wider); the caller casts the results to the output dtype."""
 
     method: str
     default_scoring: ClassVar[str] = "topk_softmax"
@@ -36,19 +39,28 @@ class ExpertInitConfig(Config):
     def check(self, spec: MoESpec) -> None:
         """Raise ValueError if this method cannot work with `spec` (called during spec validation)."""
 
+    def prepare(self, ctx: InitContext) -> Any:
+        """Per-layer state shared by the experts (e.g. SPRI's SVD basis); called once, before `expert`."""
+        return None
+
+    def expert(self, ctx: InitContext, state: Any, i: int) -> FFNWeights:
+        """Routed expert i (called for i = 0 .. E-1, in order: random draws follow that order). Default: a
+        copy of the dense FFN."""
+        return ctx.dense
+
+    def shared(self, ctx: InitContext) -> FFNWeights | None:
+        """The always-on shared expert if the spec has one: the dense FFN (SPRI eq. 3)."""
+        return ctx.dense if ctx.spec.shared_expert else None
+
     def init_experts(self, ctx: InitContext) -> ExpertWeights:
-        raise NotImplementedError
+        """All E experts stacked, plus the shared expert (the in-memory path)."""
+        state = self.prepare(ctx)
+        experts = [self.expert(ctx, state, i) for i in range(ctx.spec.num_experts)]
+        shared = self.shared(ctx)
+        return ExpertWeights.stack(experts, shared=None if shared is None else shared.clone())
 
 
 EXPERT_INITS: Registry[type[ExpertInitConfig]] = Registry("expert init method")
-
-
-def copies(ctx: InitContext, experts: list[FFNWeights] | None = None, **extra) -> ExpertWeights:
-    """Stack `experts` (default: E copies of the dense FFN) and add the dense-copied shared expert."""
-    spec = ctx.spec
-    experts = experts if experts is not None else [ctx.dense] * spec.num_experts
-    shared = ctx.dense.clone() if spec.shared_expert else None
-    return ExpertWeights.stack(experts, shared=shared, **extra)
 
 
 def require_equal_to_dense(spec: MoESpec, method: str, scoring: str) -> None:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from moekit.ffn import ExpertWeights
-from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
+from moekit.ffn import FFNWeights
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 
 @EXPERT_INITS.register("btx")
@@ -21,7 +21,9 @@ class BTXInit(ExpertInitConfig):
             raise ValueError(f"btx needs one branch per expert: num_experts={spec.num_experts} but "
                              f"{len(self.branches)} branches were given")
 
-    def init_experts(self, ctx: InitContext) -> ExpertWeights:
+    def prepare(self, ctx: InitContext) -> None:
         if len(ctx.branches) != ctx.spec.num_experts:
             raise ValueError(f"btx: {len(ctx.branches)} branch FFNs for {ctx.spec.num_experts} experts at {ctx.path}")
-        return copies(ctx, list(ctx.branches))
+
+    def expert(self, ctx: InitContext, state, i: int) -> FFNWeights:
+        return ctx.branches[i]

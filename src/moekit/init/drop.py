@@ -5,8 +5,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moekit.ffn import ExpertWeights, FFNWeights
-from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
+from moekit.ffn import FFNWeights
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 
 def drop_indices(intermediate: int, ratio: float, gen: torch.Generator) -> torch.Tensor:
@@ -35,7 +35,8 @@ class DropInit(ExpertInitConfig):
     method: Literal["drop"] = "drop"
     ratio: float = Field(0.5, ge=0.0, le=1.0)
 
-    def expert(self, d: FFNWeights, gen: torch.Generator) -> FFNWeights:
+    def expert(self, ctx: InitContext, state, i: int) -> FFNWeights:
+        d, gen = ctx.dense, ctx.generator
         idx = drop_indices(d.intermediate_size, self.ratio, gen)
 
         def bias(b):
@@ -47,5 +48,3 @@ class DropInit(ExpertInitConfig):
             up_bias=bias(d.up_bias), gate_bias=bias(d.gate_bias),
         )
 
-    def init_experts(self, ctx: InitContext) -> ExpertWeights:
-        return copies(ctx, [self.expert(ctx.dense, ctx.generator) for _ in range(ctx.spec.num_experts)])

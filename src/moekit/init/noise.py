@@ -5,8 +5,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moekit.ffn import ExpertWeights
-from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
+from moekit.ffn import FFNWeights
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 
 def perturb(w: torch.Tensor, ratio: float, std: float, gen: torch.Generator) -> torch.Tensor:
@@ -27,11 +27,7 @@ class NoiseInit(ExpertInitConfig):
     ratio: float = Field(0.5, gt=0.0, le=1.0)
     std: float = Field(0.01, gt=0.0)
 
-    def init_experts(self, ctx: InitContext) -> ExpertWeights:
+    def expert(self, ctx: InitContext, state, i: int) -> FFNWeights:
         d, g = ctx.dense, ctx.generator
-        experts = [
-            d.clone(up=perturb(d.up, self.ratio, self.std, g), down=perturb(d.down, self.ratio, self.std, g),
-                    gate=None if d.gate is None else perturb(d.gate, self.ratio, self.std, g))
-            for _ in range(ctx.spec.num_experts)
-        ]
-        return copies(ctx, experts)
+        return d.clone(up=perturb(d.up, self.ratio, self.std, g), down=perturb(d.down, self.ratio, self.std, g),
+                       gate=None if d.gate is None else perturb(d.gate, self.ratio, self.std, g))

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from moekit.ffn import ExpertWeights
-from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies, require_equal_to_dense
+from moekit.ffn import FFNWeights
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, require_equal_to_dense
 
 
 @EXPERT_INITS.register("scaled_copy")
@@ -28,7 +28,8 @@ class ScaledCopyInit(ExpertInitConfig):
     def check(self, spec) -> None:
         require_equal_to_dense(spec, "scaled_copy", "softmax_topk")
 
-    def init_experts(self, ctx: InitContext) -> ExpertWeights:
+    def prepare(self, ctx: InitContext) -> FFNWeights:
+        """The scaled copy every expert is."""
         s = ctx.spec.num_experts / ctx.spec.top_k
         d = ctx.dense
         if self.distribute == "down":  # y_i = s·(W_down h + b_down): exact
@@ -39,4 +40,7 @@ class ScaledCopyInit(ExpertInitConfig):
         else:  # Megatron scales fc1 (weight and bias) and fc2's weight, not fc2's bias
             c = s ** (1 / 2)
             scaled = d.clone(up=d.up * c, down=d.down * c, up_bias=None if d.up_bias is None else d.up_bias * c)
-        return copies(ctx, [scaled] * ctx.spec.num_experts)
+        return scaled
+
+    def expert(self, ctx: InitContext, state: FFNWeights, i: int) -> FFNWeights:
+        return state

@@ -5,8 +5,8 @@ from typing import Literal
 
 import torch
 
-from moekit.ffn import ExpertWeights, FFNWeights
-from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies
+from moekit.ffn import FFNWeights
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 
 def _linear_init(shape: tuple[int, ...], fan_in: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -38,5 +38,5 @@ class ScratchInit(ExpertInitConfig):
     method: Literal["scratch"] = "scratch"
     default_scoring = "softmax_topk"
 
-    def init_experts(self, ctx: InitContext) -> ExpertWeights:
-        return copies(ctx, [fresh_ffn(ctx.dense, ctx.generator) for _ in range(ctx.spec.num_experts)])
+    def expert(self, ctx: InitContext, state, i: int) -> FFNWeights:
+        return fresh_ffn(ctx.dense, ctx.generator)

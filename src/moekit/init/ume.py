@@ -2,8 +2,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from moekit.ffn import ExpertWeights
-from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext, copies, require_equal_to_dense
+from moekit.init.base import EXPERT_INITS, ExpertInitConfig, require_equal_to_dense
 
 
 @EXPERT_INITS.register("ume")
@@ -17,6 +16,3 @@ class UMEInit(ExpertInitConfig):
 
     def check(self, spec) -> None:
         require_equal_to_dense(spec, "ume", "topk_softmax")
-
-    def init_experts(self, ctx: InitContext) -> ExpertWeights:
-        return copies(ctx)
