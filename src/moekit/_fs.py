@@ -104,17 +104,20 @@ def guard(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), over
           need_bytes: int = 0, what: str = "output") -> Path:
     """Check, before any work, that `out` may be written (see the module docstring); returns its real path.
 
-    `inputs` are every file or directory the command reads (model, data, recipe, trace, selection, ...).
+    `inputs` are every file or directory the command reads (model, data, recipe, trace, selection, ...). An
+    output may lie inside an input directory only while it does not exist (a new file there loses nothing).
     """
     given = Path(out)
     if given.is_symlink():
         raise UnsafeOutputError(f"the {what} {given} is a symbolic link; give the path it points to")
     real = _real(given)
+    exists = real.exists()
     for name, path in [*((f"input {p}", _real(p)) for p in inputs), ("the working directory", _real(os.getcwd()))]:
-        if real == path or real in path.parents:
-            holds = "is" if real == path else "contains"
+        inside = exists and path in real.parents and name.startswith("input")  # an existing file of an input
+        if real == path or real in path.parents or inside:
+            holds = "is" if real == path else "contains" if real in path.parents else "is inside"
             raise UnsafeOutputError(f"the {what} {given} {holds} {name}; choose another {what} path")
-    if real.exists() and not overwrite and (not real.is_dir() or any(real.iterdir())):
+    if exists and not overwrite and (not real.is_dir() or any(real.iterdir())):
         raise OutputExistsError(real, f"{given} exists{' and is not empty' if real.is_dir() else ''}")
     anchor = _existing_ancestor(real.parent)
     if not anchor.is_dir():
@@ -368,18 +371,28 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
-def read_small(path: str | os.PathLike, what: str, error: type[MoekitError] = MoekitError, limit: int = 64 << 20) -> str:
-    """The UTF-8 text of an untrusted metadata file (JSON/YAML): a regular file of at most `limit` bytes
-    (so a name pointing at /dev/zero or a FIFO, or a huge file, is one clear error, not a hang)."""
+def regular_file(path: str | os.PathLike, what: str, error: type[MoekitError] = MoekitError,
+                 limit: int = 64 << 20) -> Path:
+    """`path` if it is a regular file of at most `limit` bytes, else one clear error (so a name pointing at
+    /dev/zero or a FIFO, or a huge file, is refused before anything reads it and hangs)."""
     path = Path(path)
     try:
         st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{what} {path} is not a regular file")
-        if st.st_size > limit:
-            raise error(f"{what} {path} is {st.st_size / 2**20:.0f} MiB; more than {limit >> 20} MiB is refused")
-        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise error(f"{what} {path} does not exist") from None
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} {path} is not a regular file")
+    if st.st_size > limit:
+        raise error(f"{what} {path} is {st.st_size / 2**20:.0f} MiB; more than {limit >> 20} MiB is refused")
+    return path
+
+
+def read_small(path: str | os.PathLike, what: str, error: type[MoekitError] = MoekitError, limit: int = 64 << 20) -> str:
+    """The UTF-8 text of an untrusted file (JSON, YAML, text lines): a regular file of at most `limit` bytes."""
+    path = regular_file(path, what, error, limit)
+    try:
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise error(f"cannot read {what} {path}: {e}") from None

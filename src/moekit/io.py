@@ -26,7 +26,7 @@ from transformers.initialization import no_init_weights
 
 from moekit._fs import output, read_small
 from moekit.checkpoint.files import read_headers, weight_files
-from moekit.checkpoint.meta import SAFETENSORS_DTYPES, MoekitMeta
+from moekit.checkpoint.meta import MoekitMeta
 from moekit.config import validate
 from moekit.errors import CheckpointError, MoekitError, NumericsError
 from moekit.moe.build import from_layout, layout
@@ -160,7 +160,7 @@ def read_meta(folder: str | Path, file: str = "moekit.json", schema: type[BaseMo
               kind: str = "moekit") -> dict:
     """The checkpoint's metadata file (moekit.json here; simoe.json for SIMoE), validated by `schema`."""
     f = Path(folder) / file
-    if not f.is_file():
+    if not (f.exists() or f.is_symlink()):
         raise CheckpointError(f"{folder} is not a {kind} checkpoint (no {file})")
     try:
         data = json.loads(read_small(f, f"{kind} metadata", CheckpointError))
@@ -246,7 +246,7 @@ def check_headers(model: nn.Module, folder: Path, aliases: dict[str, str]) -> No
                               f"unexpected {unexpected[:3]})")
     for k, v in expected.items():
         h = headers[k]
-        if h.shape != tuple(v.shape) or SAFETENSORS_DTYPES.get(h.dtype) != v.dtype:
+        if h.shape != tuple(v.shape) or h.torch_dtype != v.dtype:
             raise CheckpointError(f"{h.file}: {k} is {h.dtype}{list(h.shape)}, the metadata says "
                                   f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
 

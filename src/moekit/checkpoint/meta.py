@@ -3,14 +3,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from moekit.moe.router import Scoring
-
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
 
 
 class Strict(BaseModel):

@@ -19,8 +19,16 @@ from moekit.errors import MoekitError, OutputExistsError
 COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, select, finetune, speech, simoe)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line, like every other error (subparsers inherit it)."""
+
+    def error(self, message: str):
+        print(f"moekit: error: {self.prog}: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moekit", description="Mixture-of-Experts models from dense checkpoints.")
+    parser = Parser(prog="moekit", description="Mixture-of-Experts models from dense checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)

@@ -41,10 +41,9 @@ def add_parser(sub) -> None:
 
 
 def read_texts(path: Path, limit: int | None) -> list[str]:
-    try:
-        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read texts from {path}: {e}") from None
+    from moekit._fs import read_small
+
+    lines = [line.strip() for line in read_small(path, "text file", ConfigError, limit=4 << 30).splitlines()]
     texts = [t for t in lines if t][:limit]
     if not texts:
         raise ConfigError(f"{path} has no texts (one per line)")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moekit.assets import model_inputs, resolve_model
 from moekit.cli.common import err_console, human, out_console, progress
-from moekit.config import Config, apply_overrides, load_yaml, validate
+from moekit.config import Config, apply_overrides, read_yaml, validate
 from moekit.errors import ConfigError, ResourceError
 from moekit.metrics import param_counts
 from moekit.moe.spec import MoESpec
@@ -87,23 +87,22 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def read_recipe(args: argparse.Namespace) -> UpcycleRecipe:
-    """The recipe file (or flags) with KEY=VALUE overrides and flags applied, then `--set` applied to
-    the validated spec, where every field (e.g. init.rho) is present and can be overridden."""
+    """The recipe file (or flags) with KEY=VALUE overrides, flags and `--set KEY=VALUE` (spec fields, e.g.
+    init.rho, on top of the chosen method's defaults) applied in that order, then validated once."""
     if args.recipe is not None and "=" in args.recipe and not Path(args.recipe).exists():
         args.recipe, args.overrides = None, [args.recipe, *args.overrides]  # no recipe, only overrides
-    overrides = [*args.overrides, *flag_overrides(args)]
-    if args.recipe is not None:
-        recipe = load_yaml(args.recipe, UpcycleRecipe, overrides)
-    elif args.overrides:
-        raise ConfigError("KEY=VALUE overrides need a recipe file; use --set KEY=VALUE to set spec fields")
-    elif args.model is None or args.out is None:
-        raise ConfigError("give a recipe file, or --model and --out")
-    else:
-        recipe = validate(UpcycleRecipe, apply_overrides({"spec": {}}, overrides), source="command line")
-    if not args.set:
-        return recipe
-    data = apply_overrides(recipe.model_dump(mode="json"), [f"spec.{s}" for s in args.set])
-    return validate(UpcycleRecipe, data, source="--set overrides")
+    if args.recipe is None:
+        if args.overrides:
+            raise ConfigError("KEY=VALUE overrides need a recipe file; use --set KEY=VALUE to set spec fields")
+        if args.model is None or args.out is None:
+            raise ConfigError("give a recipe file, or --model and --out")
+    data = apply_overrides(read_yaml(args.recipe) if args.recipe else {"spec": {}},
+                           [*args.overrides, *flag_overrides(args)])
+    spec = data.get("spec")
+    if isinstance(spec, dict) and isinstance(spec.get("init", "naive"), str):  # --set init.x needs a mapping
+        spec["init"] = {"method": spec.get("init", "naive")}
+    data = apply_overrides(data, [f"spec.{s}" for s in args.set])
+    return validate(UpcycleRecipe, data, source=str(args.recipe or "command line"))
 
 
 def inputs_of(args: argparse.Namespace, recipe: UpcycleRecipe) -> list[Path]:

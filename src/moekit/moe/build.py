@@ -47,19 +47,22 @@ def layout(moe: MoELayer) -> dict:
     return out
 
 
-def _zeros_ffn(H: int, I: int, act: str, gated: bool, bias: list[bool], dtype) -> FFNWeights:
-    z = lambda *s: torch.zeros(*s, dtype=dtype)  # noqa: E731
+def _zeros_ffn(H: int, I: int, act: str, gated: bool, bias: list[bool], dtype, E: tuple[int, ...] = ()) -> FFNWeights:
+    """All-zero FFN weights of these shapes; with E = (n,), n of them stacked: (n, I, H), ..."""
+    z = lambda *s: torch.zeros(*E, *s, dtype=dtype)  # noqa: E731
     return FFNWeights(up=z(I, H), down=z(H, I), act=act, gate=z(I, H) if gated else None,
                       gate_bias=z(I) if bias[0] else None, up_bias=z(I) if bias[1] else None,
                       down_bias=z(H) if bias[2] else None)
 
 
 def from_layout(lay: dict, router: Router | None = None) -> MoELayer:
-    """An MoE layer of the recorded shapes, all zeros (weights are loaded afterwards)."""
+    """An MoE layer of the recorded shapes, all zeros (weights are loaded afterwards); on the meta device
+    under `torch.device("meta")`, which costs nothing whatever the recorded sizes."""
     E, H, I, dtype = lay["num_experts"], lay["hidden_size"], lay["intermediate_size"], _DTYPES[lay["dtype"]]
     b = lay["bias"]
-    one = _zeros_ffn(H, I, lay["act"], lay["gated"], [b and lay["gated"], b, b], dtype)
-    w = ExpertWeights.stack([one] * E)
+    stacked = _zeros_ffn(H, I, lay["act"], lay["gated"], [b and lay["gated"], b, b], dtype, E=(E,))
+    w = ExpertWeights(**{k: getattr(stacked, k) for k in ("up", "down", "act", "gate", "up_bias", "gate_bias",
+                                                          "down_bias")})
     if lay["shared"] is not None:
         s = lay["shared"]
         w.shared = _zeros_ffn(H, s["intermediate_size"], lay["act"], s["gated"], s["bias"], dtype)

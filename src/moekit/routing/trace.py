@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._fs import output
+from .._fs import output, regular_file
 from ..errors import MoekitError
 
 FIELDS = ("layers", "num_experts", "languages", "ids", "weights", "token", "sample", "position", "lang", "meta")
@@ -138,7 +138,9 @@ class RoutingTrace:
 
 
 def _check_size(path: Path) -> None:
-    """Refuse a file whose arrays would decompress to more than MAX_BYTES, before decompressing them."""
+    """Refuse a file that is not a regular file, or whose arrays would decompress to more than MAX_BYTES,
+    before decompressing them."""
+    regular_file(path, "trace", TraceError, limit=MAX_BYTES)
     try:
         with zipfile.ZipFile(path) as z:
             size = sum(i.file_size for i in z.infolist())

@@ -12,9 +12,8 @@ import yaml
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import get_last_checkpoint
 
-from moekit._fs import PARTIAL, output, remove
+from moekit._fs import PARTIAL, output, read_small, remove
 from moekit.assets import model_inputs, resolve_model
 from moekit.data.instruct import load_instruct_pairs
 from moekit.data.parallel import TranslationCollator, load_pairs
@@ -215,9 +214,33 @@ def recipe_inputs(recipe) -> list[Path]:
 
 
 def last_checkpoint(run: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory (Trainer writes trainer_state.json last)."""
     folder = run / "checkpoints"
-    last = get_last_checkpoint(str(folder)) if folder.is_dir() else None
-    return None if last is None else Path(last)
+    steps = {int(p.name.removeprefix("checkpoint-")): p for p in folder.glob("checkpoint-*")
+             if p.name.removeprefix("checkpoint-").isdigit() and (p / "trainer_state.json").is_file()}
+    return steps[max(steps)] if steps else None
+
+
+def check_checkpoint(last: Path) -> None:
+    """A checkpoint to resume from has its optimizer state and a readable trainer_state.json."""
+    if not (last / "optimizer.pt").is_file():
+        raise CheckpointError(f"cannot resume from {last}: it has no optimizer.pt (an incomplete checkpoint)")
+    try:
+        json.loads(read_small(last / "trainer_state.json", "trainer state", CheckpointError))
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"cannot resume from {last}: trainer_state.json is unreadable ({e})") from None
+
+
+def resume_point(out: Path, partial: Path, overwrite: bool) -> Path:
+    """The checkpoint `--resume` continues from: the interrupted run's newest, else the finished run's;
+    checked before any work."""
+    last = last_checkpoint(partial) or last_checkpoint(out)
+    if last is None:
+        where = partial if partial.exists() else out
+        raise CheckpointError(f"nothing to resume: {where} has no complete checkpoint (train.save_every saves "
+                              f"them){'' if overwrite else '; --overwrite starts the run over'}")
+    check_checkpoint(last)
+    return last
 
 
 @contextlib.contextmanager
@@ -232,17 +255,21 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     """
     out = Path(recipe.out)
     partial = out.parent / f".{out.name}{PARTIAL}"
-    last = (last_checkpoint(partial) or last_checkpoint(out)) if resume else None
-    if last is not None and last.parent.parent == out:  # continuing a finished run replaces it
+    if resume and (partial.exists() or out.exists()):
+        last = resume_point(out, partial, overwrite)
+    else:
+        last = None
+    continues = last is not None and last.parent.parent == partial  # the interrupted run goes on in place
+    if last is not None and not continues:  # continuing a finished run replaces it
         overwrite = True
     if last is None and partial.exists() and not overwrite and is_main_process():
         raise OutputExistsError(partial, f"{partial} holds an interrupted run of {out} (--resume continues it)")
     if not is_main_process():
         yield recipe.model_copy(update={"out": str(partial)}), last
         return
-    keep = (lambda work: last_checkpoint(work) is not None) if recipe.train.save_every else None
-    with output(out, inputs, overwrite, partial=True, keep=keep, what="run directory") as work:
-        if last is None or last.parent.parent != work:  # a fresh start, or resuming from the finished run
+    with output(out, inputs, overwrite, partial=True, keep=lambda work: last_checkpoint(work) is not None,
+                what="run directory") as work:
+        if not continues:  # a fresh start, or resuming from the finished run: begin empty
             for entry in work.iterdir():
                 remove(entry)
         yield recipe.model_copy(update={"out": str(work)}), last
@@ -279,14 +306,6 @@ def _train(recipe: Recipe, last: Path | None, callbacks, final_out: str) -> MoET
 
 
 def resume_from(trainer, last: Path | None) -> None:
-    """trainer.train, continuing from checkpoint `last` (checked first: an incomplete or corrupt checkpoint is
-    one clear error; MoETrainer turns failures to load its tensors into CheckpointError too)."""
-    if last is not None:
-        for name in ("trainer_state.json", "optimizer.pt"):
-            if not (last / name).is_file():
-                raise CheckpointError(f"cannot resume from {last}: it has no {name} (an incomplete checkpoint)")
-        try:
-            json.loads((last / "trainer_state.json").read_text())
-        except (OSError, ValueError, RecursionError) as e:
-            raise CheckpointError(f"cannot resume from {last}: trainer_state.json is unreadable ({e})") from None
+    """trainer.train, continuing from checkpoint `last` (checked by `resume_point`; MoETrainer turns failures
+    to load its tensors into one CheckpointError)."""
     trainer.train(resume_from_checkpoint=None if last is None else str(last))

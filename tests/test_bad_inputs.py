@@ -1,0 +1,1199 @@
+"""Bad inputs and faults, command by command: every row runs the CLI in-process on something wrong and asserts
+
+1. exit code 2,
+2. stderr is exactly one line `moekit: error: ...` that names the problem (a regex per row),
+3. nothing new in the output's parent directory (no `.NAME.moekit-tmp-*`, `-lock`, `-partial`, no output),
+4. every file that existed under the test's directory (and the shared fixtures) is still there, byte for byte.
+
+Fixtures a row damages are copied into its tmp_path first; the shared ones are hashed around every row too.
+Rows that show a bug would be marked xfail(strict=True) with the reason; none are left.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import stat
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ERR = "moekit: error: "
+LEFTOVER = re.compile(r"\.moekit-(tmp-|lock|partial)")
+CASE_SECONDS = 120  # a row that hangs (e.g. reading a FIFO or /dev/zero) fails instead of blocking the run
+MAX_RSS_GROWTH = 1 << 30  # bytes; a row that allocates what a hostile file asks for shows up here
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+class Fx:
+    """The shared, never-modified inputs (copied into a row's tmp_path when a row needs to damage them)."""
+
+    def __init__(self, root: Path, data_root: Path):
+        self.root, self.data_root = root, data_root
+        self.dense, self.moe = root / "dense", root / "moe"
+        self.en, self.fr = root / "en.txt", root / "fr.txt"
+        self.trace, self.sel, self.recipe = root / "trace.npz", root / "sel.json", root / "recipe.yaml"
+        self.layers = ["model.layers.1.mlp", "model.layers.3.mlp"]
+        self.train_jsonl, self.test_jsonl = data_root / "train.jsonl", data_root / "test.jsonl"
+
+    def copy(self, src: Path, dst: Path) -> Path:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+        return dst
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory, tiny_recipe_overrides):
+    from moekit.cli.main import main
+    from moekit.config import apply_overrides
+    from moekit.io import save
+    from moekit.moe.spec import MoESpec
+    from moekit.select.selection import Selection
+    from moekit.testing import tiny_llama, tiny_tokenizer
+    from moekit.upcycle import upcycle
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    f = Fx(root, tiny_recipe_overrides.dense.parent)
+    tiny_llama().save_pretrained(f.dense)
+    tiny_tokenizer().save_pretrained(f.dense)
+    save(upcycle(tiny_llama(), MoESpec(num_experts=4, top_k=2, every=2)), f.moe, tokenizer=tiny_tokenizer())
+    f.en.write_text("the day was long\nthe light is good\nwe walk home\n")
+    f.fr.write_text("le jour est long\nla mer est calme\nil fait beau\n")
+    assert main(["routes", "collect", "--model", str(f.moe), "--texts", f"en={f.en}", f"fr={f.fr}",
+                 "--out", str(f.trace), "--max-length", "32"]) == 0
+    Selection(method="manual", target="fr", budget=2, experts={f.layers[0]: [0, 1]}).save(f.sel)
+    recipe = yaml.safe_load(Path(__file__).parent.parent.joinpath("recipes", "naive.yaml").read_text())
+    recipe = apply_overrides(recipe, [*tiny_recipe_overrides(root / "unused_run"), "moe.num_experts=4",
+                                      "moe.top_k=2", "moe.every=2", "train.save_every=0", "eval.generate=false"])
+    f.recipe.write_text(yaml.safe_dump(recipe))
+    return f
+
+
+# ---------------------------------------------------------------------------------------------- the check
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """{relative path: sha256 | "dir" | "link -> target" | "special"} of everything under root, hidden entries
+    included; symbolic links are not followed and FIFOs/devices are not read."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath) / name
+            rel, st = str(p.relative_to(root)), os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = f"link -> {os.readlink(p)}"
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = "dir"
+            elif stat.S_ISREG(st.st_mode):
+                h = hashlib.sha256()
+                with open(p, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(block)
+                out[rel] = h.hexdigest()
+            else:
+                out[rel] = "special"
+    return out
+
+
+def listing(folder: Path) -> list[str] | None:
+    return sorted(os.listdir(folder)) if folder.is_dir() else None
+
+
+@dataclass
+class Case:
+    id: str
+    build: Callable  # (tmp_path, fx) -> argv, or (argv, output path) where argv has no --out / out=
+    match: str  # regex the error line must contain
+    cwd: str | None = None  # directory under tmp_path to run in (default: tmp_path)
+    bug: str | None = None  # xfail(strict=True) reason for a row that shows a bug
+    seconds: int = CASE_SECONDS  # the command must give up within this time (fail fast on hostile input)
+
+
+def output_of(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--out" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("out="):
+            return a[4:]
+    return None
+
+
+class _Timeout(BaseException):
+    """Raised by SIGALRM inside the command; a BaseException, so the CLI's `except Exception` lets it through."""
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def check(run, case: Case, t: Path, fx: Fx, monkeypatch) -> str:
+    """Run `case` in `t` and assert the four guarantees; returns the error line."""
+    cwd = t / case.cwd if case.cwd else t
+    cwd.mkdir(parents=True, exist_ok=True)
+    monkeypatch.chdir(cwd)
+    built = case.build(t, fx)
+    argv, out = built if isinstance(built, tuple) else (built, output_of([str(a) for a in built]))
+    argv = [str(a) for a in argv]
+    parent = Path(os.path.abspath(cwd / out)).parent if out is not None else None
+    before, parent_before = snapshot(t), listing(parent) if parent else None
+    shared = {root: snapshot(root) for root in (fx.root, fx.data_root)}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(case.seconds)
+    try:
+        rc, stdout, err = run(*argv)
+    except _Timeout:
+        pytest.fail(f"moekit {' '.join(argv)} did not finish within {case.seconds} s")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    after = snapshot(t)
+    shown = f"moekit {' '.join(argv)}\nrc={rc}\nstderr={err!r}\nstdout={stdout[-2000:]!r}"
+    # 1. exit code; 2. one line naming the problem
+    assert rc == 2, shown
+    assert err.endswith("\n") and err.count("\n") == 1 and err.startswith(ERR), shown
+    assert "Traceback" not in err and "MOEKIT_DEBUG" not in err, shown  # not an unexpected exception
+    assert re.search(case.match, err), f"{shown}\nexpected to match: {case.match!r}"
+    # 3. no leftovers beside the output, nothing new anywhere
+    if parent is not None:
+        assert listing(parent) == parent_before, f"{shown}\nentries of {parent} changed"
+    leftovers = [p for p in after if LEFTOVER.search(Path(p).name) and p not in before]
+    assert not leftovers, f"{shown}\nleftovers: {leftovers}"
+    new = sorted(after.keys() - before.keys())
+    assert not new, f"{shown}\nnew entries: {new}"
+    # 4. every pre-existing file present and unchanged (the shared fixtures too)
+    missing = sorted(before.keys() - after.keys())
+    assert not missing, f"{shown}\ndisappeared: {missing}"
+    changed = sorted(k for k in before if after[k] != before[k])
+    assert not changed, f"{shown}\nchanged: {changed}"
+    assert {root: snapshot(root) for root in shared} == shared, f"{shown}\na shared fixture changed"
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss
+    assert grown < MAX_RSS_GROWTH, f"{shown}\npeak memory grew by {grown / 2**20:.0f} MiB"
+    return err
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+
+def dense(t: Path, fx: Fx, name: str = "dense") -> Path:
+    return fx.copy(fx.dense, t / name)
+
+
+def moe(t: Path, fx: Fx, name: str = "moe") -> Path:
+    return fx.copy(fx.moe, t / name)
+
+
+def text(t: Path, fx: Fx, lang: str = "en", name: str | None = None) -> Path:
+    return fx.copy(fx.en if lang == "en" else fx.fr, t / (name or f"{lang}.txt"))
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
+    return path
+
+
+def existing_dir(path: Path) -> Path:
+    write(path / "keep.txt", "the user's file")
+    return path
+
+
+def symlink(link: Path, target: Path | str) -> Path:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
+    return link
+
+
+def edit_json(path: Path, fn: Callable[[dict], object]) -> Path:
+    data = json.loads(path.read_text())
+    fn(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def dig(data, dotted: str, value) -> None:
+    """data[a][b][0][c] = value for dotted "a.b.0.c" (a value of DELETE removes the key)."""
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        data = data[int(p)] if isinstance(data, list) else data[p]
+    if value is DELETE:
+        del data[leaf]
+    elif isinstance(data, list):
+        data[int(leaf)] = value
+    else:
+        data[leaf] = value
+
+
+DELETE = object()
+
+
+def also(value, *side_effects):
+    """`value`, once the side effects (evaluated as arguments, in order) have run."""
+    return value
+
+
+def upc(model, out, *extra) -> list:
+    return ["upcycle", "--model", model, "--experts", 4, "--top-k", 2, "--out", out, *extra]
+
+
+def dense_with(t: Path, fx: Fx, damage: Callable[[Path], object]) -> Path:
+    d = dense(t, fx)
+    damage(d)
+    return d
+
+
+def moe_with(t: Path, fx: Fx, damage: Callable[[Path], object]) -> Path:
+    d = moe(t, fx)
+    damage(d)
+    return d
+
+
+def meta_set(t: Path, fx: Fx, dotted: str, value) -> Path:
+    """A copy of the MoE checkpoint with moekit.json's `dotted` field set to `value`."""
+    return moe_with(t, fx, lambda d: edit_json(d / "moekit.json", lambda m: dig(m, dotted, value)))
+
+
+def index(folder: Path, shard, extra: dict | None = None) -> None:
+    """model.safetensors.index.json mapping every tensor of model.safetensors to `shard`."""
+    from safetensors import safe_open
+
+    with safe_open(folder / "model.safetensors", framework="pt") as h:
+        keys = list(h.keys())
+    wmap = {k: shard for k in keys} | (extra or {})
+    write(folder / "model.safetensors.index.json", json.dumps({"metadata": {}, "weight_map": wmap}))
+
+
+def tensor_edit(folder: Path, name: str, fn: Callable) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    fn(tensors[name])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def trace_with(t: Path, fx: Fx, name: str = "trace.npz", **changes) -> Path:
+    """A trace .npz built by hand from the fixture's arrays: each change is an array, a function of the old
+    array, or None (drop the field)."""
+    with np.load(fx.trace, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    for key, change in changes.items():
+        if change is None:
+            arrays.pop(key)
+        else:
+            arrays[key] = change(arrays[key].copy()) if callable(change) else change
+    path = t / name
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    return path
+
+
+def set_item(index_, value):
+    def fn(a):
+        a[index_] = value
+        return a
+    return fn
+
+
+def zip_bomb(t: Path, fx: Fx) -> Path:
+    """A trace whose zip directory claims ~4 GiB per member for 20 members (80 GiB in all)."""
+    path = trace_with(t, fx, **{f"pad{i}": np.zeros(1) for i in range(10)})
+    data = bytearray(path.read_bytes())
+    pos = 0
+    while (pos := data.find(b"PK\x01\x02", pos)) >= 0:  # central directory headers: uncompressed size at +24
+        struct.pack_into("<I", data, pos + 24, 0xFFFFFFF0)
+        pos += 4
+    path.write_bytes(bytes(data))
+    return path
+
+
+def selection(t: Path, data, name: str = "sel.json") -> Path:
+    return write(t / name, data if isinstance(data, str) else json.dumps(data))
+
+
+def sel_of(fx: Fx, experts: dict, **extra) -> dict:
+    return {"method": "manual", "target": "fr", "budget": sum(map(len, experts.values())), "experts": experts,
+            **extra}
+
+
+def recipe(t: Path, fx: Fx, name: str = "recipe.yaml", **changes) -> Path:
+    """A copy of the tiny training recipe, dotted fields changed (DELETE removes one)."""
+    data = yaml.safe_load(fx.recipe.read_text())
+    for k, v in changes.items():
+        dig(data, k, v)
+    return write(t / name, yaml.safe_dump(data))
+
+
+def edit_yaml(path: Path, dotted: str, value) -> Path:
+    data = yaml.safe_load(path.read_text())
+    dig(data, dotted, value)
+    return write(path, yaml.safe_dump(data))
+
+
+def up_recipe(t: Path, fx: Fx, model, out, name: str = "up.yaml", **extra) -> Path:
+    return write(t / name, yaml.safe_dump({"model": str(model), "out": str(out),
+                                           "spec": {"num_experts": 4, "top_k": 2, "every": 2}, **extra}))
+
+
+def collect(model, out, *texts, extra=()) -> list:
+    return ["routes", "collect", "--model", model, "--texts", *texts, "--out", out, *extra]
+
+
+def texts(*pairs) -> list[str]:
+    return [f"{lang}={path}" for lang, path in pairs]
+
+
+def run_dir(t: Path, fx: Fx, name: str = "run", model: bool = True) -> Path:
+    """A finished-looking run directory: recipe.yaml (tiny recipe, out = itself) and model/."""
+    r = t / name
+    recipe(r, fx, **{"out": str(r)})
+    if model:
+        moe(r, fx, "model")
+    return r
+
+
+def corpus(langs: str, out, *extra) -> list:
+    return ["speech", "corpus", "--langs", langs, "--out", out, "--voices", 1, "--test-voices", 1,
+            "--train-per-lang", 1, "--test-per-lang", 1, *extra]
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+OVERWRITE = r"pass --overwrite to replace it"
+IS_INPUT = r"is input .*choose another"
+CONTAINS_INPUT = r"contains input .*choose another"
+IS_CWD = r"is the working directory; choose another"
+CONTAINS_CWD = r"contains the working directory; choose another"
+SYMLINK = r"is a symbolic link; give the path it points to"
+NOT_DIR = r"cannot create .*is not a directory"
+REMOTE = r"needs its own Python code \(config.json has an auto_map\); pass --trust-remote-code"
+REMOTE_TOK = r"needs its own Python code \(tokenizer_config.json has an auto_map\); pass --trust-remote-code"
+AUTO_MAP = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+UNREADABLE_ST = r"model.safetensors is not a readable safetensors file"
+
+
+def auto_map(folder: Path, file: str = "config.json") -> None:
+    edit_json(folder / file, lambda c: c.update(auto_map=AUTO_MAP))
+
+
+GUARDS = [
+    # upcycle
+    Case("upcycle-out-is-model", lambda t, f: upc(dense(t, f), t / "dense", "--overwrite"), IS_INPUT),
+    Case("upcycle-out-is-parent-of-model", lambda t, f: upc(dense(t, f, "proj/dense"), t / "proj", "--overwrite"),
+         CONTAINS_INPUT),
+    Case("upcycle-out-dot-is-cwd", lambda t, f: upc(dense(t, f), ".", "--overwrite"), IS_CWD, cwd="work"),
+    Case("upcycle-out-is-ancestor-of-cwd", lambda t, f: upc(dense(t, f), t / "a", "--overwrite"), CONTAINS_CWD,
+         cwd="a/b/c"),
+    Case("upcycle-out-is-model-via-dotdot", lambda t, f: upc(dense(t, f), t / "x" / ".." / "dense", "--overwrite"),
+         IS_INPUT),
+    Case("upcycle-out-is-model-via-symlinked-parent",
+         lambda t, f: upc(dense(t, f, "real/dense"), symlink(t / "alias", t / "real") / "dense", "--overwrite"),
+         IS_INPUT),
+    Case("upcycle-recipe-inside-out",
+         lambda t, f: (["upcycle", up_recipe(t / "proj", f, dense(t, f), t / "proj"), "--overwrite"], t / "proj"),
+         CONTAINS_INPUT),
+    Case("upcycle-recipe-out-is-model",
+         lambda t, f: (["upcycle", up_recipe(t, f, dense(t, f), t / "dense"), "--overwrite"], t / "dense"), IS_INPUT),
+    Case("upcycle-out-symlink", lambda t, f: upc(dense(t, f), symlink(t / "link", existing_dir(t / "real")),
+                                                 "--overwrite"), SYMLINK),
+    Case("upcycle-out-dangling-symlink", lambda t, f: upc(dense(t, f), symlink(t / "link", t / "nowhere")),
+         SYMLINK),
+    Case("upcycle-out-exists", lambda t, f: upc(dense(t, f), existing_dir(t / "moe")),
+         rf"moe exists and is not empty; {OVERWRITE}"),
+    Case("upcycle-out-is-a-file", lambda t, f: upc(dense(t, f), write(t / "moe", "a file")),
+         rf"moe exists; {OVERWRITE}"),
+    Case("upcycle-out-parent-is-a-file", lambda t, f: upc(dense(t, f), write(t / "afile", "x") / "moe"), NOT_DIR),
+    # export
+    Case("export-out-is-input", lambda t, f: ["export", moe(t, f), "--format", "mixtral", "--out", t / "moe",
+                                              "--overwrite"], IS_INPUT),
+    Case("export-out-contains-input", lambda t, f: ["export", moe(t, f, "p/moe"), "--format", "mixtral",
+                                                    "--out", t / "p", "--overwrite"], CONTAINS_INPUT),
+    Case("export-out-exists", lambda t, f: ["export", moe(t, f), "--format", "mixtral",
+                                            "--out", existing_dir(t / "hf")], OVERWRITE),
+    Case("export-out-symlink", lambda t, f: ["export", moe(t, f), "--format", "mixtral",
+                                             "--out", symlink(t / "hf", existing_dir(t / "real")), "--overwrite"],
+         SYMLINK),
+    Case("export-out-dot", lambda t, f: ["export", moe(t, f), "--format", "mixtral", "--out", ".", "--overwrite"],
+         IS_CWD, cwd="work"),
+    # routes collect
+    Case("collect-out-is-texts-file", lambda t, f: collect(moe(t, f), t / "en.txt",
+                                                           *texts(("en", text(t, f))), extra=["--overwrite"]),
+         r"the trace .*en.txt is input .*en.txt; choose another trace path"),
+    Case("collect-out-is-model", lambda t, f: collect(moe(t, f), t / "moe", *texts(("en", text(t, f))),
+                                                      extra=["--overwrite"]), IS_INPUT),
+    Case("collect-out-contains-texts", lambda t, f: collect(moe(t, f), t / "data",
+                                                            *texts(("en", text(t, f, name="data/en.txt"))),
+                                                            extra=["--overwrite"]), CONTAINS_INPUT),
+    Case("collect-out-exists", lambda t, f: collect(moe(t, f), write(t / "t.npz", b"old trace"),
+                                                    *texts(("en", text(t, f)))), rf"t.npz exists; {OVERWRITE}"),
+    Case("collect-out-symlink", lambda t, f: collect(moe(t, f), symlink(t / "t.npz", write(t / "real.npz", b"x")),
+                                                     *texts(("en", text(t, f))), extra=["--overwrite"]),
+         r"the trace .*t.npz is a symbolic link"),
+    # routes report
+    Case("report-out-contains-trace", lambda t, f: ["routes", "report", f.copy(f.trace, t / "rep" / "t.npz"),
+                                                    "--out", t / "rep", "--overwrite"], CONTAINS_INPUT),
+    Case("report-out-contains-selection", lambda t, f: ["routes", "report", f.copy(f.trace, t / "t.npz"),
+                                                        "--selection", f.copy(f.sel, t / "rep" / "sel.json"),
+                                                        "--out", t / "rep", "--overwrite"], CONTAINS_INPUT),
+    Case("report-out-exists", lambda t, f: ["routes", "report", f.copy(f.trace, t / "t.npz"),
+                                            "--out", existing_dir(t / "rep")], OVERWRITE),
+    # select
+    Case("select-out-is-trace", lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en",
+                                              "--budget", 2, "--out", t / "t.npz", "--overwrite"],
+         r"the selection .*t.npz is input"),
+    Case("select-out-exists", lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en",
+                                            "--budget", 2, "--out", write(t / "s.json", "{}")],
+         rf"s.json exists; {OVERWRITE}"),
+    Case("select-out-symlink", lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en",
+                                             "--budget", 2, "--out", symlink(t / "s.json", t / "elsewhere.json")],
+         r"the selection .*s.json is a symbolic link"),
+    Case("select-out-is-a-directory", lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"),
+                                                    "--target", "en", "--budget", 2, "--out",
+                                                    existing_dir(t / "sel")], OVERWRITE),
+    # finetune / prune
+    Case("finetune-out-contains-selection",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "ft" / "sel.json"),
+                       "--data", f"en={text(t, f)}", "--out", t / "ft", "--overwrite"], CONTAINS_INPUT),
+    Case("finetune-out-contains-data",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "sel.json"),
+                       "--data", f"en={text(t, f, name='ft/en.txt')}", "--out", t / "ft", "--overwrite"],
+         CONTAINS_INPUT),
+    Case("finetune-out-is-model",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "sel.json"),
+                       "--data", f"en={text(t, f)}", "--out", t / "moe", "--overwrite"], IS_INPUT),
+    Case("finetune-out-exists",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "sel.json"),
+                       "--data", f"en={text(t, f)}", "--out", existing_dir(t / "ft")], OVERWRITE),
+    Case("prune-out-contains-selection",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "p" / "sel.json"),
+                       "--out", t / "p", "--overwrite"], CONTAINS_INPUT),
+    Case("prune-out-is-model", lambda t, f: ["prune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                                             "--out", t / "moe", "--overwrite"], IS_INPUT),
+    Case("prune-out-contains-model", lambda t, f: ["prune", "--model", moe(t, f, "p/moe"),
+                                                   "--experts", f.copy(f.sel, t / "s.json"), "--out", t / "p",
+                                                   "--overwrite"], CONTAINS_INPUT),
+    Case("prune-out-exists", lambda t, f: ["prune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                                           "--out", existing_dir(t / "p")], OVERWRITE),
+    Case("prune-out-dot", lambda t, f: ["prune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                                        "--out", ".", "--overwrite"], IS_CWD, cwd="work"),
+    # train
+    Case("train-out-is-base-model",
+         lambda t, f: ["train", recipe(t, f), f"model.path={dense(t, f)}", f"out={t / 'dense'}", "--overwrite"],
+         r"the run directory .*dense is input"),
+    Case("train-out-dot", lambda t, f: ["train", recipe(t, f), "out=.", "--overwrite"],
+         r"the run directory \. is the working directory", cwd="work"),
+    Case("train-out-is-ancestor-of-cwd", lambda t, f: ["train", recipe(t, f), f"out={t / 'a'}", "--overwrite"],
+         CONTAINS_CWD, cwd="a/b"),
+    Case("train-out-contains-data",
+         lambda t, f: ["train", recipe(t, f), f"data.train_files=[{f.copy(f.train_jsonl, t / 'run' / 'tr.jsonl')}]",
+                       f"out={t / 'run'}", "--overwrite"], CONTAINS_INPUT),
+    Case("train-out-contains-recipe", lambda t, f: ["train", recipe(t / "run", f), f"out={t / 'run'}", "--overwrite"],
+         CONTAINS_INPUT),
+    Case("train-out-exists", lambda t, f: ["train", recipe(t, f), f"out={existing_dir(t / 'run')}"], OVERWRITE),
+    Case("train-interrupted-run-left", lambda t, f: also(["train", recipe(t, f), f"out={t / 'run'}"],
+                                                         existing_dir(t / ".run.moekit-partial")),
+         r"holds an interrupted run of .*run \(--resume continues it\)"),
+    Case("train-out-symlink", lambda t, f: ["train", recipe(t, f), f"out={symlink(t / 'run', t / 'real')}"],
+         SYMLINK),
+    # speech corpus
+    Case("corpus-out-contains-texts", lambda t, f: corpus("en", t / "c", "--texts", f"en={text(t, f, name='c/en.txt')}",
+                                                          "--overwrite"), CONTAINS_INPUT),
+    Case("corpus-out-exists", lambda t, f: corpus("en", existing_dir(t / "c"), "--texts", f"en={text(t, f)}"),
+         OVERWRITE),
+    Case("corpus-out-dot", lambda t, f: corpus("en", ".", "--texts", f"en={text(t, f)}", "--overwrite"), IS_CWD,
+         cwd="work"),
+    # simoe
+    Case("simoe-export-out-is-run", lambda t, f: ["simoe", "export", run_dir(t, f), "--out", t / "run", "--overwrite"],
+         IS_INPUT),
+    Case("simoe-report-out-contains-run", lambda t, f: ["simoe", "report", run_dir(t, f, "p/run"), "--out", t / "p",
+                                                        "--overwrite"], CONTAINS_INPUT),
+    Case("simoe-export-out-exists", lambda t, f: ["simoe", "export", run_dir(t, f), "--out", existing_dir(t / "x")],
+         OVERWRITE),
+    # demo (recipes validated, then the output checked: nothing fetched)
+    Case("demo-out-exists", lambda t, f: ["demo", "--out", existing_dir(t / "demo")], OVERWRITE),
+    Case("demo-out-dot", lambda t, f: ["demo", "--out", ".", "--overwrite"], IS_CWD, cwd="work"),
+]
+
+REMOTE_CODE = [
+    Case("upcycle-config-auto-map", lambda t, f: upc(dense_with(t, f, auto_map), t / "moe"), REMOTE),
+    Case("upcycle-tokenizer-auto-map",
+         lambda t, f: upc(dense_with(t, f, lambda d: auto_map(d, "tokenizer_config.json")), t / "moe"), REMOTE_TOK),
+    Case("upcycle-preprocessor-auto-map",
+         lambda t, f: upc(dense_with(t, f, lambda d: write(d / "preprocessor_config.json",
+                                                           json.dumps({"auto_map": AUTO_MAP}))), t / "moe"),
+         r"preprocessor_config.json has an auto_map\); pass --trust-remote-code"),
+    Case("inspect-config-auto-map", lambda t, f: ["inspect", moe_with(t, f, auto_map)], REMOTE),
+    Case("export-config-auto-map", lambda t, f: ["export", moe_with(t, f, auto_map), "--format", "mixtral",
+                                                 "--out", t / "hf"], REMOTE),
+    Case("collect-config-auto-map", lambda t, f: collect(moe_with(t, f, auto_map), t / "t.npz",
+                                                         *texts(("en", text(t, f)))), REMOTE),
+    Case("collect-tokenizer-auto-map",
+         lambda t, f: collect(moe_with(t, f, lambda d: auto_map(d, "tokenizer_config.json")), t / "t.npz",
+                              *texts(("en", text(t, f)))), REMOTE_TOK),
+    Case("prune-config-auto-map", lambda t, f: ["prune", "--model", moe_with(t, f, auto_map),
+                                                "--experts", f.copy(f.sel, t / "s.json"), "--out", t / "p"], REMOTE),
+    Case("finetune-tokenizer-auto-map",
+         lambda t, f: ["finetune", "--model", moe_with(t, f, lambda d: auto_map(d, "tokenizer_config.json")),
+                       "--experts", f.copy(f.sel, t / "s.json"), "--data", f"en={text(t, f)}", "--out", t / "ft"],
+         REMOTE_TOK),
+    Case("train-base-config-auto-map",
+         lambda t, f: ["train", recipe(t, f), f"model.path={dense_with(t, f, auto_map)}", f"out={t / 'run'}"],
+         REMOTE),
+]
+
+CHECKPOINT_FILES = [
+    # dense model (upcycle): shard names and files from model.safetensors.index.json
+    Case("dense-index-shard-dotdot",
+         lambda t, f: upc(dense_with(t, f, lambda d: index(d, "../outside/x.safetensors")), t / "moe"),
+         r"shard name '\.\./outside/x\.safetensors' is not a plain file name inside the checkpoint"),
+    Case("dense-index-shard-absolute",
+         lambda t, f: upc(dense_with(t, f, lambda d: index(d, str(d / "model.safetensors"))), t / "moe"),
+         r"shard name '/.*model\.safetensors' is not a plain file name"),
+    Case("dense-index-shard-dev-zero", lambda t, f: upc(dense_with(t, f, lambda d: index(d, "/dev/zero")), t / "moe"),
+         r"shard name '/dev/zero' is not a plain file name"),
+    Case("dense-index-shard-dot", lambda t, f: upc(dense_with(t, f, lambda d: index(d, "..")), t / "moe"),
+         r"shard name '\.\.' is not a plain file name"),
+    Case("dense-index-shard-not-a-string", lambda t, f: upc(dense_with(t, f, lambda d: index(d, 7)), t / "moe"),
+         r"shard name 7 is not a plain file name"),
+    Case("dense-index-shard-symlink-outside",
+         lambda t, f: upc(dense_with(t, f, lambda d: (
+             f.copy(d / "model.safetensors", t / "outside" / "x.safetensors"),
+             symlink(d / "x.safetensors", t / "outside" / "x.safetensors"), index(d, "x.safetensors"))), t / "moe"),
+         r"x\.safetensors leads outside the checkpoint directory"),
+    Case("dense-weights-symlink-dev-zero",
+         lambda t, f: upc(dense_with(t, f, lambda d: ((d / "model.safetensors").unlink(),
+                                                       symlink(d / "model.safetensors", "/dev/zero"))), t / "moe"),
+         r"model\.safetensors leads outside the checkpoint directory"),
+    Case("dense-index-shard-fifo",
+         lambda t, f: upc(dense_with(t, f, lambda d: (index(d, "pipe.safetensors"), fifo(d / "pipe.safetensors"))),
+                          t / "moe"), r"pipe\.safetensors is not a regular file"),
+    Case("dense-index-shard-directory",
+         lambda t, f: upc(dense_with(t, f, lambda d: (index(d, "sub.safetensors"),
+                                                       (d / "sub.safetensors").mkdir())), t / "moe"),
+         r"sub\.safetensors is not a regular file"),
+    Case("dense-index-shard-missing",
+         lambda t, f: upc(dense_with(t, f, lambda d: index(d, "model-00002-of-00002.safetensors")), t / "moe"),
+         r"weight file model-00002-of-00002\.safetensors is missing"),
+    Case("dense-index-not-json",
+         lambda t, f: upc(dense_with(t, f, lambda d: write(d / "model.safetensors.index.json", "{not json")),
+                          t / "moe"), r"model\.safetensors\.index\.json is not valid JSON"),
+    Case("dense-index-deeply-nested",
+         lambda t, f: upc(dense_with(t, f, lambda d: write(d / "model.safetensors.index.json", "[" * 200_000)),
+                          t / "moe"), r"model\.safetensors\.index\.json is not valid JSON"),
+    Case("dense-index-no-weight-map",
+         lambda t, f: upc(dense_with(t, f, lambda d: write(d / "model.safetensors.index.json",
+                                                           json.dumps({"metadata": {}}))), t / "moe"),
+         r"model\.safetensors\.index\.json has no weight_map"),
+    Case("dense-index-is-a-list",
+         lambda t, f: upc(dense_with(t, f, lambda d: write(d / "model.safetensors.index.json", "[1, 2]")), t / "moe"),
+         r"model\.safetensors\.index\.json has no weight_map"),
+    Case("dense-index-symlink-dev-zero",
+         lambda t, f: upc(dense_with(t, f, lambda d: symlink(d / "model.safetensors.index.json", "/dev/zero")),
+                          t / "moe"), r"index .*model\.safetensors\.index\.json is not a regular file"),
+    Case("dense-index-lists-absent-tensor",
+         lambda t, f: upc(dense_with(t, f, lambda d: index(d, "model.safetensors",
+                                                           {"ghost.weight": "model.safetensors"})),
+                          t / "moe"), r"lists tensors its shards do not hold: \['ghost\.weight'\]"),
+    Case("dense-weights-truncated", lambda t, f: upc(dense_with(t, f, lambda d: truncate(d / "model.safetensors")),
+                                                     t / "moe"), UNREADABLE_ST),
+    Case("dense-weights-empty", lambda t, f: upc(dense_with(t, f, lambda d: write(d / "model.safetensors", b"")),
+                                                 t / "moe"), UNREADABLE_ST),
+    Case("dense-weights-huge-header",
+         lambda t, f: upc(dense_with(t, f, lambda d: write(d / "model.safetensors",
+                                                           struct.pack("<Q", 1 << 60) + b"{}")), t / "moe"),
+         UNREADABLE_ST),
+    Case("dense-config-not-json", lambda t, f: upc(dense_with(t, f, lambda d: write(d / "config.json", "{oops")),
+                                                   t / "moe"), r"config\.json does not load"),
+    Case("dense-no-config", lambda t, f: upc(dense_with(t, f, lambda d: (d / "config.json").unlink()), t / "moe"),
+         r"is not a Hugging Face model directory \(no config\.json\)"),
+    Case("dense-pickle-only",
+         lambda t, f: upc(dense_with(t, f, lambda d: ((d / "model.safetensors").unlink(),
+                                                       write(d / "pytorch_model.bin", b"\x80\x04evil"))), t / "moe"),
+         r"has no safetensors weights \(found pytorch_model\.bin\); pickle .*--allow-pickle"),
+    Case("dense-config-unknown-architecture",
+         lambda t, f: upc(dense_with(t, f, lambda d: edit_json(d / "config.json",
+                                                               lambda c: c.update(architectures=["EvilForCausalLM"]))),
+                          t / "moe"), r"model class 'EvilForCausalLM' is not a transformers or moekit model class"),
+    Case("dense-result-does-not-fit-disk",
+         lambda t, f: upc(dense_with(t, f, lambda d: edit_json(d / "config.json", lambda c: c.update(
+             vocab_size=100_000_000, hidden_size=65536, num_attention_heads=512, num_key_value_heads=8,
+             head_dim=128))), t / "moe"), r"not enough disk space for .*moe: it needs about"),
+    # moekit checkpoint: weight files (inspect, export, routes collect, prune)
+    Case("moe-weights-truncated-inspect",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: truncate(d / "model.safetensors"))],
+         UNREADABLE_ST),
+    Case("moe-weights-truncated-export",
+         lambda t, f: ["export", moe_with(t, f, lambda d: truncate(d / "model.safetensors", 0.9)), "--format",
+                       "mixtral", "--out", t / "hf"], UNREADABLE_ST),
+    Case("moe-weights-truncated-collect",
+         lambda t, f: collect(moe_with(t, f, lambda d: truncate(d / "model.safetensors", 0.1)), t / "t.npz",
+                              *texts(("en", text(t, f)))), UNREADABLE_ST),
+    Case("moe-index-shard-dotdot-prune",
+         lambda t, f: ["prune", "--model", moe_with(t, f, lambda d: index(d, "../moe2/model.safetensors")),
+                       "--experts", f.copy(f.sel, t / "s.json"), "--out", t / "p"], r"is not a plain file name"),
+    Case("moe-weights-symlink-outside",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: (shutil.move(d / "model.safetensors", t / "w.safetensors"),
+                                                            symlink(d / "model.safetensors", t / "w.safetensors")))],
+         r"model\.safetensors leads outside the checkpoint directory"),
+    Case("moe-weights-missing", lambda t, f: ["inspect", moe_with(t, f, lambda d: (d / "model.safetensors").unlink())],
+         r"no safetensors weights in .*moe"),
+    Case("moe-config-not-json", lambda t, f: ["inspect", moe_with(t, f, lambda d: write(d / "config.json", "{oops"))],
+         r"config\.json does not load"),
+    Case("moe-pruned-experts-not-json",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: write(d / "pruned_experts.json", "{oops"))],
+         r"pruned_experts\.json: not a moekit expert selection \(not JSON"),
+    # moekit.json
+    Case("meta-not-json", lambda t, f: ["inspect", moe_with(t, f, lambda d: write(d / "moekit.json", "{oops"))],
+         r"moekit\.json is not valid JSON"),
+    Case("meta-deeply-nested",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: write(d / "moekit.json", "[" * 200_000))],
+         r"moekit\.json is not valid JSON"),
+    Case("meta-is-a-list", lambda t, f: ["inspect", moe_with(t, f, lambda d: write(d / "moekit.json", "[]"))],
+         r"unsupported moekit checkpoint format None \(expected moekit/1\)"),
+    Case("meta-symlink-dev-zero",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: ((d / "moekit.json").unlink(),
+                                                            symlink(d / "moekit.json", "/dev/zero")))],
+         r"moekit\.json is not a regular file"),
+    Case("meta-too-large",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: os.truncate(d / "moekit.json", 65 << 20))],
+         r"moekit\.json is 65 MiB; more than 64 MiB is refused"),
+    Case("meta-missing", lambda t, f: ["inspect", moe_with(t, f, lambda d: (d / "moekit.json").unlink())],
+         r"is not a moekit checkpoint \(no moekit\.json\)"),
+    Case("meta-missing-layers", lambda t, f: ["inspect", meta_set(t, f, "layers", DELETE)],
+         r"moekit\.json is invalid: layers: Field required"),
+    Case("meta-wrong-format", lambda t, f: ["export", meta_set(t, f, "format", "moekit/9"), "--format", "mixtral",
+                                            "--out", t / "hf"], r"unsupported moekit checkpoint format 'moekit/9'"),
+    Case("meta-extra-key", lambda t, f: ["inspect", meta_set(t, f, "layers.0.evil", 1)],
+         r"moekit\.json is invalid: layers\.0\.evil: Extra inputs are not permitted"),
+    Case("meta-million-experts", lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.num_experts", 1_000_000)],
+         r"the metadata says", seconds=5),
+    Case("meta-million-experts-collect",
+         lambda t, f: collect(meta_set(t, f, "layers.1.layout.num_experts", 1_000_000), t / "t.npz",
+                              *texts(("en", text(t, f)))), r"the metadata says", seconds=5),
+    Case("meta-huge-intermediate",
+         lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.intermediate_size", 1 << 40)],
+         r"the metadata says"),
+    Case("meta-negative-index", lambda t, f: ["inspect", meta_set(t, f, "layers.0.index", -1)],
+         r"layers\.0\.index: Input should be greater than or equal to 0"),
+    Case("meta-zero-experts", lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.num_experts", 0)],
+         r"layers\.0\.layout\.num_experts: Input should be greater than or equal to 1"),
+    Case("meta-unknown-activation", lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.act", "evil_act")],
+         r"unknown activation 'evil_act'"),
+    Case("meta-top-k-above-experts", lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.top_k", 9)],
+         r"top_k 9 > num_experts 4"),
+    Case("meta-unknown-dtype", lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.dtype", "int8")],
+         r"layers\.0\.layout\.dtype"),
+    Case("meta-unknown-architecture", lambda t, f: ["inspect", meta_set(t, f, "architecture", "EvilForCausalLM")],
+         r"model class 'EvilForCausalLM' is not a transformers or moekit model class"),
+    Case("meta-architecture-auto-class",
+         lambda t, f: ["inspect", meta_set(t, f, "architecture", "AutoModelForCausalLM")],
+         r"model class 'AutoModelForCausalLM' is not a transformers or moekit model class"),
+    Case("meta-layer-does-not-exist", lambda t, f: ["inspect", meta_set(t, f, "layers.1.index", 99)],
+         r"layer model\.layers\.3\.mlp does not exist in the model"),
+    Case("meta-stack-does-not-exist", lambda t, f: ["inspect", meta_set(t, f, "layers.0.stack", "model.nowhere")],
+         r"layer model\.layers\.1\.mlp does not exist in the model"),
+    Case("meta-layer-listed-twice",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: edit_json(d / "moekit.json",
+                                                                     lambda m: m["layers"].append(m["layers"][0])))],
+         r"layer model\.layers\.1\.mlp is listed twice"),
+    Case("meta-router-of-unknown", lambda t, f: ["inspect", meta_set(t, f, "layers.1.router_of", "model.layers.9.mlp")],
+         r"router_of 'model\.layers\.9\.mlp' is not an earlier layer"),
+    Case("meta-shape-disagrees-with-headers",
+         lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.intermediate_size", 65)], r"the metadata says"),
+    Case("meta-dtype-disagrees-with-headers",
+         lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.dtype", "float16")],
+         r"is F32\[.*\], the metadata says float16"),
+    Case("meta-alias-to-missing-tensor", lambda t, f: ["inspect", meta_set(t, f, "aliases", {"x.weight": "ghost"})],
+         r"tensor aliases point at tensors the model does not have"),
+    Case("meta-invalid-spec", lambda t, f: ["inspect", meta_set(t, f, "spec.num_experts", 0)],
+         r"invalid MoE spec in .*moekit\.json: num_experts"),
+    Case("meta-extra-tensor-in-weights",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: _add_tensor(d, "ghost.weight"))],
+         r"weights do not match its metadata .*unexpected \['ghost\.weight'\]"),
+]
+
+
+def _add_tensor(folder: Path, name: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    tensors[name] = torch.zeros(2)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+TRACE = r"not a moekit routing trace"
+TRACES = [
+    Case("trace-id-at-num-experts", lambda t, f: ["select", "topk", trace_with(t, f, ids=set_item((0, 0, 0), 4)),
+                                                  "--target", "en", "--budget", 2, "--out", t / "s.json"],
+         r"expert ids of layer model\.layers\.1\.mlp outside \[0, 4\)"),
+    Case("trace-id-below-minus-one", lambda t, f: ["routes", "report", trace_with(t, f, ids=set_item((1, 0, 1), -2)),
+                                                   "--out", t / "rep"],
+         r"expert ids of layer model\.layers\.3\.mlp outside \[0, 4\)"),
+    Case("trace-shapes-disagree", lambda t, f: ["select", "rise", trace_with(t, f, token=lambda a: a[:-1]),
+                                                "--target", "en", "--budget", 2, "--out", t / "s.json"],
+         r"ids has shape \(2, \d+, 2\) \(int16\), expected \(2, \d+, 2\) \(integer\) for 2 layers"),
+    Case("trace-weights-not-float",
+         lambda t, f: ["select", "esft", trace_with(t, f, weights=lambda a: a.astype(np.int32)),
+                                                  "--target", "en", "--out", t / "s.json"],
+         r"weights has shape .*\(int32\), expected .*\(float\)"),
+    Case("trace-not-a-zip", lambda t, f: ["select", "topk", write(t / "t.npz", "just text"), "--target", "en",
+                                          "--budget", 2, "--out", t / "s.json"], rf"{TRACE} \(BadZipFile"),
+    Case("trace-truncated",
+         lambda t, f: ["routes", "report", also(f.copy(f.trace, t / "t.npz"), truncate(t / "t.npz", 0.6)),
+                                          "--out", t / "rep"], TRACE),
+    Case("trace-missing", lambda t, f: ["select", "topk", t / "none.npz", "--target", "en", "--budget", 2,
+                                        "--out", t / "s.json"], r"trace .*none\.npz does not exist"),
+    Case("trace-is-a-directory", lambda t, f: ["routes", "report", existing_dir(t / "t.npz"), "--out", t / "rep"],
+         r"trace .*t\.npz is not a regular file"),
+    Case("trace-missing-field", lambda t, f: ["select", "topk", trace_with(t, f, lang=None), "--target", "en",
+                                              "--budget", 2, "--out", t / "s.json"], rf"{TRACE} \(missing lang\)"),
+    Case("trace-meta-deeply-nested",
+         lambda t, f: ["select", "topk", trace_with(t, f, meta=np.array("[" * 100_000)), "--target", "en",
+                       "--budget", 2, "--out", t / "s.json"], r"trace metadata is nested too deeply"),
+    Case("trace-meta-python-code",
+         lambda t, f: ["routes", "report", trace_with(t, f, meta=np.array("__import__('os').system('touch pwned')")),
+                       "--out", t / "rep"], r"unreadable trace metadata \(ValueError\)"),
+    Case("trace-meta-not-a-mapping", lambda t, f: ["select", "topk", trace_with(t, f, meta=np.array("[1, 2]")),
+                                                   "--target", "en", "--budget", 2, "--out", t / "s.json"],
+         r"trace metadata must be a mapping"),
+    Case("trace-object-array",
+         lambda t, f: ["select", "topk", trace_with(t, f, meta=np.array([{"a": 1}], dtype=object)),
+                                             "--target", "en", "--budget", 2, "--out", t / "s.json"],
+         rf"{TRACE} \(ValueError: Object arrays cannot be loaded"),
+    Case("trace-weights-nan", lambda t, f: ["routes", "report", trace_with(t, f, weights=set_item((0, 0, 0), np.nan)),
+                                            "--out", t / "rep"], r"routing weights are not finite"),
+    Case("trace-lang-out-of-range", lambda t, f: ["select", "topk", trace_with(t, f, lang=set_item(0, 5)),
+                                                  "--target", "en", "--budget", 2, "--out", t / "s.json"],
+         r"language indices outside the 2 languages"),
+    Case("trace-zero-experts", lambda t, f: ["select", "topk", trace_with(t, f, num_experts=set_item(0, 0)),
+                                             "--target", "en", "--budget", 2, "--out", t / "s.json"],
+         r"layers must be distinct and have at least one expert each"),
+    Case("trace-duplicate-layers",
+         lambda t, f: ["routes", "report", trace_with(t, f, layers=np.array(["model.layers.1.mlp"] * 2)),
+                       "--out", t / "rep"], r"layers must be distinct"),
+    Case("trace-zip-bomb", lambda t, f: ["select", "topk", zip_bomb(t, f), "--target", "en", "--budget", 2,
+                                         "--out", t / "s.json"], r"its arrays would take .* GiB \(more than 64 GiB\)"),
+    # select: the request does not fit the trace
+    Case("select-unknown-target", lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "sw",
+                                                "--budget", 2, "--out", t / "s.json"],
+         r"target language 'sw' is not in the trace \(it has: en, fr\)"),
+    Case("select-budget-above-experts", lambda t, f: ["select", "random", f.copy(f.trace, t / "t.npz"), "--target",
+                                                      "en", "--budget", 9, "--out", t / "s.json"],
+         r"budget must be a whole number between 1 and the 8 experts .*got 9"),
+    Case("select-budget-zero", lambda t, f: ["select", "rise", f.copy(f.trace, t / "t.npz"), "--target", "en",
+                                             "--budget", 0, "--out", t / "s.json"], r"budget must be .*got 0"),
+    Case("select-no-budget", lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en",
+                                           "--out", t / "s.json"], r"needs a budget"),
+    Case("select-setting-of-another-method",
+         lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en", "--budget", 2,
+                       "--alpha", 3, "--out", t / "s.json"], r"--alpha does not apply to topk"),
+    Case("select-bad-top-p", lambda t, f: ["select", "esft", f.copy(f.trace, t / "t.npz"), "--target", "en",
+                                           "--top-p", 7, "--out", t / "s.json"], r"invalid esft settings: top_p"),
+    # routes report: the request does not fit the trace
+    Case("report-unknown-reference", lambda t, f: ["routes", "report", f.copy(f.trace, t / "t.npz"), "--reference",
+                                                   "sw", "--out", t / "rep"],
+         r"language 'sw' not in trace \(has en, fr\)"),
+    Case("report-selection-not-json", lambda t, f: ["routes", "report", f.copy(f.trace, t / "t.npz"), "--selection",
+                                                    selection(t, "{oops"), "--out", t / "rep"],
+         r"sel\.json: not a moekit expert selection \(not JSON"),
+    Case("report-selection-unknown-layer",
+         lambda t, f: ["routes", "report", f.copy(f.trace, t / "t.npz"), "--selection",
+                       selection(t, sel_of(f, {"model.layers.7.mlp": [0]})), "--out", t / "rep"],
+         r"selection layer 'model\.layers\.7\.mlp' is not an MoE layer of the trace"),
+]
+
+SELECTIONS = [
+    Case("prune-selection-not-json", lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, "{oops"),
+                                                   "--out", t / "p"], r"not a moekit expert selection \(not JSON"),
+    Case("prune-selection-missing", lambda t, f: ["prune", "--model", moe(t, f), "--experts", t / "none.json",
+                                                  "--out", t / "p"], r"selection .*none\.json does not exist"),
+    Case("prune-selection-ids-out-of-range",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {f.layers[0]: [1, 4]})),
+                       "--out", t / "p"],
+         r"model\.layers\.1\.mlp: expert ids must be distinct and in \[0, 4\), got \[1, 4\]"),
+    Case("prune-selection-negative-id",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {f.layers[1]: [-1]})),
+                       "--out", t / "p"], r"expert ids must be distinct and in \[0, 4\), got \[-1\]"),
+    Case("prune-selection-unknown-layer",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {"model.layers.0.mlp": [0]})),
+                       "--out", t / "p"],
+         r"the selection names layers the model does not have: \['model\.layers\.0\.mlp'\]"),
+    Case("prune-selection-all-experts",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {f.layers[0]: [0, 1, 2, 3]})),
+                       "--out", t / "p"],
+         r"model\.layers\.1\.mlp: disabling 4 of 4 experts leaves fewer than top_k=2"),
+    Case("prune-selection-no-experts-key",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, {"method": "x", "budget": 1}),
+                       "--out", t / "p"], r"invalid expert selection .*experts: Field required"),
+    Case("prune-selection-is-a-list", lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, "[1]"),
+                                                    "--out", t / "p"], r"invalid expert selection .*<root>"),
+    Case("prune-selection-dev-zero", lambda t, f: ["prune", "--model", moe(t, f), "--experts",
+                                                   symlink(t / "s.json", "/dev/zero"), "--out", t / "p"],
+         r"selection .*s\.json is not a regular file"),
+    Case("prune-dense-model", lambda t, f: ["prune", "--model", dense(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                                            "--out", t / "p"], r"LlamaForCausalLM has no MoE layer moekit can read"),
+    Case("finetune-selection-duplicate-ids",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {f.layers[0]: [2, 2]})),
+                       "--data", f"en={text(t, f)}", "--steps", 1, "--out", t / "ft"],
+         r"model\.layers\.1\.mlp: expert ids must be distinct and in \[0, 4\), got \[2, 2\]"),
+    Case("finetune-selection-unknown-layer",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {"lm_head": [0]})),
+                       "--data", f"en={text(t, f)}", "--steps", 1, "--out", t / "ft"],
+         r"the selection names layers the model does not have: \['lm_head'\]"),
+    Case("finetune-selection-empty",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {})),
+                       "--data", f"en={text(t, f)}", "--steps", 1, "--out", t / "ft"], r"the selection is empty"),
+    Case("finetune-data-missing",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={t / 'none.txt'}", "--out", t / "ft"],
+         r"--data file for en .*none\.txt does not exist"),
+    Case("finetune-data-empty",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={write(t / 'e.txt', chr(10) * 3)}", "--steps", 1, "--out", t / "ft"],
+         r"no training text"),
+    Case("finetune-data-repeated-language",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={text(t, f)}", f"en={text(t, f, 'fr')}", "--out", t / "ft"],
+         r"--data gives language 'en' twice"),
+    Case("finetune-max-length-zero",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={text(t, f)}", "--max-length", 0, "--out", t / "ft"],
+         r"--steps, --batch-size and --max-length must be positive"),
+    Case("finetune-no-tokenizer",
+         lambda t, f: ["finetune", "--model", moe_with(t, f, lambda d: [p.unlink() for p in d.glob("tokenizer*")]),
+                       "--experts", f.copy(f.sel, t / "s.json"), "--data", f"en={text(t, f)}", "--out", t / "ft"],
+         r"has no tokenizer files; finetune needs one"),
+]
+
+NUMBERS_AND_WRONG_INPUT = [
+    # numbers
+    Case("upcycle-nan-in-dense-weight",
+         lambda t, f: upc(dense_with(t, f, lambda d: tensor_edit(d, "model.layers.2.mlp.up_proj.weight",
+                                                                 lambda x: x.__setitem__((0, 0), float("nan")))),
+                          t / "moe"),
+         r"model\.layers\.2\.mlp\.up_proj\.weight has 1 non-finite value \(NaN or Inf\); pass --allow-nonfinite"),
+    Case("upcycle-inf-in-embedding",
+         lambda t, f: upc(dense_with(t, f, lambda d: tensor_edit(d, "model.embed_tokens.weight",
+                                                                 lambda x: x[:2].fill_(float("inf")))), t / "moe"),
+         r"model\.embed_tokens\.weight has 64 non-finite values .*--allow-nonfinite"),
+    # upcycle: wrong model, spec or recipe
+    Case("upcycle-moekit-checkpoint-as-model", lambda t, f: upc(moe(t, f), t / "moe2"),
+         r"is a moekit MoE checkpoint, not a dense model; see `moekit inspect / moekit export`"),
+    Case("upcycle-model-missing", lambda t, f: upc(t / "nowhere", t / "moe"),
+         r"'.*nowhere' is neither an existing model directory nor a built-in model"),
+    Case("upcycle-model-is-a-file", lambda t, f: upc(write(t / "model.txt", "x"), t / "moe"),
+         r"model\.txt is not a directory"),
+    Case("upcycle-layers-beyond-model", lambda t, f: upc(dense(t, f), t / "moe", "--layers", "0,99"),
+         r"layers \[99\] do not exist; the model has model\.layers \(4 blocks\)"),
+    Case("upcycle-target-matches-nothing", lambda t, f: upc(dense(t, f), t / "moe", "--target", "nothing_here"),
+         r"the MoE spec selects no FFN"),
+    Case("upcycle-unknown-method", lambda t, f: upc(dense(t, f), t / "moe", "--method", "magic"),
+         r"unknown expert init method 'magic'; choose one of: .*spri"),
+    Case("upcycle-top-k-above-experts", lambda t, f: ["upcycle", "--model", dense(t, f), "--experts", 2, "--top-k", 3,
+                                                      "--out", t / "moe"],
+         r"top_k \(3\) cannot exceed num_experts \(2\)"),
+    Case("upcycle-zero-experts", lambda t, f: ["upcycle", "--model", dense(t, f), "--experts", 0, "--out", t / "moe"],
+         r"spec\.num_experts: Input should be greater than or equal to 1"),
+    Case("upcycle-bad-set", lambda t, f: upc(dense(t, f), t / "moe", "--method", "spri", "--set", "init.rho=-1"),
+         r"invalid command line: spec\.init\.rho: Input should be greater than or equal to 0"),
+    Case("upcycle-set-for-another-method", lambda t, f: upc(dense(t, f), t / "moe", "--set", "init.rho=0.1"),
+         r"invalid command line: spec\.init\.rho: Extra inputs are not permitted"),
+    Case("upcycle-set-unknown-field", lambda t, f: upc(dense(t, f), t / "moe", "--set", "router.bogus=1"),
+         r"invalid command line: spec\.router\.bogus: Extra inputs are not permitted"),
+    Case("upcycle-overrides-without-recipe", lambda t, f: upc(dense(t, f), t / "moe", "spec.top_k=1"),
+         r"KEY=VALUE overrides need a recipe file"),
+    Case("upcycle-no-model", lambda t, f: ["upcycle", "--out", t / "moe"], r"give a recipe file, or --model and --out"),
+    Case("upcycle-recipe-missing", lambda t, f: (["upcycle", t / "none.yaml"], t / "moe"),
+         r"config file not found: .*none\.yaml"),
+    Case("upcycle-recipe-bad-yaml", lambda t, f: (["upcycle", write(t / "r.yaml", "model: [unclosed")], t / "moe"),
+         r"r\.yaml is not valid YAML"),
+    Case("upcycle-recipe-top-level-list",
+         lambda t, f: (["upcycle", write(t / "r.yaml", "- model\n- out\n")], t / "moe"),
+         r"r\.yaml must contain a mapping at the top level"),
+    Case("upcycle-recipe-unknown-key",
+         lambda t, f: (["upcycle", up_recipe(t, f, dense(t, f), t / "moe", bogus=1)], t / "moe"),
+         r"invalid .*up\.yaml: bogus: Extra inputs are not permitted"),
+    # routes collect
+    Case("collect-repeated-language-one-flag",
+         lambda t, f: collect(moe(t, f), t / "t.npz", *texts(("en", text(t, f)), ("en", text(t, f, "fr")))),
+         r"--texts gives language 'en' twice \(.*en\.txt and .*fr\.txt\); give each once"),
+    Case("collect-repeated-language-two-flags",
+         lambda t, f: ["routes", "collect", "--model", moe(t, f), "--texts", f"en={text(t, f)}",
+                       "--texts", f"en={text(t, f, 'fr')}", "--out", t / "t.npz"],
+         r"--texts gives language 'en' twice"),
+    Case("collect-texts-missing", lambda t, f: collect(moe(t, f), t / "t.npz", f"en={t / 'none.txt'}"),
+         r"text file .*none\.txt does not exist"),
+    Case("collect-texts-empty",
+         lambda t, f: collect(moe(t, f), t / "t.npz", f"en={write(t / 'e.txt', '  ' + chr(10))}"),
+         r"e\.txt has no texts \(one per line\)"),
+    Case("collect-texts-not-utf8",
+         lambda t, f: collect(moe(t, f), t / "t.npz", f"en={write(t / 'b.txt', b'caf' + bytes([0xE9]))}"),
+         r"cannot read text file .*b\.txt: 'utf-8' codec can't decode"),
+    Case("collect-max-length-zero", lambda t, f: collect(moe(t, f), t / "t.npz", f"en={text(t, f)}",
+                                                         extra=["--max-length", 0]), r"--max-length.* must be ≥ 1"),
+    Case("collect-batch-size-zero", lambda t, f: collect(moe(t, f), t / "t.npz", f"en={text(t, f)}",
+                                                         extra=["--batch-size", 0]), r"--batch-size.* must be ≥ 1"),
+    Case("collect-no-tokenizer",
+         lambda t, f: collect(moe_with(t, f, lambda d: [p.unlink() for p in d.glob("tokenizer*")]), t / "t.npz",
+                              f"en={text(t, f)}"), r"has no tokenizer files"),
+    Case("collect-layers-regex-matches-nothing",
+         lambda t, f: collect(moe(t, f), t / "t.npz", f"en={text(t, f)}", extra=["--layers", "nothing_here"]),
+         r"no MoE layer path matches 'nothing_here'"),
+    # export / inspect
+    Case("export-unknown-format", lambda t, f: ["export", moe(t, f), "--format", "gpt5", "--out", t / "hf"],
+         r"unknown export format 'gpt5'; choose one of: .*mixtral"),
+    Case("export-dense-input", lambda t, f: ["export", dense(t, f), "--format", "mixtral", "--out", t / "hf"],
+         r"is not a moekit checkpoint \(no moekit\.json\)"),
+    Case("inspect-dense-dir", lambda t, f: ["inspect", dense(t, f)], r"is not a moekit checkpoint \(no moekit\.json\)"),
+    Case("inspect-missing-dir", lambda t, f: ["inspect", t / "nowhere"], r"nowhere is not a moekit checkpoint"),
+    # train / validate
+    Case("validate-template-unknown-field",
+         lambda t, f: ["validate", recipe(t, f, **{"data.template": "{bogus} {src} {tgt_name}"})],
+         r"template uses unknown fields \['bogus'\]"),
+    Case("train-template-unknown-field",
+         lambda t, f: ["train", recipe(t, f, **{"data.template": "{src} {tgt_name} {bogus}"}), f"out={t / 'run'}"],
+         r"template uses unknown fields \['bogus'\]"),
+    Case("validate-template-not-format-string",
+         lambda t, f: ["validate", recipe(t, f, **{"data.template": "{src} {tgt_name} {"})],
+         r"template is not a valid format string"),
+    Case("validate-unknown-key", lambda t, f: ["validate", recipe(t, f, **{"train.bogus": 1})],
+         r"train\.bogus: Extra inputs are not permitted"),
+    Case("train-unknown-key-override", lambda t, f: ["train", recipe(t, f), "optim.lr_typo=1", f"out={t / 'run'}"],
+         r"optim\.lr_typo: Extra inputs are not permitted"),
+    Case("validate-bad-yaml", lambda t, f: ["validate", write(t / "r.yaml", "name: [oops\n")],
+         r"r\.yaml is not valid YAML"),
+    Case("train-bad-yaml", lambda t, f: (["train", write(t / "r.yaml", "out: x\n  - : :\n")], t / "x"),
+         r"r\.yaml is not valid YAML"),
+    Case("validate-top-level-list", lambda t, f: ["validate", write(t / "r.yaml", "- a\n- b\n")],
+         r"must contain a mapping at the top level"),
+    Case("train-top-level-scalar", lambda t, f: (["train", write(t / "r.yaml", "just a string\n")], t / "x"),
+         r"must contain a mapping at the top level"),
+    Case("validate-recipe-missing", lambda t, f: ["validate", t / "none.yaml"], r"config file not found"),
+    Case("train-unknown-method", lambda t, f: ["train", recipe(t, f, method="magic"), f"out={t / 'run'}"],
+         r"method: Input should be 'moe', 'dense', 'lora' or 'simoe'"),
+    Case("train-top-k-above-experts", lambda t, f: ["train", recipe(t, f), "moe.top_k=9", f"out={t / 'run'}"],
+         r"moe: Value error, top_k \(9\) cannot exceed num_experts \(4\)"),
+    Case("train-zero-experts", lambda t, f: ["train", recipe(t, f), "moe.num_experts=0", f"out={t / 'run'}"],
+         r"moe\.num_experts"),
+    Case("train-unknown-direction", lambda t, f: ["train", recipe(t, f), "data.directions=[xx]", f"out={t / 'run'}"],
+         r"unknown target languages \['xx'\]"),
+    Case("train-override-not-key-value", lambda t, f: ["train", recipe(t, f), "=5", f"out={t / 'run'}"],
+         r"override '=5' is not of the form key=value"),
+    Case("train-data-file-missing",
+         lambda t, f: ["train", recipe(t, f), f"data.train_files=[{t / 'none.jsonl'}]", f"out={t / 'run'}"],
+         r"data file not found: .*none\.jsonl"),
+    Case("train-base-model-missing", lambda t, f: ["train", recipe(t, f), f"model.path={t / 'nowhere'}",
+                                                   f"out={t / 'run'}"],
+         r"'.*nowhere' is neither an existing model directory nor a built-in model"),
+    Case("train-resume-incomplete-checkpoint",
+         lambda t, f: also(["train", recipe(t, f), f"out={t / 'run'}", "train.save_every=1", "--resume"],
+                           existing_dir(t / ".run.moekit-partial" / "checkpoints" / "checkpoint-1")),
+         r"nothing to resume: .*\.run\.moekit-partial has no complete checkpoint"),
+    Case("train-resume-incomplete-checkpoint-no-save-every",
+         lambda t, f: also(["train", recipe(t, f), f"out={t / 'run'}", "train.save_every=0", "--resume"],
+                           existing_dir(t / ".run.moekit-partial" / "checkpoints" / "checkpoint-1")),
+         r"nothing to resume: .*\.run\.moekit-partial has no complete checkpoint"),
+    Case("demo-bad-override", lambda t, f: ["demo", "moe.top_k=99", "--out", t / "demo"],
+         r"invalid demo recipe naive: moe: Value error, top_k \(99\) cannot exceed num_experts \(8\)"),
+    # evaluate
+    Case("evaluate-not-a-run", lambda t, f: ["evaluate", existing_dir(t / "run")],
+         r"is not a finished run \(needs recipe\.yaml and model/\)"),
+    Case("evaluate-recipe-bad-yaml",
+         lambda t, f: ["evaluate", also(run_dir(t, f), write(t / "run" / "recipe.yaml", "a: ["))],
+         r"recipe\.yaml is not valid YAML"),
+    Case("evaluate-model-meta-not-json",
+         lambda t, f: ["evaluate", also(run_dir(t, f), write(t / "run" / "model" / "moekit.json", "{"))],
+         r"moekit\.json is not valid JSON"),
+    # speech corpus
+    Case("corpus-repeated-language-one-flag",
+         lambda t, f: corpus("en", t / "c", "--texts", f"en={text(t, f)}", f"en={text(t, f, 'fr')}"),
+         r"--texts gives language 'en' twice"),
+    Case("corpus-repeated-language-two-flags",
+         lambda t, f: corpus("en", t / "c", "--texts", f"en={text(t, f)}", "--texts", f"en={text(t, f, 'fr')}"),
+         r"--texts gives language 'en' twice"),
+    Case("corpus-texts-missing", lambda t, f: corpus("en", t / "c", "--texts", f"en={t / 'none.txt'}"),
+         r"text files not found"),
+    Case("corpus-unknown-language", lambda t, f: corpus("en,xx", t / "c", "--texts", f"en={text(t, f)}",
+                                                        f"xx={text(t, f, 'fr')}"), r"unknown languages \['xx'\]"),
+    Case("corpus-texts-for-other-language", lambda t, f: corpus("en,fr", t / "c", "--texts", f"en={text(t, f)}"),
+         r"texts must give one file for each language"),
+    Case("corpus-flite-without-english", lambda t, f: corpus("fr", t / "c", "--texts", f"fr={text(t, f, 'fr')}",
+                                                             "--flite-test"), r"flite_test speaks English"),
+    Case("corpus-zero-voices", lambda t, f: corpus("en", t / "c", "--texts", f"en={text(t, f)}", "--voices", 0),
+         r"invalid speech corpus options: voices: Input should be greater than or equal to 1"),
+    # simoe
+    Case("simoe-export-not-simoe", lambda t, f: ["simoe", "export", moe(t, f), "--out", t / "x"],
+         r"moe is not a SIMoE checkpoint \(no simoe\.json\)"),
+    Case("simoe-report-missing-run", lambda t, f: ["simoe", "report", t / "nowhere", "--out", t / "x"],
+         r"nowhere is not a SIMoE checkpoint \(no simoe\.json\)"),
+]
+
+
+def btx(t: Path, f: Fx, out) -> tuple[list, Path]:
+    """A BTX recipe (two branch copies of the dense model) with output `out`, and --overwrite."""
+    spec = {"num_experts": 2, "top_k": 1, "layers": [1],
+            "init": {"method": "btx", "branches": [str(dense(t, f, f"b{i}")) for i in range(2)]}}
+    r = write(t / "btx.yaml", yaml.safe_dump({"model": str(dense(t, f)), "out": str(out), "spec": spec}))
+    return ["upcycle", r, "--overwrite"], out
+
+
+def dense_out_of_range_pruned(d: Path) -> None:
+    write(d / "pruned_experts.json", json.dumps({"method": "pruned", "budget": 1,
+                                                 "experts": {"model.layers.1.mlp": [9]}}))
+
+
+MORE = [
+    # outputs named in other ways that are, or hold, an input
+    Case("upcycle-out-empty-string", lambda t, f: upc(dense(t, f), "", "--overwrite"), IS_CWD, cwd="work"),
+    Case("upcycle-out-is-recipe",
+         lambda t, f: (["upcycle", up_recipe(t, f, dense(t, f), t / "up.yaml"), "--overwrite"], t / "up.yaml"),
+         IS_INPUT),
+    Case("upcycle-out-is-btx-branch", lambda t, f: btx(t, f, t / "b1"), r"the output .*b1 is input .*b1"),
+    Case("upcycle-btx-branch-missing", lambda t, f: also(btx(t, f, t / "moe"), shutil.rmtree(t / "b1")),
+         r"'.*b1' is neither an existing model directory nor a built-in model"),
+    Case("report-out-is-trace", lambda t, f: ["routes", "report", f.copy(f.trace, t / "t.npz"), "--out", t / "t.npz",
+                                              "--overwrite"], IS_INPUT),
+    Case("finetune-out-is-data-file",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={text(t, f)}", "--out", t / "en.txt", "--overwrite"], IS_INPUT),
+    Case("corpus-out-is-texts-file", lambda t, f: corpus("en", t / "en.txt", "--texts", f"en={text(t, f)}",
+                                                         "--overwrite"), IS_INPUT),
+    Case("upcycle-out-is-weights-file-of-model",
+         lambda t, f: upc(dense(t, f), t / "dense" / "model.safetensors", "--overwrite"), r"is inside input"),
+    Case("prune-out-is-weights-file-of-model",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--out", t / "moe" / "model.safetensors", "--overwrite"], r"is inside input"),
+    Case("collect-out-is-config-of-model",
+         lambda t, f: collect(moe(t, f), t / "moe" / "config.json", f"en={text(t, f)}", extra=["--overwrite"]),
+         r"is inside input"),
+    # FIFOs and other files that are not regular
+    Case("collect-texts-fifo", lambda t, f: collect(moe(t, f), t / "t.npz", f"en={fifo(t / 'en.txt')}"),
+         r"text file .*en\.txt is not a regular file", seconds=5),
+    Case("finetune-data-fifo",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={fifo(t / 'en.txt')}", "--out", t / "ft"],
+         r"--data file for en .*en\.txt is not a regular file",
+         seconds=20),
+    Case("validate-recipe-fifo", lambda t, f: ["validate", fifo(t / "r.yaml")], r"config file not found: .*r\.yaml",
+         seconds=20),
+    Case("corpus-texts-fifo", lambda t, f: corpus("en", t / "c", "--texts", f"en={fifo(t / 'en.txt')}"),
+         r"text files not found", seconds=20),
+    Case("select-trace-fifo", lambda t, f: ["select", "topk", fifo(t / "t.npz"), "--target", "en", "--budget", 2,
+                                            "--out", t / "s.json"], r"trace .*t\.npz is not a regular file", seconds=5),
+    # command-line syntax (argparse)
+    Case("list-unknown-kind", lambda t, f: ["list", "models"], r"moekit list: .*invalid choice: 'models'"),
+    Case("collect-texts-without-equals", lambda t, f: ["routes", "collect", "--model", moe(t, f), "--texts", "en",
+                                                       "--out", t / "t.npz"], r"expected LANG=FILE, got 'en'"),
+    # tokenizer files
+    Case("dense-tokenizer-json-broken",
+         lambda t, f: upc(dense_with(t, f, lambda d: write(d / "tokenizer.json", "{oops")),
+                                                         t / "moe"), r"has tokenizer files but they do not load"),
+    Case("dense-tokenizer-config-not-json",
+         lambda t, f: upc(dense_with(t, f, lambda d: write(d / "tokenizer_config.json", "{oops")), t / "moe"),
+         r"has tokenizer files but they do not load"),
+    Case("moe-pruned-experts-out-of-range", lambda t, f: ["inspect", moe_with(t, f, dense_out_of_range_pruned)],
+         r"model\.layers\.1\.mlp: expert ids must be distinct and in \[0, 4\), got \[9\]"),
+    Case("inspect-a-file", lambda t, f: ["inspect", write(t / "moekit.json", "{}")], r"is not a moekit checkpoint"),
+    # the model cannot do what is asked
+    Case("export-mixtral-with-dense-layers",
+         lambda t, f: ["export", moe(t, f), "--format", "mixtral", "--out", t / "hf"],
+         r"cannot export to mixtral: decoder layers \[0, 2\] are dense"),
+    Case("export-qwen2-moe-from-llama", lambda t, f: ["export", moe(t, f), "--format", "qwen2_moe", "--out", t / "hf"],
+         r"cannot export to qwen2_moe: the source model must be a Qwen2ForCausalLM, got LlamaForCausalLM"),
+    Case("finetune-dense-model",
+         lambda t, f: ["finetune", "--model", dense(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={text(t, f)}", "--steps", 1, "--out", t / "ft"],
+         r"has no MoE layer moekit can read"),
+    Case("collect-dense-model", lambda t, f: collect(dense(t, f), t / "t.npz", f"en={text(t, f)}"),
+         r"has no MoE layer moekit can read"),
+    Case("collect-max-texts-zero", lambda t, f: collect(moe(t, f), t / "t.npz", f"en={text(t, f)}",
+                                                        extra=["--max-texts", 0]), r"--max-texts must be ≥ 1"),
+    Case("train-model-is-moekit-checkpoint", lambda t, f: ["train", recipe(t, f), f"model.path={moe(t, f)}",
+                                                           f"out={t / 'run'}"],
+         r"is a moekit MoE checkpoint, not a dense model"),
+    Case("train-data-not-jsonl",
+         lambda t, f: ["train", recipe(t, f), f"data.train_files=[{write(t / 'bad.jsonl', 'not json' + chr(10))}]",
+                       f"out={t / 'run'}"], r"bad\.jsonl"),
+    Case("select-target-without-tokens",
+         lambda t, f: ["select", "topk", trace_with(t, f, languages=np.array(["en", "fr", "sw"])), "--target", "sw",
+                       "--budget", 2, "--out", t / "s.json"], r"the trace has no tokens of the target language 'sw'"),
+    Case("trace-ids-float", lambda t, f: ["select", "topk", trace_with(t, f, ids=lambda a: a.astype(np.float32)),
+                                          "--target", "en", "--budget", 2, "--out", t / "s.json"],
+         r"ids has shape .*\(float32\), expected .*\(integer\)"),
+    Case("evaluate-data-missing",
+         lambda t, f: ["evaluate", also(run_dir(t, f), edit_yaml(t / "run" / "recipe.yaml", "data.test_files",
+                                                                 [str(t / "gone.jsonl")]))],
+         r"data file not found: .*gone\.jsonl"),
+    Case("corpus-too-few-texts", lambda t, f: corpus("en", t / "c", "--texts", f"en={text(t, f)}",
+                                                     "--train-per-lang", 5),
+         r"en: only 3 distinct texts of at most 200 characters, need 6"),
+]
+
+CASES = [*GUARDS, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE]
+
+
+def params(cases: list[Case]) -> list:
+    return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.bug)] if c.bug else [])
+            for c in cases]
+
+
+def test_ids_are_distinct_and_enough():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 110
+
+
+@pytest.mark.parametrize("case", params(CASES))
+def test_bad_input(case, fx, tmp_path, run, monkeypatch):
+    check(run, case, tmp_path, fx, monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------- positive controls
+
+
+@pytest.mark.parametrize("form", ["one-flag", "two-flags"])
+def test_texts_of_two_languages_are_accepted_in_both_forms(form, fx, tmp_path, run, monkeypatch):
+    """The repeated-language refusal does not catch distinct languages, in either form of the option."""
+    monkeypatch.chdir(tmp_path)
+    en, fr = text(tmp_path, fx), text(tmp_path, fx, "fr")
+    given = {"one-flag": ["--texts", f"en={en}", f"fr={fr}"],
+             "two-flags": ["--texts", f"en={en}", "--texts", f"fr={fr}"]}[form]
+    rc, _, err = run("routes", "collect", "--model", fx.moe, *given, "--out", tmp_path / "t.npz", "--max-length", 16)
+    assert rc == 0, err
+    from moekit.routing.trace import RoutingTrace
+
+    assert RoutingTrace.load(tmp_path / "t.npz").languages == ["en", "fr"]
+    assert sorted(os.listdir(tmp_path)) == ["en.txt", "fr.txt", "t.npz"]  # no lock or temporary left
+
+
+def test_overwrite_of_an_earlier_output_still_works(fx, tmp_path, run, monkeypatch):
+    """The guards refuse what they must, not an ordinary --overwrite of an earlier output."""
+    monkeypatch.chdir(tmp_path)
+    out = write(tmp_path / "s.json", "{}")
+    rc, _, err = run("select", "topk", fx.trace, "--target", "en", "--budget", 2, "--out", out, "--overwrite")
+    assert rc == 0, err
+    assert json.loads(out.read_text())["method"] == "topk"
+    assert os.listdir(tmp_path) == ["s.json"]  # no lock or temporary left
