@@ -175,3 +175,17 @@ def test_evaluate_reproduces_a_finished_run(name, tiny_speech, tmp_path, run):
     again = json.loads((out / "results.json").read_text())
     assert again["languages"] == first["languages"] and again["transcripts"] == first["transcripts"]
     assert again["routing"]["cramers_v"] == first["routing"]["cramers_v"]
+
+
+def test_whisper_moe_in_both_stacks_trains_and_evaluates_without_routing_stack(tiny_speech, tmp_path, run):
+    """Experts in Whisper's encoder and decoder route different token counts; the default routing statistics
+    are the encoder's (the run used to pass validation, train, then fail in evaluation)."""
+    path = RECIPES[ids.index("ume_whisper_tiny")]
+    out = tmp_path / "run"
+    over = tiny_overrides(path, tiny_speech, out, **{"moe.target": None, "eval.routing_stack": None})
+    rc, _, err = run("train", path, *over)
+    assert rc == 0, err
+    model = load_model(out / "model")
+    assert {p.split(".")[1] for p, _ in moe_layers(model)} == {"encoder", "decoder"}
+    layers = json.loads((out / "results.json").read_text())["routing"]["layers"]
+    assert layers and all(".encoder." in layer for layer in layers)

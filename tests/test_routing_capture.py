@@ -119,3 +119,31 @@ def test_speech_encoder_frames_without_token_ids():
         with RoutingCapture(model) as cap:
             model(input_features=feats)
             cap.record(None, None, language="sw")
+
+
+def test_llama4_router_scores_are_read_and_rerouted():
+    """Llama 4's router returns (scores (T, E), logits); its decision is the top-k of the scores."""
+    import transformers as tf
+
+    from moekit.routing.permutation import permutation_test
+
+    cfg = tf.Llama4TextConfig(hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=100,
+                              num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=1)
+    torch.manual_seed(0)
+    model = tf.Llama4ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (2, 7))
+    seen = []
+    router = model.model.layers[0].feed_forward.router
+    hook = router.register_forward_hook(lambda m, args, out: seen.append(out[1].detach()))
+    with RoutingCapture(model) as cap:
+        cap.run(ids, torch.ones_like(ids), language="en")
+    hook.remove()
+    trace = cap.trace()
+    assert trace.num_layers == 2 and trace.top_k == 2 and trace.num_tokens == 14
+    top = seen[0].topk(2, dim=-1)  # the router's own top-k; weights are sigmoid of the kept logits
+    assert np.array_equal(np.sort(trace.ids[0], -1), top.indices.sort(-1).values.numpy())
+    np.testing.assert_allclose(np.sort(trace.weights[0], -1), torch.sigmoid(top.values).sort(-1).values.numpy(),
+                               rtol=1e-6)
+    result = permutation_test(model, [{"input_ids": ids, "labels": ids}], [1.0])
+    assert result.losses[1.0] != result.base  # rerouting changed the experts used

@@ -30,7 +30,7 @@ def load_run_model(recipe: Recipe, folder: Path):
         from moekit.assets import resolve_model
 
         return PeftModel.from_pretrained(load_base(recipe, resolve_model(recipe.model.path)), folder).eval()
-    return load_model(folder)
+    return load_model(folder, trust_remote_code=getattr(recipe.model, "trust_remote_code", False))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> None:
     recipe = load_recipe(run_dir / "recipe.yaml", [f"out={run_dir}"])
     if recipe.task == "asr":
         return run_asr(recipe, run_dir)
-    tok = load_tokenizer(run_dir / "model")
+    tok = load_tokenizer(run_dir / "model", getattr(recipe.model, "trust_remote_code", False))
     ref_file = run_dir / "dense_reference.safetensors"
     ref = DenseReference.load(run_dir) if ref_file.is_file() else None
     _, test = load_data(recipe)
