@@ -1,7 +1,8 @@
 """Bad inputs and faults, command by command: every row runs the CLI in-process on something wrong and asserts
 
 1. exit code 2,
-2. stderr is exactly one line `moekit: error: ...` that names the problem (a regex per row),
+2. stderr ends with exactly one line `moekit: error: ...` that names the problem (a regex per row); only progress
+   lines may precede it,
 3. nothing new in the output's parent directory (no `.NAME.moekit-tmp-*`, `-lock`, `-partial`, no output),
 4. every file that existed under the test's directory (and the shared fixtures) is still there, byte for byte.
 
@@ -28,6 +29,7 @@ import pytest
 import yaml
 
 ERR = "moekit: error: "
+PROGRESS = re.compile(r"^[a-z]+ \d+/(\d+|\?) \S* ?\(\d+ s(, ETA \d+ s)?\)$")
 LEFTOVER = re.compile(r"\.moekit-(tmp-|lock|partial)")
 CASE_SECONDS = 120  # a row that hangs (e.g. reading a FIFO or /dev/zero) fails instead of blocking the run
 MAX_RSS_GROWTH = 1 << 30  # bytes; a row that allocates what a hostile file asks for shows up here
@@ -165,7 +167,8 @@ def check(run, case: Case, t: Path, fx: Fx, monkeypatch) -> str:
     shown = f"moekit {' '.join(argv)}\nrc={rc}\nstderr={err!r}\nstdout={stdout[-2000:]!r}"
     # 1. exit code; 2. one line naming the problem
     assert rc == 2, shown
-    assert err.endswith("\n") and err.count("\n") == 1 and err.startswith(ERR), shown
+    lines = err.splitlines()  # progress lines (`upcycling 2/4 model.layers.1.mlp (0 s)`) may precede the error
+    assert err.endswith("\n") and lines[-1].startswith(ERR) and all(PROGRESS.match(x) for x in lines[:-1]), shown
     assert "Traceback" not in err and "MOEKIT_DEBUG" not in err, shown  # not an unexpected exception
     assert re.search(case.match, err), f"{shown}\nexpected to match: {case.match!r}"
     # 3. no leftovers beside the output, nothing new anywhere
@@ -637,10 +640,14 @@ CHECKPOINT_FILES = [
          lambda t, f: upc(dense_with(t, f, lambda d: edit_json(d / "config.json",
                                                                lambda c: c.update(architectures=["EvilForCausalLM"]))),
                           t / "moe"), r"model class 'EvilForCausalLM' is not a transformers or moekit model class"),
-    Case("dense-result-does-not-fit-disk",
+    Case("dense-config-disagrees-with-weights",
          lambda t, f: upc(dense_with(t, f, lambda d: edit_json(d / "config.json", lambda c: c.update(
              vocab_size=100_000_000, hidden_size=65536, num_attention_heads=512, num_key_value_heads=8,
-             head_dim=128))), t / "moe"), r"not enough disk space for .*moe: it needs about"),
+             head_dim=128))), t / "moe"), r"model\.embed_tokens\.weight is \[128, 32\] in the weights but "
+                                          r"\[100000000, 65536\] by its config\.json"),
+    Case("dense-result-does-not-fit-disk",
+         lambda t, f: ["upcycle", "--model", dense(t, f), "--experts", 10**9, "--top-k", 2, "--out", t / "moe"],
+         r"not enough disk space for .*moe: it needs about"),
     # moekit checkpoint: weight files (inspect, export, routes collect, prune)
     Case("moe-weights-truncated-inspect",
          lambda t, f: ["inspect", moe_with(t, f, lambda d: truncate(d / "model.safetensors"))],
@@ -965,7 +972,7 @@ NUMBERS_AND_WRONG_INPUT = [
          r"no MoE layer path matches 'nothing_here'"),
     # export / inspect
     Case("export-unknown-format", lambda t, f: ["export", moe(t, f), "--format", "gpt5", "--out", t / "hf"],
-         r"unknown export format 'gpt5'; choose one of: .*mixtral"),
+         r"invalid choice: 'gpt5' \(choose from 'mixtral', 'qwen2_moe', 'qwen3_moe'\)"),
     Case("export-dense-input", lambda t, f: ["export", dense(t, f), "--format", "mixtral", "--out", t / "hf"],
          r"is not a moekit checkpoint \(no moekit\.json\)"),
     Case("inspect-dense-dir", lambda t, f: ["inspect", dense(t, f)], r"is not a moekit checkpoint \(no moekit\.json\)"),
@@ -1122,8 +1129,8 @@ MORE = [
     Case("export-mixtral-with-dense-layers",
          lambda t, f: ["export", moe(t, f), "--format", "mixtral", "--out", t / "hf"],
          r"cannot export to mixtral: decoder layers \[0, 2\] are dense"),
-    Case("export-qwen2-moe-from-llama", lambda t, f: ["export", moe(t, f), "--format", "qwen2_moe", "--out", t / "hf"],
-         r"cannot export to qwen2_moe: the source model must be a Qwen2ForCausalLM, got LlamaForCausalLM"),
+    Case("export-qwen3-moe-from-llama", lambda t, f: ["export", moe(t, f), "--format", "qwen3_moe", "--out", t / "hf"],
+         r"cannot export to qwen3_moe: the source model must be a Qwen3ForCausalLM, got LlamaForCausalLM"),
     Case("finetune-dense-model",
          lambda t, f: ["finetune", "--model", dense(t, f), "--experts", f.copy(f.sel, t / "s.json"),
                        "--data", f"en={text(t, f)}", "--steps", 1, "--out", t / "ft"],

@@ -204,7 +204,7 @@ def test_pickle_checkpoint_needs_allow_pickle(tmp_path, run):
 def test_export_refusals(dense, tmp_path, run):
     moe, out = tmp_path / "moe", tmp_path / "native"
     assert run("upcycle", "--model", dense, "--experts", 4, "--top-k", 2, "--out", moe)[0] == 0
-    assert "unknown export format 'gguf'" in refused(run, out, "export", moe, "--format", "gguf", "--out", out)
+    assert "invalid choice: 'gguf'" in refused(run, out, "export", moe, "--format", "gguf", "--out", out)
     assert "not a moekit checkpoint" in refused(run, out, "export", dense, "--format", "mixtral", "--out", out)
 
 

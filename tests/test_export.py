@@ -148,12 +148,12 @@ def _dropout(model):
 
 
 REFUSALS = {
-    "dense layers": ("mixtral", lambda: moe_model(tiny_llama, every=2), "no dense layers.*qwen3_moe"),
+    "dense layers": ("mixtral", lambda: moe_model(tiny_llama, every=2), "no dense layers.*qwen2_moe"),
     "scoring": ("mixtral", lambda: moe_model(tiny_llama, router={"scoring": "softmax_topk"}), "renormalizes"),
     "shared": ("mixtral", lambda: moe_model(tiny_llama, shared_expert=True, init="noise"), "shared expert"),
     "family mixtral": ("mixtral", lambda: moe_model(tiny_qwen2), "LlamaForCausalLM or MistralForCausalLM"),
     "family qwen3": ("qwen3_moe", lambda: moe_model(tiny_llama), "Qwen3ForCausalLM"),
-    "family qwen2": ("qwen2_moe", lambda: moe_model(tiny_qwen3), "Qwen2ForCausalLM"),
+    "family qwen2": ("qwen2_moe", lambda: moe_model(tiny_qwen3), "Qwen2ForCausalLM or LlamaForCausalLM or MistralForCausalLM"),
     "qwen3 shared": ("qwen3_moe", lambda: moe_model(tiny_qwen3, shared_expert=True, init="noise"), "shared expert"),
     "router_sharing": ("qwen3_moe", lambda: moe_model(tiny_qwen3, router_sharing="all"), "routers are shared"),
     "same router object": ("mixtral", lambda: _share_router(moe_model(tiny_llama)), "routers are shared"),

@@ -18,22 +18,23 @@ from moekit import _fs
 from moekit.errors import OutputBusyError, OutputExistsError, UnsafeOutputError, WriteError
 from moekit.testing import tiny_llama, tiny_tokenizer
 
-# the CLI with moekit.io.write_checkpoint slowed down: it writes the checkpoint into the temporary directory,
-# signals READY (a file) and sleeps, so that a test can act while a save is half-way
+# the CLI with the streaming writer slowed down: it writes the weights into the temporary directory, signals
+# READY (a file) and sleeps, so that a test can act while a save is half-way
 SLOW_SAVE = textwrap.dedent('''
     import os, sys, time
     from pathlib import Path
-    import moekit.io as mio
+    import moekit.checkpoint.upcycle as up
     from moekit.cli.main import main
 
-    write = mio.write_checkpoint
+    write = up.write_units
 
-    def slow(model, folder):
-        write(model, folder)
+    def slow(folder, *args, **kwargs):
+        n = write(folder, *args, **kwargs)
         Path(os.environ["READY"]).write_text(str(folder))
         time.sleep(float(os.environ.get("SLEEP", "60")))
+        return n
 
-    mio.write_checkpoint = slow
+    up.write_units = slow
     sys.exit(main(sys.argv[1:]))
 ''')
 

@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 import transformers
 from pydantic import BaseModel, ValidationError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers.initialization import no_init_weights
 
 from moekit._fs import output, read_small
 from moekit.checkpoint.files import read_headers, weight_files
 from moekit.checkpoint.meta import MoekitMeta
+from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
 from moekit.errors import CheckpointError, MoekitError, NumericsError
 from moekit.moe.build import from_layout, layout
@@ -34,42 +35,33 @@ from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.surgery import slot_at
 
-SHARD_BYTES = 1 << 30
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 
 
 def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """state_dict with each storage once; aliases maps a dropped key to the key that is kept."""
+    """state_dict with each tensor once (tied embeddings, shared routers); aliases maps a dropped key to the
+    key that is kept. Real tensors are matched by storage, meta ones (no storage) by identity."""
     kept, aliases, seen = {}, {}, {}
-    for k, v in model.state_dict().items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)
+    for k, v in model.state_dict(keep_vars=True).items():
+        key = id(v) if v.is_meta else (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)
         if key in seen:
             aliases[k] = seen[key]
         else:
             seen[key] = k
-            kept[k] = v.contiguous()
+            kept[k] = v.detach().contiguous()
     return kept, aliases
 
 
-def save_weights(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
-    shards, cur, size = [], {}, 0
-    for k, v in tensors.items():
-        n = v.numel() * v.element_size()
-        if cur and size + n > shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[k], size = v, size + n
-    shards.append(cur)
-    if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
-        return
-    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in tensors.values())},
-             "weight_map": {}}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / name, metadata={"format": "pt"})
-        index["weight_map"].update({k: name for k in shard})
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+def save_weights(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: int = DEFAULT_SHARD) -> None:
+    """Sharded safetensors (+ index), written by moekit.checkpoint.writer like the streaming paths."""
+    writer = ShardWriter(folder, [Planned(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], shard_bytes)
+    try:
+        for k, v in tensors.items():
+            writer.write(k, v)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -97,24 +89,26 @@ def load_generation_config(model: nn.Module, folder: Path) -> None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
 
 
-def write_checkpoint(model: nn.Module, folder: Path) -> None:
-    """Write config.json, the weights (shared tensors once) and moekit.json into an existing folder."""
-    layers = moe_layers(model)
-    if not layers:
-        raise CheckpointError("the model has no MoE layers; use model.save_pretrained for dense models")
+def moekit_meta(model: nn.Module, aliases: dict[str, str]) -> dict:
+    """moekit.json of an MoE model (also of one on the meta device: layouts and router owners only)."""
     spec: MoESpec | None = getattr(model, "moekit_spec", None)
     router_owner: dict[int, str] = {}
     entries = []
-    for path, moe in layers:
+    for path, moe in moe_layers(model):
         owner = router_owner.setdefault(id(moe.router), path)
         entries.append({"path": path, **moe.slot, "layout": layout(moe), "router_of": owner})
+    return {"format": MoekitMeta.FORMAT, "architecture": type(model).__name__,
+            "spec": None if spec is None else spec.model_dump(mode="json"), "layers": entries, "aliases": aliases}
+
+
+def write_checkpoint(model: nn.Module, folder: Path) -> None:
+    """Write config.json, the weights (shared tensors once) and moekit.json into an existing folder."""
+    if not moe_layers(model):
+        raise CheckpointError("the model has no MoE layers; use model.save_pretrained for dense models")
     tensors, aliases = unique_tensors(model)
-    meta = {"format": MoekitMeta.FORMAT, "architecture": type(model).__name__,
-            "spec": None if spec is None else spec.model_dump(mode="json"),
-            "layers": entries, "aliases": aliases}
     save_configs(model, folder)
     save_weights(tensors, folder)
-    (folder / "moekit.json").write_text(json.dumps(meta, indent=2))
+    (folder / "moekit.json").write_text(json.dumps(moekit_meta(model, aliases), indent=2))
     from moekit.select.common import write_pruned
 
     write_pruned(model, folder)  # a pruned model's disabled experts, re-applied by load()
@@ -269,21 +263,32 @@ def _build(meta: dict, config, folder: Path) -> nn.Module:
     return model
 
 
+def build_from_meta(folder: str | Path) -> tuple[nn.Module, dict]:
+    """(the model a moekit checkpoint describes, on the meta device, checked against its shard headers; its
+    validated moekit.json)."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    config = load_config(folder)
+    with torch.device("meta"):
+        model = _build(meta, config, folder)
+    check_headers(model, folder, meta["aliases"])
+    if meta["spec"] is not None:
+        model.moekit_spec = validate(MoESpec, meta["spec"], source=f"MoE spec in {folder}/moekit.json")
+    return model, meta
+
+
 def load(folder: str | Path) -> nn.Module:
     """Load a moekit checkpoint; outputs are bit-identical to the saved model's. The metadata is validated
     and the model it describes is checked against the shard headers on the meta device first, so a
     damaged or hostile checkpoint is refused before any large allocation."""
     folder = Path(folder)
-    meta = read_meta(folder)
-    config = load_config(folder)
-    with torch.device("meta"):
-        check_headers(_build(meta, config, folder), folder, meta["aliases"])
-    model = _build(meta, config, folder)
+    empty, meta = build_from_meta(folder)
+    model = _build(meta, empty.config, folder)
     load_state(model, folder, meta)
     model.tie_weights()
     load_generation_config(model, folder)
-    if meta["spec"] is not None:
-        model.moekit_spec = validate(MoESpec, meta["spec"], source=f"MoE spec in {folder}/moekit.json")
+    if hasattr(empty, "moekit_spec"):
+        model.moekit_spec = empty.moekit_spec
     return reapply_pruning(model.eval(), folder)
 
 
@@ -300,11 +305,7 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     """Load a dense HF model from a local directory: safetensors only unless `allow_pickle`, custom code only
     with `trust_remote_code`, shard files validated first, weights checked finite unless `allow_nonfinite`."""
     path = check_dense_dir(path)
-    has_st = any(path.glob("*.safetensors"))
-    if not has_st and not allow_pickle:
-        found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}))
-        raise CheckpointError(f"{path} has no safetensors weights{f' (found {found})' if found else ''}; pickle "
-                              "checkpoints can run arbitrary code: pass --allow-pickle only if you trust them")
+    has_st = has_safetensors(path, allow_pickle)
     config = load_config(path, trust_remote_code)
     if has_st:
         read_headers(path)  # shard names, headers and coverage checked before transformers opens anything
@@ -341,6 +342,17 @@ def meta_model(path: str | Path, trust_remote_code: bool = False) -> nn.Module:
         if arch and not trust_remote_code:
             return model_class(arch, path)._from_config(config)
         return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def has_safetensors(path: Path, allow_pickle: bool) -> bool:
+    """Whether `path` holds safetensors weights; without them, pickle weights only with `allow_pickle`."""
+    if any(path.glob("*.safetensors")):
+        return True
+    if not allow_pickle:
+        found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}))
+        raise CheckpointError(f"{path} has no safetensors weights{f' (found {found})' if found else ''}; pickle "
+                              "checkpoints can run arbitrary code: pass --allow-pickle only if you trust them")
+    return False
 
 
 def check_finite(tensors, where: str) -> None:

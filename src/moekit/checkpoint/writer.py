@@ -117,14 +117,19 @@ class ShardWriter:
         start = slot.start + (0 if index is None else index * (p.nbytes // p.shape[0]))
         _pwrite(self._fd_of[slot.file], memoryview(data.numpy()), start)
 
+    def abort(self) -> None:
+        """Close the files after a failure (the caller removes the directory)."""
+        for fd in self._fd_of.values():
+            os.close(fd)
+        self._fd_of.clear()
+
     def close(self) -> None:
         """Check completeness, write the index (several shards) and close the files."""
         missing = [n for n, s in self.slots.items()
                    if None not in s.written and len(s.written) != (s.planned.shape[0] if s.planned.shape else 1)]
         for fd in self._fd_of.values():
             os.fsync(fd)
-            os.close(fd)
-        self._fd_of.clear()
+        self.abort()
         if missing:
             raise CheckpointError(f"internal error: tensors never written: {missing[:3]}")
         if len(self.files) > 1:

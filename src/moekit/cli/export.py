@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from moekit.cli.common import err_console, out_console
+from moekit.cli.common import out_console, progress
+from moekit.cli.upcycle import DTYPES, size_arg
 
 
 def add_parser(sub) -> None:
@@ -11,24 +12,23 @@ def add_parser(sub) -> None:
                        description="Export a moekit checkpoint as a native transformers MoE model "
                                    "(see `moekit list formats`).")
     p.add_argument("dir", help="moekit checkpoint directory")
-    p.add_argument("--format", required=True, help="mixtral, qwen3_moe, qwen2_moe, ...")
+    p.add_argument("--format", required=True, choices=["mixtral", "qwen2_moe", "qwen3_moe"])
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="output dtype (default: auto = the checkpoint's own)")
+    p.add_argument("--max-shard-size", default="5GB", type=size_arg, help="largest output shard (default: 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
     from moekit._fs import reserve
-    from moekit.export import EXPORTERS, export_model
-    from moekit.io import load, load_tokenizer, read_meta
+    from moekit.checkpoint.upcycle import export_checkpoint
+    from moekit.export import EXPORTERS
 
     EXPORTERS.get(args.format)  # unknown format: ConfigError before any loading
-    with reserve(args.out, [args.dir], args.overwrite):
-        read_meta(args.dir)
-        tokenizer = load_tokenizer(args.dir)
-        with err_console().status(f"loading {args.dir}"):
-            model = load(args.dir)
-        with err_console().status(f"exporting to {args.out}"):
-            export_model(model, args.format, args.out, overwrite=args.overwrite, tokenizer=tokenizer)
-    out_console().print(f"exported {args.dir} as {args.format} to {args.out}"
-                        f"{' with tokenizer' if tokenizer is not None else ''}")
+    with reserve(args.out, [args.dir], args.overwrite) as out, progress("exporting") as step:
+        w = export_checkpoint(args.dir, out, args.format, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                              overwrite=args.overwrite, progress=lambda done, total, path: step(done, total, path))
+    out_console().print(f"exported {args.dir} as {w.format} to {args.out}: {w.dtype}, {w.bytes / 1e9:.2f} GB in "
+                        f"{w.seconds:.1f} s, peak RSS {w.peak_rss / 2**30:.2f} GiB")

@@ -6,18 +6,21 @@ branch paths) is checked before the model is loaded; nothing is written unless u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import time
-from functools import partial
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from moekit.assets import model_inputs, resolve_model
 from moekit.cli.common import err_console, human, out_console, progress
 from moekit.config import Config, apply_overrides, read_yaml, validate
-from moekit.errors import ConfigError, ResourceError
-from moekit.metrics import param_counts
+from moekit.errors import ConfigError
 from moekit.moe.spec import MoESpec
-from moekit.upcycle import upcycle
+
+FORMATS = ("auto", "moekit", "mixtral", "qwen2_moe", "qwen3_moe")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class UpcycleRecipe(Config):
@@ -27,6 +30,26 @@ class UpcycleRecipe(Config):
     model: str
     out: str
     spec: MoESpec
+
+
+def size_arg(text: str) -> int:
+    from moekit.checkpoint.writer import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def device_arg(text: str) -> str:
+    """auto | cpu | cuda | cuda:N (auto: cuda when torch sees one)."""
+    if text == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
 
 
 def int_list(text: str) -> list[int]:
@@ -61,13 +84,24 @@ def add_parser(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec field, e.g. init.rho=1e-3 or router.jitter=0.01 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    p.add_argument("--allow-pickle", action="store_true", help="load pickle (.bin) checkpoints (runs their code)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept pickle (.bin) weights: they are converted to safetensors first (pickle runs code)")
+    p.add_argument("--format", default="moekit", choices=FORMATS,
+                   help="output format (default: moekit); auto: a native transformers format when one represents "
+                        "the MoE exactly, else moekit")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="output dtype (default: auto = the checkpoint's own); init math runs in float32")
+    p.add_argument("--device", default="cpu", type=device_arg,
+                   help="where the init math runs: auto, cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--max-shard-size", default="5GB", type=size_arg, help="largest output shard (default: 5GB)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow models whose directory ships its own Python code (auto_map); it will run")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="proceed although the dense weights or the initialized experts hold NaN or Inf")
     p.add_argument("--force", action="store_true",
                    help="proceed although the estimated memory exceeds what this machine has available")
+    p.epilog = ("Defaults: 8 experts, top-2, init naive, every FFN, no shared expert, router scoring of the method. "
+                "The checkpoint is read and written tensor by tensor (safetensors only).")
     p.set_defaults(run=run)
 
 
@@ -112,54 +146,49 @@ def inputs_of(args: argparse.Namespace, recipe: UpcycleRecipe) -> list[Path]:
     return paths + ([Path(args.recipe)] if args.recipe else [])
 
 
-def plan(args: argparse.Namespace, recipe: UpcycleRecipe, model_dir: Path) -> tuple[int, int]:
-    """(MoE layers, bytes) of the result, from the model's config on the meta device (no weights read);
-    refuses, before any work, a spec that does not fit the model or a result the disk or memory cannot
-    hold (memory: the dense model, its MoE and the save, about 1.5x the result; --force skips that check)."""
-    from moekit._fs import available_memory, check_space
-    from moekit.io import meta_model
-    from moekit.upcycle import added_parameters, selected_slots
+@contextlib.contextmanager
+def safetensors_of(model_dir: Path, args: argparse.Namespace, out: Path):
+    """The model directory itself, or (--allow-pickle, pickle weights only) a temporary safetensors copy
+    beside the output, removed afterwards: upcycling streams safetensors."""
+    from moekit._fs import TMP
+    from moekit.io import has_safetensors, load_dense
 
-    meta = meta_model(model_dir, args.trust_remote_code)
-    layers = len(selected_slots(meta, recipe.spec))
-    params = sum(p.numel() for p in meta.parameters()) + added_parameters(meta, recipe.spec)
-    size = params * 4  # loaded and written in float32
-    check_space(recipe.out, size)
-    need, have = int(size * 1.5), available_memory()
-    if need > have and not args.force:
-        raise ResourceError(f"upcycling {model_dir} needs about {need / 2**30:.1f} GiB of memory, "
-                            f"{have / 2**30:.1f} GiB are available; pass --force to try anyway")
-    return layers, size
+    if has_safetensors(model_dir, args.allow_pickle):
+        yield model_dir
+        return
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}{TMP}{os.getpid()}-pickle", dir=out.parent) as tmp:
+        with err_console().status(f"converting the pickle weights of {model_dir} to safetensors"):
+            load_dense(model_dir, allow_pickle=True, trust_remote_code=args.trust_remote_code,
+                       allow_nonfinite=args.allow_nonfinite).save_pretrained(tmp)
+        for f in model_dir.iterdir():  # tokenizer and generation files
+            if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja") and not (Path(tmp) / f.name).exists():
+                shutil.copyfile(f, Path(tmp) / f.name)
+        yield Path(tmp)
 
 
 def run(args: argparse.Namespace) -> None:
     from moekit._fs import guard, reserve
-    from moekit.io import load_dense, load_tokenizer, save
+    from moekit.checkpoint.upcycle import upcycle_checkpoint
 
-    start = time.perf_counter()
     recipe = read_recipe(args)
     spec, inputs = recipe.spec, inputs_of(args, recipe)
     guard(recipe.out, inputs, args.overwrite)  # before resolving (possibly fetching) any model
     console = err_console()
     with reserve(recipe.out, inputs, args.overwrite) as out:
         model_dir = resolve_model(recipe.model, log=console.print)
-        branch_dirs = [resolve_model(b, log=console.print) for b in getattr(spec.init, "branches", [])]
-        n, size = plan(args, recipe, model_dir)
-        tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
-        load = partial(load_dense, allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code,
-                       allow_nonfinite=args.allow_nonfinite)
-        with console.status(f"loading {model_dir}"):
-            model, branches = load(model_dir), [load(b) for b in branch_dirs]
-        dense_params = sum(p.numel() for p in model.parameters())
-        with progress("upcycling", n) as step:
-            upcycle(model, spec, branches or None, allow_nonfinite=args.allow_nonfinite,
-                    progress=lambda path: step(note=path))
-        with console.status(f"saving {recipe.out}"):
-            save(model, out, overwrite=args.overwrite, tokenizer=tokenizer)
-    total, active = param_counts(model)
+        branches = [resolve_model(b, log=console.print) for b in getattr(spec.init, "branches", [])]
+        if branches:
+            spec = spec.model_copy(update={"init": spec.init.model_copy(update={"branches": list(map(str, branches))})})
+        with safetensors_of(model_dir, args, out) as source, progress("upcycling") as step:
+            w = upcycle_checkpoint(source, out, spec, format=args.format, dtype=args.dtype, device=args.device,
+                                   max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                                   trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite,
+                                   force=args.force, inputs=inputs, progress=lambda done, total, path: step(done, total, path),
+                                   base_model=recipe.model)
     show = out_console().print
-    show(f"upcycled {n} FFNs of {model_dir} into MoE layers: {spec.num_experts} experts, top-{spec.top_k}, "
+    show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.num_experts} experts, top-{spec.top_k}, "
          f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")
-    show(f"parameters: dense {human(dense_params)}, total {human(total)}, active {human(active)}")
-    show(f"saved to {recipe.out}{' with tokenizer' if tokenizer is not None else ''} "
-         f"in {time.perf_counter() - start:.1f} s")
+    show(f"parameters: total {human(w.params[0])}, active {human(w.params[1])}")
+    show(f"format {w.format}: {w.why}")
+    show(f"wrote {recipe.out}: {w.format}, {w.dtype}, {w.bytes / 1e9:.2f} GB in {w.seconds:.1f} s, "
+         f"peak RSS {w.peak_rss / 2**30:.2f} GiB")

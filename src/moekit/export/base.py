@@ -2,25 +2,28 @@
 must share (a native config has one), the checks that keep the export exact, the config fields copied
 from the source, and building the native model from a renamed state dict.
 
-An exporter is a function `model -> transformers.PreTrainedModel` registered in EXPORTERS; it raises
-ExportError (one reason) before anything is written.
+An exporter is a NativeFormat registered in EXPORTERS: `fmt(model)` gives the native model, and its
+pieces (plan, config, per-layer tensor names) drive the streaming writers. It raises ExportError (one
+reason) before anything is written.
 """
 from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
 
+from moekit.checkpoint.parts import Item, LayerParts, assemble, routed_items
 from moekit.errors import ExportError
 from moekit.moe.layer import MoELayer, moe_layers
 from moekit.registry import Registry
 
-EXPORTERS: Registry[Callable[[nn.Module], PreTrainedModel]] = Registry("export format")
+EXPORTERS: Registry["NativeFormat"] = Registry("export format")
 
 _DECODER_MLP = re.compile(r"model\.layers\.(\d+)\.mlp")
 _COPIED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -135,20 +138,55 @@ def copied_config(model: nn.Module, *extra: str) -> dict:
     return {**out, "dtype": model.dtype}
 
 
-def routed_tensors(moe: MoELayer) -> dict[str, Tensor]:
-    """Router and routed experts under native names; moekit already stores the native layout:
-    gate_up (E, 2I, H) = [gate; up] along dim 1, down (E, H, I), router (E, H)."""
-    return {"gate.weight": moe.router.weight.detach(), "experts.gate_up_proj": moe.experts.gate_up.detach(),
-            "experts.down_proj": moe.experts.down.detach()}
+def qwen_moe_fields(p: MoEPlan, num_layers: int) -> dict:
+    """Qwen-MoE config fields: dense layers listed in mlp_only_layers (decoder_sparse_step = 1), and
+    norm_topk_prob = renormalized top-k weights (moekit scoring "topk_softmax")."""
+    return {"num_experts": p.num_experts, "num_experts_per_tok": p.top_k, "moe_intermediate_size": p.intermediate_size,
+            "norm_topk_prob": p.scoring == "topk_softmax", "decoder_sparse_step": 1,
+            "mlp_only_layers": p.dense_layers(num_layers)}
 
 
-def native_state(model: nn.Module, p: MoEPlan, moe_tensors: Callable[[MoELayer], dict[str, Tensor]]) -> dict:
-    """The source state dict with each MoE MLP's entries replaced by `moe_tensors(moe)` (names relative to the MLP)."""
-    prefixes = tuple(f"model.layers.{i}.mlp." for i in p.layers)
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
-    for i, moe in p.layers.items():
-        state.update({f"model.layers.{i}.mlp.{k}": v for k, v in moe_tensors(moe).items()})
-    return state
+class NativeFormat:
+    """A transformers MoE architecture moekit writes. Subclasses give the source classes, the checks, the
+    native config and how one MoE layer's parts are named; the same pieces serve the in-memory export
+    (`fmt(model)` -> the native model) and the streaming ones (moekit.checkpoint.stream), where `model` is
+    built on the meta device."""
+
+    name: ClassVar[str]
+    native: ClassVar[type[PreTrainedModel]]
+    sources: ClassVar[tuple[type, ...]]
+
+    def plan(self, model: nn.Module) -> MoEPlan:
+        """Every check (one ExportError with the reason) and the layout the native config needs."""
+        check_source(model, self.name, self.sources)
+        p = plan(model, self.name)
+        self.check(model, p)
+        return p
+
+    def check(self, model: nn.Module, p: MoEPlan) -> None:
+        """Format-specific refusals."""
+
+    def config(self, model: nn.Module, p: MoEPlan) -> PretrainedConfig:
+        raise NotImplementedError
+
+    def layer_items(self, parts: LayerParts, p: MoEPlan) -> Iterator[Item]:
+        """The native tensors of one MoE layer (names relative to its MLP). Default: routed experts only."""
+        return routed_items(parts, "experts.gate_up_proj", "experts.down_proj", "gate.weight")
+
+    def extra_tensors(self, model: nn.Module, p: MoEPlan) -> dict[str, Tensor]:
+        """Native tensors the source lacks (e.g. zero q/k/v biases), by full name."""
+        return {}
+
+    def __call__(self, model: nn.Module) -> PreTrainedModel:
+        """The native model holding `model`'s weights (in-memory export)."""
+        p = self.plan(model)
+        prefixes = tuple(f"model.layers.{i}.mlp." for i in p.layers)
+        state = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+        for i, moe in p.layers.items():
+            layer = assemble(self.layer_items(LayerParts(moe), p))
+            state.update({f"model.layers.{i}.mlp.{k}": v for k, v in layer.items()})
+        state.update(self.extra_tensors(model, p))
+        return build_native(self.native, self.config(model, p), model, state, self.name)
 
 
 def build_native(cls: type[PreTrainedModel], config: PretrainedConfig, model: nn.Module, state: dict,
@@ -164,11 +202,3 @@ def build_native(cls: type[PreTrainedModel], config: PretrainedConfig, model: nn
     if getattr(model, "generation_config", None) is not None:
         native.generation_config = copy.deepcopy(model.generation_config)
     return native.eval()
-
-
-def qwen_moe_fields(p: MoEPlan, num_layers: int) -> dict:
-    """Qwen-MoE config fields: dense layers listed in mlp_only_layers (decoder_sparse_step = 1), and
-    norm_topk_prob = renormalized top-k weights (moekit scoring "topk_softmax")."""
-    return {"num_experts": p.num_experts, "num_experts_per_tok": p.top_k, "moe_intermediate_size": p.intermediate_size,
-            "norm_topk_prob": p.scoring == "topk_softmax", "decoder_sparse_step": 1,
-            "mlp_only_layers": p.dense_layers(num_layers)}

@@ -1,0 +1,61 @@
+"""Provenance: the README.md model card every moekit output directory gets (Hugging Face Hub's YAML header:
+base_model, library_name, tags; a body with the method and its paper, the spec, seed, dtype, version, the
+command, parameter counts and what was checked)."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+
+def moekit_version() -> str:
+    try:
+        return metadata.version("moekit")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def command_line() -> str:
+    """The command that is running, as a user would type it (`moekit ...` for the CLI)."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name in ("moekit", "__main__.py"):
+        argv[0] = "moekit"
+    return shlex.join(argv)
+
+
+def paper_of(method: str) -> str:
+    """The first line of the init method's docstring (it names the paper and equations)."""
+    from moekit.init import EXPERT_INITS
+
+    if method not in EXPERT_INITS:
+        return ""
+    return " ".join((EXPERT_INITS.get(method).__doc__ or "").strip().split("\n\n")[0].split())
+
+
+def write_card(folder: Path, *, title: str, base_model: str | None, method: str | None, spec: dict | None = None,
+               fmt: str, dtype: str, params: tuple[int, int] | None = None, checked: list[str] = (),
+               extra: dict | None = None) -> Path:
+    """Write `folder`/README.md."""
+    tags = ["moe", *(["upcycling", method] if method else [])]
+    header = {"library_name": "moekit", "tags": tags, **({"base_model": base_model} if base_model else {})}
+    lines = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "", f"# {title}", ""]
+    facts = {"format": fmt, "dtype": dtype, "moekit version": moekit_version(), "command": f"`{command_line()}`"}
+    if method:
+        facts = {"method": f"`{method}`: {paper_of(method)}", **facts}
+    if spec is not None:
+        facts["seed"] = spec.get("seed")
+    if params is not None:
+        facts["parameters"] = f"{params[0]:,} total, {params[1]:,} active per token"
+    facts.update(extra or {})
+    lines += [f"- **{k}**: {v}" for k, v in facts.items()]
+    if spec is not None:
+        lines += ["", "## MoE spec", "", "```json", json.dumps(spec, indent=2), "```"]
+    if checked:
+        lines += ["", "## Checked when written", "", *[f"- {c}" for c in checked]]
+    path = folder / "README.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,93 @@
+"""One MoE layer's weights, piece by piece, and how each checkpoint format names the pieces.
+
+A `LayerParts` gives routed experts 0..E-1 in order (`expert`), then the shared expert, then the router:
+from an init method (upcycling), from a checkpoint's shards (export), from an in-memory MoELayer, or as
+shapes only on the meta device (planning). A format turns parts into items `(name, tensor, index)`, index
+being the slice of a stacked (E, ...) tensor or None for a whole tensor, so a writer holds one expert at a
+time. moekit's own format is here; the native ones are moekit.export's NativeFormat.layer_items.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from moekit.ffn import FFNWeights
+from moekit.moe.layer import MoELayer
+
+# (name relative to the MoE layer, tensor, index along dim 0 of the stacked tensor or None for a whole tensor)
+Item = tuple[str, Tensor, int | None]
+
+
+class LayerParts:
+    """The parts of an in-memory MoELayer (subclasses compute them instead)."""
+
+    def __init__(self, moe: MoELayer):
+        self.moe, self._stacked = moe, moe.experts.to_weights()
+        self.num_experts, self.hidden_size = moe.experts.num_experts, moe.experts.hidden_size
+
+    def expert(self, i: int) -> FFNWeights:
+        return self._stacked.expert(i)
+
+    def shared(self) -> FFNWeights | None:
+        return None if self.moe.shared is None else self.moe.shared.to_weights()
+
+    def router(self) -> Tensor:
+        return self.moe.router.weight.detach()
+
+
+def gated_first(e: FFNWeights) -> Tensor:
+    """The stored input projection of one expert: [gate; up] (2I, H), as moekit and transformers v5 keep it,
+    or up (I, H)."""
+    return torch.cat([e.gate, e.up]) if e.gated else e.up
+
+
+def routed_items(parts: LayerParts, first: str, down: str, router: str | None) -> Iterator[Item]:
+    """Routed experts slice by slice, then the router (if `router` names it)."""
+    for i in range(parts.num_experts):
+        e = parts.expert(i)
+        yield first, gated_first(e), i
+        yield down, e.down, i
+    if router is not None:
+        yield router, parts.router(), None
+
+
+def _or_zeros(b: Tensor | None, n: int, like: Tensor) -> Tensor:
+    return like.new_zeros(n) if b is None else b
+
+
+def moekit_items(parts: LayerParts, own_router: bool, bias: bool) -> Iterator[Item]:
+    """moekit's names (MoELayer.state_dict): experts.gate_up | experts.up (E, 2I | I, H), experts.down (E, H, I),
+    experts.first_bias / down_bias (missing biases as zeros, as Experts.from_weights stores them),
+    shared.{gate,up,down}_proj.{weight,bias}, router.weight (only for the layer that owns a shared router)."""
+    for i in range(parts.num_experts):
+        e = parts.expert(i)
+        yield ("experts.gate_up" if e.gated else "experts.up"), gated_first(e), i
+        yield "experts.down", e.down, i
+        if bias:
+            I, H = e.intermediate_size, e.hidden_size
+            up_b = _or_zeros(e.up_bias, I, e.up)
+            yield "experts.first_bias", torch.cat([_or_zeros(e.gate_bias, I, e.up), up_b]) if e.gated else up_b, i
+            yield "experts.down_bias", _or_zeros(e.down_bias, H, e.up), i
+    sh = parts.shared()
+    if sh is not None:
+        for proj, w, b in (("gate_proj", sh.gate, sh.gate_bias), ("up_proj", sh.up, sh.up_bias),
+                           ("down_proj", sh.down, sh.down_bias)):
+            if w is not None:
+                yield f"shared.{proj}.weight", w, None
+            if b is not None:
+                yield f"shared.{proj}.bias", b, None
+    if own_router:
+        yield "router.weight", parts.router(), None
+
+
+def assemble(items: Iterator[Item]) -> dict[str, Tensor]:
+    """{name: tensor} from items, stacking indexed slices in order (in-memory exports)."""
+    whole, slices = {}, {}
+    for name, t, i in items:
+        if i is None:
+            whole[name] = t
+        else:
+            slices.setdefault(name, []).append(t)
+    return {**whole, **{n: torch.stack(ts) for n, ts in slices.items()}}

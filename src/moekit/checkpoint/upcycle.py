@@ -1,0 +1,280 @@
+"""`upcycle_checkpoint`: a dense safetensors checkpoint -> an MoE checkpoint (moekit's format or a native
+transformers one), streamed (moekit.checkpoint.stream): the dense model is never instantiated and the MoE
+never held, so memory stays near one FFN whatever the model's size. Same tensors, bit for bit, as
+`moekit.upcycle` on the model loaded in float32 and cast to the output dtype (tests/test_stream.py)."""
+from __future__ import annotations
+
+import resource
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moekit._fs import available_memory, check_space, output
+from moekit.checkpoint.card import write_card
+from moekit.checkpoint.files import ShardReader, read_headers
+from moekit.checkpoint.stream import (Const, Copy, Layer, Progress, StoredParts, UpcycledParts, draw_router,
+                                      meta_moe_model, moe_units, moekit_naming, planned_bytes, read_ffn, write_units)
+from moekit.checkpoint.writer import DEFAULT_SHARD
+from moekit.errors import CheckpointError, ConfigError, ExportError, ResourceError
+from moekit.init.base import InitContext
+from moekit.io import check_dense_dir, load_tokenizer, meta_model, moekit_meta, unique_tensors
+from moekit.metrics import param_counts
+from moekit.moe.spec import MoESpec
+from moekit.upcycle import layer_generator, router_groups, selected_slots
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMATS = ("auto", "moekit", "mixtral", "qwen2_moe", "qwen3_moe")
+AUTO_ORDER = ("mixtral", "qwen3_moe", "qwen2_moe")  # the most widely served native format first
+KEEP_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+              "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
+
+
+@dataclass
+class Written:
+    """What a streaming command wrote (the CLI's final line)."""
+
+    path: Path
+    format: str
+    why: str  # why this format (for --format auto)
+    dtype: str
+    bytes: int
+    seconds: float
+    peak_rss: int
+    params: tuple[int, int]
+    layers: int  # MoE layers
+
+
+def stored_dtype(reader: ShardReader) -> torch.dtype:
+    """The floating dtype holding most of a checkpoint's bytes (what --dtype auto keeps)."""
+    counts = Counter()
+    for info in reader.headers.values():
+        if info.torch_dtype.is_floating_point:
+            counts[info.torch_dtype] += info.nbytes
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def output_dtype(name: str, reader: ShardReader) -> torch.dtype:
+    if name == "auto":
+        return stored_dtype(reader)
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def choose_format(name: str, model: nn.Module):
+    """(NativeFormat or None for moekit's format, plan or None, why). `auto`: the first native format that
+    represents the spec exactly for this source, else moekit's."""
+    from moekit.export import EXPORTERS
+
+    if name not in FORMATS:
+        raise ConfigError(f"unknown format {name!r}; choose one of: {', '.join(FORMATS)}")
+    if name == "moekit":
+        return None, None, "moekit format requested"
+    if name != "auto":
+        fmt = EXPORTERS.get(name)
+        return fmt, fmt.plan(model), f"{name} requested"
+    reasons = []
+    for candidate in AUTO_ORDER:
+        fmt = EXPORTERS.get(candidate)
+        try:
+            return fmt, fmt.plan(model), f"{candidate} represents this MoE exactly"
+        except ExportError as e:
+            reasons.append(str(e).removeprefix("cannot export to "))
+    return None, None, "no native format represents this MoE exactly, so moekit's: " + "; ".join(reasons)
+
+
+def ordered_units(model: nn.Module, layers: dict[str, Layer], copy_of) -> tuple[list, dict[str, str]]:
+    """Units in state-dict order (an MoE layer where its first tensor is), tied tensors once; and the aliases."""
+    kept, aliases = unique_tensors(model)
+    units, placed = [], set()
+    for key in kept:
+        path = next((p for p in layers if key.startswith(p + ".")), None)
+        if path is None:
+            units.append(copy_of(key, aliases))
+        elif path not in placed:
+            units.append(layers[path])
+            placed.add(path)
+    return units, aliases
+
+
+def source_key(key: str, aliases: dict[str, str], reader: ShardReader) -> str:
+    """The checkpoint's name for output tensor `key`: itself, or a tied alias the checkpoint stored instead."""
+    for name in (key, *(a for a, k in aliases.items() if k == key)):
+        if name in reader:
+            return name
+    raise ConfigError(f"{reader.folder} has no tensor {key}; a checkpoint whose names transformers rewrites on "
+                      "load must be loaded and saved with transformers (save_pretrained) first")
+
+
+def copy_files(src: Path, dst: Path) -> None:
+    """Generation config, tokenizer and processor files of the source (regular files only)."""
+    for name in KEEP_FILES:
+        f = src / name
+        if f.is_file() and not f.is_symlink():
+            shutil.copyfile(f, dst / name)
+
+
+def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, format: str = "moekit",
+                       dtype: str = "auto", device: str | torch.device = "cpu",
+                       max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, trust_remote_code: bool = False,
+                       allow_nonfinite: bool = False, force: bool = False, inputs=(), progress: Progress | None = None,
+                       base_model: str | None = None) -> Written:
+    """Upcycle the dense checkpoint directory `src` into `out` (atomically; see moekit._fs.output), layer by
+    layer: init math in float32 (or wider) on `device`, tensors written in `dtype` ("auto": the checkpoint's
+    own) as `format` ("auto": a native format when one represents the spec exactly). Memory and disk needs
+    are checked first (`force` skips the memory check); `base_model` names the source in the model card."""
+    start, src = time.perf_counter(), check_dense_dir(src)
+    dense = meta_model(src, trust_remote_code)
+    branch_dirs = [check_dense_dir(b) for b in getattr(spec.init, "branches", [])]
+    reader, branches = ShardReader(src), [ShardReader(b) for b in branch_dirs]
+    dt = output_dtype(dtype, reader)
+    slots = selected_slots(dense, spec)
+    for r in (reader, *branches):
+        check_shapes(dense, r)
+    load_tokenizer(src, trust_remote_code)  # its files are copied: they must load
+    moe, _ = meta_moe_model(dense, slots, router_groups(slots, spec), spec, dt)
+    fmt, plan, why = choose_format(format, moe)
+    layers = moe_units(moe, _parts_maker(spec, {s.path: s for s in slots}, reader, branches, device, allow_nonfinite),
+                       moekit_naming(moe) if fmt is None else (lambda path, parts: fmt.layer_items(parts, plan)))
+    copies = branches or [reader]
+
+    def copy_of(key, aliases):
+        return Copy(key, source_key(key, aliases, reader), copies, finite=not allow_nonfinite)
+
+    units, aliases = ordered_units(moe, layers, copy_of)
+    if fmt is not None:
+        units += [Const(k, v) for k, v in fmt.extra_tensors(moe, plan).items()]
+    need = planned_bytes(units, dt)
+    check_space(out, need)
+    check_memory(dense, slots, spec, force)
+    with output(out, [src, *branch_dirs, *inputs], overwrite, need) as tmp:
+        nbytes = write_units(tmp, units, dt, max_shard_size, progress)
+        title = f"{src.name} upcycled to an MoE ({spec.num_experts} experts, top-{spec.top_k}, {spec.init.method})"
+        _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model or src.name, title)
+        read_headers(tmp)  # the written shards parse and cover their files exactly
+    for r in (reader, *branches):
+        r.close()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return Written(Path(out), "moekit" if fmt is None else fmt.name, why, str(dt).removeprefix("torch."), nbytes,
+                   time.perf_counter() - start, rss, param_counts(moe), len(layers))
+
+
+def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype: str = "auto",
+                      max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, inputs=(),
+                      progress: Progress | None = None) -> Written:
+    """A moekit checkpoint -> a native transformers MoE checkpoint, streamed like `upcycle_checkpoint`: the
+    model is built on the meta device from moekit.json (validated against the shard headers), each MoE layer
+    is read expert by expert (moekit.checkpoint.stream.StoredParts) and renamed to the native layout."""
+    from moekit.export import EXPORTERS
+    from moekit.io import build_from_meta
+
+    start, src = time.perf_counter(), Path(src)
+    fmt = EXPORTERS.get(fmt_name)
+    model, meta = build_from_meta(src)
+    plan = fmt.plan(model)
+    reader = ShardReader(src)
+    dt = output_dtype(dtype, reader)
+    owners = {e["path"]: e["router_of"] for e in meta["layers"]}
+    lays = {e["path"]: e["layout"] for e in meta["layers"]}
+    layers = moe_units(model, lambda path, moe: StoredParts(reader, path, lays[path], owners[path]),
+                       lambda path, parts: fmt.layer_items(parts, plan))
+
+    def copy_of(key, aliases):
+        return Copy(key, source_key(key, aliases, reader), [reader], finite=False)
+
+    units, aliases = ordered_units(model, layers, copy_of)
+    units += [Const(k, v) for k, v in fmt.extra_tensors(model, plan).items()]
+    need = planned_bytes(units, dt)
+    with output(out, [src, *inputs], overwrite, need) as tmp:
+        nbytes = write_units(tmp, units, dt, max_shard_size, progress)
+        _write_metadata(tmp, src, model, aliases, fmt, plan, dt, f"{fmt.name} requested", src.name,
+                        f"{src.name} exported to {fmt.name}")
+        read_headers(tmp)
+    reader.close()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return Written(Path(out), fmt.name, f"{fmt.name} requested", str(dt).removeprefix("torch."), nbytes,
+                   time.perf_counter() - start, rss, param_counts(model), len(layers))
+
+
+def check_memory(dense: nn.Module, slots, spec: MoESpec, force: bool) -> None:
+    """Refuse, before any work, an upcycle whose estimated peak memory exceeds what the machine has: about the
+    largest tensor copied twice, plus per MoE layer its dense FFN, one expert and its cast in float32, and an
+    SVD basis for spri (`force` tries anyway)."""
+    largest = max(p.numel() for p in dense.parameters()) * 4 * 2
+    ffn = max(sum(t.numel() for t in (f.up, f.down, f.gate) if t is not None) for f in (s.read() for s in slots))
+    side = min(slots[0].read().hidden_size, slots[0].read().intermediate_size)
+    need = max(largest, ffn * 4 * 3 * (1 + len(getattr(spec.init, "branches", []))) + side * side * 8)
+    have = available_memory()
+    if need > have and not force:
+        raise ResourceError(f"upcycling needs about {need / 2**30:.1f} GiB of memory, {have / 2**30:.1f} GiB are "
+                            "available; pass --force to try anyway")
+
+
+def check_shapes(model: nn.Module, reader: ShardReader) -> None:
+    """Every tensor of the model its config describes is in the checkpoint with that shape (a config that
+    disagrees with its weights, or a BTX branch of another architecture, is refused before any work)."""
+    kept, aliases = unique_tensors(model)
+    for key, t in kept.items():
+        name = source_key(key, aliases, reader)
+        shape = reader.headers[name].shape
+        if shape != tuple(t.shape):
+            raise CheckpointError(f"{reader.folder}: {name} is {list(shape)} in the weights but "
+                                  f"{list(t.shape)} by its config.json")
+
+
+def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list[ShardReader], device,
+                 allow_nonfinite: bool):
+    """make_parts(path, moe) for moe_units: the layer's dense FFN (and branch FFNs) read, an init context."""
+    routers: dict[str, torch.Tensor] = {}  # router-sharing group -> its router (drawn by its first layer)
+
+    def make(path: str, moe) -> UpcycledParts:
+        slot = slots[path]
+        finite = not allow_nonfinite
+        gen = layer_generator(spec.seed, path)
+        dense = read_ffn(slot, reader, finite).math().to(device=device)
+        ctx = InitContext(dense=dense, spec=spec, generator=gen, path=path,
+                          branches=[read_ffn(slot, b, finite).math().to(device=device) for b in branches])
+        group = spec.router_group(path)
+
+        def router() -> torch.Tensor:
+            if group is not None and group in routers:
+                return routers[group]
+            r = draw_router(spec, dense.hidden_size, gen)
+            if group is not None:
+                routers[group] = r
+            return r
+
+        return UpcycledParts(ctx, router, finite)
+
+    return make
+
+
+def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, plan, dt: torch.dtype,
+                    why: str, base_model: str, title: str) -> None:
+    """config.json, moekit.json (or, for a native format, moekit_spec.json beside the native config), the
+    source's tokenizer/generation files and the model card."""
+    import json
+
+    dtype = str(dt).removeprefix("torch.")
+    spec = moe.moekit_spec.model_dump(mode="json")
+    config = moe.config if fmt is None else fmt.config(moe, plan)
+    config.dtype = dtype
+    config.save_pretrained(tmp)
+    if fmt is None:
+        (tmp / "moekit.json").write_text(json.dumps(moekit_meta(moe, aliases), indent=2))
+    else:
+        (tmp / "moekit_spec.json").write_text(json.dumps({"spec": spec, "source": str(src), "format": fmt.name},
+                                                         indent=2))
+    copy_files(src, tmp)
+    name = "moekit" if fmt is None else fmt.name
+    write_card(tmp, title=title,
+               base_model=base_model, method=spec["init"]["method"],
+               spec=spec, fmt=f"{name} ({why})", dtype=dtype, params=param_counts(moe),
+               checked=["every planned tensor written exactly once, and the shard headers re-read and validated",
+                        "dense weights and every initialized expert finite (unless --allow-nonfinite)"])
