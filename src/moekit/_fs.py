@@ -137,6 +137,21 @@ def check_space(out: str | os.PathLike, need_bytes: int) -> None:
                          f"{free / 1e9:.2f} GB are free on the file system of {anchor}")
 
 
+def peak_memory() -> int:
+    """This process's peak resident memory in bytes: VmHWM (its own address space; ru_maxrss would also count
+    the parent's resident memory at fork), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def available_memory() -> int:
     """Bytes of memory this machine can give a process now (Linux MemAvailable; else physical memory)."""
     try:

@@ -340,8 +340,11 @@ def meta_model(path: str | Path, trust_remote_code: bool = False) -> nn.Module:
     arch = (getattr(config, "architectures", None) or [None])[0]
     with torch.device("meta"), no_init_weights():
         if arch and not trust_remote_code:
-            return model_class(arch, path)._from_config(config)
-        return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+            model = model_class(arch, path)._from_config(config)
+        else:
+            model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint
+    return model
 
 
 def has_safetensors(path: Path, allow_pickle: bool) -> bool:

@@ -28,6 +28,7 @@ from moekit.moe.layer import MoELayer, moe_layers
 from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
 from moekit.surgery import Slot, slot_at
+from moekit.upcycle import release_freed_memory
 
 Progress = Callable[[int, int, str], None]  # (MoE layers done, MoE layers, the last one's path)
 
@@ -106,9 +107,11 @@ def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: 
         for u in units:
             for name, t, i in u.items():
                 writer.write(name, t, i)
-            if isinstance(u, Layer) and progress is not None:
+            if isinstance(u, Layer):
+                release_freed_memory()  # hand this layer's temporaries back before the next (see there)
                 done += 1
-                progress(done, layers, u.prefix.rstrip("."))
+                if progress is not None:
+                    progress(done, layers, u.prefix.rstrip("."))
     except BaseException:
         writer.abort()
         raise

@@ -4,7 +4,6 @@ never held, so memory stays near one FFN whatever the model's size. Same tensors
 `moekit.upcycle` on the model loaded in float32 and cast to the output dtype (tests/test_stream.py)."""
 from __future__ import annotations
 
-import resource
 import shutil
 import time
 from collections import Counter
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moekit._fs import available_memory, check_space, output
+from moekit._fs import available_memory, check_space, output, peak_memory
 from moekit.checkpoint.card import write_card
 from moekit.checkpoint.files import ShardReader, read_headers
 from moekit.checkpoint.stream import (Const, Copy, Layer, Progress, StoredParts, UpcycledParts, draw_router,
@@ -160,7 +159,7 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
         read_headers(tmp)  # the written shards parse and cover their files exactly
     for r in (reader, *branches):
         r.close()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = peak_memory()
     return Written(Path(out), "moekit" if fmt is None else fmt.name, why, str(dt).removeprefix("torch."), nbytes,
                    time.perf_counter() - start, rss, param_counts(moe), len(layers))
 
@@ -197,7 +196,7 @@ def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype:
                         f"{src.name} exported to {fmt.name}")
         read_headers(tmp)
     reader.close()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = peak_memory()
     return Written(Path(out), fmt.name, f"{fmt.name} requested", str(dt).removeprefix("torch."), nbytes,
                    time.perf_counter() - start, rss, param_counts(model), len(layers))
 
