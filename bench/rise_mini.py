@@ -37,7 +37,7 @@ from moekit.train.freeze import FreezeCallback
 from moekit.train.recipe import AuxConfig, FreezeConfig
 from moekit.train.run import load_tokenizer
 from moekit.train.trainer import MoETrainer
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 from report import write_section  # bench/report.py
 
 LANGS = {"en": "k", "fr": "l", "de": "e", "es": "v", "sw": "h", "tl": "f", "id": "6", "vi": "7"}

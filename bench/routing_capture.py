@@ -21,7 +21,7 @@ import transformers
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.testing import tiny_llama, tiny_olmoe, tiny_qwen3_moe
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 from report import write_section  # bench/report.py
 
 MARK = ("<!-- routing_capture -->", "<!-- /routing_capture -->")

@@ -51,7 +51,7 @@ def child(job: str, model_dir: str, out: str) -> None:
     import transformers
 
     from moekit.io import load_dense, model_class, save
-    from moekit.upcycle import upcycle
+    from moekit.upcycling import upcycle
 
     transformers.utils.logging.disable_progress_bar()
     model_class(json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0])

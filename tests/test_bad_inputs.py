@@ -66,7 +66,7 @@ def fx(tmp_path_factory, tiny_recipe_overrides):
     from moekit.moe.spec import MoESpec
     from moekit.select.selection import Selection
     from moekit.testing import tiny_llama, tiny_tokenizer
-    from moekit.upcycle import upcycle
+    from moekit.upcycling import upcycle
 
     root = tmp_path_factory.mktemp("bad_inputs")
     f = Fx(root, tiny_recipe_overrides.dense.parent)
@@ -679,7 +679,7 @@ CHECKPOINT_FILES = [
          lambda t, f: ["inspect", moe_with(t, f, lambda d: write(d / "moekit.json", "[" * 200_000))],
          r"moekit\.json is not valid JSON"),
     Case("meta-is-a-list", lambda t, f: ["inspect", moe_with(t, f, lambda d: write(d / "moekit.json", "[]"))],
-         r"unsupported moekit checkpoint format None \(expected moekit/1\)"),
+         r"unsupported moekit checkpoint format None \(expected moekit/2 or moekit/1\)"),
     Case("meta-symlink-dev-zero",
          lambda t, f: ["inspect", moe_with(t, f, lambda d: ((d / "moekit.json").unlink(),
                                                             symlink(d / "moekit.json", "/dev/zero")))],

@@ -13,7 +13,7 @@ from moekit.metrics import param_counts
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 
 
 def save_tokenizer(folder):

@@ -10,7 +10,7 @@ from moekit.init import EXPERT_INITS
 from moekit.losses import load_balance, mean_over_layers
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_inputs
-from moekit.upcycle import layer_generator, upcycle
+from moekit.upcycling import layer_generator, upcycle
 
 E, K = 4, 2
 METHODS = EXPERT_INITS.names()

@@ -15,7 +15,7 @@ from moekit.errors import CheckpointError, OutputExistsError
 from moekit.metrics import kl_dense_moe, param_counts
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_gpt2, tiny_inputs, tiny_llama
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 
 
 def _spec(**kw) -> MoESpec:
@@ -47,7 +47,7 @@ def test_shared_router_and_tied_embeddings_roundtrip(tmp_path):
     assert sum("router.weight" in k for k in keys) == 1  # one tensor on disk
     assert ("lm_head.weight" in keys) + ("model.embed_tokens.weight" in keys) == 1
     meta = json.loads((out / "moekit.json").read_text())
-    assert meta["format"] == "moekit/1" and meta["architecture"] == "LlamaForCausalLM"
+    assert meta["format"] == "moekit/2" and meta["architecture"] == "LlamaForCausalLM"
     assert [e["router_of"] for e in meta["layers"]] == ["model.layers.0.mlp"] * 4
     assert len(meta["aliases"]) == 4  # three routers and the tied head
 

@@ -15,7 +15,7 @@ from moekit.io import load, save
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama
 from moekit.train.recipe import load_recipe
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 
 METHODS = ["naive", "noise", "drop", "ume", "scaled_copy", "spri", "btx", "scratch", "bogus"]
 junk = st.none() | st.booleans() | st.integers(-3, 10) | st.floats(allow_nan=True) | st.text(max_size=5)

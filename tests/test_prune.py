@@ -10,7 +10,7 @@ from moekit.routing.sites import find_sites
 from moekit.select.prune import load_pruned, prune, save_pruned
 from moekit.select.selection import Selection
 from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 
 
 def moekit_model(scoring="topk_softmax"):

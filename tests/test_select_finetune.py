@@ -12,7 +12,7 @@ from moekit.routing.sites import find_sites
 from moekit.select.finetune import attach, merge, train_selected
 from moekit.select.selection import Selection
 from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 
 
 def upcycled(num_experts=4, top_k=2):

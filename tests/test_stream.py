@@ -17,7 +17,7 @@ from moekit.export import EXPORTERS
 from moekit.io import load, load_dense, save
 from moekit.moe.spec import MoESpec
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama, tiny_qwen2, tiny_qwen3
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 
 METHODS = {
     "naive": {}, "noise": {"init": {"method": "noise", "ratio": 0.5, "std": 0.1}}, "drop": {"init": "drop"},
@@ -192,3 +192,40 @@ def test_peak_memory_does_not_grow_with_the_number_of_layers(tmp_path):
     total = sum(h.nbytes for h in read_headers(tmp_path / "m16").values())
     assert total > 150e6  # what holding the MoE would cost
     assert peaks[16] <= 1.10 * peaks[4], peaks
+
+
+NO_MOEKIT = "import sys, transformers; transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])"
+
+
+def test_moekit_format_is_never_misread(sources, tmp_path):
+    """Without moekit, transformers refuses a moekit directory; after `import moekit` the Auto classes give the
+    MoE model; save_pretrained of an upcycled model writes the moekit format (or refuses)."""
+    spec = spec_of(init="drop", every=2, shared_expert=True)
+    upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec)
+    res = subprocess.run([sys.executable, "-c", NO_MOEKIT, str(tmp_path / "moe")], capture_output=True, text=True)
+    assert res.returncode != 0 and "moekit" in res.stderr  # unrecognized model type, not a dense Llama
+    code = "import sys, moekit, transformers; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); " \
+           "print(type(m).__name__, len(moekit.moe_layers(m)))"
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "moe")], capture_output=True, text=True)
+    assert res.stdout.split() == ["LlamaForCausalLM", "2"], res.stderr[-2000:]
+    auto = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.bfloat16)  # moekit is imported here
+    assert auto.dtype == torch.bfloat16 and auto.moekit_spec == spec
+    moe = upcycle(load_dense(sources["llama"]), spec)
+    moe.save_pretrained(tmp_path / "via_save_pretrained")
+    assert (tmp_path / "via_save_pretrained" / "moekit.json").is_file()
+    x = tiny_inputs(moe)
+    assert torch.equal(logits(load(tmp_path / "via_save_pretrained"), x), logits(moe, x))
+    with pytest.raises(__import__("moekit").MoekitError, match="exists"):
+        moe.save_pretrained(tmp_path / "via_save_pretrained")  # never over an existing directory
+
+
+def test_format_1_checkpoints_still_load(sources, tmp_path):
+    """moekit/1 kept the base config.json unwrapped."""
+    spec = spec_of(init="noise")
+    upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec)
+    ref = load(tmp_path / "moe")
+    meta = json.loads((tmp_path / "moe" / "moekit.json").read_text())
+    (tmp_path / "moe" / "moekit.json").write_text(json.dumps({**meta, "format": "moekit/1"}))
+    load_dense(sources["llama"]).config.save_pretrained(tmp_path / "moe")  # plain config.json, as before
+    x = tiny_inputs(ref)
+    assert torch.equal(logits(load(tmp_path / "moe"), x), logits(ref, x))

@@ -1,7 +1,26 @@
-"""moekit: Mixture-of-Experts models from dense checkpoints."""
-from moekit.errors import MoekitError
-from moekit.io import load, save
-from moekit.moe import MoELayer, MoESpec, RouterSpec, moe_layers
-from moekit.upcycle import upcycle
+"""moekit: Mixture-of-Experts models from dense checkpoints.
 
-__all__ = ["MoELayer", "MoESpec", "MoekitError", "RouterSpec", "load", "moe_layers", "save", "upcycle"]
+The public API is imported on first use (PEP 562), so `import moekit` and the command line's start stay
+light; importing moekit registers its checkpoint format with transformers' Auto classes (moekit._auto).
+"""
+from importlib import import_module
+
+from moekit import _auto
+from moekit.errors import MoekitError
+
+_API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit.moe", "moe_layers": "moekit.moe",
+        "load": "moekit.io", "save": "moekit.io", "upcycle": "moekit.upcycling",
+        "upcycle_checkpoint": "moekit.checkpoint.upcycle", "export_checkpoint": "moekit.checkpoint.upcycle",
+        "export_model": "moekit.export"}
+
+__all__ = ["MoekitError", *_API]
+
+_auto.install()
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'moekit' has no attribute {name!r}")
+    value = getattr(import_module(_API[name]), name)
+    globals()[name] = value
+    return value

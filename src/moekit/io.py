@@ -25,6 +25,7 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from moekit._fs import output, read_small
+from moekit.checkpoint.auto import adopt
 from moekit.checkpoint.files import read_headers, weight_files
 from moekit.checkpoint.meta import MoekitMeta
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
@@ -76,10 +77,13 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def save_configs(model: nn.Module, folder: Path) -> None:
-    """config.json (with the dtype, as save_pretrained writes it; load builds in it) and, for generative
-    models, generation_config.json (e.g. Whisper's language and task tokens)."""
+    """config.json of a moekit (or SIMoE) checkpoint: the base config with the dtype (load builds in it),
+    wrapped so that transformers never reads it as the dense model (moekit.checkpoint.auto); and, for
+    generative models, generation_config.json (e.g. Whisper's language and task tokens)."""
+    from moekit.checkpoint.auto import save_config
+
     model.config.dtype = str(model.dtype).removeprefix("torch.")
-    model.config.save_pretrained(folder)
+    save_config(model.config, folder)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(folder)
 
@@ -97,7 +101,7 @@ def moekit_meta(model: nn.Module, aliases: dict[str, str]) -> dict:
     for path, moe in moe_layers(model):
         owner = router_owner.setdefault(id(moe.router), path)
         entries.append({"path": path, **moe.slot, "layout": layout(moe), "router_of": owner})
-    return {"format": MoekitMeta.FORMAT, "architecture": type(model).__name__,
+    return {"format": MoekitMeta.FORMATS[0], "architecture": type(model).__name__,
             "spec": None if spec is None else spec.model_dump(mode="json"), "layers": entries, "aliases": aliases}
 
 
@@ -131,13 +135,21 @@ def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=N
 NATIVE_MODULES = {"moekit_ctc": "moekit.speech.ctc"}
 
 
-def _native_module(folder: Path):
-    """Import (and so register) the moekit module of `folder`'s config model_type, if it is one of ours."""
+def _config_json(folder: Path) -> dict:
+    """config.json as a dict ({} if unreadable: the loaders report that)."""
     try:
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None  # AutoConfig reports the problem
-    return importlib.import_module(NATIVE_MODULES[model_type]) if model_type in NATIVE_MODULES else None
+        data = json.loads(read_small(folder / "config.json", "config", CheckpointError))
+    except (CheckpointError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _native_module(folder: Path):
+    """Import (and so register) the moekit module of `folder`'s model type (for a moekit checkpoint: its base
+    model's), if it is one of ours."""
+    data = _config_json(folder)
+    kind = data.get("base_model_type") or data.get("model_type")
+    return importlib.import_module(NATIVE_MODULES[kind]) if kind in NATIVE_MODULES else None
 
 
 def model_class(name: str, folder: Path | None = None) -> type[nn.Module]:
@@ -160,10 +172,10 @@ def read_meta(folder: str | Path, file: str = "moekit.json", schema: type[BaseMo
         data = json.loads(read_small(f, f"{kind} metadata", CheckpointError))
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{f} is not valid JSON ({e})") from None
-    fmt = schema.FORMAT
-    if not isinstance(data, dict) or data.get("format") != fmt:
+    if not isinstance(data, dict) or data.get("format") not in schema.FORMATS:
         found = data.get("format") if isinstance(data, dict) else None
-        raise CheckpointError(f"{folder}: unsupported {kind} checkpoint format {found!r} (expected {fmt})")
+        raise CheckpointError(f"{folder}: unsupported {kind} checkpoint format {found!r} (expected "
+                              f"{' or '.join(schema.FORMATS)})")
     try:
         return schema.model_validate(data).model_dump(mode="json")
     except ValidationError as e:
@@ -172,10 +184,16 @@ def read_meta(folder: str | Path, file: str = "moekit.json", schema: type[BaseMo
 
 
 def load_config(folder: Path, trust_remote_code: bool = False):
-    """The directory's transformers config; remote code only with `trust_remote_code` (never a prompt)."""
+    """The directory's transformers config (for a moekit checkpoint, its base model's); remote code only with
+    `trust_remote_code` (never a prompt)."""
+    from moekit.checkpoint.auto import MODEL_TYPE, base_config
+
     check_remote_code(folder, trust_remote_code)
     _native_module(folder)
+    data = _config_json(folder)
     try:
+        if data.get("model_type") == MODEL_TYPE:
+            return base_config(data)
         return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())}") from None
@@ -289,7 +307,7 @@ def load(folder: str | Path) -> nn.Module:
     load_generation_config(model, folder)
     if hasattr(empty, "moekit_spec"):
         model.moekit_spec = empty.moekit_spec
-    return reapply_pruning(model.eval(), folder)
+    return adopt(reapply_pruning(model.eval(), folder))
 
 
 def reapply_pruning(model: nn.Module, folder: str | Path) -> nn.Module:

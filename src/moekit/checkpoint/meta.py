@@ -56,8 +56,8 @@ class LayerEntry(Strict):
 class MoekitMeta(Strict):
     """moekit.json."""
 
-    FORMAT: ClassVar[str] = "moekit/1"
-    format: Literal["moekit/1"]
+    FORMATS: ClassVar[tuple[str, ...]] = ("moekit/2", "moekit/1")  # 2: config.json wraps the base (checkpoint.auto)
+    format: Literal["moekit/2", "moekit/1"]
     architecture: str
     spec: dict | None  # a MoESpec, validated by moekit.io.load
     layers: list[LayerEntry] = Field(min_length=1)
@@ -86,8 +86,8 @@ class MoekitMeta(Strict):
 class SIMoEMeta(Strict):
     """simoe.json."""
 
-    FORMAT: ClassVar[str] = "moekit-simoe/1"
-    format: Literal["moekit-simoe/1"]
+    FORMATS: ClassVar[tuple[str, ...]] = ("moekit-simoe/2", "moekit-simoe/1")
+    format: Literal["moekit-simoe/2", "moekit-simoe/1"]
     architecture: str
     config: dict  # a SIMoEConfig, validated by moekit.simoe.export.load
     kept: dict[str, int]  # pruned SI linear -> δ columns kept

@@ -28,7 +28,7 @@ from moekit.moe.layer import MoELayer, moe_layers
 from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
 from moekit.surgery import Slot, slot_at
-from moekit.upcycle import release_freed_memory
+from moekit.upcycling import release_freed_memory
 
 Progress = Callable[[int, int, str], None]  # (MoE layers done, MoE layers, the last one's path)
 

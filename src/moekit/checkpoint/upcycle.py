@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moekit._fs import available_memory, check_space, output, peak_memory
+from moekit.checkpoint.auto import save_config
 from moekit.checkpoint.card import write_card
 from moekit.checkpoint.files import ShardReader, read_headers
 from moekit.checkpoint.stream import (Const, Copy, Layer, Progress, StoredParts, UpcycledParts, draw_router,
@@ -24,7 +25,7 @@ from moekit.init.base import InitContext
 from moekit.io import check_dense_dir, load_tokenizer, meta_model, moekit_meta, unique_tensors
 from moekit.metrics import param_counts
 from moekit.moe.spec import MoESpec
-from moekit.upcycle import layer_generator, router_groups, selected_slots
+from moekit.upcycling import layer_generator, router_groups, selected_slots
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = ("auto", "moekit", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -264,7 +265,10 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
     spec = moe.moekit_spec.model_dump(mode="json")
     config = moe.config if fmt is None else fmt.config(moe, plan)
     config.dtype = dtype
-    config.save_pretrained(tmp)
+    if fmt is None:
+        save_config(config, tmp)  # wrapped: transformers never reads it as the dense model
+    else:
+        config.save_pretrained(tmp)
     if fmt is None:
         (tmp / "moekit.json").write_text(json.dumps(moekit_meta(moe, aliases), indent=2))
     else:

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from moekit._fs import output
+from moekit.checkpoint.auto import adopt
 from moekit.checkpoint.meta import SIMoEMeta
 from moekit.config import validate
 from moekit.errors import CheckpointError
@@ -32,7 +33,7 @@ def is_simoe(model: nn.Module) -> bool:
 def write_checkpoint(model: nn.Module, folder: Path) -> None:
     """config.json, weights and simoe.json into an existing folder."""
     kept = {p: m.delta.shape[1] for p, m in si_modules(model) if isinstance(m, SILinear) and m.keep is not None}
-    meta = {"format": SIMoEMeta.FORMAT, "architecture": type(model).__name__,
+    meta = {"format": SIMoEMeta.FORMATS[0], "architecture": type(model).__name__,
             "config": model.simoe.cfg.model_dump(mode="json"), "kept": kept}
     save_configs(model, folder)
     tensors, aliases = unique_tensors(model)  # tied embeddings once
@@ -77,7 +78,7 @@ def load(folder: str | Path) -> nn.Module:
     load_state(model, folder, meta)
     model.tie_weights()
     load_generation_config(model, folder)
-    return model.eval()
+    return adopt(model.eval())
 
 
 def prune(model: nn.Module) -> nn.Module:

@@ -145,7 +145,9 @@ def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = No
 
 def simoe_upcycle(model: nn.Module, cfg: SIMoEConfig) -> nn.Module:
     """Turn a dense HF model into a SIMoE model in place; outputs are unchanged (δ = 0)."""
-    return install(model, cfg).train(model.training)
+    from moekit.checkpoint.auto import adopt
+
+    return adopt(install(model, cfg).train(model.training))  # model.save_pretrained writes the SIMoE format
 
 
 def si_modules(model: nn.Module) -> list[tuple[str, SparseInterpolated]]:

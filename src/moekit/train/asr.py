@@ -140,7 +140,7 @@ def build(recipe: ASRRecipe, train: list) -> tuple[nn.Module, Speech]:
     """The model the recipe trains (Whisper or a fresh CTC model, upcycled for method=moe) and its Speech."""
     model, speech = _whisper(recipe) if recipe.model.kind == "whisper" else _ctc(recipe, train)
     if recipe.method == "moe":
-        from moekit.upcycle import upcycle
+        from moekit.upcycling import upcycle
 
         upcycle(model, recipe.moe)
     return model.train(), speech

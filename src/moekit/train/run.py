@@ -26,7 +26,7 @@ from moekit.simoe.objective import DualCallback, param_groups
 from moekit.train.freeze import FreezeCallback
 from moekit.train.recipe import Recipe
 from moekit.train.trainer import MoETrainer
-from moekit.upcycle import upcycle
+from moekit.upcycling import upcycle
 
 
 def is_main_process() -> bool:

@@ -10,6 +10,7 @@ from functools import cache
 import torch
 from torch import nn
 
+from moekit.checkpoint.auto import adopt
 from moekit.errors import ConfigError, NumericsError
 from moekit.ffn import ExpertWeights
 from moekit.init.base import InitContext
@@ -162,4 +163,4 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
         if progress:
             progress(slot.path)
     model.moekit_spec = spec
-    return model
+    return adopt(model)  # model.save_pretrained writes the moekit format
