@@ -229,3 +229,26 @@ def test_format_1_checkpoints_still_load(sources, tmp_path):
     load_dense(sources["llama"]).config.save_pretrained(tmp_path / "moe")  # plain config.json, as before
     x = tiny_inputs(ref)
     assert torch.equal(logits(load(tmp_path / "moe"), x), logits(ref, x))
+
+
+def front_matter(folder) -> dict:
+    import yaml
+
+    text = (folder / "README.md").read_text()
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def test_model_cards(sources, tmp_path, tiny_recipe_overrides, run):
+    spec = spec_of(init="spri", shared_expert=True, seed=7)
+    upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec, base_model="org/llama-tiny")
+    header = front_matter(tmp_path / "moe")
+    assert header == {"library_name": "moekit", "tags": ["moe", "upcycling", "spri"], "base_model": "org/llama-tiny"}
+    body = (tmp_path / "moe" / "README.md").read_text()
+    assert "Shan et al. 2026" in body and "**seed**: 7" in body and "**dtype**: float32" in body
+    assert '"rho": 0.001' in body and "active per token" in body and "moekit version" in body
+    export_checkpoint(tmp_path / "moe", tmp_path / "q2", "qwen2_moe")
+    assert front_matter(tmp_path / "q2")["tags"] == ["moe", "upcycling", "spri"]
+    rc, _, err = run("train", "recipes/dense_ft.yaml", *tiny_recipe_overrides(tmp_path / "run"))
+    assert rc == 0, err
+    assert front_matter(tmp_path / "run")["library_name"] == "moekit"

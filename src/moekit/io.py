@@ -26,6 +26,7 @@ from transformers.initialization import no_init_weights
 
 from moekit._fs import output, read_small
 from moekit.checkpoint.auto import adopt
+from moekit.checkpoint.card import write_model_card
 from moekit.checkpoint.files import read_headers, weight_files
 from moekit.checkpoint.meta import MoekitMeta
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
@@ -113,6 +114,7 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
     save_configs(model, folder)
     save_weights(tensors, folder)
     (folder / "moekit.json").write_text(json.dumps(moekit_meta(model, aliases), indent=2))
+    write_model_card(model, folder)
     from moekit.select.common import write_pruned
 
     write_pruned(model, folder)  # a pruned model's disabled experts, re-applied by load()

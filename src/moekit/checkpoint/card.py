@@ -59,3 +59,20 @@ def write_card(folder: Path, *, title: str, base_model: str | None, method: str 
     path = folder / "README.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def write_model_card(model, folder: Path, title: str | None = None, extra: dict | None = None) -> Path:
+    """The card of an in-memory model being saved (moekit or SIMoE format, or a plain HF model): method and
+    spec from the model, parameter counts, dtype."""
+    from moekit.metrics import param_counts
+
+    spec = getattr(model, "moekit_spec", None)
+    simoe = getattr(getattr(model, "simoe", None), "cfg", None)
+    fmt = "moekit (SIMoE)" if simoe is not None else "moekit" if spec is not None else "transformers"
+    base = getattr(model.config, "_name_or_path", None) or None
+    return write_card(folder, title=title or f"{type(model).__name__} ({fmt})", base_model=base,
+                      method=None if spec is None else spec.init.method,
+                      spec=(spec.model_dump(mode="json") if spec is not None else
+                            None if simoe is None else simoe.model_dump(mode="json")),
+                      fmt=fmt, dtype=str(model.dtype).removeprefix("torch."), params=param_counts(model),
+                      extra=extra)

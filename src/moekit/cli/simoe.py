@@ -74,6 +74,7 @@ def run_export(args: argparse.Namespace) -> None:
 
 def _export(args: argparse.Namespace) -> str:
     from moekit._fs import output
+    from moekit.checkpoint.card import write_model_card
     from moekit.simoe.export import merge, param_counts, prune, save
 
     model, tok, recipe = _open(args.run_dir)
@@ -89,6 +90,7 @@ def _export(args: argparse.Namespace) -> str:
         dense = merge(model, torch.tensor(routing[args.merge]))
         with output(args.out, overwrite=args.overwrite) as tmp:
             dense.save_pretrained(tmp)
+            write_model_card(dense, tmp, title=f"SIMoE model merged for task {args.merge!r}")
             if tok is not None:
                 tok.save_pretrained(tmp)
         total = sum(p.numel() for p in dense.parameters())

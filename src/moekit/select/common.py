@@ -8,6 +8,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .._fs import output
+from ..checkpoint.card import write_model_card
 from ..io import write_checkpoint
 from ..moe.layer import moe_layers
 from ..routing.sites import RouterSite, find_sites
@@ -56,6 +57,7 @@ def save_model(model: nn.Module, out: str | Path, overwrite: bool = False, token
         else:
             model.save_pretrained(tmp)  # transformers v5 writes safetensors only
             write_pruned(model, tmp)
+            write_model_card(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, obj in (extra or {}).items():

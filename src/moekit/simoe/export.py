@@ -16,6 +16,7 @@ from transformers.initialization import no_init_weights
 
 from moekit._fs import output
 from moekit.checkpoint.auto import adopt
+from moekit.checkpoint.card import write_model_card
 from moekit.checkpoint.meta import SIMoEMeta
 from moekit.config import validate
 from moekit.errors import CheckpointError
@@ -40,6 +41,7 @@ def write_checkpoint(model: nn.Module, folder: Path) -> None:
     meta["aliases"] = aliases
     save_weights(tensors, folder)
     (folder / "simoe.json").write_text(json.dumps(meta, indent=2))
+    write_model_card(model, folder, extra={"paper": "SIMoE (Chen et al. 2025): sparse interpolated experts"})
 
 
 def save(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:

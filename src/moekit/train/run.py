@@ -15,6 +15,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from moekit._fs import PARTIAL, output, read_small, remove
 from moekit.assets import model_inputs, resolve_model
+from moekit.checkpoint.card import write_model_card
 from moekit.data.instruct import load_instruct_pairs
 from moekit.data.parallel import TranslationCollator, load_pairs
 from moekit.errors import CheckpointError, ConfigError, OutputExistsError
@@ -128,8 +129,12 @@ class EvalCallback(TrainerCallback):
 
 
 def write_run_files(recipe: Recipe, trainer, final_out: str) -> None:
-    """recipe.yaml (with the run's real `out`) and log_history.json (losses, aux metrics) in the run directory."""
+    """recipe.yaml (with the run's real `out`), log_history.json (losses, aux metrics) and README.md (the
+    trained model's card) in the run directory."""
     out = Path(recipe.out)
+    write_model_card(trainer.accelerator.unwrap_model(trainer.model), out,
+                     title=f"moekit training run {recipe.name} ({recipe.method}, {trainer.state.global_step} steps)",
+                     extra={"recipe": "recipe.yaml (beside this card)", "model": "model/"})
     (out / "recipe.yaml").write_text(yaml.safe_dump({**recipe.model_dump(mode="json"), "out": final_out},
                                                     sort_keys=False))
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
