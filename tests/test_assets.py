@@ -189,3 +189,29 @@ def test_clean_verse_strips_native_numbering_and_normalizes():
 
     assert clean_verse("(44:10)  Et il dit:\n  Que\xadlque") == "Et il dit: Quelque"
     assert clean_verse("God`s word (1:2) stays") == "God's word (1:2) stays"  # only a leading number goes
+
+
+def test_hub_ids_resolve_from_a_local_hf_cache(tmp_path, monkeypatch, run):
+    """org/name[@revision] through huggingface_hub, offline, from a fake cache laid out as the Hub's."""
+    from moekit.assets import model_inputs, resolve_model
+    from moekit.errors import AssetError
+    from moekit.testing import tiny_llama
+
+    cache = tmp_path / "hf"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = cache / "models--org--tiny" / "snapshots" / commit
+    tiny_llama().save_pretrained(snap)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("org/tiny") == snap
+    assert resolve_model(f"org/tiny@{commit}") == snap
+    assert model_inputs("org/tiny") == [cache / "models--org--tiny"]
+    with pytest.raises(AssetError, match="not in the Hugging Face cache .* HF_HUB_OFFLINE"):
+        resolve_model("org/missing")
+    rc, out, err = run("upcycle", "--model", "org/tiny", "--experts", 2, "--top-k", 1, "--out", tmp_path / "moe")
+    assert rc == 0, err
+    assert "base_model: org/tiny" in (tmp_path / "moe" / "README.md").read_text()
+    rc, _, err = run("upcycle", "--model", "org/tiny", "--out", cache, "--overwrite")
+    assert rc == 2 and "contains input" in err  # the cache holding the model is never replaced

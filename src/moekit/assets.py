@@ -177,20 +177,53 @@ def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
     return out
 
 
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name[@revision]
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # no pickles, no code
+
+
+def hub_cache() -> Path:
+    """The Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub), read now."""
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(os.environ.get("HF_HUB_CACHE") or Path(home) / "hub")
+
+
 def model_inputs(name_or_path: str | Path | None) -> list[Path]:
-    """The paths a model argument reads, without fetching anything: a local directory, or a built-in
-    asset's cache entry (for the output guards of `moekit._fs`)."""
+    """The paths a model argument reads, without fetching anything: a local directory, a built-in asset's
+    cache entry, or a Hub repository's entry in the Hugging Face cache (for the output guards of moekit._fs)."""
     if name_or_path is None:
         return []
-    path = Path(name_or_path)
-    if path.exists() or str(name_or_path) not in MODELS:
+    name, path = str(name_or_path), Path(name_or_path)
+    if path.exists() or (name not in MODELS and not HUB_ID.match(name)):
         return [path]
-    return [cache_dir() / "models" / str(name_or_path)]
+    if name in MODELS:
+        return [cache_dir() / "models" / name]
+    return [hub_cache() / f"models--{name.split('@')[0].replace('/', '--')}"]
+
+
+def resolve_hub(repo: str, log: Log | None = None) -> Path:
+    """The local snapshot of Hub repository `org/name[@revision]`: its configs, safetensors weights and
+    tokenizer files (never pickles or code), from the Hugging Face cache or downloaded into it. Honours
+    HF_HUB_OFFLINE (then only the cache) and the token in the environment (HF_TOKEN)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo_id, _, revision = repo.partition("@")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    _say(log, f"{'looking up' if offline else 'fetching'} {repo} in the Hugging Face cache {hub_cache()}")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, cache_dir=hub_cache(),
+                                      allow_patterns=HUB_FILES, local_files_only=offline))
+    except LocalEntryNotFoundError:
+        raise AssetError(f"{repo} is no local directory, and as a Hub repository it is not in the Hugging Face "
+                         f"cache {hub_cache()} while HF_HUB_OFFLINE is set (or the Hub cannot be reached); download "
+                         "it first, or unset HF_HUB_OFFLINE") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise AssetError(f"cannot fetch {repo} from the Hugging Face Hub: {' '.join(str(e).split())[:300]}") from None
 
 
 def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:
-    """A local model directory as is, or the cached directory of a built-in model asset
-    (fetched and converted on first use)."""
+    """A local model directory as is, the cached directory of a built-in model asset (fetched and converted
+    on first use), or a Hugging Face Hub repository id `org/name[@revision]` (resolve_hub)."""
     path = Path(name_or_path)
     if path.is_dir():
         return path
@@ -199,8 +232,10 @@ def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:
         known = ", ".join(sorted(MODELS))
         if path.exists():
             raise AssetError(f"{path} is not a directory; give a model directory or a built-in model ({known})")
-        raise AssetError(f"{str(name_or_path)!r} is neither an existing model directory nor a built-in model; "
-                         f"built-in models: {known}")
+        if HUB_ID.match(str(name_or_path)):
+            return resolve_hub(str(name_or_path), log)
+        raise AssetError(f"{str(name_or_path)!r} is neither an existing model directory, a built-in model nor a "
+                         f"Hugging Face repository id (org/name[@revision]); built-in models: {known}")
     out = cache_dir() / "models" / str(name_or_path)
     if (out / "config.json").is_file():
         return out
