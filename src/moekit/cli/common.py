@@ -40,6 +40,21 @@ def lang_file(text: str) -> tuple[str, Path]:
     return lang, Path(path)
 
 
+def device_arg(text: str) -> str:
+    """argparse type for --device: auto | cpu | cuda | cuda:N (auto: cuda when torch sees one)."""
+    if text not in ("auto", "cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    if text == "cpu":
+        return text
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: torch sees no CUDA device here; use --device cpu (or auto)")
+    return text
+
+
 def lang_files(pairs: list[tuple[str, Path]] | None, flag: str) -> dict[str, Path]:
     """{LANG: FILE} of a repeatable/extendable LANG=FILE option; a language given twice is refused."""
     out: dict[str, Path] = {}

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moekit.cli.common import out_console
+from moekit.cli.common import device_arg, out_console
 from moekit.errors import CheckpointError
 from moekit.evaluate import DenseReference, result_rows, results_table
 from moekit.train.recipe import Recipe, load_recipe
@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
                        description="Evaluate RUN_DIR/model on the recipe's held-out test sets; writes "
                                    "results.json, results.csv and plots into RUN_DIR.")
     p.add_argument("run_dir")
+    p.add_argument("--device", default="cpu", type=device_arg, help="auto, cpu, cuda or cuda:N (default: cpu)")
     p.set_defaults(run=run)
 
 
@@ -41,18 +42,18 @@ def run(args: argparse.Namespace) -> None:
         raise CheckpointError(f"{run_dir} is not a finished run (needs recipe.yaml and model/)")
     recipe = load_recipe(run_dir / "recipe.yaml", [f"out={run_dir}"])
     if recipe.task == "asr":
-        return run_asr(recipe, run_dir)
+        return run_asr(recipe, run_dir, args.device)
     tok = load_tokenizer(run_dir / "model", getattr(recipe.model, "trust_remote_code", False))
     ref_file = run_dir / "dense_reference.safetensors"
     ref = DenseReference.load(run_dir) if ref_file.is_file() else None
     _, test = load_data(recipe)
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
-    results = report(recipe, load_run_model(recipe, run_dir / "model"), tok, test, ref, history)
+    results = report(recipe, load_run_model(recipe, run_dir / "model").to(args.device), tok, test, ref, history)
     out_console().print(results_table(result_rows(results), title=f"{recipe.name} ({run_dir})"))
 
 
-def run_asr(recipe, run_dir: Path) -> None:
+def run_asr(recipe, run_dir: Path, device: str) -> None:
     from moekit.io import load_model
     from moekit.speech.data import load_split
     from moekit.speech.evaluate import asr_table
@@ -61,6 +62,6 @@ def run_asr(recipe, run_dir: Path) -> None:
     _, test = load_split(recipe.data)
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
-    model = load_model(run_dir / "model", recipe.model.allow_pickle)
+    model = load_model(run_dir / "model", recipe.model.allow_pickle).to(device)
     results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
     out_console().print(asr_table(results, title=f"{recipe.name} ({run_dir})"))

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from moekit.cli.common import err_console, human, lang_file, lang_files, out_console
+from moekit.cli.common import device_arg, err_console, human, lang_file, lang_files, out_console
 from moekit.errors import CheckpointError, ConfigError
 
 
@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-length", type=int, default=128, help="tokens per line, longer lines are cut")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (selected rows only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", type=device_arg,
+                   help="auto (a CUDA device when torch sees one), cpu, cuda or cuda:N (default: auto)")
     p.set_defaults(run=run_finetune)
 
     p = sub.add_parser("prune", help="disable the selected experts",
@@ -88,7 +90,7 @@ def run_finetune(args: argparse.Namespace) -> None:
         with err_console().status(f"training {selection.count} experts for {args.steps} steps"):
             log = train_selected(model, selection, tokenizer, lines, steps=args.steps, lr=args.lr,
                                  batch_size=args.batch_size, max_length=args.max_length,
-                                 weight_decay=args.weight_decay, seed=args.seed)
+                                 weight_decay=args.weight_decay, seed=args.seed, device=args.device)
         losses = [e["loss"] for e in log if "loss" in e]
         record = {"selection": selection.model_dump(), "data": {lang: str(p) for lang, p in data.items()},
                   "steps": args.steps, "lr": args.lr, "batch_size": args.batch_size, "max_length": args.max_length,

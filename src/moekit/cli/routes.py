@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moekit.cli.common import err_console, lang_file, lang_files, out_console
+from moekit.cli.common import device_arg, err_console, lang_file, lang_files, out_console
 from moekit.errors import CheckpointError, ConfigError
 
 
@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
     c.add_argument("--overwrite", action="store_true", help="replace an existing trace file")
     c.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model directory that ships its own Python code (auto_map); it will run")
+    c.add_argument("--device", default="cpu", type=device_arg, help="auto, cpu, cuda or cuda:N (default: cpu)")
     c.set_defaults(run=run_collect)
     r = rsub.add_parser("report", help="figures, report.md and metrics.json of a trace",
                         description="Language routing isolation (RISE), layer-wise similarity, expert usage, "
@@ -80,7 +81,7 @@ def run_collect(args: argparse.Namespace) -> None:
             if tok.eos_token is None:
                 raise CheckpointError(f"the tokenizer of {args.model} has neither a pad nor an eos token")
             tok.pad_token = tok.eos_token
-        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
         with err_console().status(f"recording routing of {sum(map(len, texts.values()))} texts"):
             trace = collect(model, tok, texts, args.max_length, args.batch_size, args.layers)
         trace.meta.update(model=str(args.model), max_length=args.max_length)

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from moekit.assets import model_inputs, resolve_model
-from moekit.cli.common import err_console, human, out_console, progress
+from moekit.cli.common import device_arg, err_console, human, out_console, progress
 from moekit.config import Config, apply_overrides, read_yaml, validate
 from moekit.errors import ConfigError
 from moekit.moe.spec import MoESpec
@@ -39,17 +39,6 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def device_arg(text: str) -> str:
-    """auto | cpu | cuda | cuda:N (auto: cuda when torch sees one)."""
-    if text == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
-        return text
-    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
 
 
 def int_list(text: str) -> list[int]:

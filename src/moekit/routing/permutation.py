@@ -41,7 +41,8 @@ def random_experts(p: float, gen: torch.Generator) -> RerouteFn:
 @torch.no_grad()
 def mean_loss(model: nn.Module, batches: Iterable[dict]) -> float:
     """Mean of model(**batch).loss over the batches (each a dict of model inputs including labels)."""
-    losses = [float(model(**batch).loss) for batch in batches]
+    device = next(model.parameters()).device
+    losses = [float(model(**{k: v.to(device) for k, v in batch.items()}).loss) for batch in batches]
     if not losses:
         raise ConfigError("no batches to evaluate")
     return sum(losses) / len(losses)

@@ -156,9 +156,10 @@ def encode_lines(lines: list[str], tokenizer, max_length: int) -> list[dict[str,
 
 def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]], tokenizer, lines: list[str],
                    steps: int, lr: float = 1e-4, batch_size: int = 8, max_length: int = 128,
-                   weight_decay: float = 0.0, seed: int = 0) -> list[dict]:
+                   weight_decay: float = 0.0, seed: int = 0, device: str = "auto") -> list[dict]:
     """Train only the selected experts of `model` (in place) on plain text lines with transformers'
-    Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history."""
+    Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history. `device`:
+    "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present)."""
     from transformers import Trainer, TrainingArguments
 
     from ..data.parallel import TranslationCollator
@@ -178,7 +179,8 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
                 output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
                 weight_decay=weight_decay, lr_scheduler_type="linear", seed=seed, data_seed=seed,
                 logging_steps=max(1, steps // 10), save_strategy="no", report_to=[], disable_tqdm=True,
-                remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=False)
+                remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=False,
+                use_cpu=device == "cpu")
             trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad))
             trainer.train()
             return trainer.state.log_history

@@ -31,7 +31,8 @@ class CTCTranscriber:
     @torch.no_grad()
     def transcribe(self, model: nn.Module, utts: list[Utterance]) -> list[str]:
         b = self.batch(utts)
-        best = model(input_features=b["input_features"], attention_mask=b["attention_mask"]).logits.argmax(-1)  # (B, T')
+        feats, mask = b["input_features"].to(model.device), b["attention_mask"].to(model.device)
+        best = model(input_features=feats, attention_mask=mask).logits.argmax(-1).cpu()  # (B, T')
         return [self.vocab.decode_ctc(row[:n].tolist()) for row, n in zip(best, b["attention_mask"].sum(-1))]
 
     @staticmethod
@@ -48,7 +49,7 @@ class WhisperTranscriber:
 
     @torch.no_grad()
     def transcribe(self, model: nn.Module, utts: list[Utterance]) -> list[str]:
-        feats = self.batch(utts)["input_features"]  # (B, 80, 3000)
+        feats = self.batch(utts)["input_features"].to(model.device)  # (B, 80, 3000)
         langs = {u.lang for u in utts}
         kw = {"language": langs.pop(), "task": "transcribe"} if self.multilingual and len(langs) == 1 else {}
         out = model.generate(input_features=feats, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
@@ -108,7 +109,7 @@ def routing_report(model: nn.Module, transcriber, batches: list[dict], stack: st
     model.eval()
     with RoutingCapture(model, layers=stack) as cap:
         for b in batches:
-            model(**b)
+            model(**{k: v.to(model.device) for k, v in b.items()})
             cap.record(None, transcriber.frame_mask(b, model), language="all")
     trace = cap.trace()
     v, _ = adjacent_association(trace)
