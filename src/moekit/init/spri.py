@@ -14,13 +14,18 @@ from moekit.ffn import FFNWeights
 from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 
+SMALL_EIGH = 2048  # eigh of matrices up to this size runs single-threaded (see one_thread)
+
+
 @contextmanager
-def one_thread() -> Iterator[None]:
+def one_thread(active: bool = True) -> Iterator[None]:
     """Run LAPACK single-threaded. Its multithreaded eigh waits on OpenMP barriers and stalls when
     the cores are shared: measured here, a 576² eigh took 0.03 s on 1 thread and 0.2-7 s on 2 threads
-    beside two busy processes, and a 2048² one 1.1 s vs 8.6 s on 2 threads of a busy 2-core machine."""
+    beside two busy processes, and a 2048² one 1.1 s vs 8.6 s on 2 threads of a busy 2-core machine. Larger
+    ones gain from the threads (4096²: 9.3 s on 1, 5.1 s on 2 idle cores), so callers pass active=False."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if active:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
@@ -30,14 +35,21 @@ def one_thread() -> Iterator[None]:
 EXACT_LIMIT = 1 << 22  # matrices with more entries use float32 math (SmolLM2's 576 x 1536 stays float64)
 
 
+def orthonormal(b: torch.Tensor) -> torch.Tensor:
+    """The columns of b (r, c) made orthonormal by one Cholesky-QR pass (same span)."""
+    chol = torch.linalg.cholesky(b.T @ b)  # (c, c)
+    return torch.linalg.solve_triangular(chol, b.T, upper=False).T
+
+
 class SVDBlocks:
     """The G residuals R_g = U_g U_gᵀ W (= U_g S_g V_gᵀ, SPRI eqs. 10-11) of W (m, n), U_g the g-th contiguous
     block of left singular vectors by descending singular value, so Σ_g R_g = W and ⟨R_g, R_h⟩_F = 0.
 
     U comes from the eigendecomposition of the smaller Gram matrix (W Wᵀ, or Wᵀ W with V_g when n < m), which
-    avoids a full SVD. Small matrices use float64; larger ones float32 with the basis re-orthonormalized once
-    (Cholesky QR), which keeps Σ_g R_g = W to ~1e-7 relative and |⟨R_g, R_h⟩| ≲ 1e-8 ‖W‖² (tests/test_spri,
-    bench/spri_blocks.py). ‖R_g‖_F comes from the eigenvalues; a block is built only when asked for.
+    avoids a full SVD. Small matrices use float64; larger ones float32, each block's basis re-orthonormalized
+    once (Cholesky QR: float32 eigenvectors are orthonormal only to ~4e-6 within a block, ~1e-6 across). Blocks are built when asked for; in float32, asked in order, the last is W minus the others
+    (an exact sum, and one projection saved). Measured on a 4096 x 14336 matrix (bench/spri_blocks.py): Σ_g R_g = W to ~5e-7
+    relative, |⟨R_g, R_h⟩| ≲ 1e-10 ‖W‖². ‖R_g‖_F comes from the eigenvalues.
     """
 
     def __init__(self, w: torch.Tensor, groups: int):
@@ -45,22 +57,31 @@ class SVDBlocks:
         self.w = w.to(self.dtype)
         self.left = w.shape[0] <= w.shape[1]
         gram = self.w @ self.w.T if self.left else self.w.T @ self.w  # (r, r), r = min(m, n)
-        with one_thread():
+        with one_thread(gram.shape[0] <= SMALL_EIGH):
             vals, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+        del gram
         vecs = vecs.flip(-1)  # (r, r) columns by descending singular value
-        if self.dtype == torch.float32:  # one Cholesky-QR pass: orthonormal to float32 precision
-            chol = torch.linalg.cholesky(vecs.T @ vecs)  # (r, r)
-            vecs = torch.linalg.solve_triangular(chol, vecs.T, upper=False).T
-        self.basis = torch.tensor_split(vecs, groups, dim=1)  # (r, r_g) each: one block's singular subspace
+        self.basis = [orthonormal(b) if self.dtype == torch.float32 else b  # (r, r_g): block g's singular subspace
+                      for b in torch.tensor_split(vecs, groups, dim=1)]
         self.sq_norms = [float(v.sum()) for v in torch.tensor_split(vals.flip(-1).clamp_min(0), groups)]
+        self._sum, self._built = None, set()  # running Σ of the blocks built in order
 
     def __len__(self) -> int:
         return len(self.basis)
 
     def block(self, g: int) -> torch.Tensor:
         """R_g (m, n): the projection of W onto block g's singular subspace."""
+        last = len(self.basis) - 1
+        if g == last and self._built == set(range(last)) and self._sum is not None:
+            r = self.w - self._sum
+            self._sum = None
+            return r
         b = self.basis[g]
-        return b @ (b.T @ self.w) if self.left else (self.w @ b) @ b.T
+        r = b @ (b.T @ self.w) if self.left else (self.w @ b) @ b.T
+        if self.dtype == torch.float32 and g == len(self._built) and g < last:  # float64 projections are exact
+            self._sum = r.clone() if self._sum is None else self._sum.add_(r)
+            self._built.add(g)
+        return r
 
 
 def svd_blocks(w: torch.Tensor, groups: int) -> list[torch.Tensor]:
