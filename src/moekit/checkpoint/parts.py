@@ -16,8 +16,9 @@ from torch import Tensor
 from moekit.ffn import FFNWeights
 from moekit.moe.layer import MoELayer
 
-# (name relative to the MoE layer, tensor, index along dim 0 of the stacked tensor or None for a whole tensor)
-Item = tuple[str, Tensor, int | None]
+# (name relative to the MoE layer, tensor or tensors concatenated along dim 0, index along dim 0 of the stacked
+# tensor or None for a whole tensor)
+Item = tuple[str, Tensor | list[Tensor], int | None]
 
 
 class LayerParts:
@@ -37,10 +38,17 @@ class LayerParts:
         return self.moe.router.weight.detach()
 
 
-def gated_first(e: FFNWeights) -> Tensor:
+def item_shape(t: Tensor | list[Tensor]) -> tuple[int, ...]:
+    """The shape of an item's tensor (of the concatenation along dim 0 for a list)."""
+    if not isinstance(t, list):
+        return tuple(t.shape)
+    return (sum(x.shape[0] for x in t), *t[0].shape[1:])
+
+
+def gated_first(e: FFNWeights) -> list[Tensor]:
     """The stored input projection of one expert: [gate; up] (2I, H), as moekit and transformers v5 keep it,
-    or up (I, H)."""
-    return torch.cat([e.gate, e.up]) if e.gated else e.up
+    or up (I, H), as parts to concatenate (writers write them one after the other, without a copy)."""
+    return [e.gate, e.up] if e.gated else [e.up]
 
 
 def routed_items(parts: LayerParts, first: str, down: str, router: str | None) -> Iterator[Item]:
@@ -68,7 +76,7 @@ def moekit_items(parts: LayerParts, own_router: bool, bias: bool) -> Iterator[It
         if bias:
             I, H = e.intermediate_size, e.hidden_size
             up_b = _or_zeros(e.up_bias, I, e.up)
-            yield "experts.first_bias", torch.cat([_or_zeros(e.gate_bias, I, e.up), up_b]) if e.gated else up_b, i
+            yield "experts.first_bias", [_or_zeros(e.gate_bias, I, e.up), up_b] if e.gated else up_b, i
             yield "experts.down_bias", _or_zeros(e.down_bias, H, e.up), i
     sh = parts.shared()
     if sh is not None:
@@ -86,6 +94,7 @@ def assemble(items: Iterator[Item]) -> dict[str, Tensor]:
     """{name: tensor} from items, stacking indexed slices in order (in-memory exports)."""
     whole, slices = {}, {}
     for name, t, i in items:
+        t = torch.cat(t) if isinstance(t, list) else t
         if i is None:
             whole[name] = t
         else:

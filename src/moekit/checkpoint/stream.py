@@ -10,15 +10,16 @@ and the per-layer state of the init method (e.g. one SVD block), never a whole l
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from moekit.checkpoint.files import ShardReader
-from moekit.checkpoint.parts import Item, LayerParts, moekit_items
+from moekit.checkpoint.parts import Item, LayerParts, item_shape, moekit_items
 from moekit.checkpoint.writer import Planned, ShardWriter
 from moekit.errors import CheckpointError, NumericsError
 from moekit.ffn import FFNWeights
@@ -34,7 +35,8 @@ Progress = Callable[[int, int, str], None]  # (MoE layers done, MoE layers, the 
 
 
 def check_finite(t: Tensor, what: str) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    """NumericsError if `t` holds NaN or Inf (min and max in one pass: NaN propagates, no bool copy)."""
+    if t.is_floating_point() and t.numel() and not all(map(math.isfinite, map(float, torch.aminmax(t)))):
         bad = int((~torch.isfinite(t)).sum())
         raise NumericsError(f"{what} has {bad} non-finite value{'s' * (bad > 1)} (NaN or Inf); pass "
                             "--allow-nonfinite to proceed anyway")
@@ -90,7 +92,7 @@ class Layer:
         """Names and shapes from the naming of one meta expert (stacked tensors get the layer's E rows)."""
         shapes: dict[str, tuple[int, ...]] = {}
         for name, t, i in self.naming(self.meta.one()):
-            shapes.setdefault(name, tuple(t.shape) if i is None else (self.meta.num_experts, *t.shape))
+            shapes.setdefault(name, item_shape(t) if i is None else (self.meta.num_experts, *item_shape(t)))
         return [Planned(self.prefix + name, shape, dtype) for name, shape in shapes.items()]
 
     def items(self) -> Iterator[Item]:
@@ -173,29 +175,42 @@ class StoredParts(LayerParts):
         return self.reader.get(f"{self.router_of}.router.weight")
 
 
+FFN_FIELDS = ("up", "down", "gate", "up_bias", "gate_bias", "down_bias")
+
+
 class UpcycledParts(LayerParts):
     """The parts an init method makes from one dense FFN: experts in order (prepare on the first), the shared
-    expert, then the router (drawn last from the layer's generator, as moekit.upcycle does, or `shared_router`
-    for a router-sharing group). Checked finite unless allowed."""
+    expert, then the router (drawn last from the layer's generator, as moekit.upcycle does, or `router` for a
+    router-sharing group). `stored` is the dense FFN as the checkpoint holds it: a tensor an init method
+    passes through unchanged (a copy) is written from it, not cast back from float32 (the same bytes, no
+    work). New tensors are checked finite unless allowed."""
 
-    def __init__(self, ctx: InitContext, router: Callable[[], Tensor], finite: bool):
+    def __init__(self, ctx: InitContext, stored: FFNWeights, router: Callable[[], Tensor], finite: bool):
         self.ctx, self._router, self.finite, self.state = ctx, router, finite, None
         self.num_experts, self.hidden_size = ctx.spec.num_experts, ctx.dense.hidden_size
+        self.stored = {id(getattr(ctx.dense, f)): getattr(stored, f) for f in FFN_FIELDS
+                       if getattr(ctx.dense, f) is not None}
+
+    def _as_stored(self, e: FFNWeights, what: str) -> FFNWeights:
+        changes = {}
+        for f in FFN_FIELDS:
+            t = getattr(e, f)
+            if t is not None and id(t) in self.stored:
+                changes[f] = self.stored[id(t)]
+            elif t is not None and self.finite:
+                check_finite(t, f"{self.ctx.spec.init.method} {what} ({f}) of {self.ctx.path}")
+        return replace(e, **changes)
 
     def expert(self, i: int) -> FFNWeights:
         init = self.ctx.spec.init
         if i == 0:
             self.state = init.prepare(self.ctx)
         with torch.no_grad():
-            e = init.expert(self.ctx, self.state, i)
-        if self.finite:
-            for name in ("up", "down", "gate"):
-                if getattr(e, name) is not None:
-                    check_finite(getattr(e, name), f"{init.method} expert {i} ({name}) of {self.ctx.path}")
-        return e
+            return self._as_stored(init.expert(self.ctx, self.state, i), f"expert {i}")
 
     def shared(self) -> FFNWeights | None:
-        return self.ctx.spec.init.shared(self.ctx)
+        sh = self.ctx.spec.init.shared(self.ctx)
+        return None if sh is None else self._as_stored(sh, "shared expert")
 
     def router(self) -> Tensor:
         return self._router()

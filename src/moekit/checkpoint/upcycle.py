@@ -237,7 +237,8 @@ def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list
         slot = slots[path]
         finite = not allow_nonfinite
         gen = layer_generator(spec.seed, path)
-        dense = read_ffn(slot, reader, finite).math().to(device=device)
+        stored = read_ffn(slot, reader, finite)
+        dense = stored.math().to(device=device)
         ctx = InitContext(dense=dense, spec=spec, generator=gen, path=path,
                           branches=[read_ffn(slot, b, finite).math().to(device=device) for b in branches])
         group = spec.router_group(path)
@@ -250,7 +251,7 @@ def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list
                 routers[group] = r
             return r
 
-        return UpcycledParts(ctx, router, finite)
+        return UpcycledParts(ctx, stored, router, finite)
 
     return make
 

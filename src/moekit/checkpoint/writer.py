@@ -101,21 +101,25 @@ class ShardWriter:
         for p, begin in zip(tensors, offsets):
             self.slots[p.name] = _Slot(path, 8 + len(raw) + begin, p)
 
-    def write(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
-        """Write tensor `name` (cast to its planned dtype), or its `index`-th slice along dim 0."""
+    def write(self, name: str, tensor: torch.Tensor | list[torch.Tensor], index: int | None = None) -> None:
+        """Write tensor `name` (cast to its planned dtype), or its `index`-th slice along dim 0; a list of
+        tensors is written as their concatenation along dim 0."""
         slot = self.slots.get(name)
         if slot is None:
             raise CheckpointError(f"tensor {name} was not planned for this checkpoint")
-        p = slot.planned
+        p, parts = slot.planned, tensor if isinstance(tensor, list) else [tensor]
         shape = p.shape if index is None else p.shape[1:]
-        if tuple(tensor.shape) != tuple(shape) or (index is not None and not 0 <= index < p.shape[0]):
-            raise CheckpointError(f"{name}: got {list(tensor.shape)} for slice {index}, planned {list(p.shape)}")
+        got = (sum(t.shape[0] for t in parts), *parts[0].shape[1:]) if parts[0].dim() else ()
+        if tuple(got) != tuple(shape) or (index is not None and not 0 <= index < p.shape[0]):
+            raise CheckpointError(f"{name}: got {list(got)} for slice {index}, planned {list(p.shape)}")
         if index in slot.written or (slot.written and (index is None or None in slot.written)):
             raise CheckpointError(f"{name} (slice {index}) is written twice")
         slot.written.add(index)
-        data = tensor.detach().to(device="cpu", dtype=p.dtype).contiguous().reshape(-1).view(torch.uint8)
         start = slot.start + (0 if index is None else index * (p.nbytes // p.shape[0]))
-        _pwrite(self._fd_of[slot.file], memoryview(data.numpy()), start)
+        for t in parts:
+            data = t.detach().to(device="cpu", dtype=p.dtype).contiguous().reshape(-1).view(torch.uint8)
+            _pwrite(self._fd_of[slot.file], memoryview(data.numpy()), start)
+            start += data.numel()
 
     def abort(self) -> None:
         """Close the files after a failure (the caller removes the directory)."""
