@@ -43,12 +43,14 @@ PY = sys.executable
 
 
 def make_dense(folder: Path, shape: dict, seed: int = 0) -> Path:
-    """A bf16 LlamaForCausalLM checkpoint with N(0, 0.02) weights (norms 1), written one tensor at a time."""
+    """A bf16 LlamaForCausalLM checkpoint with N(0, 0.02) weights (norms 1), written one tensor at a time, and
+    a small character tokenizer."""
     import torch
     import transformers as tf
 
     from moekit.checkpoint.writer import Planned, ShardWriter
     from moekit.io import unique_tensors
+    from moekit.testing import tiny_tokenizer
 
     if (folder / "config.json").is_file():
         return folder
@@ -67,6 +69,7 @@ def make_dense(folder: Path, shape: dict, seed: int = 0) -> Path:
         writer.write(k, t)
     writer.close()
     config.save_pretrained(tmp)
+    tiny_tokenizer().save_pretrained(tmp)  # mergekit-moe copies the base model's tokenizer
     tmp.rename(folder)
     return folder
 
@@ -130,7 +133,10 @@ SPRI_REF = textwrap.dedent('''
     spec = MoESpec(num_experts=8, top_k=2, every=4, shared_expert=True, init="spri")
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (1, 16))
-    ref = upcycle(load_dense(dense), spec).to(torch.bfloat16).float()  # the in-memory path, rounded as stored
+    ref = upcycle(load_dense(dense), spec)  # the in-memory path, its weights rounded as stored (buffers such as
+    with torch.no_grad():                    # RoPE's inv_freq stay float32, as in a model loaded from disk)
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
     with torch.inference_mode():
         a = ref(input_ids=ids).logits
     del ref
