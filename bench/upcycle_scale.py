@@ -180,10 +180,13 @@ def run_a(work: Path, dense: Path, repeats: int) -> dict:
         runs["io limit"].append(timed([PY, "-c", IO_LIMIT, dense, work / "io.bin", nbytes]))
         (work / "io.bin").unlink()
     check = json.loads(timed([PY, "-c", LOGITS, dense, work / "a_moekit", work / "a_mergekit-moe"])["stdout"])
+    nbytes = {"moekit": size(work / "a_moekit"), "mergekit-moe": size(work / "a_mergekit-moe")}
+    for name in jobs:
+        shutil.rmtree(work / f"a_{name}")  # the 8B run needs the disk
     return {name: {"wall": statistics.median(x["wall"] for x in rs), "rss": statistics.median(x["rss"] for x in rs),
                    "walls": [x["wall"] for x in rs]} for name, rs in runs.items()} | {
-        "bytes": {"moekit": size(work / "a_moekit"), "mergekit-moe": size(work / "a_mergekit-moe")},
-        "logits": {("moekit" if k.endswith("a_moekit") else "mergekit-moe"): v for k, v in check.items()}}
+        "bytes": nbytes, "logits": {("moekit" if k.endswith("a_moekit") else "mergekit-moe"): v
+                                    for k, v in check.items()}}
 
 
 def run_spri(work: Path, dense: Path, name: str, check: bool) -> dict:

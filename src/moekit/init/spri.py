@@ -141,12 +141,12 @@ class SPRIInit(ExpertInitConfig):
         g = i // ctx.spec.top_k
         if state.group != g:
             state.scaled = None  # free the previous group's block first
-            r = state.parts.block(g)
             alpha = self.rho * state.norm / (math.sqrt(state.parts.sq_norms[g]) + self.delta)
-            state.group, state.scaled = g, (alpha * r).to(w.dtype)  # (m, n)
+            state.group, state.scaled = g, state.parts.block(g).mul_(alpha).to(w.dtype)  # α_g R_g (m, n)
         base = state.scaled
         noise = torch.randn(base.shape, generator=ctx.generator, dtype=base.dtype).to(base.device)
-        resid = base + noise * (self.eps * base.pow(2).mean().sqrt())
+        rms = torch.linalg.vector_norm(base) / math.sqrt(base.numel())  # no (m, n) temporary
+        resid = noise.mul_(self.eps * rms).add_(base)  # in place: one (m, n) per expert
         # a residual expert has no constant term: the dense down bias lives in the shared expert only
         zero_b = None if d.down_bias is None else torch.zeros_like(d.down_bias)
         return replace(d, **{self.placement: resid, "down_bias": zero_b})
