@@ -35,6 +35,19 @@ def one_thread(active: bool = True) -> Iterator[None]:
 EXACT_LIMIT = 1 << 22  # matrices with more entries use float32 math (SmolLM2's 576 x 1536 stays float64)
 
 
+def eigh(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (ascending) and eigenvectors of a symmetric matrix. Large float32 ones on the CPU go to
+    SciPy's divide-and-conquer LAPACK (OpenBLAS): 4.5 s for 4096² here against 6.2-8.1 s for torch's (MKL),
+    interleaved; small ones run single-threaded (see one_thread); CUDA tensors stay with torch."""
+    if gram.device.type == "cpu" and gram.dtype == torch.float32 and gram.shape[0] > SMALL_EIGH:
+        import scipy.linalg
+
+        vals, vecs = scipy.linalg.eigh(gram.numpy(), driver="evd", check_finite=False)
+        return torch.from_numpy(vals), torch.from_numpy(vecs)
+    with one_thread(gram.shape[0] <= SMALL_EIGH):
+        return torch.linalg.eigh(gram)
+
+
 def orthonormal(b: torch.Tensor) -> torch.Tensor:
     """The columns of b (r, c) made orthonormal by one Cholesky-QR pass (same span)."""
     chol = torch.linalg.cholesky(b.T @ b)  # (c, c)
@@ -57,8 +70,7 @@ class SVDBlocks:
         self.w = w.to(self.dtype)
         self.left = w.shape[0] <= w.shape[1]
         gram = self.w @ self.w.T if self.left else self.w.T @ self.w  # (r, r), r = min(m, n)
-        with one_thread(gram.shape[0] <= SMALL_EIGH):
-            vals, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+        vals, vecs = eigh(gram)  # ascending eigenvalues
         del gram
         vecs = vecs.flip(-1)  # (r, r) columns by descending singular value
         self.basis = [orthonormal(b) if self.dtype == torch.float32 else b  # (r, r_g): block g's singular subspace
