@@ -1063,7 +1063,7 @@ NUMBERS_AND_WRONG_INPUT = [
 def btx(t: Path, f: Fx, out) -> tuple[list, Path]:
     """A BTX recipe (two branch copies of the dense model) with output `out`, and --overwrite."""
     spec = {"num_experts": 2, "top_k": 1, "layers": [1],
-            "init": {"method": "btx", "branches": [str(dense(t, f, f"b{i}")) for i in range(2)]}}
+            "init": {"method": "btx", "include_seed": False, "branches": [str(dense(t, f, f"b{i}")) for i in range(2)]}}
     r = write(t / "btx.yaml", yaml.safe_dump({"model": str(dense(t, f)), "out": str(out), "spec": spec}))
     return ["upcycle", r, "--overwrite"], out
 

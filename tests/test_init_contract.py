@@ -7,7 +7,7 @@ import torch
 from moekit import io
 from moekit.config import validate
 from moekit.init import EXPERT_INITS
-from moekit.losses import load_balance, mean_over_layers
+from moekit.losses import load_balance, over_layers
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_inputs
 from moekit.upcycling import layer_generator, upcycle
@@ -28,7 +28,7 @@ def spec_for(method: str, seed: int = 0, **kw) -> MoESpec:
     cls = EXPERT_INITS.get(method)
     init: dict = {"method": method}
     if cls.needs_branches:
-        init["branches"] = [f"branch-{i}" for i in range(E)]
+        init["branches"] = [f"branch-{i}" for i in range(E - 1)]  # and the seed model, the last expert
     # ume/scaled_copy keep the model dense-equal only without a shared expert; spri wants one
     shared = method == "spri"
     return validate(MoESpec, {"num_experts": E, "top_k": K, "init": init, "seed": seed,
@@ -38,7 +38,7 @@ def spec_for(method: str, seed: int = 0, **kw) -> MoESpec:
 def build(method: str, family: str = "llama", seed: int = 0, **kw):
     fn = TINY_MODELS[family]
     spec = spec_for(method, seed, **kw)
-    branches = [fn(seed=100 + i) for i in range(E)] if spec.init.needs_branches else None
+    branches = [fn(seed=100 + i) for i in range(len(spec.init.branches))] if spec.init.needs_branches else None
     return upcycle(fn(seed=0), spec, branches=branches), spec
 
 
@@ -132,7 +132,7 @@ def test_forward_backward_reaches_router_and_experts(method):
     out = model(**inputs, labels=inputs["input_ids"])
     layers = moe_layers(model)
     infos = [m.last_routing for _, m in layers]
-    loss = out.loss + 0.01 * mean_over_layers(load_balance, infos, inputs["attention_mask"])
+    loss = out.loss + 0.01 * over_layers(load_balance, infos, inputs["attention_mask"])
     loss.backward()
     for path, moe in layers:
         assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0, path
@@ -144,10 +144,16 @@ def test_forward_backward_reaches_router_and_experts(method):
             assert torch.equal(per_expert > 0, used), path
 
 
-def test_btx_experts_are_branch_ffns_and_the_rest_is_averaged():
-    branches = [TINY_MODELS["llama"](seed=100 + i) for i in range(E)]
-    states = [{k: v.clone() for k, v in b.state_dict().items()} for b in branches]
-    model = upcycle(TINY_MODELS["llama"](seed=0), spec_for("btx"), branches=branches)
+@pytest.mark.parametrize("include_seed", [True, False])
+def test_btx_experts_are_branch_ffns_and_the_rest_is_averaged(include_seed):
+    """BTX §2.2: expert i = branch i's FFN, the rest averaged; with the seed model as one more expert (the
+    last), as Sukhbaatar et al. and SIMoE's baseline do, the seed joins the average too."""
+    branches = [TINY_MODELS["llama"](seed=100 + i) for i in range(E - include_seed)]
+    seed = TINY_MODELS["llama"](seed=0)
+    states = [{k: v.clone() for k, v in m.state_dict().items()} for m in [*branches, *([seed] * include_seed)]]
+    spec = validate(MoESpec, {"num_experts": E, "top_k": K, "init": {"method": "btx", "include_seed": include_seed,
+                                                                      "branches": ["b"] * len(branches)}})
+    model = upcycle(seed, spec, branches=branches)
     for i, (path, moe) in enumerate(moe_layers(model)):
         for e, st in enumerate(states):
             gate, up, down = (st[f"{path}.{n}_proj.weight"] for n in ("gate", "up", "down"))
@@ -164,8 +170,8 @@ def test_btx_needs_matching_branches():
 
     with pytest.raises(ConfigError, match="one branch per expert"):
         validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": {"method": "btx", "branches": ["a", "b"]}})
-    with pytest.raises(ConfigError, match="needs 4 branch models, got 2"):
+    with pytest.raises(ConfigError, match=f"needs {E - 1} branch models, got 2"):
         upcycle(TINY_MODELS["llama"](), spec_for("btx"), branches=[TINY_MODELS["llama"](seed=i) for i in range(2)])
-    other = [TINY_MODELS["llama"](seed=i, intermediate_size=48) for i in range(E)]
+    other = [TINY_MODELS["llama"](seed=i, intermediate_size=48) for i in range(E - 1)]
     with pytest.raises(ConfigError, match="architecture"):
         upcycle(TINY_MODELS["llama"](), spec_for("btx"), branches=other)

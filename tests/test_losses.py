@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from moekit.losses import load_balance, mean_over_layers, z_loss
+from moekit.losses import load_balance, over_layers, z_loss
 from moekit.moe.router import RoutingInfo
 
 LN3, LN9 = math.log(3.0), math.log(9.0)
@@ -25,6 +25,20 @@ def test_load_balance_argmax_by_hand():
     info = _info(LOGITS, [[1], [1], [0]])  # top-k choices ignored by the argmax variant
     # 2 · (2/3 · 1.9/3 + 1/3 · 1.1/3) = 9.8/9
     assert load_balance(info, variant="argmax").item() == pytest.approx(9.8 / 9, abs=1e-6)
+
+
+def test_load_balance_omni_router_by_hand():
+    """Omni-router eqs. 3.3-3.5: f from the argmax, ρ_j = (1/T) Σ over the tokens whose argmax is j of P_ij."""
+    info = _info(LOGITS, [[1], [1], [0]])
+    # f = [2/3, 1/3]; ρ = [(.75 + .9)/3, .75/3] = [.55, .25]; 2 · (2/3 · .55 + 1/3 · .25) = 0.9
+    assert load_balance(info, variant="omni").item() == pytest.approx(0.9, abs=1e-6)
+    logits = LOGITS.clone().requires_grad_()
+    load_balance(_info(logits, [[0], [1], [0]]), variant="omni").backward()
+    # d/dl_tj of E·f_a(t)·p_t,a(t)/T with a(t) the argmax: (E/T) f_a p_ta (δ_ja − p_tj)
+    p, f = torch.softmax(LOGITS, -1), torch.tensor([2 / 3, 1 / 3])
+    a = p.argmax(-1)
+    expected = (2 / 3) * f[a][:, None] * p.gather(1, a[:, None]) * (torch.nn.functional.one_hot(a, 2) - p)
+    torch.testing.assert_close(logits.grad, expected)
 
 
 def test_load_balance_topk_by_hand():
@@ -111,15 +125,16 @@ def test_losses_are_differentiable_in_the_logits():
     torch.testing.assert_close(logits.grad, expected)
 
 
-def test_mean_over_layers():
+def test_over_layers_sums_or_averages():
     a = _info(LOGITS, [[1], [1], [0]])
     b = _info(torch.zeros(3, 2), [[0], [1], [0]])
-    assert mean_over_layers(load_balance, [a, b]).item() == pytest.approx((8.2 / 9 + 1.0) / 2, abs=1e-6)
-    assert mean_over_layers(load_balance, [a, b], variant="argmax").item() == pytest.approx((9.8 / 9 + 1.0) / 2,
-                                                                                           abs=1e-6)
+    assert over_layers(load_balance, [a, b]).item() == pytest.approx(8.2 / 9 + 1.0, abs=1e-6)  # sum: UME eq. 3
+    assert over_layers(load_balance, [a, b], reduction="mean").item() == pytest.approx((8.2 / 9 + 1.0) / 2, abs=1e-6)
+    assert over_layers(load_balance, [a, b], reduction="mean", variant="argmax").item() == pytest.approx(
+        (9.8 / 9 + 1.0) / 2, abs=1e-6)
     mask = torch.tensor([1, 1, 0])
     expected = (z_loss(a, mask) + z_loss(b, mask)) / 2
-    torch.testing.assert_close(mean_over_layers(z_loss, [a, b], mask), expected)
-    assert mean_over_layers(z_loss, [a]).item() == pytest.approx(z_loss(a).item())
+    torch.testing.assert_close(over_layers(z_loss, [a, b], mask, reduction="mean"), expected)
+    assert over_layers(z_loss, [a]).item() == pytest.approx(z_loss(a).item())
     with pytest.raises(ValueError, match="forward"):
-        mean_over_layers(z_loss, [])
+        over_layers(z_loss, [])

@@ -33,7 +33,7 @@ def test_recipe_trains_two_steps(path, tiny_recipe_overrides, tmp_path):
     data = read_yaml(path)
     extra = {}
     if data.get("moe", {}).get("init", {}).get("method") == "btx":  # branches: copies of the tiny model
-        extra["moe.init.branches"] = [str(tiny_recipe_overrides.dense)] * data["moe"]["num_experts"]
+        extra["moe.init.branches"] = [str(tiny_recipe_overrides.dense)] * len(data["moe"]["init"]["branches"])
     recipe = load_recipe(path, tiny_recipe_overrides(out, data.get("task", "translation"), **extra))
     trainer = train(recipe)
     assert trainer.state.global_step == 2

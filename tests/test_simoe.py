@@ -12,7 +12,7 @@ from torch import nn
 from moekit import simoe
 from moekit.errors import ConfigError
 from moekit.simoe import hard_concrete as hc
-from moekit.simoe.layer import Routing, SILinear, SINorm
+from moekit.simoe.layer import MaskInit, Routing, SILinear, SINorm
 from moekit.simoe.objective import density, dual_step, orthogonality, penalty
 from moekit.testing import logits, tiny_gemma3, tiny_inputs, tiny_llama
 
@@ -80,7 +80,7 @@ def test_masked_input_equals_the_explicit_per_instance_weight():
     torch.manual_seed(0)
     routing = Routing()
     lin = nn.Linear(6, 5)
-    si = SILinear(lin, 3, 0.05, routing).eval()
+    si = SILinear(lin, 3, MaskInit(0.05, 0.0, torch.Generator()), routing).eval()
     si.delta.data.normal_()
     si.log_alpha.data.normal_(std=3)
     routing.weights = torch.softmax(torch.randn(2, 3), -1)  # (B, M)
@@ -99,7 +99,7 @@ def test_norm_experts_equal_a_norm_with_interpolated_weight(norm):
     norm = LlamaRMSNorm(6) if norm == "rms" else norm
     norm.weight.data.normal_()
     routing = Routing()
-    si = SINorm(norm, 3, 0.05, routing).eval()
+    si = SINorm(norm, 3, MaskInit(0.05, 0.0, torch.Generator()), routing).eval()
     si.delta.data.normal_()
     si.log_alpha.data.normal_(std=3)
     routing.weights = torch.softmax(torch.randn(2, 3), -1)
@@ -157,12 +157,17 @@ def test_token_routing_and_generation():
 # --- objective (eqs. 3, 8, 10-13) ---
 
 def test_density_orthogonality_and_dual_step_closed_forms():
-    model = simoe.simoe_upcycle(tiny_llama(), CFG).train()
+    model = simoe.simoe_upcycle(tiny_llama(), CFG.model_copy(update={"init_std": 0.0})).train()
     assert float(density(model)) == pytest.approx(0.95, abs=1e-6)  # every gate starts at P(z≠0) = 0.95
     x = tiny_inputs(model)
     model(**x)
-    expect = sum(torch.linalg.matrix_norm(m.last_z @ m.last_z.T - torch.eye(4)) for _, m in simoe.si_modules(model))
+    expect = sum(torch.linalg.matrix_norm(m.last_z @ m.last_z.T - torch.eye(4), ord=2)
+                 for _, m in simoe.si_modules(model))  # the spectral norm (§3.1)
     assert float(orthogonality(model)) == pytest.approx(float(expect), rel=1e-6)
+    frob = model.simoe.cfg.model_copy(update={"ortho_norm": "frobenius"})
+    model.simoe.cfg = frob
+    expect_f = sum(torch.linalg.matrix_norm(m.last_z @ m.last_z.T - torch.eye(4)) for _, m in simoe.si_modules(model))
+    assert float(orthogonality(model)) == pytest.approx(float(expect_f), rel=1e-6) and expect_f > expect
     s = model.simoe
     loss, logs = penalty(model)
     g = CFG.tau - 0.05
@@ -174,10 +179,44 @@ def test_density_orthogonality_and_dual_step_closed_forms():
     assert float(s.lam) == 0.0
 
 
+def test_mask_sparsity_counts_mask_entries_or_parameters():
+    """eq. 3 / A.2: L0 over mask entries (default); "params" weights each gate by the δ rows it switches."""
+    model = simoe.simoe_upcycle(tiny_llama(), CFG.model_copy(update={"init_std": 0.0}))
+    mods = simoe.si_modules(model)
+    values = torch.linspace(-3.0, 3.0, len(mods))
+    num = den = num_p = den_p = 0.0
+    with torch.no_grad():
+        for v, (_, m) in zip(values, mods):
+            m.log_alpha.fill_(float(v))
+            p, n = float(hc.prob_nonzero(v)), m.log_alpha.numel()
+            rows = m.delta.shape[0] if isinstance(m, SILinear) else 1
+            num, den, num_p, den_p = num + p * n, den + n, num_p + rows * p * n, den_p + rows * n
+    assert float(density(model)) == pytest.approx(num / den, rel=1e-6)
+    assert float(density(model, "params")) == pytest.approx(num_p / den_p, rel=1e-6)
+    assert abs(num / den - num_p / den_p) > 1e-3  # the two forms differ here
+
+
+def test_median_gates_in_training_and_the_gaussian_mask_init():
+    """A.1 eqs. 6-7: training uses the deterministic median gates (sampled is the option); B.1: log φ drawn
+    from a Gaussian whose mean gives P(z = 0) = 0.05."""
+    model = simoe.simoe_upcycle(tiny_llama(), CFG.model_copy(update={"init_std": 0.5})).train()
+    la = torch.cat([m.log_alpha.detach().reshape(-1) for _, m in simoe.si_modules(model)])
+    assert float(la.mean()) == pytest.approx(hc.init_log_alpha(0.05), abs=0.02) and float(la.std()) == pytest.approx(0.5, rel=0.05)
+    x = tiny_inputs(model)
+    model(**x)
+    model(**x)
+    _, m = simoe.si_modules(model)[0]
+    assert torch.equal(m.last_z, hc.median(m.log_alpha))  # deterministic: the same gates every step
+    sampled = simoe.simoe_upcycle(tiny_llama(), CFG.model_copy(update={"gates": "sampled"})).train()
+    sampled(**x)
+    _, m = simoe.si_modules(sampled)[0]
+    assert not torch.equal(m.last_z, hc.median(m.log_alpha))
+
+
 def test_training_meets_the_sparsity_constraint(tmp_path):
     """The Lagrangian drives the expected sparsity above τ; λ then resets to 0."""
     torch.manual_seed(0)
-    cfg = CFG.model_copy(update={"tau": 0.5, "dual_lr": 1.0, "mask_lr": 0.1})
+    cfg = CFG.model_copy(update={"tau": 0.5, "dual_lr": 1.0, "mask_lr": 0.1})  # masks at their own lr here
     model = simoe.simoe_upcycle(tiny_llama(), cfg).train()
     from moekit.simoe.objective import param_groups
 

@@ -88,7 +88,7 @@ def test_router_sharing_and_btx(sources, tmp_path):
     for i in range(2):
         branches.append(tmp_path / f"b{i}")
         tiny_llama(seed=i + 1).save_pretrained(branches[-1])
-    spec = spec_of(num_experts=2, top_k=1, layers=[1, 3], init={"method": "btx", "branches": list(map(str, branches))})
+    spec = spec_of(num_experts=3, top_k=1, layers=[1, 3], init={"method": "btx", "branches": list(map(str, branches))})
     upcycle_checkpoint(sources["llama"], tmp_path / "btx", spec)
     ref = upcycle(load_dense(sources["llama"]), spec, [load_dense(b) for b in branches])
     assert_same_state(load(tmp_path / "btx").state_dict(), ref.state_dict())

@@ -23,22 +23,29 @@ def _select(info: RoutingInfo, mask: Tensor | None) -> tuple[Tensor, Tensor]:
 
 
 def load_balance(info: RoutingInfo, mask: Tensor | None = None,
-                 variant: Literal["topk", "argmax"] = "topk") -> Tensor:
-    """Switch load-balance loss E · Σ_i f_i · P_i (Fedus et al. 2022, eqs. 4-6).
+                 variant: Literal["topk", "argmax", "omni"] = "topk") -> Tensor:
+    """Load-balance loss E · Σ_j f_j · ρ_j of one layer.
 
-    P_i = mean router probability of expert i. f_i = fraction of routed assignments to expert i:
-    over all T·k top-k slots (variant="topk"), or over each token's argmax expert as in Switch
-    and UME eq. 3 (variant="argmax"). Equals 1 for perfectly uniform routing.
+    f_j = fraction of routed assignments to expert j: over all T·k top-k slots (variant="topk"), or over
+    each token's argmax expert as in Switch (Fedus et al. 2022, eqs. 4-6) and UME eq. 2 (variant="argmax"
+    and "omni"). ρ_j = mean router probability of expert j over all tokens (topk, argmax: Switch's P_j), or,
+    Omni-router eq. 3.4 (variant="omni"), (1/T) Σ over the tokens whose argmax is j of their probability of j.
+    The Switch forms equal 1 for perfectly uniform routing.
     """
     logits, ids = _select(info, mask)
     E = logits.shape[-1]
     if logits.shape[0] == 0:
         return logits.new_zeros(())
     probs = torch.softmax(logits, dim=-1)  # (T, E)
-    chosen = ids if variant == "topk" else probs.argmax(dim=-1, keepdim=True)  # (T, k) or (T, 1)
+    top = probs.argmax(dim=-1, keepdim=True)  # (T, 1)
+    chosen = ids if variant == "topk" else top  # (T, k) or (T, 1)
     f = torch.bincount(chosen.reshape(-1), minlength=E).float() / chosen.numel()  # (E,)
-    P = probs.mean(dim=0)  # (E,)
-    return E * torch.sum(f * P)
+    if variant == "omni":  # eq. 3.4: only each token's argmax probability counts, toward its argmax expert
+        rho = torch.zeros(E, device=probs.device).index_add(0, top[:, 0], probs.gather(1, top)[:, 0])  # (E,)
+        rho = rho / probs.shape[0]
+    else:
+        rho = probs.mean(dim=0)  # (E,)
+    return E * torch.sum(f * rho)
 
 
 def z_loss(info: RoutingInfo, mask: Tensor | None = None) -> Tensor:
@@ -49,8 +56,10 @@ def z_loss(info: RoutingInfo, mask: Tensor | None = None) -> Tensor:
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
 
 
-def mean_over_layers(fn, infos: Sequence[RoutingInfo], mask: Tensor | None = None, **kw) -> Tensor:
-    """A per-layer loss averaged over MoE layers (how the recipes weight LB and z-loss)."""
+def over_layers(fn, infos: Sequence[RoutingInfo], mask: Tensor | None = None,
+                reduction: Literal["sum", "mean"] = "sum", **kw) -> Tensor:
+    """A per-layer loss summed (UME eq. 3, Omni-router L_load) or averaged over MoE layers."""
     if not infos:
         raise ValueError("no routing information: run a forward pass through an MoE model first")
-    return torch.stack([fn(i, mask, **kw) for i in infos]).mean()
+    per_layer = torch.stack([fn(i, mask, **kw) for i in infos])
+    return per_layer.sum() if reduction == "sum" else per_layer.mean()

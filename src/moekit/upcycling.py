@@ -66,10 +66,11 @@ def check_finite_experts(w: ExpertWeights, path: str, method: str) -> None:
                                 "pass --allow-nonfinite to proceed anyway")
 
 
-def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: list[str]) -> None:
-    """BTX: every non-FFN parameter of `model` becomes the mean over the branches."""
+def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: list[str], seed: bool) -> None:
+    """BTX: every non-FFN parameter of `model` becomes the mean over the branches (and over the seed
+    `model` itself, with `seed`)."""
     target = model.state_dict()
-    states = [b.state_dict() for b in branches]
+    states = [b.state_dict() for b in branches] + ([{k: v.clone() for k, v in target.items()}] if seed else [])
     for i, st in enumerate(states):
         if st.keys() != target.keys() or any(st[k].shape != v.shape for k, v in target.items()):
             raise ConfigError(f"btx branch {i} does not have the architecture of the base model "
@@ -148,10 +149,11 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
     slots = selected_slots(model, spec)
     branch_slots: list[dict[str, Slot]] = []
     if spec.init.needs_branches:
-        if not branches or len(branches) != spec.num_experts:
-            raise ConfigError(f"{spec.init.method} needs {spec.num_experts} branch models, got {len(branches or [])}")
+        need = len(spec.init.branches)
+        if not branches or len(branches) != need:
+            raise ConfigError(f"{spec.init.method} needs {need} branch models, got {len(branches or [])}")
         branch_slots = [{s.path: s for s in find_slots(b)} for b in branches]
-        average_branches(model, branches, [s.path for s in slots])
+        average_branches(model, branches, [s.path for s in slots], spec.init.include_seed)
     groups = router_groups(slots, spec)  # checked before any layer changes
     routers: dict[str, Router] = {}  # router-sharing group -> its router (Omni-router)
     for slot in slots:

@@ -142,7 +142,7 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     fmt, plan, why = choose_format(format, moe)
     layers = moe_units(moe, _parts_maker(spec, {s.path: s for s in slots}, reader, branches, device, allow_nonfinite),
                        moekit_naming(moe) if fmt is None else (lambda path, parts: fmt.layer_items(parts, plan)))
-    copies = branches or [reader]
+    copies = [*branches, *([reader] if getattr(spec.init, "include_seed", False) else [])] or [reader]
 
     def copy_of(key, aliases):
         return Copy(key, source_key(key, aliases, reader), copies, finite=not allow_nonfinite)

@@ -7,6 +7,8 @@ x θ_preᵀ + (m ⊙ x) δᵀ with m = Σ_i α_i z_i, never materializing per-in
 module is exactly the pretrained one."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -22,16 +24,31 @@ class Routing:
         self.weights: torch.Tensor | None = None
 
 
+@dataclass
+class MaskInit:
+    """How masks start (SIMoE B.1): log φ ~ N(μ, std²) with μ giving P(z = 0) = p_zero; and whether training
+    samples gates (eqs. 4-5) instead of using their medians (eqs. 6-7, the paper's choice)."""
+
+    p_zero: float
+    std: float
+    generator: torch.Generator
+    sampled: bool = False
+
+    def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generator) * self.std + hc.init_log_alpha(self.p_zero)
+
+
 class SparseInterpolated(nn.Module):
     """Base of SILinear / SINorm: δ, the masks' log α, and the per-forward mask mixture m."""
 
-    def __init__(self, base: nn.Module, d_in: int, delta_shape: tuple[int, ...], num_experts: int, p_zero: float,
+    def __init__(self, base: nn.Module, d_in: int, delta_shape: tuple[int, ...], num_experts: int, masks: MaskInit,
                  routing: Routing):
         super().__init__()
         self.base = base.requires_grad_(False)
         w = base.weight
         self.delta = nn.Parameter(torch.zeros(delta_shape, dtype=w.dtype, device=w.device))
-        self.log_alpha = nn.Parameter(torch.full((num_experts, d_in), hc.init_log_alpha(p_zero), device=w.device))
+        self.log_alpha = nn.Parameter(masks.draw((num_experts, d_in)).to(w.device))
+        self.sampled = masks.sampled
         self.routing = routing
         self.last_z: torch.Tensor | None = None  # (M, d_in) gates of the last training forward (orthogonality)
 
@@ -40,11 +57,12 @@ class SparseInterpolated(nn.Module):
         return self.log_alpha.shape[0]
 
     def gates(self) -> torch.Tensor:
-        """(M, d_in): sampled gates in training, median gates in eval."""
+        """(M, d_in): median gates z̄ (eqs. 6-7), or in training hard-concrete draws when `sampled`; the
+        training gates are kept for the orthogonality penalty."""
+        z = hc.sample(self.log_alpha) if self.training and self.sampled else hc.median(self.log_alpha)
         if self.training:
-            self.last_z = hc.sample(self.log_alpha)
-            return self.last_z
-        return hc.median(self.log_alpha)
+            self.last_z = z
+        return z
 
     def mixture(self, x: torch.Tensor) -> torch.Tensor:
         """m = Σ_i α_i z_i shaped to broadcast against x: (B, 1.., d_in) per instance, (B, T, 1.., d_in)
@@ -61,9 +79,9 @@ class SILinear(SparseInterpolated):
     """y = x W_preᵀ + b + (m ⊙ x)[:, keep] δᵀ. After pruning (`prune`), δ and log α keep only the input
     columns some expert uses (`keep`); the dropped ones contributed exact zeros."""
 
-    def __init__(self, base: nn.Linear, num_experts: int, p_zero: float, routing: Routing, kept: int | None = None):
+    def __init__(self, base: nn.Linear, num_experts: int, masks: MaskInit, routing: Routing, kept: int | None = None):
         d_in = base.in_features if kept is None else kept
-        super().__init__(base, d_in, (base.out_features, d_in), num_experts, p_zero, routing)
+        super().__init__(base, d_in, (base.out_features, d_in), num_experts, masks, routing)
         self.register_buffer("keep", None if kept is None else torch.arange(kept, device=base.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,9 +120,9 @@ class SINorm(SparseInterpolated):
     here is affine in its weight, so y(w + d) = y(w) + n(x) ⊙ d with n(x) = y(w=1) − y(w=0), the
     normalized input: works for LayerNorm, RMSNorm and Gemma's (1 + w) RMSNorm alike."""
 
-    def __init__(self, base: nn.Module, num_experts: int, p_zero: float, routing: Routing):
+    def __init__(self, base: nn.Module, num_experts: int, masks: MaskInit, routing: Routing):
         d = base.weight.shape[0]
-        super().__init__(base, d, (d,), num_experts, p_zero, routing)
+        super().__init__(base, d, (d,), num_experts, masks, routing)
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         w = self.base.weight

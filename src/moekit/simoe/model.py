@@ -17,7 +17,7 @@ from torch import nn
 
 from moekit.config import Config
 from moekit.errors import ConfigError
-from moekit.simoe.layer import Routing, SILinear, SINorm, SparseInterpolated
+from moekit.simoe.layer import MaskInit, Routing, SILinear, SINorm, SparseInterpolated
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "out_proj"]
 
@@ -30,11 +30,18 @@ class SIMoEConfig(Config):
     norms: bool = True  # norm weights get experts too
     routing: Literal["instance", "token"] = "instance"  # token: the paper's ablation (d)
     router_hidden: int = Field(256, ge=1)
-    p_zero: float = Field(0.05, gt=0.0, lt=1.0)  # initial P(z = 0) of every gate (appendix B.1)
-    tau: float = Field(0.75, ge=0.0, lt=1.0)  # constraint 1 − L0(Z) ≥ τ
-    ortho: float = Field(5e-6, ge=0.0)  # β of the orthogonality penalty ‖ZZᵀ − I‖
-    dual_lr: float = Field(0.01, gt=0.0)  # step of the projected gradient ascent on λ
-    mask_lr: float | None = Field(0.05, gt=0.0)  # AdamW lr of the masks' log α (None: the model's lr)
+    gates: Literal["median", "sampled"] = "median"  # A.1 eqs. 6-7: median gates in training and inference;
+    #                                                 sampled: hard-concrete draws in training (eq. 4-5)
+    p_zero: float = Field(0.05, gt=0.0, lt=1.0)  # B.1: log φ's Gaussian has the mean giving P(z = 0) = 0.05
+    init_std: float = Field(0.01, ge=0.0)  # its std (the paper gives none; 0.01 as Louizos et al. 2018)
+    seed: int = 0  # the mask init's draws
+    tau: float = Field(0.75, ge=0.0, lt=1.0)  # constraint 1 − L0(Z) ≥ τ (eq. 3)
+    sparsity: Literal["masks", "params"] = "masks"  # L0 over mask entries (eq. 3, A.2); params: weighted by
+    #                                                 the δ parameters each gate switches
+    ortho: float = Field(5e-6, ge=0.0)  # β of the orthogonality penalty
+    ortho_norm: Literal["spectral", "frobenius"] = "spectral"  # ‖ZZᵀ − I‖_2 (§3.1); frobenius: ‖·‖_F
+    dual_lr: float = Field(0.01, gt=0.0)  # step of the projected gradient ascent on λ (eq. 13)
+    mask_lr: float | None = Field(None, gt=0.0)  # the masks' own lr; None: the one lr of Table 6
 
 
 class SIMoE(nn.Module):
@@ -130,12 +137,14 @@ def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = No
         raise ConfigError(f"no SIMoE targets: no nn.Linear named {cfg.modules}" + (" and no norm" if cfg.norms else ""))
     model.requires_grad_(False)
     s = SIMoE(cfg, model.config.get_text_config().hidden_size).to(next(model.parameters()).device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    masks = MaskInit(cfg.p_zero, cfg.init_std, gen, sampled=cfg.gates == "sampled")
     for path, mod in targets:
         parent, _, leaf = path.rpartition(".")
         if isinstance(mod, nn.Linear):
-            si = SILinear(mod, cfg.num_experts, cfg.p_zero, s.routing, (kept or {}).get(path))
+            si = SILinear(mod, cfg.num_experts, masks, s.routing, (kept or {}).get(path))
         else:
-            si = SINorm(mod, cfg.num_experts, cfg.p_zero, s.routing)
+            si = SINorm(mod, cfg.num_experts, masks, s.routing)
         setattr(model.get_submodule(parent) if parent else model, leaf, si)
     model.simoe = s
     s.hook = model.register_forward_pre_hook(_pre_hook, with_kwargs=True)

@@ -1,11 +1,13 @@
 """SIMoE training objective (Chen et al. 2025, eqs. 3 and 10-13):
 
-    min_θ max_{λ ≥ 0}  NLL(θ) + β Σ_l ‖Z_l Z_lᵀ − I‖_F + λ (τ − (1 − L0(Z)))
+    min_θ max_{λ ≥ 0}  NLL(θ) + β Σ_l ‖Z_l Z_lᵀ − I‖_2 + λ (τ − (1 − L0(Z)))
 
-L0(Z) is the expected fraction of non-zero expert parameters (eq. 8 per gate; each gate switches one
-column of δ, so gates are weighted by the parameters they control). Model parameters take gradient
-descent steps (the Trainer's optimizer); λ takes projected gradient ascent steps λ ← max(0, λ + η g)
-on the constraint violation g = τ − (1 − L0), and is reset to 0 as soon as the constraint holds.
+L0(Z) is the expected fraction of non-zero mask entries (eq. 8 per gate, averaged over every mask entry:
+the constraint is on mask sparsity, eq. 3 / A.2); `sparsity: params` weights each gate by the δ parameters
+it switches instead. The orthogonality penalty is the spectral norm (§3.1); `ortho_norm: frobenius` is
+the alternative. Model parameters take gradient descent steps (the Trainer's optimizer); λ takes projected
+gradient ascent steps λ ← max(0, λ + η g) on the constraint violation g = τ − (1 − L0) (eq. 13), and is
+reset to 0 as soon as the constraint holds (Gallego-Posada et al. 2022).
 
 This is the whole dual: one scalar updated after each optimizer step. cooper-optim would own the primal
 optimizer as well, which transformers' Trainer already owns, so the update is implemented here."""
@@ -20,23 +22,28 @@ from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoE, si_modules
 
 
-def density(model: nn.Module) -> torch.Tensor:
-    """L0(Z): expected fraction of non-zero expert parameters over all SI modules (differentiable)."""
+def density(model: nn.Module, weighting: str | None = None) -> torch.Tensor:
+    """L0(Z) (differentiable): the expected fraction of non-zero mask entries over all SI modules (eq. 8 per
+    gate); with weighting "params", of non-zero expert parameters (each gate counts the δ rows it switches).
+    Default: the model's `simoe.sparsity`."""
+    weighting = weighting or model.simoe.cfg.sparsity
     nonzero, total = 0.0, 0
     for _, m in si_modules(model):
-        rows = m.delta.shape[0] if isinstance(m, SILinear) else 1  # parameters per gate
+        rows = m.delta.shape[0] if isinstance(m, SILinear) and weighting == "params" else 1  # weight per gate
         nonzero = nonzero + rows * hc.prob_nonzero(m.log_alpha).sum()
         total += rows * m.log_alpha.numel()
     return nonzero / total
 
 
 def orthogonality(model: nn.Module) -> torch.Tensor:
-    """Σ_l ‖Z_l Z_lᵀ − I‖_F over the gates of the last training forward (eq. 10)."""
+    """Σ_l ‖Z_l Z_lᵀ − I‖ over the gates of the last training forward (§3.1, eq. 10): the spectral norm, or
+    the Frobenius norm with `ortho_norm: frobenius`."""
+    ord = 2 if model.simoe.cfg.ortho_norm == "spectral" else "fro"
     terms = []
     for _, m in si_modules(model):
         if m.last_z is not None:
             z = m.last_z  # (M, d_in)
-            terms.append(torch.linalg.matrix_norm(z @ z.T - torch.eye(z.shape[0], device=z.device)))
+            terms.append(torch.linalg.matrix_norm(z @ z.T - torch.eye(z.shape[0], device=z.device), ord=ord))
     return torch.stack(terms).sum() if terms else torch.zeros(())
 
 
@@ -69,7 +76,8 @@ class DualCallback(TrainerCallback):
 
 
 def param_groups(model: nn.Module, lr: float, weight_decay: float) -> list[dict]:
-    """AdamW groups: the masks' log α at `mask_lr` without weight decay, δ and the router at `lr`."""
+    """AdamW groups: the masks' log α without weight decay (at `mask_lr` if set, else `lr`: Table 6 has one
+    learning rate), δ and the router at `lr`."""
     s: SIMoE = model.simoe
     masks = [m.log_alpha for _, m in si_modules(model)]
     ids = {id(p) for p in masks}

@@ -38,17 +38,25 @@ class FreezeConfig(Config):
 
 
 class AuxConfig(Config):
-    load_balance: float = Field(1e-2, ge=0.0)  # λ_lb (SPRI, SIMoE)
+    """Router auxiliary losses, added per micro-batch: λ_lb · LB + λ_z · Z, each reduced over the MoE layers
+    by `layer_reduction`: "sum" (UME eq. 3 adds α·L_B "into each MoE layer"; Omni-router L_load = Σ_l, eq.
+    3.5-; Switch/ST-MoE add the loss per layer) or "mean" (each layer weighted λ/L). `balance_variant`: see
+    moekit.losses.load_balance (topk, argmax = Switch/UME, omni = Omni-router eqs. 3.3-3.5)."""
+
+    load_balance: float = Field(1e-2, ge=0.0)  # λ_lb
     z_loss: float = Field(1e-3, ge=0.0)  # λ_z
-    balance_variant: Literal["topk", "argmax"] = "topk"
+    balance_variant: Literal["topk", "argmax", "omni"] = "topk"
+    layer_reduction: Literal["sum", "mean"] = "sum"
 
 
 class OptimConfig(Config):
-    """AdamW with a linear schedule and warm-up (SPRI §3.3)."""
+    """AdamW (Adam with weight_decay 0) with warm-up and a `schedule` (SPRI §3.3: linear; SIMoE Table 6:
+    constant; Omni-router §5.2: cosine)."""
 
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    schedule: Literal["linear", "constant", "cosine"] = "linear"
     max_grad_norm: float = Field(1.0, gt=0.0)
 
 

@@ -38,7 +38,8 @@ def checkpoint_errors(folder):
 
 
 class MoETrainer(Trainer):
-    """Adds λ_lb·LB + λ_z·Z (each averaged over MoE layers, padding excluded) to the task loss and
+    """Adds λ_lb·LB + λ_z·Z (each summed or averaged over MoE layers: aux.layer_reduction; padding excluded)
+    to the task loss and
     logs them per layer with usage entropy and max load fraction; for SIMoE models, the orthogonality
     penalty and the Lagrangian sparsity term (moekit.simoe.objective), logged as simoe/*."""
 
@@ -75,7 +76,8 @@ class MoETrainer(Trainer):
             stats = {"lb": lbs[-1].item(), "z": zs[-1].item(), **routing_stats(info, m)}
             for k, v in stats.items():
                 self._aux_logs[f"moe/{path}/{k}"].append(v)
-        lb, z = torch.stack(lbs).mean(), torch.stack(zs).mean()
+        reduce = torch.sum if self.aux.layer_reduction == "sum" else torch.mean
+        lb, z = reduce(torch.stack(lbs)), reduce(torch.stack(zs))
         self._aux_logs["moe/lb"].append(lb.item())
         self._aux_logs["moe/z"].append(z.item())
         return self.aux.load_balance * lb + self.aux.z_loss * z
