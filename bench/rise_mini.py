@@ -29,7 +29,7 @@ from moekit.io import load, load_dense, save
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.report import write_report
-from moekit.routing.stats import activation_frequency, overlap_mass
+from moekit.routing.stats import activation_frequency, overlap_share
 from moekit.select.finetune import encode_lines, train_selected
 from moekit.select.prune import prune
 from moekit.select.registry import select
@@ -142,7 +142,7 @@ def run(out: Path) -> dict:
     for method in METHODS:
         sel = select(trace, method, TARGET, BUDGET)
         sel.save(out / f"selection_{method}.json")
-        omega = overlap_mass(a, trace.layers, sel.experts)  # (Λ,)
+        omega = overlap_share(a, trace.layers, sel.experts)  # (Λ,) share of assignments (normalized eq. 12)
         t0 = time.perf_counter()
         model = load(out / "base")
         train_selected(model, sel, tok, data[TARGET]["target"], steps=FT_STEPS, lr=5e-4, batch_size=BATCH,

@@ -189,3 +189,25 @@ def test_whisper_moe_in_both_stacks_trains_and_evaluates_without_routing_stack(t
     assert {p.split(".")[1] for p, _ in moe_layers(model)} == {"encoder", "decoder"}
     layers = json.loads((out / "results.json").read_text())["routing"]["layers"]
     assert layers and all(".encoder." in layer for layer in layers)
+
+
+def test_fig5_token_entropy_and_fig6_relative_wer_change(tiny_speech):
+    """Omni-router Figs. 5-6 for a CTC MoE: token entropy per layer over frames labelled by their best-path
+    token (blanks left out); relative WER change 0 at p = 0 (the same decoding) and defined at p > 0."""
+    from moekit.moe.spec import MoESpec
+    from moekit.speech.ctc import CTCConfig, CTCEncoderForASR
+    from moekit.speech.evaluate import CTCTranscriber, permuted_wer, routing_report
+    from moekit.upcycling import upcycle
+
+    train, test = load_split(ASRDataConfig(corpus=str(tiny_speech["corpus"]), langs=["en", "fr"]))
+    vocab = CharVocab.build(spoken_text(u.text) for u in train)
+    torch.manual_seed(0)
+    model = CTCEncoderForASR(CTCConfig(input_dim=320, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=32, vocab_size=len(vocab))).eval()
+    upcycle(model, MoESpec(num_experts=4, top_k=1, init="scratch", router_sharing="all"))
+    tr = CTCTranscriber(vocab, 4)
+    change = permuted_wer(model, tr, test, 4, [0.0, 0.5])
+    assert change["0.0"] == 0.0 and math.isfinite(change["0.5"])
+    report = routing_report(model, tr, [tr.batch(test["en"][:4])], None, [0.5])
+    assert len(report["token_entropy"]) == len(report["layers"]) == 2
+    assert report["token_entropy_tokens"] >= 1 and all(0 <= h <= math.log(4) + 1e-9 for h in report["token_entropy"])

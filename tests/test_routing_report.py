@@ -38,7 +38,8 @@ def test_metrics_match_the_statistics():
     assert m["regions"] == ["shallow"] * 3 + ["middle"] * 2 + ["deep"] * 3
     assert m["region_jaccard"]["sw"] == {"shallow": 0, "middle": 1, "deep": 0}
     # sw's layer-0 assignments all go to 4..7: 1 of its 8 layers -> Ω = 1/8; en and fr never reach them
-    assert m["selection"]["overlap_mass"] == {"en": 0, "fr": 0, "sw": 0.125}
+    assert m["selection"]["overlap_share"] == {"en": 0, "fr": 0, "sw": 0.125}
+    assert m["selection"]["overlap_mass"]["sw"] == pytest.approx(0.125 * len(m["layers"]) * m["top_k"])
     json.dumps(m, allow_nan=False)  # plain JSON types only
     with pytest.raises(TraceError, match="not in trace"):
         routing_metrics(trace, reference="de")

@@ -9,7 +9,7 @@ from moekit.moe.spec import MoESpec
 from moekit.routing.permutation import mean_loss, permutation_test, random_experts
 from moekit.routing.stats import (activation_frequency, adjacent_association, align_experts, contingency,
                                   cramers_v, expert_usage, global_expert_sets, jaccard, layer_regions,
-                                  layerwise_jaccard, overlap_mass, region_means, token_routing_entropy, top1,
+                                  layerwise_jaccard, overlap_mass, overlap_share, region_means, token_routing_entropy, top1,
                                   usage_entropy)
 from moekit.routing.trace import RoutingTrace
 from moekit.testing import TINY_HF_MOE, tiny_llama
@@ -80,12 +80,15 @@ def test_layerwise_jaccard_and_region_means():
 
 
 def test_overlap_mass():
+    """RISE eq. 12 is a raw sum of activation frequencies (L·k for every expert); the share normalizes it."""
     trace = three_languages(L=2)
     a = activation_frequency(trace)
     full = {name: list(range(8)) for name in trace.layers}
-    np.testing.assert_allclose(overlap_mass(a, trace.layers, full), [1, 1, 1])
-    # expert 0 at layer 0 holds 1 of en's 2 layers x 2 slots = 1/4 of its mass; sw never reaches it
-    np.testing.assert_allclose(overlap_mass(a, trace.layers, {trace.layers[0]: [0]}), [0.25, 0.25, 0])
+    np.testing.assert_allclose(overlap_mass(a, trace.layers, full), [4, 4, 4])  # 2 layers x top-2
+    np.testing.assert_allclose(overlap_share(a, trace.layers, full), [1, 1, 1])
+    # expert 0 at layer 0 is activated by every en and fr token (a = 1), never by sw
+    np.testing.assert_allclose(overlap_mass(a, trace.layers, {trace.layers[0]: [0]}), [1, 1, 0])
+    np.testing.assert_allclose(overlap_share(a, trace.layers, {trace.layers[0]: [0]}), [0.25, 0.25, 0])
     np.testing.assert_allclose(overlap_mass(a, trace.layers, {}), [0, 0, 0])
     with pytest.raises(ConfigError, match="not an MoE layer"):
         overlap_mass(a, trace.layers, {"model.layers.9.mlp": [0]})

@@ -5,8 +5,9 @@ routing. Specialized experts make the loss rise quickly with p.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -54,17 +55,25 @@ def permutation_test(model: nn.Module, batches: list[dict], ps: list[float], see
 
     Every MoE layer (or those whose path matches `layers`) is rerouted; each p starts from `seed`, so a
     result is reproducible. The reroute hooks are removed afterwards, also on error."""
-    if any(not 0 <= p <= 1 for p in ps):
-        raise ConfigError(f"permutation rates must lie in [0, 1], got {ps}")
-    sites = find_sites(model, layers)
-    device = next(model.parameters()).device
     result = {}
     for p in ps:
-        gen = torch.Generator(device).manual_seed(seed)
-        handles = [site.reroute(random_experts(p, gen)) for site in sites]
-        try:
+        with permuted(model, p, seed, layers):
             result[p] = mean_loss(model, batches)
-        finally:
-            for h in handles:
-                h.remove()
     return PermutationResult(mean_loss(model, batches), result)
+
+
+@contextlib.contextmanager
+def permuted(model: nn.Module, p: float, seed: int = 0, layers: str | None = None) -> Iterator[None]:
+    """Inside the block, every MoE layer (or those matching `layers`) replaces a token's experts by random
+    ones with probability p, from a generator seeded with `seed`; the hooks are removed afterwards, also on
+    error."""
+    if not 0 <= p <= 1:
+        raise ConfigError(f"permutation rates must lie in [0, 1], got {p}")
+    sites = find_sites(model, layers)
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    handles = [site.reroute(random_experts(p, gen)) for site in sites]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

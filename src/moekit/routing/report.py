@@ -35,7 +35,7 @@ def _json_ready(x):
 
 def routing_metrics(trace: RoutingTrace, reference: str | None = None, top_k_set: int | None = None,
                     layer_k: int | None = None, fractions: tuple[float, float, float] = FRACTIONS,
-                    selection: dict[str, list[int]] | None = None, num_tokens: int = 10) -> dict:
+                    selection: dict[str, list[int]] | None = None, num_tokens: int = 100) -> dict:
     """Every statistic of the report as a JSON-ready dict.
 
     reference: language of the layer-wise similarity (RISE eq. 3), default the one with the most tokens;
@@ -64,9 +64,10 @@ def routing_metrics(trace: RoutingTrace, reference: str | None = None, top_k_set
         max_usage_entropy=np.log(trace.num_experts), cramers_v=V,
         token_routing_entropy=dict(tokens=tokens, per_token=token_h.T, mean=token_h.mean(1)))
     if selection is not None:
-        mass = stats.overlap_mass(a, trace.layers, selection)
+        mass, share = stats.overlap_mass(a, trace.layers, selection), stats.overlap_share(a, trace.layers, selection)
         out["selection"] = dict(experts=selection, count=sum(len(v) for v in selection.values()),
-                                overlap_mass=dict(zip(trace.languages, mass)))
+                                overlap_mass=dict(zip(trace.languages, mass)),
+                                overlap_share=dict(zip(trace.languages, share)))
     return _json_ready(out)
 
 
@@ -170,8 +171,11 @@ def _markdown(m: dict, figures: dict[str, str]) -> str:
                                                                    m["token_routing_entropy"]["mean"], V)])
     lines += [f"![expert usage]({figures['usage']})", "", f"![Cramér's V]({figures['cramers_v']})", ""]
     if "selection" in m:
-        lines += [f"## Selection ({m['selection']['count']} experts): routing overlap mass Ω (RISE eq. 12)", ""]
-        lines += _table(["language", "Ω"], [[lang, v] for lang, v in m["selection"]["overlap_mass"].items()])
+        sel = m["selection"]
+        lines += [f"## Selection ({sel['count']} experts): routing overlap mass Ω (RISE eq. 12: the sum of the "
+                  "selected experts' activation frequencies) and its share of the language's assignments", ""]
+        lines += _table(["language", "Ω", "share"], [[lang, v, sel["overlap_share"][lang]]
+                                                     for lang, v in sel["overlap_mass"].items()])
         lines += [f"![selected experts]({figures['selection']})", ""]
     return "\n".join(lines)
 

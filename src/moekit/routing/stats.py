@@ -100,11 +100,22 @@ def region_means(values: np.ndarray, regions: list[str]) -> dict[str, np.ndarray
 
 
 def overlap_mass(a: np.ndarray, layers: list[str], selection: dict[str, list[int]]) -> np.ndarray:
-    """RISE eq. 12: routing overlap mass Ω_λ(S) = Σ_{(l,i) ∈ S} a^(l)_{λ,i} / Σ_{l,i} a^(l)_{λ,i}, the share
-    of language λ's routed (token, slot) assignments that land on the selected experts S.
+    """RISE eq. 12: routing overlap mass Ω_λ(S) = Σ_l Σ_{i ∈ S_l} p^(l)_{λ,i}, p = a the activation frequency
+    (eq. 5): a raw sum, up to k per layer (the full expert set gives L·k). Ω = 0 means λ never reaches S
+    (RISE Theorem 1). `a` (Λ, L, E); `selection` {layer path: [expert ids]} with paths from
+    RoutingTrace.layers. Returns (Λ,). See `overlap_share` for the normalized form."""
+    return (a * _selection_mask(a, layers, selection)).sum((1, 2))
 
-    `a` (Λ, L, E); `selection` {layer path: [expert ids]} with paths from RoutingTrace.layers.
-    Ω = 0 means λ never reaches S (RISE Theorem 1); the full expert set gives 1. Returns (Λ,)."""
+
+def overlap_share(a: np.ndarray, layers: list[str], selection: dict[str, list[int]]) -> np.ndarray:
+    """Ω_λ(S) / Σ_{l,i} a^(l)_{λ,i}: the share of λ's routed (token, slot) assignments that land on S
+    (moekit's normalization of eq. 12; the full expert set gives 1). Returns (Λ,)."""
+    total = a.sum((1, 2))  # (Λ,)
+    return np.divide(overlap_mass(a, layers, selection), total, out=np.zeros(total.shape), where=total > 0)
+
+
+def _selection_mask(a: np.ndarray, layers: list[str], selection: dict[str, list[int]]) -> np.ndarray:
+    """(L, E) True on the selected experts; unknown layers or ids are errors."""
     mask = np.zeros(a.shape[1:], dtype=bool)  # (L, E)
     for name, experts in selection.items():
         if name not in layers:
@@ -113,8 +124,7 @@ def overlap_mass(a: np.ndarray, layers: list[str], selection: dict[str, list[int
         if bad:
             raise ConfigError(f"selection layer {name!r}: expert ids {bad} out of range 0..{a.shape[2] - 1}")
         mask[layers.index(name), experts] = True
-    total = a.sum((1, 2))  # (Λ,)
-    return np.divide((a * mask).sum((1, 2)), total, out=np.zeros(total.shape), where=total > 0)
+    return mask
 
 
 # --- Omni-router: cross-layer association and routing entropy --------------------------------------
@@ -189,11 +199,14 @@ def usage_entropy(trace: RoutingTrace) -> np.ndarray:
     return entropy(expert_usage(trace))
 
 
-def token_routing_entropy(trace: RoutingTrace, num_tokens: int = 10) -> tuple[np.ndarray, np.ndarray]:
-    """Omni-router Fig. 5: for each of the `num_tokens` most frequent token ids, the entropy of its top-1
-    expert over its occurrences, per layer. Low values mean a token goes to the same expert every time.
+def token_routing_entropy(trace: RoutingTrace, num_tokens: int = 100,
+                          exclude: tuple[int, ...] = (-1,)) -> tuple[np.ndarray, np.ndarray]:
+    """Omni-router Fig. 5: for each of the `num_tokens` most frequent token ids (the paper: 100), the entropy
+    of its top-1 expert over its occurrences, per layer. Low values mean a token goes to the same expert
+    every time. Ids in `exclude` are left out (-1: positions without a token id; a CTC blank, say).
     Returns (tokens (n,), entropies (L, n))."""
-    values, counts = np.unique(trace.token, return_counts=True)
+    keep = ~np.isin(trace.token, exclude)  # (N,)
+    values, counts = np.unique(trace.token[keep], return_counts=True)
     tokens = values[np.argsort(-counts, kind="stable")[:num_tokens]]  # (n,)
     choice = top1(trace)  # (L, N)
     E = int(trace.num_experts.max())

@@ -23,7 +23,8 @@ Triple = tuple[float, float, float]
 
 
 def specificity(a: np.ndarray, t: int) -> np.ndarray:
-    """RISE eq. 6: S^(l)_{λ*,i} = a^(l)_{λ*,i} / ā^(l)_i, ā the mean over languages.
+    """RISE specificity (unnumbered, §4; eq. 6 is the layer regions): S^(l)_{λ*,i} = a^(l)_{λ*,i} / ā^(l)_i,
+    ā the mean over languages.
 
     `a` (Λ, L, E) activation frequencies (eq. 5), `t` the target's row. Returns (L, E); 0 where no
     language uses the expert.

@@ -1,10 +1,11 @@
-"""Where SIMoE upcycled and how its experts relate (Chen et al. 2025, Figs. 2, 4, 5).
+"""Where SIMoE upcycled and how its experts relate (Chen et al. 2025, Figs. 4, 5, 2).
 
 * `nonzero_fractions`: fraction of non-zero expert parameters (median gates; each gate switches one δ
-  column, so gates count by the parameters they control), per layer type and per depth (Fig. 2).
-* `overlaps`: |z_i ∩ z_j| / |z_i ∪ z_j| between experts over all their parameters (Fig. 4).
+  column, so gates count by the parameters they control), per layer type and per depth (Fig. 4).
+* `overlaps`: |z_i ∩ z_j| / |z_i ∪ z_j| between experts over all their parameters (Fig. 5, with and
+  without the orthogonality penalty).
 * `task_routing` + `task_dendrogram`: mean routing weights per task and their hierarchical clustering
-  (scipy, average linkage on Euclidean distances) (Fig. 5)."""
+  (scipy, average linkage on Euclidean distances) (Fig. 2)."""
 from __future__ import annotations
 
 import json

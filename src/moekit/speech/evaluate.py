@@ -1,7 +1,7 @@
 """ASR evaluation: greedy transcripts (CTC best path; Whisper `generate` with language and task set),
 WER/CER after Whisper's normalizer per language, voice family and voice, the real-time factor, and
 for MoE models the routing statistics of Omni-router (Gu et al. 2025): Cramér's V between adjacent
-layers' top-1 choices (Figs. 3-4), expert-usage entropy (Fig. 5) and the expert-permutation test
+layers' top-1 choices (Figs. 3-4), per-token routing entropy (Fig. 5) and the expert-permutation test
 (Fig. 6)."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from torch import nn
 from moekit.metrics import param_counts
 from moekit.moe.layer import moe_layers
 from moekit.routing.capture import RoutingCapture
-from moekit.routing.permutation import permutation_test
+from moekit.routing.permutation import permutation_test, permuted
 from moekit.routing.sites import find_sites
-from moekit.routing.stats import adjacent_association, entropy, expert_usage
+from moekit.routing.stats import adjacent_association, entropy, expert_usage, token_routing_entropy
 from moekit.speech.corpus import Utterance
 from moekit.speech.data import CTCCollator, WhisperCollator
 from moekit.speech.text import CharVocab, error_rates
@@ -35,9 +35,16 @@ class CTCTranscriber:
         best = model(input_features=feats, attention_mask=mask).logits.argmax(-1).cpu()  # (B, T')
         return [self.vocab.decode_ctc(row[:n].tolist()) for row, n in zip(best, b["attention_mask"].sum(-1))]
 
+    blank = 0  # CharVocab's blank id
+
     @staticmethod
     def frame_mask(batch: dict, model: nn.Module) -> torch.Tensor:
         return batch["attention_mask"]  # (B, T')
+
+    @staticmethod
+    def frame_tokens(out) -> torch.Tensor:
+        """(B, T') each frame's best-path CTC label (Fig. 5's tokens)."""
+        return out.logits.argmax(-1).cpu()
 
 
 class WhisperTranscriber:
@@ -55,6 +62,12 @@ class WhisperTranscriber:
         out = model.generate(input_features=feats, do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
                              **kw)
         return [t.strip() for t in self.tok.batch_decode(out, skip_special_tokens=True)]
+
+    blank = -1
+
+    @staticmethod
+    def frame_tokens(out) -> None:
+        return None  # encoder frames carry no token
 
     @staticmethod
     def frame_mask(batch: dict, model: nn.Module) -> torch.Tensor:
@@ -104,27 +117,45 @@ def error_table(test: dict[str, list[Utterance]], hyps: dict[str, list[str]]) ->
 @torch.no_grad()
 def routing_report(model: nn.Module, transcriber, batches: list[dict], stack: str | None, ps: list[float],
                    seed: int = 0) -> dict:
-    """Adjacent-layer Cramér's V and usage entropy of the encoder MoE layers matching `stack` over
-    teacher-forced `batches`, and the permutation test (Omni-router Fig. 6) over every MoE layer."""
+    """Over teacher-forced `batches`, for the encoder MoE layers matching `stack`: adjacent-layer Cramér's V
+    (Omni-router Figs. 3-4), per-layer usage entropy, and per-token routing entropy of the 100 most frequent
+    tokens (Fig. 5; a CTC frame's token is its best-path label, blanks left out; Whisper's encoder frames
+    have none); and over every MoE layer the permutation test's loss change (the teacher-forced companion
+    of Fig. 6's WER change)."""
     model.eval()
     with RoutingCapture(model, layers=stack) as cap:
         for b in batches:
-            model(**{k: v.to(model.device) for k, v in b.items()})
-            cap.record(None, transcriber.frame_mask(b, model), language="all")
+            out = model(**{k: v.to(model.device) for k, v in b.items()})
+            cap.record(transcriber.frame_tokens(out), transcriber.frame_mask(b, model), language="all")
     trace = cap.trace()
     v, _ = adjacent_association(trace)
     usage = expert_usage(trace)  # (L, E)
+    tokens, token_h = token_routing_entropy(trace, 100, exclude=(-1, transcriber.blank))
     perm = permutation_test(model, batches, ps, seed=seed)
     return {"layers": trace.layers, "cramers_v": v.tolist(), "usage": usage.tolist(),
-            "usage_entropy": entropy(usage).tolist(),
+            "usage_entropy": entropy(usage).tolist(), "token_entropy": token_h.mean(1).tolist(),
+            "token_entropy_tokens": len(tokens),
             "permutation": {"base": perm.base, "deltas": {str(p): d for p, d in perm.deltas.items()}}}
+
+
+def permuted_wer(model: nn.Module, transcriber, test: dict[str, list[Utterance]], batch_size: int,
+                 ps: list[float], seed: int = 0) -> dict[str, float]:
+    """Omni-router Fig. 6: the relative WER change (%) when each token's experts are replaced by random ones
+    with probability p, {p: 100 · (WER_p − WER) / WER} on `test` (greedy decoding)."""
+    base = error_table(test, transcribe_all(model, transcriber, test, batch_size)[0])["avg"]["wer"]
+    out = {}
+    for p in ps:
+        with permuted(model, p, seed):
+            wer = error_table(test, transcribe_all(model, transcriber, test, batch_size)[0])["avg"]["wer"]
+        out[str(p)] = 100 * (wer - base) / base if base > 0 else float("nan")
+    return out
 
 
 def evaluate_asr(model: nn.Module, transcriber, test: dict[str, list[Utterance]], batch_size: int = 8,
                  routing_stack: str | None = None, ps: tuple[float, ...] = (0.1, 0.5), routing_batches: int = 4) -> dict:
     """Every ASR metric of a model on `test`: error rates (see `error_table`), real-time factor (decoding
     seconds / audio seconds, features included), total/active params, the transcripts, and for MoE models
-    `routing_report` on the first `routing_batches` teacher-forced batches of each language, over the MoE layers
+    `routing_report` and `permuted_wer` on the first `routing_batches` batches of each language, over the MoE layers
     matching `routing_stack` (default: the encoder's for encoder-decoder models such as Whisper, whose
     decoder routes a different number of tokens than the encoder has frames)."""
     if routing_stack is None and getattr(model.config, "is_encoder_decoder", False):
@@ -137,8 +168,11 @@ def evaluate_asr(model: nn.Module, transcriber, test: dict[str, list[Utterance]]
            "transcripts": {lang: [{"id": u.id, "voice": u.voice, "ref": u.text, "hyp": h}
                                   for u, h in zip(utts, hyps[lang])] for lang, utts in test.items()}}
     if moe_layers(model) and find_sites(model, routing_stack):
-        batches = [transcriber.batch(c) for utts in test.values() for c in _chunks(utts, batch_size)[:routing_batches]]
+        subset = {lang: [u for c in _chunks(utts, batch_size)[:routing_batches] for u in c]
+                  for lang, utts in test.items()}
+        batches = [transcriber.batch(c) for utts in subset.values() for c in _chunks(utts, batch_size)]
         out["routing"] = routing_report(model, transcriber, batches, routing_stack, list(ps))
+        out["routing"]["wer_change"] = permuted_wer(model, transcriber, subset, batch_size, list(ps))
     return out
 
 
