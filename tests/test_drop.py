@@ -124,3 +124,15 @@ def test_noise_perturbs_a_ratio_of_entries(ratio):
             delta = (m.experts.down[e] - down)[diff_down]
             assert delta.std().item() == pytest.approx(0.01 * down.std().item(), rel=0.15)
     assert changed / total == pytest.approx(ratio, abs=0.01)
+
+
+@pytest.mark.parametrize("init", [{"method": "noise", "std": 0.1, "placement": "down"},
+                                  {"method": "drop", "ratio": 0.5, "placement": "down"}])
+def test_down_placement_changes_only_the_down_projection(init):
+    """SPRI Table 3's down-only variants: gate and up stay exact copies, every expert's down differs."""
+    dense, weights = _llama_dense()
+    moe = _upcycle(dense, init)
+    for (gate, up, down), (_, m) in zip(weights, moe_layers(moe)):
+        for e in range(E):
+            assert torch.equal(m.experts.gate_up[e], torch.cat([gate, up]))
+            assert not torch.equal(m.experts.down[e], down)

@@ -150,3 +150,18 @@ def test_small_rho_is_close_to_dense_and_differs():
 def test_num_experts_must_be_divisible_by_top_k(E, k):
     with pytest.raises(ConfigError, match="divisible"):
         validate(MoESpec, {"num_experts": E, "top_k": k, "shared_expert": True, "init": "spri"})
+
+
+def test_dense_as_routed_expert_zero_is_dense_and_the_rest_form_groups():
+    """Table 3 / A.3 'w/o shared expert': expert 0 is the dense FFN, experts 1..E-1 the residual experts in
+    G = (E-1)/k orthogonal groups."""
+    dense = tiny_llama()
+    down0 = [b.mlp.down_proj.weight.detach().clone() for b in dense.model.layers]
+    E, k = 5, 2
+    moe = upcycle(dense, validate(MoESpec, {"num_experts": E, "top_k": k, "init": {"method": "spri", "dense_as": "routed"}}))
+    for down, (_, m) in zip(down0, moe_layers(moe)):
+        assert m.shared is None and torch.equal(m.experts.down[0], down)
+        res = m.experts.down[1:]
+        for i, j in itertools.combinations(range(E - 1), 2):
+            c = _cos(res[i], res[j])
+            assert (c > 1 - 1e-3) if i // k == j // k else (abs(c) < 1e-3), (i, j, c)

@@ -22,7 +22,11 @@ from moekit.upcycling import upcycle
 METHODS = {
     "naive": {}, "noise": {"init": {"method": "noise", "ratio": 0.5, "std": 0.1}}, "drop": {"init": "drop"},
     "ume": {"init": "ume"}, "scaled_copy": {"init": "scaled_copy"}, "scratch": {"init": "scratch"},
-    "spri": {"init": "spri", "shared_expert": True}, "spri_gate": {"init": {"method": "spri", "placement": "gate"}},
+    "spri": {"init": "spri", "shared_expert": True},
+    "spri_gate": {"init": {"method": "spri", "placement": "gate"}, "shared_expert": True},
+    "spri_dense_routed": {"init": {"method": "spri", "dense_as": "routed"}, "num_experts": 5},
+    "noise_down": {"init": {"method": "noise", "std": 0.1, "placement": "down"}},
+    "drop_down": {"init": {"method": "drop", "placement": "down"}},
 }
 
 

@@ -127,6 +127,9 @@ class SPRIInit(ExpertInitConfig):
     ρ = 0 the MoE equals the dense model (placement down; gate/up too when the FFN has no biases).
     Different groups are Frobenius-orthogonal, so expert diversity ≈ 1 − same-group pairs / all pairs.
     The experts of a group are built from one cached block: memory holds one R_g at a time.
+
+    `dense_as: routed` is the paper's "w/o shared expert" ablation (Table 3, A.3): instead of the shared
+    expert, the dense FFN is routed expert 0 and experts 1..E-1 are the residual experts (G = (E-1)/k).
     """
 
     method: Literal["spri"] = "spri"
@@ -134,21 +137,36 @@ class SPRIInit(ExpertInitConfig):
     delta: float = Field(1e-12, gt=0.0)
     eps: float = Field(1e-2, ge=0.0)
     placement: Literal["down", "gate", "up"] = "down"
+    dense_as: Literal["shared", "routed"] = "shared"
+
+    def residual_experts(self, spec) -> int:
+        return spec.num_experts - (self.dense_as == "routed")
 
     def check(self, spec) -> None:
-        if spec.num_experts % spec.top_k:
-            raise ValueError(f"spri needs num_experts divisible by top_k to form G = E/k groups; "
-                             f"got E={spec.num_experts}, k={spec.top_k}")
+        if self.dense_as == "shared" and not spec.shared_expert:
+            raise ValueError("spri keeps the dense FFN as the shared expert (eq. 3): set shared_expert: true, or "
+                             "init.dense_as: routed for the paper's 'w/o shared expert' ablation (A.3)")
+        if self.dense_as == "routed" and spec.shared_expert:
+            raise ValueError("spri with dense_as: routed puts the dense FFN among the routed experts; set "
+                             "shared_expert: false")
+        n = self.residual_experts(spec)
+        if n < 1 or n % spec.top_k:
+            raise ValueError(f"spri needs its {n} residual experts divisible by top_k to form G = {n}/k groups; "
+                             f"got E={spec.num_experts}, k={spec.top_k}, dense_as={self.dense_as}")
 
     def prepare(self, ctx: InitContext) -> _SPRIState:
         w = getattr(ctx.dense, self.placement)
         if w is None:
             raise ConfigError(f"spri placement={self.placement!r} needs a gated FFN; {ctx.path} has no gate")
-        parts = SVDBlocks(w, ctx.spec.num_experts // ctx.spec.top_k)
+        parts = SVDBlocks(w, self.residual_experts(ctx.spec) // ctx.spec.top_k)
         return _SPRIState(parts, float(w.double().norm()))
 
     def expert(self, ctx: InitContext, state: _SPRIState, i: int) -> FFNWeights:
         d = ctx.dense
+        if self.dense_as == "routed":
+            if i == 0:
+                return d  # the dense FFN as a routed expert
+            i -= 1
         w = getattr(d, self.placement)
         g = i // ctx.spec.top_k
         if state.group != g:

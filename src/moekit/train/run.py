@@ -11,7 +11,7 @@ import torch
 import yaml
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerState
 
 from moekit._fs import PARTIAL, output, read_small, remove
 from moekit.assets import model_inputs, resolve_model
@@ -313,5 +313,12 @@ def _train(recipe: Recipe, last: Path | None, callbacks, final_out: str) -> MoET
 
 def resume_from(trainer, last: Path | None) -> None:
     """trainer.train, continuing from checkpoint `last` (checked by `resume_point`; MoETrainer turns failures
-    to load its tensors into one CheckpointError)."""
+    to load its tensors into one CheckpointError). A checkpoint at max_steps (a finished run resumed) is loaded,
+    not trained on: transformers' loop would take one more optimizer step before checking max_steps."""
+    if last is not None:
+        state = TrainerState.load_from_json(str(last / "trainer_state.json"))
+        if state.global_step >= trainer.args.max_steps:
+            trainer._load_from_checkpoint(str(last))
+            trainer.state = state
+            return
     trainer.train(resume_from_checkpoint=None if last is None else str(last))
