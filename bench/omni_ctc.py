@@ -1,10 +1,10 @@
 """Omni-router Tables 1-2 in miniature: dense vs Switch vs Omni-router CTC encoders with 2, 4 and 8 experts,
 trained from scratch on synthesized multilingual speech (espeak-ng; en, fr, de, sw) for the same number of
 steps; WER/CER per language on held-out voices and texts, training-loss curves, adjacent-layer Cramér's V,
-expert-usage entropy and the expert-permutation test. Each system is recipes/asr/{dense,switch,omni}_ctc.yaml
+per-token routing entropy (Fig. 5) and the expert-permutation test (Fig. 6: relative WER change). Each system is recipes/asr/{dense,switch,omni}_ctc.yaml
 with the overrides below; finished systems are cached (summary.json), so an interrupted run resumes.
 
-    .venv/bin/python bench/omni_ctc.py --out runs/omni_ctc --write BENCHMARKS.md
+    .venv/bin/python bench/omni_ctc.py --out runs/omni_ctc --write BENCHMARKS.md [--systems dense switch-4 omni-4]
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ def row(name: str, out: Path, s: dict) -> str:
     cer = " / ".join(f"{lang} {100 * v['cer']:.1f}" for lang, v in r["languages"].items())
     last = np.mean([v for _, v in s["loss"][-3:]])
     rt = r.get("routing")
-    routing = "– | – | – | –" if rt is None else (
-        f"{np.nanmean(rt['cramers_v']):.2f} | {np.mean(rt['usage_entropy']):.2f} | "
+    routing = "– | – | – | – | – | – | –" if rt is None else (
+        f"{np.nanmean(rt['cramers_v']):.2f} | {np.mean(rt['usage_entropy']):.2f} | {np.mean(rt['token_entropy']):.2f} | "
+        f"{rt['wer_change']['0.1']:+.1f} | {rt['wer_change']['0.5']:+.1f} | "
         f"{rt['permutation']['deltas']['0.1']:+.3f} | {rt['permutation']['deltas']['0.5']:+.3f}")
     p = r["params"]
     return (f"| {name} | {100 * r['avg']['wer']:.1f} | {langs} | {100 * r['avg']['cer']:.1f} | {cer} | {last:.3f} | "
@@ -81,21 +82,28 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/omni_ctc"))
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--write", type=Path)
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     args = ap.parse_args()
     corpus_dir = corpus(args.out / "corpus", **CORPUS)
-    summaries = {name: run_system(name, args.out, corpus_dir, args.steps) for name in SYSTEMS}
+    summaries = {name: run_system(name, args.out, corpus_dir, args.steps) for name in args.systems}
     info = json.loads((corpus_dir / "corpus.json").read_text())
-    cmd = f".venv/bin/python bench/omni_ctc.py --out {args.out} --steps {args.steps}" + (
-        f" --write {args.write}" if args.write else "")
+    cmd = (f".venv/bin/python bench/omni_ctc.py --out {args.out} --steps {args.steps} --systems {' '.join(args.systems)}"
+           + (f" --write {args.write}" if args.write else ""))
     lines = [MARK[0], "## Omni-router in miniature: dense vs Switch vs Omni-router CTC (bench/omni_ctc.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Corpus: espeak-ng, {', '.join(LANGS)}; "
              f"{CORPUS['train_per_lang']} training utterances per language by {CORPUS['voices']} voices, "
              f"{CORPUS['test_per_lang']} held-out texts per language by a held-out voice "
              f"({info['hours']:.2f} h in all). Every system: recipes/asr/*_ctc.yaml (6 layers, d=144, FFN 576, "
-             f"frames stacked ×4), {args.steps} steps of 16 utterances, AdamW 1e-3; MoE on every layer, top-1.", "",
+             f"frames stacked ×4), {args.steps} steps of 16 utterances, §5.2's recipe: AdamW 1e-3 (wd 0.01), warm-up + "
+             f"cosine, clipping 0.1, SpecAugment 2×F30 + 10×T50 (≤ 0.1); MoE on every layer, top-1, load balance of "
+             f"eqs. 3.3-3.5 summed over layers (weight 0.09 for our per-character CTC mean). Fig. 5 entropy: mean over "
+             f"layers of the per-token routing entropy of the 100 most frequent tokens (frames labelled by the best "
+             f"path, blanks out); Fig. 6: relative WER change (%) with each frame's expert replaced at random with "
+             f"probability p, on the first 2 eval batches (32 utterances) per language.", "",
              "| system | WER avg | WER per language | CER avg | CER per language | final train loss | Cramér's V "
-             "(adjacent, mean) | usage entropy (mean) | Δloss perm p=0.1 | Δloss perm p=0.5 | params | active | wall (min) |",
-             "|---" * 13 + "|", *[row(n, args.out, s) for n, s in summaries.items()], "",
+             "(adjacent, mean) | usage entropy (mean) | token entropy (Fig. 5) | ΔWER % p=0.1 (Fig. 6) | ΔWER % p=0.5 | "
+             "Δloss perm p=0.1 | Δloss perm p=0.5 | params | active | wall (min) |",
+             "|---" * 16 + "|", *[row(n, args.out, s) for n, s in summaries.items()], "",
              "Training loss (CTC per target character, mean of the logged values) by fifth of training:", "",
              *curves(args.out, summaries), "", MARK[1]]
     section = "\n".join(lines)

@@ -58,10 +58,10 @@ def table(out: Path, summaries: dict) -> list[str]:
         p = r["params"]
         rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {per_dir['bleu']} | "
                     f"{per_dir['chrf']} | {fmt(r['avg']['loss'], 3)} | {fmt(r['kl'], 4)} | "
-                    f"{fmt(summaries[name]['mean_kl'], 4)} | {fmt(r['diversity'], 3)} | {p['total']:,} | "
+                    f"{fmt(summaries[name]['mean_kl'], 4)} | {fmt(r.get('diversity_init'), 3)} → {fmt(r['diversity'], 3)} | {p['total']:,} | "
                     f"{p['active']:,} | {summaries[name]['seconds'] / 60:.1f} |")
     return ["| system | BLEU avg | chrF avg | BLEU per direction | chrF per direction | target loss avg | final KL "
-            "| mean KL | diversity | total params | active params | wall (min) |", "|---" * 12 + "|", *rows]
+            "| mean KL | diversity init → trained | total params | active params | wall (min) |", "|---" * 12 + "|", *rows]
 
 
 def references(name: str, out: Path) -> dict[str, list[str]]:

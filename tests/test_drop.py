@@ -136,3 +136,17 @@ def test_down_placement_changes_only_the_down_projection(init):
         for e in range(E):
             assert torch.equal(m.experts.gate_up[e], torch.cat([gate, up]))
             assert not torch.equal(m.experts.down[e], down)
+
+
+@pytest.mark.parametrize("method, init, closed_form", [
+    ("noise", {"ratio": 0.5, "std": 0.5}, 0.125 / 1.125),  # r·s² / (1 + r·s²)
+    ("noise", {"ratio": 1.0, "std": 0.3}, 0.09 / 1.09),
+    ("drop", {"ratio": 0.5}, 1 - 0.5 ** 2),  # 1 − (1 − r)²
+    ("drop", {"ratio": 0.9}, 1 - 0.1 ** 2),
+])
+def test_diversity_at_init_follows_the_closed_form(method, init, closed_form):
+    """bench/spri_calibration.py's closed forms (SPRI Table 1 calibration), on a wider tiny model (I = 256)."""
+    moe = _upcycle(tiny_llama(intermediate_size=256), {"method": method, **init}, E=8)
+    from moekit.metrics import init_diversity
+
+    assert init_diversity(moe) == pytest.approx(closed_form, rel=0.08)

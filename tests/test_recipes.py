@@ -48,6 +48,13 @@ def test_recipe_trains_two_steps(path, tiny_recipe_overrides, tmp_path):
     assert [h["loss"] for h in history if "loss" in h] == losses
     if recipe.method == "moe":
         assert all(math.isfinite(h["moe/lb"]) and math.isfinite(h["moe/z"]) for h in history if "loss" in h)
+        init = json.loads((out / "results.json").read_text())["diversity_init"]  # SPRI A.1, at upcycling
+        m = recipe.moe
+        if m.init.method == "naive":  # copies: every cosine is 1
+            assert init == pytest.approx(0.0, abs=1e-9)
+        elif m.init.method == "spri" and m.init.dense_as == "shared":  # 1 − same-group pairs / all pairs
+            E, k = m.num_experts, m.top_k
+            assert init == pytest.approx(1 - (E // k) * k * (k - 1) / (E * (E - 1)), abs=1e-3)
     if recipe.method == "simoe":
         assert all(0 < h["simoe/sparsity"] < 1 and h["simoe/lambda"] >= 0 for h in history if "loss" in h)
     if recipe.task == "instruct":  # ROUGE-L per task, seen and unseen means

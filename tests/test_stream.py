@@ -256,3 +256,46 @@ def test_model_cards(sources, tmp_path, tiny_recipe_overrides, run):
     rc, _, err = run("train", "recipes/dense_ft.yaml", *tiny_recipe_overrides(tmp_path / "run"))
     assert rc == 0, err
     assert front_matter(tmp_path / "run")["library_name"] == "moekit"
+
+
+@pytest.mark.parametrize("fmt", ["moekit", "mixtral"])
+def test_init_diversity_recorded_from_the_stored_experts(sources, tmp_path, fmt):
+    """SPRI A.1's diversity at initialization: recorded per layer by the streaming path (from the tensors as
+    written, accumulated over row chunks) equal to the in-memory upcycle's, in moekit.json or moekit_spec.json
+    and the model card; SPRI E=4, k=2 gives 1 − same-group pairs / all pairs = 1 − 2/6."""
+    from moekit.checkpoint.files import ShardReader
+    from moekit.checkpoint.stream import ROUTED_DOWN
+    from moekit.metrics import expert_diversity, init_diversity
+    from moekit.moe.layer import moe_layers
+
+    spec = spec_of(init={"method": "spri"} if fmt == "moekit" else "drop", shared_expert=fmt == "moekit")
+    upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec, format=fmt)
+    ref = in_memory(sources["llama"], spec, torch.float32)
+    want = {p: expert_diversity(m.experts.down) for p, m in moe_layers(ref)}
+    assert {p: m.init_diversity for p, m in moe_layers(ref)} == want  # moekit.upcycle records the same
+    if fmt == "moekit":
+        got = {e["path"]: e["init_diversity"] for e in json.loads((tmp_path / "moe" / "moekit.json").read_text())["layers"]}
+        assert init_diversity(load(tmp_path / "moe")) == pytest.approx(1 - 2 / 6, abs=1e-3)
+    else:
+        got = json.loads((tmp_path / "moe" / "moekit_spec.json").read_text())["init_diversity"]
+        with ShardReader(tmp_path / "moe") as r:  # and equal to the diversity of the stored tensors
+            for p in want:
+                name = next(f"{p}.{n}" for n in ROUTED_DOWN if f"{p}.{n}" in r)
+                assert got[p] == pytest.approx(expert_diversity(r.get(name)), abs=1e-12)
+    assert got.keys() == want.keys() and all(got[p] == pytest.approx(want[p], abs=1e-9) for p in want)
+    assert "expert diversity at init" in (tmp_path / "moe" / "README.md").read_text()
+
+
+def test_stored_diversity_is_exact_for_any_chunk(sources, tmp_path):
+    from moekit.checkpoint.stream import moe_units, stored_diversities
+    from moekit.io import build_from_meta
+    from moekit.metrics import expert_diversity
+    from moekit.moe.layer import moe_layers
+
+    upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec_of(init="drop"))
+    model, _ = build_from_meta(tmp_path / "moe")
+    layers = moe_units(model, None, None)
+    want = {p: expert_diversity(m.experts.down) for p, m in moe_layers(load(tmp_path / "moe"))}
+    for chunk in (1, 1000, 1 << 30):  # one row at a time, a few rows, everything
+        got = stored_diversities(tmp_path / "moe", layers, chunk_bytes=chunk)
+        assert all(got[p] == pytest.approx(want[p], abs=1e-12) for p in want)

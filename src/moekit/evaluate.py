@@ -25,13 +25,14 @@ from torch import Tensor, nn
 from moekit._fs import output, write_text_atomic
 from moekit.data.parallel import Pair, TranslationCollator, encode_pair, prompt_of
 from moekit.errors import CheckpointError, ConfigError
-from moekit.metrics import diversity, param_counts
+from moekit.metrics import diversity, init_diversity, param_counts
 from moekit.moe.layer import moe_layers
 
 # sacreBLEU's own per-language defaults: "13a" (mteval v13a) for space-delimited scripts; Chinese is
 # split per character ("zh"); Japanese and Korean need MeCab (`pip install sacrebleu[ja]` / `[ko]`).
 BLEU_TOKENIZE = {"zh": "zh", "ja": "ja-mecab", "ko": "ko-mecab"}
-CSV_COLUMNS = ("direction", "n", "rougeL", "bleu", "chrf", "loss", "kl", "diversity", "total_params", "active_params")
+CSV_COLUMNS = ("direction", "n", "rougeL", "bleu", "chrf", "loss", "kl", "diversity_init", "diversity", "total_params",
+               "active_params")
 
 
 @contextmanager
@@ -253,7 +254,7 @@ def evaluate_run(model: nn.Module, tokenizer, test_pairs: dict[str, list[Pair]],
                  batch_size: int = 8, generate: bool = True) -> dict:
     """Every metric of a run: per direction n, loss (and BLEU, chrF with `generate`) and their
     unweighted mean over directions ("avg"); KL(dense ‖ model) if `dense_ref`; diversity of an MoE
-    model; expert usage overall and per direction; total / active params; the translations."""
+    model now and as upcycled (SPRI A.1; None where not recorded); expert usage overall and per direction; total / active params; the translations."""
     if not test_pairs:
         raise ConfigError("no test directions to evaluate")
     tokenize = {lang: bleu_tokenizer(lang) for lang in test_pairs} if generate else {}  # fail before the work
@@ -269,6 +270,7 @@ def evaluate_run(model: nn.Module, tokenizer, test_pairs: dict[str, list[Pair]],
         "directions": directions,
         "avg": {k: sum(row[k] for row in directions.values()) / len(directions) for k in keys},
         "kl": None if dense_ref is None else dense_ref.kl(model, batch_size),
+        "diversity_init": init_diversity(model),
         "diversity": diversity(model) if moe_layers(model) else None,
         "usage": _fractions({p: sum(c[p] for c in counts.values()) for p in next(iter(counts.values()))}),
         "usage_by_direction": {lang: _fractions(c) for lang, c in counts.items()},
@@ -300,7 +302,7 @@ def result_rows(results: dict) -> list[dict]:
     n = sum(r["n"] for r in rows)
     rows += [{"direction": g, **avg} for g, avg in results.get("groups", {}).items()]  # instruction runs
     rows.append({"direction": "avg", "n": n, **results["avg"], "kl": results["kl"],
-                 "diversity": results["diversity"], "total_params": results["params"]["total"],
+                 "diversity_init": results.get("diversity_init"), "diversity": results["diversity"], "total_params": results["params"]["total"],
                  "active_params": results["params"]["active"]})
     return [{c: r.get(c) for c in CSV_COLUMNS} for r in rows]
 
@@ -320,7 +322,7 @@ def write_results(results: dict, folder: str | Path) -> tuple[Path, Path]:
 
 
 _FORMATS = {"rougeL": "{:.2f}", "bleu": "{:.2f}", "chrf": "{:.2f}", "loss": "{:.4f}", "kl": "{:.4g}",
-            "diversity": "{:.4f}", "n": "{:,}", "total_params": "{:,}", "active_params": "{:,}"}
+            "diversity_init": "{:.4f}", "diversity": "{:.4f}", "n": "{:,}", "total_params": "{:,}", "active_params": "{:,}"}
 
 
 def results_table(rows: list[dict], title: str | None = None) -> Table:

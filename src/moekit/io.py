@@ -101,7 +101,8 @@ def moekit_meta(model: nn.Module, aliases: dict[str, str]) -> dict:
     entries = []
     for path, moe in moe_layers(model):
         owner = router_owner.setdefault(id(moe.router), path)
-        entries.append({"path": path, **moe.slot, "layout": layout(moe), "router_of": owner})
+        entries.append({"path": path, **moe.slot, "layout": layout(moe), "router_of": owner,
+                        "init_diversity": getattr(moe, "init_diversity", None)})
     return {"format": MoekitMeta.FORMATS[0], "architecture": type(model).__name__,
             "spec": None if spec is None else spec.model_dump(mode="json"), "layers": entries, "aliases": aliases}
 
@@ -275,6 +276,7 @@ def _build(meta: dict, config, folder: Path) -> nn.Module:
         moe = from_layout(e["layout"], router=routers.get(e["router_of"]))
         routers.setdefault(e["path"], moe.router)
         moe.slot = {k: e[k] for k in ("stack", "index", "adapter")}
+        moe.init_diversity = e.get("init_diversity")
         try:
             slot = slot_at(model, e["stack"], e["index"], e["adapter"])
         except (MoekitError, IndexError, KeyError, AttributeError) as err:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moekit.moe.layer import moe_layers
@@ -10,13 +9,28 @@ from moekit.moe.layer import moe_layers
 
 def expert_diversity(down: Tensor) -> float:
     """1 − mean pairwise cosine similarity of the vectorized routed down-projections (E, H, I)."""
-    v = F.normalize(down.detach().double().reshape(down.shape[0], -1), dim=-1)  # (E, H·I)
-    sim = v @ v.T  # (E, E)
-    E = sim.shape[0]
+    v = down.detach().double().reshape(down.shape[0], -1)  # (E, H·I)
+    return diversity_from_gram(v @ v.T)
+
+
+def diversity_from_gram(gram: Tensor) -> float:
+    """`expert_diversity` from the Gram matrix (E, E) of the vectorized down-projections (zero experts count
+    as orthogonal to all, as F.normalize treats them)."""
+    E = gram.shape[0]
     if E < 2:
         return 0.0
+    norm = gram.diagonal().clamp_min(0).sqrt().clamp_min(1e-12)  # (E,)
+    sim = gram / torch.outer(norm, norm)  # (E, E) cosines
     off = sim[~torch.eye(E, dtype=torch.bool)]  # (E·(E-1),)
     return float(1.0 - off.mean())
+
+
+def init_diversity(model: nn.Module) -> float | None:
+    """The diversity the model's MoE layers had when upcycled (recorded by moekit.upcycle and
+    upcycle_checkpoint; SPRI A.1 "the diversity among initialized routed experts"), averaged over layers;
+    None if a layer has no record (e.g. a checkpoint written before moekit recorded it)."""
+    values = [getattr(m, "init_diversity", None) for _, m in moe_layers(model)]
+    return None if not values or None in values else sum(values) / len(values)
 
 
 def diversity(model: nn.Module) -> float:

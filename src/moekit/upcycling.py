@@ -14,6 +14,7 @@ from moekit.checkpoint.auto import adopt
 from moekit.errors import ConfigError, NumericsError
 from moekit.ffn import ExpertWeights
 from moekit.init.base import InitContext
+from moekit.metrics import expert_diversity
 from moekit.moe.build import build_moe, init_router
 from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
@@ -102,6 +103,7 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
                 router.weight.copy_(w.router)
     moe = build_moe(w, router, slot.adapter.dropout(slot.block))
     moe.slot = slot.describe()
+    moe.init_diversity = expert_diversity(moe.experts.down)  # SPRI A.1, recorded in moekit.json
     slot.install(moe.train(slot.block.training))
     return router
 

@@ -61,12 +61,21 @@ def write_card(folder: Path, *, title: str, base_model: str | None, method: str 
     return path
 
 
+def diversity_fact(mean: float | None) -> dict[str, str]:
+    if mean is None:
+        return {}
+    return {"expert diversity at init": f"{mean:.4f} (SPRI A.1: 1 − mean pairwise cosine of the routed "
+                                        "down-projections, averaged over MoE layers)"}
+
+
 def write_model_card(model, folder: Path, title: str | None = None, extra: dict | None = None) -> Path:
     """The card of an in-memory model being saved (moekit or SIMoE format, or a plain HF model): method and
     spec from the model, parameter counts, dtype."""
-    from moekit.metrics import param_counts
+    from moekit.metrics import init_diversity, param_counts
 
     spec = getattr(model, "moekit_spec", None)
+    if spec is not None:
+        extra = {**diversity_fact(init_diversity(model)), **(extra or {})}
     simoe = getattr(getattr(model, "simoe", None), "cfg", None)
     fmt = "moekit (SIMoE)" if simoe is not None else "moekit" if spec is not None else "transformers"
     base = getattr(model.config, "_name_or_path", None) or None

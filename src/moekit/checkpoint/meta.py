@@ -51,6 +51,7 @@ class LayerEntry(Strict):
     adapter: str
     layout: Layout
     router_of: str
+    init_diversity: float | None = None  # the routed experts' diversity when upcycled (SPRI A.1)
 
 
 class MoekitMeta(Strict):

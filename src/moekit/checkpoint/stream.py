@@ -24,6 +24,7 @@ from moekit.checkpoint.writer import Planned, ShardWriter
 from moekit.errors import CheckpointError, NumericsError
 from moekit.ffn import FFNWeights
 from moekit.init.base import InitContext
+from moekit.metrics import diversity_from_gram
 from moekit.moe.build import from_layout, layout
 from moekit.moe.layer import MoELayer, moe_layers
 from moekit.moe.router import Router
@@ -119,6 +120,28 @@ def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: 
         raise
     writer.close()
     return writer.total
+
+
+ROUTED_DOWN = ("experts.down", "experts.down_proj")  # the routed down-projections (E, H, I), in every format written
+
+
+def stored_diversities(folder: Path, layers: dict[str, Layer], chunk_bytes: int = 1 << 27) -> dict[str, float]:
+    """{MoE layer path: its routed experts' diversity (moekit.metrics.expert_diversity)} of the checkpoint just
+    written in `folder`, from the stored values: the Gram matrix (E, E) accumulated in float64 over row chunks
+    of every expert's down-projection, so memory holds about `chunk_bytes` of rows, not a layer."""
+    out = {}
+    with ShardReader(folder) as reader:
+        for path, layer in layers.items():
+            name = next(layer.prefix + n for n in ROUTED_DOWN if layer.prefix + n in reader)
+            E, H, I = reader.headers[name].shape
+            step = max(1, chunk_bytes // (8 * E * I))
+            gram = torch.zeros(E, E, dtype=torch.float64)
+            for a in range(0, H, step):
+                rows = (a, min(H, a + step))
+                v = torch.stack([reader.get(name, e, rows) for e in range(E)]).double().reshape(E, -1)  # (E, rows·I)
+                gram += v @ v.T
+            out[path] = diversity_from_gram(gram)
+    return out
 
 
 def planned_bytes(units: list, dtype: torch.dtype) -> int:

@@ -15,15 +15,17 @@ from torch import nn
 
 from moekit._fs import available_memory, check_space, output, peak_memory
 from moekit.checkpoint.auto import save_config
-from moekit.checkpoint.card import write_card
+from moekit.checkpoint.card import diversity_fact, write_card
 from moekit.checkpoint.files import ShardReader, read_headers
 from moekit.checkpoint.stream import (Const, Copy, Layer, Progress, StoredParts, UpcycledParts, draw_router,
-                                      meta_moe_model, moe_units, moekit_naming, planned_bytes, read_ffn, write_units)
+                                      meta_moe_model, moe_units, moekit_naming, planned_bytes, read_ffn,
+                                      stored_diversities, write_units)
 from moekit.checkpoint.writer import DEFAULT_SHARD
 from moekit.errors import CheckpointError, ConfigError, ExportError, ResourceError
 from moekit.init.base import InitContext
 from moekit.io import check_dense_dir, load_tokenizer, meta_model, moekit_meta, unique_tensors
-from moekit.metrics import param_counts
+from moekit.metrics import init_diversity, param_counts
+from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.upcycling import layer_generator, router_groups, selected_slots
 
@@ -155,6 +157,9 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     check_memory(dense, slots, spec, force)
     with output(out, [src, *branch_dirs, *inputs], overwrite, need) as tmp:
         nbytes = write_units(tmp, units, dt, max_shard_size, progress)
+        diversities = stored_diversities(tmp, layers)  # of the tensors as written
+        for path, m in moe_layers(moe):  # recorded in moekit.json / moekit_spec.json and the card
+            m.init_diversity = diversities[path]
         title = f"{src.name} upcycled to an MoE ({spec.num_experts} experts, top-{spec.top_k}, {spec.init.method})"
         _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model or src.name, title)
         read_headers(tmp)  # the written shards parse and cover their files exactly
@@ -273,12 +278,14 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
     if fmt is None:
         (tmp / "moekit.json").write_text(json.dumps(moekit_meta(moe, aliases), indent=2))
     else:
-        (tmp / "moekit_spec.json").write_text(json.dumps({"spec": spec, "source": str(src), "format": fmt.name},
-                                                         indent=2))
+        diversities = {path: m.init_diversity for path, m in moe_layers(moe)}
+        (tmp / "moekit_spec.json").write_text(json.dumps({"spec": spec, "source": str(src), "format": fmt.name,
+                                                          "init_diversity": diversities}, indent=2))
     copy_files(src, tmp)
     name = "moekit" if fmt is None else fmt.name
     write_card(tmp, title=title,
                base_model=base_model, method=spec["init"]["method"],
                spec=spec, fmt=f"{name} ({why})", dtype=dtype, params=param_counts(moe),
+               extra=diversity_fact(init_diversity(moe)),
                checked=["every planned tensor written exactly once, and the shard headers re-read and validated",
                         "dense weights and every initialized expert finite (unless --allow-nonfinite)"])

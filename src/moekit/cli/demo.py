@@ -64,12 +64,16 @@ def run(args) -> None:
                         f"{args.out}/{{{','.join(SYSTEMS)}}}")
 
 
+def four(x: float | None) -> str:
+    return "-" if x is None else f"{round(x, 4) + 0.0:.4f}"  # + 0.0: no "-0.0000"
+
+
 def run_systems(systems: dict[str, Recipe], folder: Path, final: Path) -> Table:
     """Train and evaluate each system into `folder`/<system> (to be renamed `final`); the comparison table."""
     from moekit.train.run import train
 
     table = Table(title="moekit demo: SmolLM2-135M upcycled (E=8, top-2, every 4th block), equal fine-tuning budget")
-    for col in ("system", "BLEU", "chrF", "target loss", "KL(dense‖model)", "diversity", "total params",
+    for col in ("system", "BLEU", "chrF", "target loss", "KL(dense‖model)", "diversity init → trained", "total params",
                 "active params", "train+eval (s)"):
         table.add_column(col)
     for name, recipe in systems.items():
@@ -78,6 +82,6 @@ def run_systems(systems: dict[str, Recipe], folder: Path, final: Path) -> Table:
         avg = r["avg"]
         table.add_row(name, f"{avg.get('bleu', float('nan')):.2f}", f"{avg.get('chrf', float('nan')):.2f}",
                       f"{avg['loss']:.3f}", "-" if r["kl"] is None else f"{r['kl']:.4f}",
-                      f"{round(r['diversity'], 4) + 0.0:.4f}", human(r["params"]["total"]),
+                      f"{four(r['diversity_init'])} → {four(r['diversity'])}", human(r["params"]["total"]),
                       human(r["params"]["active"]), f"{time.perf_counter() - t0:.0f}")
     return table
