@@ -17,6 +17,8 @@ from pathlib import Path
 from report import write_section  # bench/report.py
 
 SYSTEMS = ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]
+# SPRI Table 1's diversity magnitudes (bench/spri_calibration.py) and Table 3's "w/o shared expert"
+ABLATIONS = ["noise_table1", "drop_table1", "spri_no_shared"]
 # sized for about 2 hours on 2 cores (8 systems): 4 directions, 2 low-resource (sw, tl); 120 steps of 8 = one
 # epoch over 4 x 240 pairs; 32 test verses per direction
 OVERRIDES = [
@@ -26,6 +28,7 @@ OVERRIDES = [
     "eval.max_new_tokens=48", "eval.batch_size=8",
 ]
 MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
+ABLATION_MARK = ("<!-- spri_mini_ablations -->", "<!-- /spri_mini_ablations -->")
 
 
 def run_system(name: str, out: Path) -> dict:
@@ -104,23 +107,28 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/spri_mini"))
     ap.add_argument("--write", type=Path)
     ap.add_argument("--report-only", action="store_true", help="report the systems finished so far, run nothing")
+    ap.add_argument("--ablations", action="store_true",
+                    help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section")
     args = ap.parse_args()
+    systems, mark = (ABLATIONS, ABLATION_MARK) if args.ablations else (SYSTEMS, MARK)
     if args.report_only:
-        done = [n for n in SYSTEMS if (args.out / n / "summary.json").is_file()]
+        done = [n for n in systems if (args.out / n / "summary.json").is_file()]
         summaries = {n: json.loads((args.out / n / "summary.json").read_text()) for n in done}
     else:
-        summaries = {name: run_system(name, args.out) for name in SYSTEMS}
-    missing = [n for n in SYSTEMS if n not in summaries]
-    cmd = f".venv/bin/python bench/spri_mini.py --out {args.out}" + (f" --write {args.write}" if args.write else "")
+        summaries = {name: run_system(name, args.out) for name in systems}
+    missing = [n for n in systems if n not in summaries]
+    cmd = (f".venv/bin/python bench/spri_mini.py --out {args.out}" + (" --ablations" if args.ablations else "")
+           + (f" --write {args.write}" if args.write else ""))
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
-    lines = [MARK[0], "## SPRI Table 2 in miniature (bench/spri_mini.py)", "",
+    title = "SPRI Tables 1 and 3 rows in miniature" if args.ablations else "SPRI Table 2 in miniature"
+    lines = [mark[0], f"## {title} (bench/spri_mini.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Overrides on every recipe: "
              f"`{' '.join(OVERRIDES)}`.{status}", "", *table(args.out, summaries), "",
-             *(paired(args.out, list(summaries)) if "dense_ft" in summaries else []), "", MARK[1]]
+             *(paired(args.out, list(summaries)) if "dense_ft" in summaries else []), "", mark[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:
-        write_section(args.write, section, MARK)
+        write_section(args.write, section, mark)
 
 
 if __name__ == "__main__":

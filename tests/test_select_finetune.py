@@ -218,3 +218,12 @@ def test_cli_finetune_moekit_model(tmp_path, run):
     rc, _, err = run("finetune", "--model", tmp_path / "moe", "--experts", sel, "--data", "sw",
                      "--out", tmp_path / "ft2")
     assert rc == 2 and "LANG=FILE" in err
+
+
+def test_train_selected_counts_epochs_of_the_effective_batch():
+    """RISE §4.1's budget: epochs over the data at an effective batch split into accumulation steps."""
+    model = TINY_HF_MOE["qwen3_moe"]()
+    sel = Selection(method="manual", budget=2, experts=selection_for(model))
+    lines = ["the light of the world", "is good and the day was long"] * 5  # 10 examples
+    log = train_selected(model, sel, tiny_tokenizer(), lines, epochs=2, batch_size=4, grad_accum=2, max_length=16)
+    assert max(e["step"] for e in log if "step" in e) == 2 * 3  # 2 epochs of ceil(10 / 4) optimizer steps

@@ -17,9 +17,12 @@ def add_parser(sub) -> None:
     common(p)
     p.add_argument("--data", type=lang_file, nargs="+", action="extend", required=True, metavar="LANG=FILE",
                    help="training text, one example per line (several per flag, or repeat the flag)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate, linear decay (default 1e-4)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (default 3, RISE §4.1)")
+    p.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, linear decay (default 2e-5, RISE §4.1)")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (default 16, RISE §4.1)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="split each optimizer step's batch into this many micro-batches (RISE: 8 of 2)")
     p.add_argument("--max-length", type=int, default=128, help="tokens per line, longer lines are cut")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (selected rows only)")
     p.add_argument("--seed", type=int, default=0)
@@ -78,8 +81,10 @@ def run_finetune(args: argparse.Namespace) -> None:
 
     from moekit._fs import reserve
 
-    if min(args.steps, args.batch_size, args.max_length) < 1:
-        raise ConfigError("--steps, --batch-size and --max-length must be positive")
+    if min(args.steps or 1, args.batch_size, args.max_length, args.grad_accum) < 1 or args.epochs <= 0:
+        raise ConfigError("--epochs, --steps, --batch-size, --grad-accum and --max-length must be positive")
+    if args.batch_size % args.grad_accum:
+        raise ConfigError(f"--batch-size {args.batch_size} is not a multiple of --grad-accum {args.grad_accum}")
     data = lang_files(args.data, "--data")
     start = time.perf_counter()
     with reserve(args.out, inputs_of(args), args.overwrite) as out:
@@ -87,18 +92,22 @@ def run_finetune(args: argparse.Namespace) -> None:
         selection, model, tokenizer = prepare(args)
         if tokenizer is None:
             raise CheckpointError(f"{args.model} has no tokenizer files; finetune needs one to read the text")
-        with err_console().status(f"training {selection.count} experts for {args.steps} steps"):
-            log = train_selected(model, selection, tokenizer, lines, steps=args.steps, lr=args.lr,
-                                 batch_size=args.batch_size, max_length=args.max_length,
-                                 weight_decay=args.weight_decay, seed=args.seed, device=args.device)
+        budget = f"{args.steps} steps" if args.steps else f"{args.epochs:g} epochs"
+        with err_console().status(f"training {selection.count} experts for {budget}"):
+            log = train_selected(model, selection, tokenizer, lines, steps=args.steps, epochs=args.epochs,
+                                 lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                                 max_length=args.max_length, weight_decay=args.weight_decay, seed=args.seed,
+                                 device=args.device)
         losses = [e["loss"] for e in log if "loss" in e]
+        steps = max((e["step"] for e in log if "step" in e), default=0)
         record = {"selection": selection.model_dump(), "data": {lang: str(p) for lang, p in data.items()},
-                  "steps": args.steps, "lr": args.lr, "batch_size": args.batch_size, "max_length": args.max_length,
+                  "steps": steps, "epochs": None if args.steps else args.epochs, "lr": args.lr,
+                  "batch_size": args.batch_size, "grad_accum": args.grad_accum, "max_length": args.max_length,
                   "weight_decay": args.weight_decay, "seed": args.seed, "log_history": log}
         with err_console().status(f"saving {args.out}"):
             save_model(model, out, args.overwrite, tokenizer, extra={"finetune.json": record})
     loss = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, " if losses else ""
-    out_console().print(f"trained {selection.count} experts in {len(selection.experts)} layers for {args.steps} "
+    out_console().print(f"trained {selection.count} experts in {len(selection.experts)} layers for {steps} "
                         f"steps ({loss}{time.perf_counter() - start:.1f} s); saved to {args.out}")
 
 

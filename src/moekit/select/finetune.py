@@ -11,6 +11,7 @@ rows back into plain parameters for saving and export.
 """
 from __future__ import annotations
 
+import math
 import random
 import tempfile
 from dataclasses import dataclass, field
@@ -155,10 +156,13 @@ def encode_lines(lines: list[str], tokenizer, max_length: int) -> list[dict[str,
 
 
 def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]], tokenizer, lines: list[str],
-                   steps: int, lr: float = 1e-4, batch_size: int = 8, max_length: int = 128,
-                   weight_decay: float = 0.0, seed: int = 0, device: str = "auto") -> list[dict]:
+                   steps: int | None = None, epochs: float = 3.0, lr: float = 2e-5, batch_size: int = 16,
+                   grad_accum: int = 1, max_length: int = 128, weight_decay: float = 0.0, seed: int = 0,
+                   device: str = "auto") -> list[dict]:
     """Train only the selected experts of `model` (in place) on plain text lines with transformers'
-    Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history. `device`:
+    Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history. Defaults are
+    RISE's (§4.1: 3 epochs, effective batch 16 = 2 × 8 accumulation steps, lr 2e-5); `steps` replaces the
+    epochs; `batch_size` counts examples per optimizer step, split into `grad_accum` micro-batches. `device`:
     "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present)."""
     from transformers import Trainer, TrainingArguments
 
@@ -175,10 +179,12 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     model.train()
     try:
         with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
+            total = steps or max(1, math.ceil(epochs * math.ceil(len(data) / batch_size)))
             args = TrainingArguments(
-                output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
+                output_dir=tmp, max_steps=total, per_device_train_batch_size=batch_size // grad_accum,
+                gradient_accumulation_steps=grad_accum, learning_rate=lr,
                 weight_decay=weight_decay, lr_scheduler_type="linear", seed=seed, data_seed=seed,
-                logging_steps=max(1, steps // 10), save_strategy="no", report_to=[], disable_tqdm=True,
+                logging_steps=max(1, total // 10), save_strategy="no", report_to=[], disable_tqdm=True,
                 remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=False,
                 use_cpu=device == "cpu")
             trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad))
