@@ -102,7 +102,7 @@ def moekit_meta(model: nn.Module, aliases: dict[str, str]) -> dict:
     for path, moe in moe_layers(model):
         owner = router_owner.setdefault(id(moe.router), path)
         entries.append({"path": path, **moe.slot, "layout": layout(moe), "router_of": owner,
-                        "init_diversity": getattr(moe, "init_diversity", None)})
+                        "init_diversity": moe.init_diversity})
     return {"format": MoekitMeta.FORMATS[0], "architecture": type(model).__name__,
             "spec": None if spec is None else spec.model_dump(mode="json"), "layers": entries, "aliases": aliases}
 

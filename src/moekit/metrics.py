@@ -7,10 +7,16 @@ from torch import Tensor, nn
 from moekit.moe.layer import moe_layers
 
 
-def expert_diversity(down: Tensor) -> float:
-    """1 − mean pairwise cosine similarity of the vectorized routed down-projections (E, H, I)."""
-    v = down.detach().double().reshape(down.shape[0], -1)  # (E, H·I)
-    return diversity_from_gram(v @ v.T)
+def expert_diversity(down: Tensor, chunk_bytes: int = 1 << 27) -> float:
+    """1 − mean pairwise cosine similarity of the vectorized routed down-projections (E, H, I); the Gram
+    matrix is accumulated in float64 over row chunks of about `chunk_bytes`, not a float64 copy of all E."""
+    E, H, I = down.shape
+    step = max(1, chunk_bytes // (8 * E * I))
+    gram = torch.zeros(E, E, dtype=torch.float64, device=down.device)
+    for a in range(0, H, step):
+        v = down[:, a:a + step].detach().double().reshape(E, -1)  # (E, rows·I)
+        gram += v @ v.T
+    return diversity_from_gram(gram.cpu())
 
 
 def diversity_from_gram(gram: Tensor) -> float:
@@ -29,7 +35,7 @@ def init_diversity(model: nn.Module) -> float | None:
     """The diversity the model's MoE layers had when upcycled (recorded by moekit.upcycle and
     upcycle_checkpoint; SPRI A.1 "the diversity among initialized routed experts"), averaged over layers;
     None if a layer has no record (e.g. a checkpoint written before moekit recorded it)."""
-    values = [getattr(m, "init_diversity", None) for _, m in moe_layers(model)]
+    values = [m.init_diversity for _, m in moe_layers(model)]
     return None if not values or None in values else sum(values) / len(values)
 
 

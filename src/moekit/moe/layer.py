@@ -62,6 +62,7 @@ class MoELayer(nn.Module):
         # optional RoutingInfo -> RoutingInfo applied after the router: routing analysis uses it to
         # permute decisions (moekit.routing.permutation) and to disable experts (moekit.select.prune)
         self.reroute: Callable[[RoutingInfo], RoutingInfo] | None = None
+        self.init_diversity: float | None = None  # the experts' diversity when upcycled (SPRI A.1; moekit.json)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
