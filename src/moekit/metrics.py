@@ -1,6 +1,8 @@
 """Upcycling metrics: expert diversity, KL(dense ‖ MoE), parameter counts."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -8,15 +10,21 @@ from moekit.moe.layer import moe_layers
 
 
 def expert_diversity(down: Tensor, chunk_bytes: int = 1 << 27) -> float:
-    """1 − mean pairwise cosine similarity of the vectorized routed down-projections (E, H, I); the Gram
-    matrix is accumulated in float64 over row chunks of about `chunk_bytes`, not a float64 copy of all E."""
-    E, H, I = down.shape
+    """1 − mean pairwise cosine similarity of the vectorized routed down-projections (E, H, I)."""
+    return diversity_by_rows(down.shape, lambda a, b: down[:, a:b].detach(), chunk_bytes)
+
+
+def diversity_by_rows(shape: tuple[int, int, int], rows: Callable[[int, int], Tensor],
+                      chunk_bytes: int = 1 << 27) -> float:
+    """`expert_diversity` of down-projections of `shape` (E, H, I) given by `rows(a, b)` → (E, b − a, I): the Gram
+    matrix is accumulated in float64 over row chunks of about `chunk_bytes`, never a float64 copy of all E."""
+    E, H, I = shape
     step = max(1, chunk_bytes // (8 * E * I))
-    gram = torch.zeros(E, E, dtype=torch.float64, device=down.device)
+    gram = torch.zeros(E, E, dtype=torch.float64)
     for a in range(0, H, step):
-        v = down[:, a:a + step].detach().double().reshape(E, -1)  # (E, rows·I)
+        v = rows(a, min(H, a + step)).to("cpu", torch.float64).reshape(E, -1)  # (E, rows·I)
         gram += v @ v.T
-    return diversity_from_gram(gram.cpu())
+    return diversity_from_gram(gram)
 
 
 def diversity_from_gram(gram: Tensor) -> float:

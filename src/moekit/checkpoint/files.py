@@ -160,8 +160,8 @@ class ShardReader:
     def keys(self) -> list[str]:
         return list(self.headers)
 
-    def get(self, name: str, index: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name` in its stored dtype, or its `index`-th slice along dim 0, or rows [a, b) of that slice."""
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Tensor `name` in its stored dtype, or its `index`-th slice along dim 0."""
         info = self.headers.get(name)
         if info is None:
             raise CheckpointError(f"{self.folder} has no tensor {name}")
@@ -171,12 +171,6 @@ class ShardReader:
                 raise CheckpointError(f"{self.folder}: {name} {list(shape)} has no slice {index}")
             nbytes //= shape[0]
             start, shape = start + index * nbytes, shape[1:]
-        if rows is not None:
-            a, b = rows
-            if not shape or not 0 <= a <= b <= shape[0]:
-                raise CheckpointError(f"{self.folder}: {name} has no rows {a}:{b}")
-            nbytes //= max(shape[0], 1)
-            start, nbytes, shape = start + a * nbytes, (b - a) * nbytes, (b - a, *shape[1:])
         buf = torch.empty(nbytes, dtype=torch.uint8)
         view, done = memoryview(buf.numpy()), 0
         fd = self._fd(info.file)

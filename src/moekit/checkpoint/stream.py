@@ -24,7 +24,7 @@ from moekit.checkpoint.writer import Planned, ShardWriter
 from moekit.errors import CheckpointError, NumericsError
 from moekit.ffn import FFNWeights
 from moekit.init.base import InitContext
-from moekit.metrics import diversity_from_gram
+from moekit.metrics import diversity_by_rows
 from moekit.moe.build import from_layout, layout
 from moekit.moe.layer import MoELayer, moe_layers
 from moekit.moe.router import Router
@@ -102,8 +102,9 @@ class Layer:
 
 
 def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: int,
-                progress: Progress | None = None) -> int:
-    """Plan, then write every unit into `folder`; returns the bytes of tensor data written."""
+                progress: Progress | None = None, diversities: dict[str, float] | None = None) -> int:
+    """Plan, then write every unit into `folder`; returns the bytes of tensor data written. With
+    `diversities`, each MoE layer's diversity as written is put there under its path."""
     writer = ShardWriter(folder, [p for u in units for p in u.plan(dtype)], max_shard_bytes)
     layers, done = sum(isinstance(u, Layer) for u in units), 0
     try:
@@ -111,6 +112,8 @@ def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: 
             for name, t, i in u.items():
                 writer.write(name, t, i)
             if isinstance(u, Layer):
+                if diversities is not None:
+                    diversities[u.prefix.removesuffix(".")] = written_diversity(writer, u)
                 release_freed_memory()  # hand this layer's temporaries back before the next (see there)
                 done += 1
                 if progress is not None:
@@ -125,23 +128,13 @@ def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: 
 ROUTED_DOWN = ("experts.down", "experts.down_proj")  # the routed down-projections (E, H, I), in every format written
 
 
-def stored_diversities(folder: Path, layers: dict[str, Layer], chunk_bytes: int = 1 << 27) -> dict[str, float]:
-    """{MoE layer path: its routed experts' diversity (moekit.metrics.expert_diversity)} of the checkpoint just
-    written in `folder`, from the stored values: the Gram matrix (E, E) accumulated in float64 over row chunks
-    of every expert's down-projection, so memory holds about `chunk_bytes` of rows, not a layer."""
-    out = {}
-    with ShardReader(folder) as reader:
-        for path, layer in layers.items():
-            name = next(layer.prefix + n for n in ROUTED_DOWN if layer.prefix + n in reader)
-            E, H, I = reader.headers[name].shape
-            step = max(1, chunk_bytes // (8 * E * I))
-            gram = torch.zeros(E, E, dtype=torch.float64)
-            for a in range(0, H, step):
-                rows = (a, min(H, a + step))
-                v = torch.stack([reader.get(name, e, rows) for e in range(E)]).double().reshape(E, -1)  # (E, rows·I)
-                gram += v @ v.T
-            out[path] = diversity_from_gram(gram)
-    return out
+def written_diversity(writer: ShardWriter, layer: Layer, chunk_bytes: int = 1 << 27) -> float:
+    """The diversity (moekit.metrics.expert_diversity) of the routed experts of `layer` as just written, read
+    back from the page cache in row chunks of about `chunk_bytes`."""
+    name = next(layer.prefix + n for n in ROUTED_DOWN if layer.prefix + n in writer.slots)
+    shape = writer.slots[name].planned.shape  # (E, H, I)
+    return diversity_by_rows(shape, lambda a, b: torch.stack([writer.read(name, e, (a, b)) for e in range(shape[0])]),
+                             chunk_bytes)
 
 
 def planned_bytes(units: list, dtype: torch.dtype) -> int:

@@ -19,7 +19,7 @@ from moekit.checkpoint.card import diversity_fact, write_card
 from moekit.checkpoint.files import ShardReader, read_headers
 from moekit.checkpoint.stream import (Const, Copy, Layer, Progress, StoredParts, UpcycledParts, draw_router,
                                       meta_moe_model, moe_units, moekit_naming, planned_bytes, read_ffn,
-                                      stored_diversities, write_units)
+                                      write_units)
 from moekit.checkpoint.writer import DEFAULT_SHARD
 from moekit.errors import CheckpointError, ConfigError, ExportError, ResourceError
 from moekit.init.base import InitContext
@@ -156,8 +156,8 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     check_space(out, need)
     check_memory(dense, slots, spec, force)
     with output(out, [src, *branch_dirs, *inputs], overwrite, need) as tmp:
-        nbytes = write_units(tmp, units, dt, max_shard_size, progress)
-        diversities = stored_diversities(tmp, layers)  # of the tensors as written
+        diversities: dict[str, float] = {}  # of the tensors as written
+        nbytes = write_units(tmp, units, dt, max_shard_size, progress, diversities)
         for path, m in moe_layers(moe):  # recorded in moekit.json / moekit_spec.json and the card
             m.init_diversity = diversities[path]
         title = f"{src.name} upcycled to an MoE ({spec.num_experts} experts, top-{spec.top_k}, {spec.init.method})"

@@ -81,6 +81,7 @@ class ShardWriter:
                                                         for i in range(1, len(shards) + 1)]
         self.slots: dict[str, _Slot] = {}
         self._fd_of: dict[Path, int] = {}
+        self._read_fd: dict[Path, int] = {}
         for fname, tensors in zip(self.files, shards):
             self._open(self.folder / fname, tensors, metadata or {"format": "pt"})
         self.total = sum(p.nbytes for p in plan)
@@ -121,11 +122,28 @@ class ShardWriter:
             _pwrite(self._fd_of[slot.file], memoryview(data.numpy()), start)
             start += data.numel()
 
+    def read(self, name: str, index: int, rows: tuple[int, int]) -> torch.Tensor:
+        """Rows [a, b) of slice `index` of tensor `name` as written (in its planned dtype): a layer just
+        written is read back from the page cache, e.g. to measure it (moekit.checkpoint.stream)."""
+        slot = self.slots[name]
+        p = slot.planned
+        row = math.prod(p.shape[2:]) * p.dtype.itemsize
+        start = slot.start + index * (p.nbytes // p.shape[0]) + rows[0] * row
+        size = (rows[1] - rows[0]) * row
+        if slot.file not in self._read_fd:
+            self._read_fd[slot.file] = os.open(slot.file, os.O_RDONLY)
+        buf = torch.empty(size, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < size:
+            done += os.preadv(self._read_fd[slot.file], [view[done:]], start + done)
+        return buf.view(p.dtype).reshape(rows[1] - rows[0], *p.shape[2:])
+
     def abort(self) -> None:
         """Close the files after a failure (the caller removes the directory)."""
-        for fd in self._fd_of.values():
+        for fd in [*self._fd_of.values(), *self._read_fd.values()]:
             os.close(fd)
         self._fd_of.clear()
+        self._read_fd.clear()
 
     def close(self) -> None:
         """Check completeness, write the index (several shards) and close the files."""
