@@ -16,9 +16,15 @@ from datetime import date
 from pathlib import Path
 from report import write_section  # bench/report.py
 
-SYSTEMS = ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]
-# SPRI Table 1's diversity magnitudes (bench/spri_calibration.py) and Table 3's "w/o shared expert"
-ABLATIONS = ["noise_table1", "drop_table1", "spri_no_shared"]
+SYSTEMS = {name: (name, []) for name in
+           ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]}  # name: (recipe, overrides)
+# SPRI Table 1's diversity magnitudes (bench/spri_calibration.py), Table 3's "w/o shared expert" and down-only
+# noise / drop (gate/up copied), beside SPRI; balance loss averaged over layers as in the main table's run
+# (aux.layer_reduction was "mean" then), so the rows compare with it
+ABLATIONS = {name: (recipe, ["aux.layer_reduction=mean", *extra]) for name, recipe, extra in [
+    ("spri", "spri", []), ("spri_two_stage", "spri_two_stage", []), ("noise_table1", "noise_table1", []), ("drop_table1", "drop_table1", []),
+    ("spri_no_shared", "spri_no_shared", []), ("noise_down", "noise", ["moe.init.placement=down"]),
+    ("drop_down", "drop", ["moe.init.placement=down"])]}
 # sized for about 2 hours on 2 cores (8 systems): 4 directions, 2 low-resource (sw, tl); 120 steps of 8 = one
 # epoch over 4 x 240 pairs; 32 test verses per direction
 OVERRIDES = [
@@ -31,7 +37,7 @@ MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
 ABLATION_MARK = ("<!-- spri_mini_ablations -->", "<!-- /spri_mini_ablations -->")
 
 
-def run_system(name: str, out: Path) -> dict:
+def run_system(name: str, recipe_name: str, extra: list[str], out: Path) -> dict:
     from moekit.config import load_yaml
     from moekit.train.recipe import Recipe
     from moekit.train.run import train
@@ -39,7 +45,7 @@ def run_system(name: str, out: Path) -> dict:
     folder = out / name
     if (folder / "summary.json").is_file():  # cached (written after results.json)
         return json.loads((folder / "summary.json").read_text())
-    recipe = load_yaml(Path("recipes") / f"{name}.yaml", Recipe, [*OVERRIDES, f"out={folder}"])
+    recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", Recipe, [*OVERRIDES, *extra, f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
@@ -108,14 +114,14 @@ def main() -> None:
     ap.add_argument("--write", type=Path)
     ap.add_argument("--report-only", action="store_true", help="report the systems finished so far, run nothing")
     ap.add_argument("--ablations", action="store_true",
-                    help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section")
+                    help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section (paired against spri)")
     args = ap.parse_args()
-    systems, mark = (ABLATIONS, ABLATION_MARK) if args.ablations else (SYSTEMS, MARK)
+    systems, mark, base = (ABLATIONS, ABLATION_MARK, "spri") if args.ablations else (SYSTEMS, MARK, "dense_ft")
     if args.report_only:
         done = [n for n in systems if (args.out / n / "summary.json").is_file()]
         summaries = {n: json.loads((args.out / n / "summary.json").read_text()) for n in done}
     else:
-        summaries = {name: run_system(name, args.out) for name in systems}
+        summaries = {name: run_system(name, *systems[name], args.out) for name in systems}
     missing = [n for n in systems if n not in summaries]
     cmd = (f".venv/bin/python bench/spri_mini.py --out {args.out}" + (" --ablations" if args.ablations else "")
            + (f" --write {args.write}" if args.write else ""))
@@ -123,8 +129,9 @@ def main() -> None:
     title = "SPRI Tables 1 and 3 rows in miniature" if args.ablations else "SPRI Table 2 in miniature"
     lines = [mark[0], f"## {title} (bench/spri_mini.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Overrides on every recipe: "
-             f"`{' '.join(OVERRIDES)}`.{status}", "", *table(args.out, summaries), "",
-             *(paired(args.out, list(summaries)) if "dense_ft" in summaries else []), "", mark[1]]
+             f"`{' '.join(OVERRIDES)}`" + (" and `aux.layer_reduction=mean`" if args.ablations else "")
+             + f"; per-row overrides in the script.{status}", "", *table(args.out, summaries), "",
+             *(paired(args.out, list(summaries), base) if base in summaries else []), "", mark[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:
