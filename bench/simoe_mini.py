@@ -26,7 +26,7 @@ from pathlib import Path
 from report import write_section  # bench/report.py
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
-           "SIMoE": ("simoe_instruct", []), "SIMoE w/o ortho": ("simoe_instruct", ["simoe.ortho=0"]),
+           "SIMoE": ("simoe_instruct", []), "SIMoE w/o ortho": ("simoe_instruct", ["simoe.mask_lr=0.1", "simoe.ortho=0"]),  # ablation (b) of "SIMoE mask lr 0.1"
            "SIMoE mask lr 0.05": ("simoe_instruct", ["simoe.mask_lr=0.05"]),  # masks that move within 125 steps
            "SIMoE mask lr 0.1": ("simoe_instruct", ["simoe.mask_lr=0.1"])}  # and that can reach τ in them
 OVERRIDES = ["train.steps=125", "train.batch_size=8", "data.train_per_task=200", "data.test_per_task=32",

@@ -1,4 +1,5 @@
 import subprocess
+from moekit.state import spec_of
 import sys
 
 import pytest
@@ -42,7 +43,7 @@ def test_upcycle_with_flags(dense, tmp_path, run):
                           "--every", 2, "--shared-expert", "--seed", 3, "--set", "init.rho=0.01", "--out", out)
     assert rc == 0, err
     model = load(out)
-    assert model.moekit_spec == MoESpec(num_experts=4, top_k=2, every=2, shared_expert=True, seed=3,
+    assert spec_of(model) == MoESpec(num_experts=4, top_k=2, every=2, shared_expert=True, seed=3,
                                         init={"method": "spri", "rho": 0.01})
     assert [p for p, _ in moe_layers(model)] == ["model.layers.1.mlp", "model.layers.3.mlp"]
     assert (out / "tokenizer.json").is_file()
@@ -59,7 +60,7 @@ def test_upcycle_with_recipe_matches_library(dense, tmp_path, run):
     assert not (tmp_path / "unused").exists()
     got = load(out)
     expected_spec = MoESpec.model_validate({**spec, "seed": 5})
-    assert got.moekit_spec == expected_spec
+    assert spec_of(got) == expected_spec
     ref = upcycle(tiny_llama(), expected_spec)
     inputs = tiny_inputs(ref)
     torch.testing.assert_close(logits(got, inputs), logits(ref, inputs), rtol=0, atol=0)
@@ -70,7 +71,7 @@ def test_flags_override_recipe(dense, tmp_path, run):
                                                 "spec": {"every": 2, "init": "naive"}})
     rc, _, err = run("upcycle", recipe, "--layers", "0", "--method", "drop", "--set", "init.ratio=0.25")
     assert rc == 0, err
-    spec = load(tmp_path / "moe").moekit_spec
+    spec = spec_of(load(tmp_path / "moe"))
     assert spec.layers == [0] and spec.every is None and spec.init.method == "drop" and spec.init.ratio == 0.25
 
 
@@ -226,7 +227,7 @@ def test_demo_on_a_tiny_model(tmp_path, run, tiny_recipe_overrides):
     assert diversity["spri_two_stage"][0] == pytest.approx(1 - 1 / 3, abs=1e-3)  # E=4, k=2: 1 − 2·1/6 pairs
     assert diversity["spri_two_stage"][1] > 0.5
     for system in ("naive", "spri_two_stage"):
-        assert load(tmp_path / "demo" / system / "model").moekit_spec.init.method == system.split("_")[0]
+        assert spec_of(load(tmp_path / "demo" / system / "model")).init.method == system.split("_")[0]
         assert (tmp_path / "demo" / system / "results.csv").is_file()
     rc, _, err = run("demo", "--out", tmp_path / "demo")  # existing output refused without --overwrite
     assert rc == 2 and "--overwrite" in err

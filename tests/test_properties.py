@@ -1,6 +1,7 @@
 """Property tests (hypothesis): any generated MoE spec or recipe either validates or raises moekit's own
 ConfigError, never another exception; every valid spec that fits the model upcycles and round-trips through
 save/load bit for bit."""
+from moekit.state import spec_of
 import json
 
 import pytest
@@ -66,7 +67,7 @@ def test_valid_specs_upcycle_and_round_trip(tmp_path_factory, data):
     out = tmp_path_factory.mktemp("rt") / "moe"
     save(model, out)
     back = load(out)
-    assert back.moekit_spec == spec
+    assert spec_of(back) == spec
     x = tiny_inputs(model)
     torch.testing.assert_close(logits(back, x), logits(model.eval(), x), rtol=0, atol=0)
 

@@ -1,4 +1,5 @@
 """Pruning: disabled experts are never picked, the top-k is renormalized over the rest, and it survives save/load."""
+from moekit.state import model_state
 import pytest
 import torch
 
@@ -69,7 +70,7 @@ def test_nothing_disabled_is_bit_identical(family):
     handle = prune(model, {s.name: [] for s in find_sites(model)})  # every layer re-applies its rule
     assert torch.equal(logits(model), before)
     handle.remove()
-    assert not model.moekit_pruned
+    assert not model_state(model).pruned
 
 
 @pytest.mark.parametrize("family", SOFTMAX)
@@ -119,7 +120,7 @@ def test_errors():
     other.router.__class__ = type("OtherRouter", (type(other.router),), {})
     with pytest.raises(UnsupportedModelError, match="OtherRouter"):
         prune(model, {name: [0], other.name: [1]})
-    assert not getattr(model, "moekit_pruned", {})  # nothing was changed
+    assert not model_state(model).pruned  # nothing was changed
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "phimoe", "moekit"])
@@ -133,7 +134,7 @@ def test_save_load_round_trip(family, tmp_path):
     assert (tmp_path / "p" / "pruned_experts.json").is_file()
     for loaded in (load_pruned(tmp_path / "p"), load_model(tmp_path / "p")):
         assert torch.equal(logits(loaded), pruned)
-        assert loaded.moekit_pruned == disabled(model)
+        assert model_state(loaded).pruned == disabled(model)
     with pytest.raises(OutputExistsError):
         save_pruned(model, tmp_path / "p")
 
@@ -159,5 +160,5 @@ def test_moekit_save_keeps_pruning(tmp_path):
     prune(model, disabled(model))
     save(model, tmp_path / "plain")
     loaded = load_model(tmp_path / "plain")
-    assert loaded.moekit_pruned == disabled(model)
+    assert model_state(loaded).pruned == disabled(model)
     assert torch.equal(logits(loaded), logits(model))

@@ -16,6 +16,7 @@ from moekit.config import validate
 from moekit.export import EXPORTERS
 from moekit.io import load, load_dense, save
 from moekit.moe.spec import MoESpec
+from moekit.state import spec_of
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama, tiny_qwen2, tiny_qwen3
 from moekit.upcycling import upcycle
 
@@ -30,7 +31,7 @@ METHODS = {
 }
 
 
-def spec_of(**kw) -> MoESpec:
+def make_spec(**kw) -> MoESpec:
     return validate(MoESpec, {"num_experts": 4, "top_k": 2, **kw})
 
 
@@ -63,12 +64,12 @@ def assert_same_state(got: dict, want: dict):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("source", ["llama", "llama_bf16"])
 def test_moekit_format_equals_in_memory(sources, tmp_path, method, source):
-    spec = spec_of(**METHODS[method], every=2)
+    spec = make_spec(**METHODS[method], every=2)
     w = upcycle_checkpoint(sources[source], tmp_path / "moe", spec)
     dtype = torch.bfloat16 if source.endswith("bf16") else torch.float32
     assert w.dtype == str(dtype).removeprefix("torch.") and w.format == "moekit" and w.layers == 2
     got = load(tmp_path / "moe")
-    assert got.moekit_spec == spec
+    assert spec_of(got) == spec
     assert_same_state(got.state_dict(), in_memory(sources[source], spec, dtype).state_dict())
     assert (tmp_path / "moe" / "tokenizer.json").is_file() and (tmp_path / "moe" / "README.md").is_file()
 
@@ -77,13 +78,13 @@ def test_moekit_format_equals_in_memory(sources, tmp_path, method, source):
 def test_other_families_stream_exactly(tmp_path, family):
     """Conv1D (transposed), BERT's split FFN, Whisper's fc1/fc2 on the block (two stacks), GeGLU."""
     TINY_MODELS[family]().save_pretrained(tmp_path / "dense")
-    spec = spec_of(init="drop", shared_expert=True)
+    spec = make_spec(init="drop", shared_expert=True)
     upcycle_checkpoint(tmp_path / "dense", tmp_path / "moe", spec)
     assert_same_state(load(tmp_path / "moe").state_dict(), in_memory(tmp_path / "dense", spec, torch.float32).state_dict())
 
 
 def test_router_sharing_and_btx(sources, tmp_path):
-    spec = spec_of(init="noise", router_sharing="all")
+    spec = make_spec(init="noise", router_sharing="all")
     upcycle_checkpoint(sources["llama"], tmp_path / "omni", spec)
     got = load(tmp_path / "omni")
     assert len({id(m.router) for _, m in __import__("moekit").moe_layers(got)}) == 1
@@ -92,7 +93,7 @@ def test_router_sharing_and_btx(sources, tmp_path):
     for i in range(2):
         branches.append(tmp_path / f"b{i}")
         tiny_llama(seed=i + 1).save_pretrained(branches[-1])
-    spec = spec_of(num_experts=3, top_k=1, layers=[1, 3], init={"method": "btx", "branches": list(map(str, branches))})
+    spec = make_spec(num_experts=3, top_k=1, layers=[1, 3], init={"method": "btx", "branches": list(map(str, branches))})
     upcycle_checkpoint(sources["llama"], tmp_path / "btx", spec)
     ref = upcycle(load_dense(sources["llama"]), spec, [load_dense(b) for b in branches])
     assert_same_state(load(tmp_path / "btx").state_dict(), ref.state_dict())
@@ -111,7 +112,7 @@ FORMAT_CASES = {  # source, spec, native format
 @pytest.mark.parametrize("case", FORMAT_CASES)
 def test_native_formats_equal_the_in_memory_export(sources, tmp_path, case):
     source, spec_kw, fmt = FORMAT_CASES[case]
-    spec = spec_of(**spec_kw)
+    spec = make_spec(**spec_kw)
     w = upcycle_checkpoint(sources[source], tmp_path / "native", spec, format=fmt)
     assert w.format == fmt
     dtype = torch.bfloat16 if source.endswith("bf16") else torch.float32
@@ -134,13 +135,13 @@ def test_native_formats_equal_the_in_memory_export(sources, tmp_path, case):
     ({"init": "drop", "router": {"jitter": 0.1}, "every": 2}, "llama", "moekit", "jitter"),
 ])
 def test_auto_format_picks_an_exact_native_format_or_says_why_not(sources, tmp_path, spec_kw, source, expected, why):
-    w = upcycle_checkpoint(sources[source], tmp_path / "out", spec_of(**spec_kw), format="auto")
+    w = upcycle_checkpoint(sources[source], tmp_path / "out", make_spec(**spec_kw), format="auto")
     assert w.format == expected and why in w.why
     assert (tmp_path / "out" / ("moekit.json" if expected == "moekit" else "moekit_spec.json")).is_file()
 
 
 def test_streaming_export_equals_in_memory_export(sources, tmp_path):
-    spec = spec_of(init="spri", shared_expert=True, every=2)
+    spec = make_spec(init="spri", shared_expert=True, every=2)
     upcycle_checkpoint(sources["llama_bf16"], tmp_path / "moe", spec)
     w = export_checkpoint(tmp_path / "moe", tmp_path / "q2", "qwen2_moe")
     assert w.dtype == "bfloat16"
@@ -149,7 +150,7 @@ def test_streaming_export_equals_in_memory_export(sources, tmp_path):
 
 
 def test_dtype_and_shards(sources, tmp_path):
-    spec = spec_of(init="drop")
+    spec = make_spec(init="drop")
     w = upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec, dtype="bfloat16", max_shard_size=50_000)
     headers = read_headers(tmp_path / "moe")
     files = {h.file.name for h in headers.values()}
@@ -161,7 +162,7 @@ def test_dtype_and_shards(sources, tmp_path):
 
 def test_in_memory_save_is_read_by_streaming_export(sources, tmp_path):
     """moekit.save (in memory) and export_checkpoint (streaming) share the format."""
-    moe = upcycle(load_dense(sources["qwen3"]), spec_of(init="drop"))
+    moe = upcycle(load_dense(sources["qwen3"]), make_spec(init="drop"))
     save(moe, tmp_path / "moe")
     export_checkpoint(tmp_path / "moe", tmp_path / "q3", "qwen3_moe")
     native = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "q3", dtype=torch.float32)
@@ -204,7 +205,7 @@ NO_MOEKIT = "import sys, transformers; transformers.AutoModelForCausalLM.from_pr
 def test_moekit_format_is_never_misread(sources, tmp_path):
     """Without moekit, transformers refuses a moekit directory; after `import moekit` the Auto classes give the
     MoE model; save_pretrained of an upcycled model writes the moekit format (or refuses)."""
-    spec = spec_of(init="drop", every=2, shared_expert=True)
+    spec = make_spec(init="drop", every=2, shared_expert=True)
     upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec)
     res = subprocess.run([sys.executable, "-c", NO_MOEKIT, str(tmp_path / "moe")], capture_output=True, text=True)
     assert res.returncode != 0 and "moekit" in res.stderr  # unrecognized model type, not a dense Llama
@@ -213,7 +214,7 @@ def test_moekit_format_is_never_misread(sources, tmp_path):
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "moe")], capture_output=True, text=True)
     assert res.stdout.split() == ["LlamaForCausalLM", "2"], res.stderr[-2000:]
     auto = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.bfloat16)  # moekit is imported here
-    assert auto.dtype == torch.bfloat16 and auto.moekit_spec == spec
+    assert auto.dtype == torch.bfloat16 and spec_of(auto) == spec
     moe = upcycle(load_dense(sources["llama"]), spec)
     moe.save_pretrained(tmp_path / "via_save_pretrained")
     assert (tmp_path / "via_save_pretrained" / "moekit.json").is_file()
@@ -225,7 +226,7 @@ def test_moekit_format_is_never_misread(sources, tmp_path):
 
 def test_format_1_checkpoints_still_load(sources, tmp_path):
     """moekit/1 kept the base config.json unwrapped."""
-    spec = spec_of(init="noise")
+    spec = make_spec(init="noise")
     upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec)
     ref = load(tmp_path / "moe")
     meta = json.loads((tmp_path / "moe" / "moekit.json").read_text())
@@ -244,7 +245,7 @@ def front_matter(folder) -> dict:
 
 
 def test_model_cards(sources, tmp_path, tiny_recipe_overrides, run):
-    spec = spec_of(init="spri", shared_expert=True, seed=7)
+    spec = make_spec(init="spri", shared_expert=True, seed=7)
     upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec, base_model="org/llama-tiny")
     header = front_matter(tmp_path / "moe")
     assert header == {"library_name": "moekit", "tags": ["moe", "upcycling", "spri"], "base_model": "org/llama-tiny"}
@@ -268,7 +269,7 @@ def test_init_diversity_recorded_from_the_stored_experts(sources, tmp_path, fmt)
     from moekit.metrics import expert_diversity, init_diversity
     from moekit.moe.layer import moe_layers
 
-    spec = spec_of(init={"method": "spri"} if fmt == "moekit" else "drop", shared_expert=fmt == "moekit")
+    spec = make_spec(init={"method": "spri"} if fmt == "moekit" else "drop", shared_expert=fmt == "moekit")
     upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec, format=fmt)
     ref = in_memory(sources["llama"], spec, torch.float32)
     want = {p: expert_diversity(m.experts.down) for p, m in moe_layers(ref)}

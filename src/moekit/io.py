@@ -36,6 +36,7 @@ from moekit.moe.build import from_layout, layout
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.surgery import slot_at
+from moekit.state import model_state, spec_of
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 
@@ -96,7 +97,7 @@ def load_generation_config(model: nn.Module, folder: Path) -> None:
 
 def moekit_meta(model: nn.Module, aliases: dict[str, str]) -> dict:
     """moekit.json of an MoE model (also of one on the meta device: layouts and router owners only)."""
-    spec: MoESpec | None = getattr(model, "moekit_spec", None)
+    spec = spec_of(model)
     router_owner: dict[int, str] = {}
     entries = []
     for path, moe in moe_layers(model):
@@ -295,7 +296,7 @@ def build_from_meta(folder: str | Path) -> tuple[nn.Module, dict]:
         model = _build(meta, config, folder)
     check_headers(model, folder, meta["aliases"])
     if meta["spec"] is not None:
-        model.moekit_spec = validate(MoESpec, meta["spec"], source=f"MoE spec in {folder}/moekit.json")
+        model_state(model).spec = validate(MoESpec, meta["spec"], source=f"MoE spec in {folder}/moekit.json")
     return model, meta
 
 
@@ -309,8 +310,7 @@ def load(folder: str | Path) -> nn.Module:
     load_state(model, folder, meta)
     model.tie_weights()
     load_generation_config(model, folder)
-    if hasattr(empty, "moekit_spec"):
-        model.moekit_spec = empty.moekit_spec
+    model_state(model).spec = spec_of(empty)
     return adopt(reapply_pruning(model.eval(), folder))
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit.moe.layer import moe_layers
+from moekit.state import model_state
 
 
 def expert_diversity(down: Tensor, chunk_bytes: int = 1 << 27) -> float:
@@ -72,7 +73,7 @@ def kl_dense_moe(dense_logits: Tensor, moe_logits: Tensor, labels: Tensor | None
 def param_counts(model: nn.Module) -> tuple[int, int]:
     """(total, active) parameters; active counts k of E routed experts per MoE layer (shared tensors once),
     or for a SIMoE model what one input uses (moekit.simoe.export.param_counts)."""
-    if hasattr(model, "simoe"):
+    if model_state(model).simoe is not None:
         from moekit.simoe.export import param_counts as simoe_counts
 
         counts = simoe_counts(model)

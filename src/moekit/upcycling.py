@@ -19,6 +19,7 @@ from moekit.moe.build import build_moe, init_router
 from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
 from moekit.surgery import Slot, find_slots
+from moekit.state import model_state
 
 
 def layer_generator(seed: int, path: str) -> torch.Generator:
@@ -166,5 +167,5 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
         release_freed_memory()  # this layer's temporaries are gone: hand them back before the next
         if progress:
             progress(slot.path)
-    model.moekit_spec = spec
+    model_state(model).spec = spec
     return adopt(model)  # model.save_pretrained writes the moekit format

@@ -16,6 +16,7 @@ from pathlib import Path
 from transformers.configuration_utils import PretrainedConfig
 
 from moekit.errors import CheckpointError
+from moekit.state import model_state
 
 MODEL_TYPE = "moekit"
 WRAPPER_KEYS = ("model_type", "base_model_type", "base_architectures", "architectures", "transformers_version")
@@ -101,7 +102,7 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
     A model that has neither (e.g. a merged SIMoE model) is saved by transformers."""
     from moekit.moe.layer import moe_layers
 
-    if hasattr(self, "simoe"):
+    if model_state(self).simoe is not None:
         from moekit.simoe.export import save
     elif moe_layers(self):
         from moekit.io import save

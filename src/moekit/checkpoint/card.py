@@ -72,8 +72,9 @@ def write_model_card(model, folder: Path, title: str | None = None, extra: dict 
     """The card of an in-memory model being saved (moekit or SIMoE format, or a plain HF model): method and
     spec from the model, parameter counts, dtype."""
     from moekit.metrics import init_diversity, param_counts
+    from moekit.state import spec_of
 
-    spec = getattr(model, "moekit_spec", None)
+    spec = spec_of(model)
     if spec is not None:
         extra = {**diversity_fact(init_diversity(model)), **(extra or {})}
     simoe = getattr(getattr(model, "simoe", None), "cfg", None)

@@ -31,6 +31,7 @@ from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
 from moekit.surgery import Slot, slot_at
 from moekit.upcycling import release_freed_memory
+from moekit.state import model_state
 
 Progress = Callable[[int, int, str], None]  # (MoE layers done, MoE layers, the last one's path)
 
@@ -294,7 +295,7 @@ def meta_moe_model(dense: nn.Module, slots: list[Slot], groups: dict[str, str | 
                 routers.setdefault(groups[s.path], moe.router)
             moe.slot = s.describe()
             slot_at(model, s.stack, s.index, s.adapter.name).install(moe)
-    model.moekit_spec = spec
+    model_state(model).spec = spec
     return model, layouts
 
 

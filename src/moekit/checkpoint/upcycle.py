@@ -28,6 +28,7 @@ from moekit.metrics import init_diversity, param_counts
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.upcycling import layer_generator, router_groups, selected_slots
+from moekit.state import spec_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = ("auto", "moekit", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -268,7 +269,7 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
     import json
 
     dtype = str(dt).removeprefix("torch.")
-    spec = moe.moekit_spec.model_dump(mode="json")
+    spec = spec_of(moe).model_dump(mode="json")
     config = moe.config if fmt is None else fmt.config(moe, plan)
     config.dtype = dtype
     if fmt is None:

@@ -9,6 +9,7 @@ from moekit.cli.common import human, out_console
 from moekit.io import load, read_meta
 from moekit.metrics import param_counts
 from moekit.moe.layer import moe_layers
+from moekit.state import spec_of
 
 CONFIG_KEYS = ("model_type", "hidden_size", "d_model", "intermediate_size", "num_hidden_layers", "encoder_layers",
                "decoder_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "hidden_act",
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
     show(layers_table(model))
     total, active = param_counts(model)
     show(f"\nparameters: total {human(total)}, active per token {human(active)}")
-    spec = getattr(model, "moekit_spec", None)
+    spec = spec_of(model)
     if spec is None:
         show("init: not recorded (no MoE spec in moekit.json)")
         return

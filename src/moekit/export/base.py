@@ -22,6 +22,7 @@ from moekit.checkpoint.parts import Item, LayerParts, assemble, routed_items
 from moekit.errors import ExportError
 from moekit.moe.layer import MoELayer, moe_layers
 from moekit.registry import Registry
+from moekit.state import spec_of
 
 EXPORTERS: Registry["NativeFormat"] = Registry("export format")
 
@@ -97,7 +98,7 @@ def _check_layer(fmt: str, i: int, moe: MoELayer, act: str) -> None:
 
 
 def _check_routers(fmt: str, model: nn.Module, moes: list[MoELayer]) -> None:
-    spec = getattr(model, "moekit_spec", None)
+    spec = spec_of(model)
     ids = {id(m.router) for m in moes}
     if (spec is not None and spec.router_sharing != "none") or len(ids) < len(moes):
         raise refuse(fmt, "routers are shared between layers (router_sharing, Omni-router); native formats have "

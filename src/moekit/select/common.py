@@ -13,6 +13,7 @@ from ..io import write_checkpoint
 from ..moe.layer import moe_layers
 from ..routing.sites import RouterSite, find_sites
 from .selection import Selection
+from moekit.state import model_state
 
 PRUNED_FILE = "pruned_experts.json"
 
@@ -41,7 +42,7 @@ def resolve(model: nn.Module, selection: Selection | dict[str, list[int]]) -> li
 
 def write_pruned(model: nn.Module, folder: Path) -> None:
     """pruned_experts.json for a model pruned by moekit.select.prune (its routing hooks are not weights)."""
-    pruned = getattr(model, "moekit_pruned", None)
+    pruned = model_state(model).pruned
     if pruned:
         sel = Selection(method="pruned", budget=sum(map(len, pruned.values())), experts=pruned)
         (folder / PRUNED_FILE).write_text(json.dumps(sel.model_dump(), indent=2))

@@ -25,6 +25,7 @@ from ..moe.router import Router
 from ..routing.sites import RerouteFn, RouterSite
 from .common import PRUNED_FILE, resolve, save_model
 from .selection import Selection
+from moekit.state import model_state
 
 
 def _softmax_rule(top_k: int, renormalize: bool, mask: Tensor) -> RerouteFn:
@@ -99,7 +100,7 @@ class PruneHandle:
         with torch.no_grad():
             for buf, old in self.biases:
                 buf.copy_(old)
-        pruned = getattr(self.model, "moekit_pruned", {})
+        pruned = model_state(self.model).pruned
         for name in self.layers:
             pruned.pop(name, None)
 
@@ -126,9 +127,9 @@ def _plan(site: RouterSite, ids: list[int], rules) -> tuple[Tensor, Callable | N
 def prune(model: nn.Module, selection: Selection | dict[str, list[int]]) -> PruneHandle:
     """Disable the selected experts of `model` (in place). Every layer is checked before any changes.
     Layers named with an empty list get the rule too (then it decides as the model does).
-    The disabled experts are recorded in model.moekit_pruned (saved by moekit.select.common.save_model)."""
+    The disabled experts are recorded in moekit.state.model_state(model).pruned (saved by moekit.select.common.save_model)."""
     layers = resolve(model, selection)
-    again = [s.name for s, _ in layers if s.name in getattr(model, "moekit_pruned", {})]
+    again = [s.name for s, _ in layers if s.name in model_state(model).pruned]
     if again:
         raise ConfigError(f"already pruned: {again[:5]}; remove() the earlier PruneHandle and prune once with all ids")
     rules = _hf_rules()
@@ -142,15 +143,13 @@ def prune(model: nn.Module, selection: Selection | dict[str, list[int]]) -> Prun
         biases.append((bias, bias.detach().clone()))
         with torch.no_grad():
             bias.masked_fill_(mask, float("-inf"))  # scores + bias: never chosen; weights use the plain scores
-    if not hasattr(model, "moekit_pruned"):
-        model.moekit_pruned = {}
-    model.moekit_pruned.update({site.name: ids for site, ids in layers})
+    model_state(model).pruned.update({site.name: ids for site, ids in layers})
     return PruneHandle(model, [s.name for s, _ in layers], handles, biases)
 
 
 def save_pruned(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
     """Save a pruned model with its pruned_experts.json (moekit format or save_pretrained)."""
-    if not getattr(model, "moekit_pruned", None):
+    if not model_state(model).pruned:
         raise ConfigError("the model has no pruned experts; call moekit.select.prune.prune first")
     return save_model(model, out, overwrite, tokenizer)
 

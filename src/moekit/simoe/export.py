@@ -26,9 +26,10 @@ from moekit.io import read_meta as io_read_meta
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoEConfig, install, si_modules
+from moekit.state import model_state
 
 def is_simoe(model: nn.Module) -> bool:
-    return hasattr(model, "simoe")
+    return model_state(model).simoe is not None
 
 
 def write_checkpoint(model: nn.Module, folder: Path) -> None:
@@ -105,6 +106,7 @@ def merge(model: nn.Module, weights: torch.Tensor) -> nn.Module:
         setattr(model.get_submodule(parent) if parent else model, leaf, base)
     model.simoe.hook.remove()
     del model.simoe
+    model_state(model).simoe = None
     return model
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from moekit.config import Config
 from moekit.errors import ConfigError
 from moekit.simoe.layer import MaskInit, Routing, SILinear, SINorm, SparseInterpolated
+from moekit.state import model_state
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "out_proj"]
 
@@ -130,7 +131,7 @@ def _targets(model: nn.Module, cfg: SIMoEConfig) -> list[tuple[str, nn.Module]]:
 def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = None) -> nn.Module:
     """Wrap the targets in SI modules (in place), attach `model.simoe` and its routing hook. `kept`: the
     δ column counts of a pruned checkpoint being loaded."""
-    if hasattr(model, "simoe"):
+    if model_state(model).simoe is not None:
         raise ConfigError("the model is already a SIMoE model")
     targets = _targets(model, cfg)
     if not targets:
@@ -146,7 +147,7 @@ def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = No
         else:
             si = SINorm(mod, cfg.num_experts, masks, s.routing)
         setattr(model.get_submodule(parent) if parent else model, leaf, si)
-    model.simoe = s
+    model.simoe = model_state(model).simoe = s
     s.hook = model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
     model.generate = types.MethodType(_generate, model)
     return model
