@@ -18,7 +18,7 @@ from moekit.speech.evaluate import error_table
 from moekit.speech.features import log_mel, stack_frames
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.speech.tts import load_audio
-from moekit.train.asr import ASRRecipe
+from moekit.train.recipe import ASRRecipe
 from moekit.train.recipe import load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "asr").glob("*.yaml"))
@@ -160,7 +160,7 @@ def test_recipe_errors():
         validate(ASRRecipe, {"model": {"kind": "whisper"}, "method": "dense"})
     with pytest.raises(ConfigError, match="trains from scratch"):
         validate(ASRRecipe, {"model": {"kind": "ctc", "path": "x"}, "method": "dense"})
-    with pytest.raises(ConfigError, match="method=moe needs a `moe` spec"):
+    with pytest.raises(ConfigError, match="method=moe needs a `moe` section"):
         validate(ASRRecipe, {"model": {"kind": "ctc", "ctc": {}}, "method": "moe"})
 
 

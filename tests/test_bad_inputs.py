@@ -1008,7 +1008,7 @@ NUMBERS_AND_WRONG_INPUT = [
          r"must contain a mapping at the top level"),
     Case("validate-recipe-missing", lambda t, f: ["validate", t / "none.yaml"], r"config file not found"),
     Case("train-unknown-method", lambda t, f: ["train", recipe(t, f, method="magic"), f"out={t / 'run'}"],
-         r"method: Input should be 'moe', 'dense', 'lora' or 'simoe'"),
+         r"method: Value error, unknown method 'magic'; choose one of: dense, lora, moe, simoe"),
     Case("train-top-k-above-experts", lambda t, f: ["train", recipe(t, f), "moe.top_k=9", f"out={t / 'run'}"],
          r"moe: Value error, top_k \(9\) cannot exceed num_experts \(4\)"),
     Case("train-zero-experts", lambda t, f: ["train", recipe(t, f), "moe.num_experts=0", f"out={t / 'run'}"],

@@ -41,7 +41,7 @@ import peft
 import transformers
 
 import moekit.train.run as run
-import moekit.train.trainer as trainer_module
+import moekit.io as io_module
 
 rank = int(os.environ["RANK"])
 record = {"rank": rank, "writes": []}
@@ -69,7 +69,7 @@ def probe(owner, name, folder_arg):
 
 
 run.train = probed_train
-probe(trainer_module, "write_checkpoint", 1)  # moekit-format MoE models
+probe(io_module, "write_checkpoint", 1)  # moekit-format MoE models
 probe(transformers.PreTrainedModel, "save_pretrained", 1)  # dense models
 probe(peft.PeftModel, "save_pretrained", 1)  # LoRA adapters
 probe(transformers.PreTrainedTokenizerBase, "save_pretrained", 1)

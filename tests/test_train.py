@@ -8,7 +8,7 @@ from moekit.config import validate
 from moekit.errors import ConfigError, OutputExistsError
 from moekit.moe.layer import moe_layers
 from moekit.testing import tiny_llama, tiny_tokenizer
-from moekit.train.recipe import Recipe
+from moekit.train.recipe import TranslationRecipe
 from moekit.train.run import train
 
 WORDS = "the light of the world is good and the day was long".split()
@@ -29,7 +29,7 @@ def assets(tmp_path_factory):
     return root
 
 
-def recipe(assets, out, **over) -> Recipe:
+def recipe(assets, out, **over) -> TranslationRecipe:
     data = {"name": "t", "out": str(out), "model": {"path": str(assets / "dense")},
             "moe": {"num_experts": 4, "top_k": 2, "every": 2, "shared_expert": True, "init": "spri"},
             "data": {"source": "jsonl", "directions": ["fr", "de"], "train_files": [str(assets / "train.jsonl")],
@@ -38,7 +38,7 @@ def recipe(assets, out, **over) -> Recipe:
             "train": {"steps": 4, "batch_size": 4, "logging_steps": 1}}
     for k, v in over.items():
         data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) and k != "moe" else v
-    return validate(Recipe, data)
+    return validate(TranslationRecipe, data)
 
 
 class Snapshots(TrainerCallback):
@@ -143,11 +143,11 @@ def test_examples_without_target_tokens_are_refused(assets, tmp_path):
 
 def test_recipe_errors():
     with pytest.raises(ConfigError, match="method=moe needs"):
-        validate(Recipe, {"method": "moe"})
+        validate(TranslationRecipe, {"method": "moe"})
     with pytest.raises(ConfigError, match="applies to MoE"):
-        validate(Recipe, {"method": "dense", "freeze": {"schedule": "ume"}})
+        validate(TranslationRecipe, {"method": "dense", "freeze": {"schedule": "ume"}})
     with pytest.raises(ConfigError, match="optimizer: Extra inputs are not permitted"):
-        validate(Recipe, {"method": "dense", "optimizer": {}})
+        validate(TranslationRecipe, {"method": "dense", "optimizer": {}})
 
 
 def test_cli_train_then_evaluate(tmp_path, tiny_recipe_overrides, capsys):

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from moekit._fs import read_small
 from moekit.errors import ConfigError
@@ -17,12 +17,14 @@ class Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def validate(cls: type[C], data: Any, source: str = "config") -> C:
-    """`cls.model_validate(data)` with pydantic's errors turned into one ConfigError."""
+def validate(cls: type[C] | TypeAdapter, data: Any, source: str = "config") -> C:
+    """`cls.model_validate(data)` (a model class) or `cls.validate_python(data)` (a TypeAdapter of a tagged
+    union, whose tag is left out of the error locations) with pydantic's errors turned into one ConfigError."""
+    union = isinstance(cls, TypeAdapter)
     try:
-        return cls.model_validate(data)
+        return cls.validate_python(data) if union else cls.model_validate(data)
     except ValidationError as e:
-        problems = [f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()]
+        problems = [f"{'.'.join(map(str, err['loc'][union:])) or '<root>'}: {err['msg']}" for err in e.errors()]
         raise ConfigError(f"invalid {source}: " + "; ".join(problems)) from None
 
 

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from moekit.cli.common import human, out_console
 from moekit.config import apply_overrides, validate
-from moekit.train.recipe import Recipe
+from moekit.train.recipe import TranslationRecipe
 
 SYSTEMS = {
     "naive": {"moe": {"init": "naive"}, "freeze": {"schedule": "none"}},
@@ -44,12 +44,12 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def recipes(out: Path, overrides: list[str]) -> dict[str, Recipe]:
+def recipes(out: Path, overrides: list[str]) -> dict[str, TranslationRecipe]:
     built = {}
     for name, system in SYSTEMS.items():
         data = {**BASE, "name": name, "out": str(out / name), "freeze": system["freeze"],
                 "moe": {**BASE["moe"], **system["moe"]}}
-        built[name] = validate(Recipe, apply_overrides(data, overrides), source=f"demo recipe {name}")
+        built[name] = validate(TranslationRecipe, apply_overrides(data, overrides), source=f"demo recipe {name}")
     return built
 
 
@@ -68,7 +68,7 @@ def four(x: float | None) -> str:
     return "-" if x is None else f"{round(x, 4) + 0.0:.4f}"  # + 0.0: no "-0.0000"
 
 
-def run_systems(systems: dict[str, Recipe], folder: Path, final: Path) -> Table:
+def run_systems(systems: dict[str, TranslationRecipe], folder: Path, final: Path) -> Table:
     """Train and evaluate each system into `folder`/<system> (to be renamed `final`); the comparison table."""
     from moekit.train.run import train
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from moekit.cli.common import device_arg, out_console
 from moekit.errors import CheckpointError
 from moekit.evaluate import DenseReference, result_rows, results_table
-from moekit.train.recipe import Recipe, load_recipe
+from moekit.train.recipe import load_recipe
 
 
 def add_parser(sub) -> None:
@@ -20,21 +20,8 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def load_run_model(recipe: Recipe, folder: Path):
-    """The trained model of a run: moekit or SIMoE checkpoint, LoRA adapter on the base model, or dense."""
-    from moekit.io import load_model
-    from moekit.train.run import load_base
-
-    if (folder / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        from moekit.assets import resolve_model
-
-        return PeftModel.from_pretrained(load_base(recipe, resolve_model(recipe.model.path)), folder).eval()
-    return load_model(folder, trust_remote_code=getattr(recipe.model, "trust_remote_code", False))
-
-
 def run(args: argparse.Namespace) -> None:
+    from moekit.methods import method
     from moekit.train.run import load_data, load_tokenizer, report
 
     run_dir = Path(args.run_dir)
@@ -43,18 +30,19 @@ def run(args: argparse.Namespace) -> None:
     recipe = load_recipe(run_dir / "recipe.yaml", [f"out={run_dir}"])
     if recipe.task == "asr":
         return run_asr(recipe, run_dir, args.device)
-    tok = load_tokenizer(run_dir / "model", getattr(recipe.model, "trust_remote_code", False))
+    tok = load_tokenizer(run_dir / "model", recipe.model.trust_remote_code)
     ref_file = run_dir / "dense_reference.safetensors"
     ref = DenseReference.load(run_dir) if ref_file.is_file() else None
     _, test = load_data(recipe)
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
-    results = report(recipe, load_run_model(recipe, run_dir / "model").to(args.device), tok, test, ref, history)
+    model = method(recipe.method).load_trained(recipe, run_dir / "model").to(args.device)
+    results = report(recipe, model, tok, test, ref, history)
     out_console().print(results_table(result_rows(results), title=f"{recipe.name} ({run_dir})"))
 
 
 def run_asr(recipe, run_dir: Path, device: str) -> None:
-    from moekit.io import load_model
+    from moekit.methods import method
     from moekit.speech.data import load_split
     from moekit.speech.evaluate import asr_table
     from moekit.train.asr import load_speech, report
@@ -62,6 +50,6 @@ def run_asr(recipe, run_dir: Path, device: str) -> None:
     _, test = load_split(recipe.data)
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
-    model = load_model(run_dir / "model", recipe.model.allow_pickle).to(device)
+    model = method(recipe.method).load_trained(recipe, run_dir / "model").to(device)
     results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
     out_console().print(asr_table(results, title=f"{recipe.name} ({run_dir})"))

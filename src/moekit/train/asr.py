@@ -9,86 +9,22 @@ import csv
 import io
 import json
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 from torch import nn
 from transformers import TrainerCallback
 
 from moekit._fs import write_text_atomic
-from moekit.config import Config
 from moekit.errors import ConfigError
-from moekit.moe.spec import MoESpec
 from moekit.plots import plot_curves, plot_usage
 from moekit.routing.permutation import mean_loss
-from moekit.speech.data import ASRDataConfig, CTCCollator, WhisperCollator, load_split
+from moekit.speech.data import CTCCollator, WhisperCollator, load_split
 from moekit.speech.evaluate import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
-from moekit.train.recipe import AuxConfig, FreezeConfig, OptimConfig, TrainConfig
-from moekit.train.run import make_trainer, recipe_inputs, resume_from, run_directory, write_run_files
+from moekit.train.recipe import ASRRecipe
+from moekit.train.run import adapt, make_trainer, recipe_inputs, resume_from, run_directory, write_run_files
 
 VOCAB_FILE = "ctc_vocab.json"
-
-
-class CTCArch(Config):
-    """The from-scratch CTC encoder (Omni-router §5.2 in miniature; moekit.speech.ctc)."""
-
-    hidden_size: int = Field(256, ge=8)
-    num_layers: int = Field(6, ge=1)
-    num_heads: int = Field(4, ge=1)
-    intermediate_size: int = Field(1024, ge=8)
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    act: str = "gelu"
-    stack: int = Field(4, ge=1)  # log-mel frames stacked per step (§5.3: 4 -> 40 ms)
-
-
-class ASRModelConfig(Config):
-    kind: Literal["whisper", "ctc"] = "whisper"
-    path: str | None = None  # Whisper: model directory or built-in asset (whisper-tiny.en, whisper-base)
-    ctc: CTCArch | None = None  # CTC: the architecture, trained from scratch
-    allow_pickle: bool = False
-
-    @model_validator(mode="after")
-    def _check(self) -> ASRModelConfig:
-        if self.kind == "whisper" and (self.path is None or self.ctc is not None):
-            raise ValueError("model.kind=whisper needs model.path (a directory or whisper-tiny.en / whisper-base) "
-                             "and no model.ctc")
-        if self.kind == "ctc" and (self.ctc is None or self.path is not None):
-            raise ValueError("model.kind=ctc trains from scratch: give model.ctc (the architecture), not model.path")
-        return self
-
-
-class ASREvalConfig(Config):
-    batch_size: int = Field(8, ge=1)
-    max_new_tokens: int = Field(96, ge=1)  # Whisper generation
-    loss_per_lang: int = Field(16, ge=1)  # test utterances per language for the loss logged every eval_every
-    routing_stack: str | None = None  # regex of the MoE layers for Cramér's V / usage (default Whisper: "encoder")
-    permutation: list[float] = Field(default_factory=lambda: [0.1, 0.5])  # rates p of the permutation test
-    routing_batches: int = Field(4, ge=1)  # teacher-forced batches per language for the routing statistics
-
-
-class ASRRecipe(Config):
-    task: Literal["asr"] = "asr"
-    name: str = "asr"
-    out: str = "runs/asr"
-    model: ASRModelConfig
-    method: Literal["moe", "dense"] = "moe"
-    moe: MoESpec | None = None
-    freeze: FreezeConfig = FreezeConfig()
-    aux: AuxConfig = AuxConfig()
-    data: ASRDataConfig = ASRDataConfig()
-    optim: OptimConfig = OptimConfig()
-    train: TrainConfig = TrainConfig()
-    eval: ASREvalConfig = ASREvalConfig()
-
-    @model_validator(mode="after")
-    def _check(self) -> ASRRecipe:
-        if (self.method == "moe") != (self.moe is not None):
-            raise ValueError("method=moe needs a `moe` spec, and only method=moe takes one")
-        if self.freeze.schedule != "none" and self.method != "moe":
-            raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
-        return self
 
 
 class Speech:
@@ -105,8 +41,9 @@ def _whisper(recipe: ASRRecipe) -> tuple[nn.Module, Speech]:
     from moekit.assets import resolve_model
     from moekit.io import load_dense, load_tokenizer
 
-    path = resolve_model(recipe.model.path)
-    model, tok = load_dense(path, recipe.model.allow_pickle), load_tokenizer(path)
+    m = recipe.model
+    path = resolve_model(m.path)
+    model, tok = load_dense(path, m.allow_pickle, m.trust_remote_code), load_tokenizer(path, m.trust_remote_code)
     if tok is None:
         raise ConfigError(f"{path} has no tokenizer files; a Whisper recipe needs Whisper's tokenizer")
     multi = bool(getattr(model.generation_config, "is_multilingual", False))
@@ -137,13 +74,10 @@ def _ctc(recipe: ASRRecipe, train: list) -> tuple[nn.Module, Speech]:
 
 
 def build(recipe: ASRRecipe, train: list) -> tuple[nn.Module, Speech]:
-    """The model the recipe trains (Whisper or a fresh CTC model, upcycled for method=moe) and its Speech."""
+    """The model the recipe trains (Whisper or a fresh CTC model, adapted by its training method, e.g.
+    upcycled for method=moe) and its Speech."""
     model, speech = _whisper(recipe) if recipe.model.kind == "whisper" else _ctc(recipe, train)
-    if recipe.method == "moe":
-        from moekit.upcycling import upcycle
-
-        upcycle(model, recipe.moe)
-    return model.train(), speech
+    return adapt(recipe, model), speech
 
 
 class LossCallback(TrainerCallback):

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, TypeAdapter, field_validator, model_validator
 
 from moekit.config import Config, apply_overrides, read_yaml, validate
 from moekit.data.instruct import InstructConfig
 from moekit.data.parallel import DataConfig
 from moekit.moe.spec import MoESpec
 from moekit.simoe.model import SIMoEConfig
+from moekit.speech.data import ASRDataConfig
 
 
 class ModelConfig(Config):
@@ -79,36 +80,57 @@ class EvalConfig(Config):
     batch_size: int = Field(8, ge=1)
 
 
-class Recipe(Config):
-    task: Literal["translation"] = "translation"  # En→XX translation by a decoder-only LM
+class RecipeBase(Config):
+    """What every task's recipe has: the training method (moekit.methods; its section `moe`, `lora` or
+    `simoe` is required iff it is the one chosen), freeze schedule, aux losses, optimizer and training loop."""
+
     name: str = "run"
     out: str = "runs/run"
-    model: ModelConfig = ModelConfig()
-    method: Literal["moe", "dense", "lora", "simoe"] = "moe"
+    method: str = "moe"  # a name in moekit.methods.METHODS: moe, dense, lora, simoe
     moe: MoESpec | None = None
     lora: LoraConfig | None = None
     simoe: SIMoEConfig | None = None
     freeze: FreezeConfig = FreezeConfig()
     aux: AuxConfig = AuxConfig()
-    data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
-    eval: EvalConfig = EvalConfig()
+
+    @field_validator("method")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from moekit.methods import METHODS
+
+        if name not in METHODS:
+            raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(METHODS.names())}")
+        return name
 
     @model_validator(mode="after")
-    def _check(self) -> Recipe:
-        if (self.method == "moe") != (self.moe is not None):
-            raise ValueError("method=moe needs a `moe` spec, and only method=moe takes one")
-        if (self.method == "lora") != (self.lora is not None):
-            raise ValueError("method=lora needs a `lora` section, and only method=lora takes one")
-        if (self.method == "simoe") != (self.simoe is not None):
-            raise ValueError("method=simoe needs a `simoe` section, and only method=simoe takes one")
-        if self.freeze.schedule != "none" and self.method != "moe":
+    def _check(self) -> RecipeBase:
+        from moekit.methods import METHODS
+
+        chosen = METHODS.get(self.method)
+        if self.task not in chosen.tasks:
+            raise ValueError(f"method={self.method} does not train task={self.task} "
+                             f"(it trains {', '.join(sorted(chosen.tasks))})")
+        for name in METHODS.names():
+            section = METHODS.get(name).section
+            if section is not None and (name == self.method) != (getattr(self, section) is not None):
+                raise ValueError(f"method={name} needs a `{section}` section, and only method={name} takes one")
+        if self.freeze.schedule != "none" and not chosen.freezes:
             raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
         return self
 
 
-class InstructRecipe(Recipe):
+class TranslationRecipe(RecipeBase):
+    """En→XX translation by a decoder-only LM (SPRI §3, UME-style upcycling of LLMs)."""
+
+    task: Literal["translation"] = "translation"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+class InstructRecipe(TranslationRecipe):
     """Multi-task instruction tuning (SIMoE §4) on the Bible instruction mix (moekit.data.instruct):
     trained tasks are evaluated on held-out verses, unseen tasks measure cross-task generalization."""
 
@@ -116,14 +138,63 @@ class InstructRecipe(Recipe):
     data: InstructConfig = InstructConfig()
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """A translation `Recipe`, an `InstructRecipe` (`task: instruct`) or an `ASRRecipe` (moekit.train.asr,
-    `task: asr`)."""
-    data = apply_overrides(read_yaml(path), overrides or [])
-    if data.get("task") == "instruct":
-        return validate(InstructRecipe, data, source=str(path))
-    if data.get("task") == "asr":
-        from moekit.train.asr import ASRRecipe
+class CTCArch(Config):
+    """The from-scratch CTC encoder (Omni-router §5.2 in miniature; moekit.speech.ctc)."""
 
-        return validate(ASRRecipe, data, source=str(path))
-    return validate(Recipe, data, source=str(path))
+    hidden_size: int = Field(256, ge=8)
+    num_layers: int = Field(6, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(1024, ge=8)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    act: str = "gelu"
+    stack: int = Field(4, ge=1)  # log-mel frames stacked per step (§5.3: 4 -> 40 ms)
+
+
+class ASRModelConfig(Config):
+    kind: Literal["whisper", "ctc"] = "whisper"
+    path: str | None = None  # Whisper: model directory or built-in asset (whisper-tiny.en, whisper-base)
+    ctc: CTCArch | None = None  # CTC: the architecture, trained from scratch
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> ASRModelConfig:
+        if self.kind == "whisper" and (self.path is None or self.ctc is not None):
+            raise ValueError("model.kind=whisper needs model.path (a directory or whisper-tiny.en / whisper-base) "
+                             "and no model.ctc")
+        if self.kind == "ctc" and (self.ctc is None or self.path is not None):
+            raise ValueError("model.kind=ctc trains from scratch: give model.ctc (the architecture), not model.path")
+        return self
+
+
+class ASREvalConfig(Config):
+    batch_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(96, ge=1)  # Whisper generation
+    loss_per_lang: int = Field(16, ge=1)  # test utterances per language for the loss logged every eval_every
+    routing_stack: str | None = None  # regex of the MoE layers for Cramér's V / usage (default Whisper: "encoder")
+    permutation: list[float] = Field(default_factory=lambda: [0.1, 0.5])  # rates p of the permutation test
+    routing_batches: int = Field(4, ge=1)  # teacher-forced batches per language for the routing statistics
+
+
+class ASRRecipe(RecipeBase):
+    """Speech recognition (moekit.train.asr): a pretrained Whisper (UME upcycling, or full fine-tuning) or a
+    from-scratch CTC encoder (dense, Switch or Omni-router) on a corpus from `moekit speech corpus`."""
+
+    task: Literal["asr"] = "asr"
+    name: str = "asr"
+    out: str = "runs/asr"
+    model: ASRModelConfig
+    data: ASRDataConfig = ASRDataConfig()
+    eval: ASREvalConfig = ASREvalConfig()
+
+
+Recipe = Annotated[TranslationRecipe | InstructRecipe | ASRRecipe, Field(discriminator="task")]
+RECIPE = TypeAdapter(Recipe)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> TranslationRecipe | InstructRecipe | ASRRecipe:
+    """The recipe in a YAML file (after dotted overrides), of the class its `task` names (default
+    translation)."""
+    data = apply_overrides(read_yaml(path), overrides or [])
+    data.setdefault("task", "translation")
+    return validate(RECIPE, data, source=str(path))

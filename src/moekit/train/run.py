@@ -21,13 +21,10 @@ from moekit.data.parallel import TranslationCollator, load_pairs
 from moekit.errors import CheckpointError, ConfigError, OutputExistsError
 from moekit.evaluate import DenseReference, add_rouge, direction_loss, encode_pairs, evaluate_run, write_results
 from moekit.io import load_dense
+from moekit.methods import method
 from moekit.plots import plot_curves, plot_usage
-from moekit.simoe.model import simoe_upcycle
-from moekit.simoe.objective import DualCallback, param_groups
-from moekit.train.freeze import FreezeCallback
-from moekit.train.recipe import Recipe
+from moekit.train.recipe import RecipeBase, TranslationRecipe
 from moekit.train.trainer import MoETrainer
-from moekit.upcycling import upcycle
 
 
 def is_main_process() -> bool:
@@ -48,46 +45,33 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     return tok
 
 
-def load_data(recipe: Recipe) -> tuple[list, dict[str, list]]:
+def load_data(recipe: TranslationRecipe) -> tuple[list, dict[str, list]]:
     """(training pairs, {direction or task: test pairs}) of a translation or instruction recipe."""
     return load_instruct_pairs(recipe.data) if recipe.task == "instruct" else load_pairs(recipe.data)
 
 
-def load_base(recipe: Recipe, path: Path) -> nn.Module:
+def load_base(recipe: TranslationRecipe, path: Path) -> nn.Module:
     dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
     return load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)
 
 
-def adapt(recipe: Recipe, model: nn.Module) -> nn.Module:
-    """The model the recipe trains: upcycled (in place), wrapped with LoRA, or the dense model itself."""
-    if recipe.method == "moe":
-        m = recipe.model
-        branches = [load_dense(resolve_model(b), m.allow_pickle, m.trust_remote_code, model.dtype)
-                    for b in getattr(recipe.moe.init, "branches", [])]  # BTX: one trained branch per expert
-        upcycle(model, recipe.moe, branches or None)
-    elif recipe.method == "simoe":
-        simoe_upcycle(model, recipe.simoe)
-    elif recipe.method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lc = recipe.lora
-        model = get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                                 target_modules=lc.target_modules, task_type="CAUSAL_LM"))
-    return model.train()
+def adapt(recipe, model: nn.Module) -> nn.Module:
+    """The model the recipe trains, built by its training method (moekit.methods) from the base model."""
+    return method(recipe.method).adapt(recipe, model).train()
 
 
-def build_model(recipe: Recipe, path: Path) -> nn.Module:
+def build_model(recipe: TranslationRecipe, path: Path) -> nn.Module:
     return adapt(recipe, load_base(recipe, path))
 
 
-def kl_examples(recipe: Recipe, test: dict[str, list], tok) -> list[dict]:
+def kl_examples(recipe: TranslationRecipe, test: dict[str, list], tok) -> list[dict]:
     """The fixed held-out subset for KL(dense ‖ model): round-robin over directions."""
     d, n = recipe.data, recipe.eval.kl_examples
     pairs = [p for group in zip(*test.values()) for p in group][:n]
     return encode_pairs(pairs, tok, d.template, d.max_length)
 
 
-def dense_reference(recipe: Recipe, dense: nn.Module, tok, test, saved: Path | None) -> DenseReference | None:
+def dense_reference(recipe: TranslationRecipe, dense: nn.Module, tok, test, saved: Path | None) -> DenseReference | None:
     """The dense model's log-probs on the KL subset, computed once and kept in the run directory (`saved`:
     the directory of the run being resumed, whose reference is reused)."""
     out = Path(recipe.out)
@@ -111,7 +95,7 @@ class EvalCallback(TrainerCallback):
     """Every `eval_every` steps: KL(dense ‖ model) and per-direction target loss, logged as
     eval_kl / eval_<lang>_loss (SPRI A.1: KL tracked across training)."""
 
-    def __init__(self, recipe: Recipe, tok, test: dict[str, list], ref: DenseReference | None):
+    def __init__(self, recipe: TranslationRecipe, tok, test: dict[str, list], ref: DenseReference | None):
         self.recipe, self.tok, self.test, self.ref, self.trainer = recipe, tok, test, ref, None
 
     def on_step_end(self, args, state, control, model=None, **kw):
@@ -128,7 +112,7 @@ class EvalCallback(TrainerCallback):
         control.should_log = should_log
 
 
-def write_run_files(recipe: Recipe, trainer, final_out: str) -> None:
+def write_run_files(recipe: TranslationRecipe, trainer, final_out: str) -> None:
     """recipe.yaml (with the run's real `out`), log_history.json (losses, aux metrics) and README.md (the
     trained model's card) in the run directory."""
     out = Path(recipe.out)
@@ -140,7 +124,7 @@ def write_run_files(recipe: Recipe, trainer, final_out: str) -> None:
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
 
 
-def finish(recipe: Recipe, trainer, tok, test, ref, final_out: str) -> dict:
+def finish(recipe: TranslationRecipe, trainer, tok, test, ref, final_out: str) -> dict:
     """Save the final model and evaluate it (main process): results.json/csv and PNG plots in `out`."""
     out = Path(recipe.out)
     trainer.save_model(str(out / "model"))  # moekit format for MoE, adapter for LoRA
@@ -151,7 +135,7 @@ def finish(recipe: Recipe, trainer, tok, test, ref, final_out: str) -> dict:
     return report(recipe, trainer.model, tok, test, ref, trainer.state.log_history)
 
 
-def evaluate(recipe: Recipe, model, tok, test, ref) -> dict:
+def evaluate(recipe: TranslationRecipe, model, tok, test, ref) -> dict:
     """Every metric of `evaluate_run` with the recipe's settings, plus ROUGE-L and seen/unseen means for
     instruction recipes."""
     d, e = recipe.data, recipe.eval
@@ -162,7 +146,7 @@ def evaluate(recipe: Recipe, model, tok, test, ref) -> dict:
     return results
 
 
-def report(recipe: Recipe, model, tok, test, ref, log_history) -> dict:
+def report(recipe: TranslationRecipe, model, tok, test, ref, log_history) -> dict:
     """`evaluate`, then results.json/csv and plots in the run directory."""
     out = Path(recipe.out)
     results = evaluate(recipe, model, tok, test, ref)
@@ -179,7 +163,7 @@ def cpu_multiprocess() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
 
 
-def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
+def training_args(recipe: TranslationRecipe, out: Path) -> TrainingArguments:
     t, o = recipe.train, recipe.optim
     return TrainingArguments(
         use_cpu=cpu_multiprocess(),
@@ -191,20 +175,16 @@ def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
         save_strategy="steps" if t.save_every else "no", save_steps=t.save_every or 500,
         save_total_limit=t.save_total_limit, report_to=[], remove_unused_columns=False,
         dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True,
-        ddp_find_unused_parameters=recipe.freeze.schedule != "none" or recipe.method == "lora",
+        ddp_find_unused_parameters=method(recipe.method).find_unused_parameters(recipe),
     )
 
 
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
-    """MoETrainer for a recipe (translation or ASR): its freeze schedule, aux losses and a quiet progress bar."""
-    optimizers = (None, None)
-    if recipe.freeze.schedule != "none":
-        callbacks = [*callbacks, FreezeCallback(model, recipe.freeze)]
-    if getattr(recipe, "method", None) == "simoe":  # masks at their own lr; λ's ascent after each step
-        callbacks = [*callbacks, DualCallback(model)]
-        optimizers = (torch.optim.AdamW(param_groups(model, recipe.optim.lr, recipe.optim.weight_decay)), None)
+    """MoETrainer for a recipe (any task): its method's callbacks, optimizer and losses, a quiet progress bar."""
+    m = method(recipe.method)
     trainer = MoETrainer(model=model, args=training_args(recipe, Path(recipe.out)), train_dataset=dataset,
-                         data_collator=collator, aux=recipe.aux, callbacks=callbacks, optimizers=optimizers)
+                         data_collator=collator, aux=recipe.aux, callbacks=[*callbacks, *m.callbacks(recipe, model)],
+                         optimizers=(m.optimizer(recipe, model), None), method=m)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(QuietProgress)
     return trainer
@@ -250,7 +230,7 @@ def resume_point(out: Path, partial: Path, overwrite: bool) -> Path:
 
 
 @contextlib.contextmanager
-def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> Iterator[tuple[Recipe, Path | None]]:
+def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> Iterator[tuple[RecipeBase, Path | None]]:
     """(the recipe pointed at its working directory, the checkpoint to resume from or None).
 
     A run is built in `.NAME.moekit-partial` beside `out` and renamed to `out` only when it has finished, so
@@ -281,7 +261,7 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
         yield recipe.model_copy(update={"out": str(work)}), last
 
 
-def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbacks=(),
+def train(recipe: TranslationRecipe, overwrite: bool = False, resume: bool = False, callbacks=(),
           final_out: str | None = None, inputs: list[Path] = ()) -> MoETrainer:
     """Train `recipe` and evaluate the result; with `resume`, continue from the last checkpoint
     (see `run_directory` for where the run lives meanwhile). `final_out`: where the run will finally live, as
@@ -291,7 +271,7 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
         return _train(work, last, callbacks, final_out=final_out or recipe.out)
 
 
-def _train(recipe: Recipe, last: Path | None, callbacks, final_out: str) -> MoETrainer:
+def _train(recipe: TranslationRecipe, last: Path | None, callbacks, final_out: str) -> MoETrainer:
     path = resolve_model(recipe.model.path)
     tok = load_tokenizer(path, recipe.model.trust_remote_code)
     train_pairs, test = load_data(recipe)

@@ -1,0 +1,73 @@
+"""Training methods, one file each, registered in METHODS: how a method builds the model it trains, which
+parameters train when, its extra losses and callbacks, and its checkpoint format. The recipe validation,
+the Trainer, `moekit train` and `moekit evaluate` ask the method instead of branching on its name."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from moekit.registry import Registry
+
+
+class TrainingMethod:
+    """The default behaviour (the dense model trains as it is, saved with save_pretrained); methods
+    override what differs."""
+
+    name: ClassVar[str]
+    section: ClassVar[str | None] = None  # the recipe section with the method's settings: required iff chosen
+    tasks: ClassVar[frozenset[str]] = frozenset({"translation", "instruct"})  # recipe tasks it trains
+    freezes: ClassVar[bool] = False  # whether it takes a freeze.schedule (moekit.train.freeze)
+
+    def adapt(self, recipe, model: nn.Module) -> nn.Module:
+        """The model the recipe trains, built from the loaded base model."""
+        return model
+
+    def callbacks(self, recipe, model: nn.Module) -> list:
+        return []
+
+    def optimizer(self, recipe, model: nn.Module) -> torch.optim.Optimizer | None:
+        """None: the Trainer's own AdamW."""
+        return None
+
+    def find_unused_parameters(self, recipe) -> bool:
+        """Whether DDP must look for parameters without a gradient (frozen stages, adapters)."""
+        return False
+
+    def extra_loss(self, trainer, model: nn.Module, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Added to the task loss in training (`model` unwrapped); logs go to trainer.aux_logs."""
+        return None
+
+    def write_checkpoint(self, model: nn.Module, folder: Path) -> bool:
+        """Write the model in the method's own format into `folder`; False: the Trainer's save_pretrained."""
+        return False
+
+    def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:
+        """Load a resumed checkpoint's weights into `model`; False: the Trainer's own loading."""
+        return False
+
+    def load_trained(self, recipe, folder: Path) -> nn.Module:
+        """The trained model of a finished run (`moekit evaluate`)."""
+        from moekit.io import load_model
+
+        m = recipe.model
+        return load_model(folder, m.allow_pickle, m.trust_remote_code)
+
+
+METHODS: Registry[type[TrainingMethod]] = Registry("training method")
+
+
+def method(name: str) -> TrainingMethod:
+    """The registered method `name` (a ConfigError listing the others if unknown)."""
+    return METHODS.get(name)()
+
+
+def method_for(model: nn.Module) -> TrainingMethod:
+    """The method of a model trained without a recipe (MoETrainer used directly): simoe for a SIMoE model,
+    moe for a model with MoE layers, dense otherwise."""
+    from moekit.moe.layer import moe_layers
+    from moekit.state import model_state
+
+    return method("simoe" if model_state(model).simoe is not None else "moe" if moe_layers(model) else "dense")

@@ -1,0 +1,74 @@
+"""Upcycle the dense model into an MoE (any init in moekit.init: naive, noise, drop, BTX, UME, SPRI, …) and
+train it with the router auxiliary losses; freeze schedules (SPRI §2.4 two-stage, UME §III-C) apply."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moekit.methods.base import METHODS, TrainingMethod
+from moekit.moe.layer import moe_layers
+
+
+@METHODS.register("moe")
+class MoE(TrainingMethod):
+    name = "moe"
+    section = "moe"
+    tasks = frozenset({"translation", "instruct", "asr"})
+    freezes = True
+
+    def adapt(self, recipe, model: nn.Module) -> nn.Module:
+        from moekit.assets import resolve_model
+        from moekit.io import load_dense
+        from moekit.upcycling import upcycle
+
+        m = recipe.model
+        branches = [load_dense(resolve_model(b), m.allow_pickle, m.trust_remote_code, model.dtype)
+                    for b in getattr(recipe.moe.init, "branches", [])]  # BTX: one trained branch per expert
+        return upcycle(model, recipe.moe, branches or None)
+
+    def callbacks(self, recipe, model: nn.Module) -> list:
+        from moekit.train.freeze import FreezeCallback
+
+        return [FreezeCallback(model, recipe.freeze)] if recipe.freeze.schedule != "none" else []
+
+    def find_unused_parameters(self, recipe) -> bool:
+        return recipe.freeze.schedule != "none"
+
+    def extra_loss(self, trainer, model: nn.Module, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """λ_lb·LB + λ_z·Z, each summed or averaged over the MoE layers (aux.layer_reduction), padding
+        excluded; logged per layer with usage entropy and max load fraction."""
+        from moekit.losses import load_balance, z_loss
+        from moekit.train.trainer import routing_stats
+
+        layers, aux, logs = moe_layers(model), trainer.aux, trainer.aux_logs
+        if not layers:
+            return None
+        lbs, zs = [], []
+        for path, moe in layers:
+            info = moe.last_routing
+            m = mask.reshape(-1) if mask is not None and mask.numel() == info.logits.shape[0] else None
+            lbs.append(load_balance(info, m, aux.balance_variant))
+            zs.append(z_loss(info, m))
+            for k, v in {"lb": lbs[-1].item(), "z": zs[-1].item(), **routing_stats(info, m)}.items():
+                logs[f"moe/{path}/{k}"].append(v)
+        reduce = torch.sum if aux.layer_reduction == "sum" else torch.mean
+        lb, z = reduce(torch.stack(lbs)), reduce(torch.stack(zs))
+        logs["moe/lb"].append(lb.item())
+        logs["moe/z"].append(z.item())
+        return aux.load_balance * lb + aux.z_loss * z
+
+    def write_checkpoint(self, model: nn.Module, folder: Path) -> bool:
+        from moekit.io import write_checkpoint
+
+        write_checkpoint(model, folder)
+        return True
+
+    def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:
+        from moekit.io import load_state, read_meta
+
+        if not (folder / "moekit.json").is_file():
+            return False
+        load_state(model, folder, read_meta(folder))
+        return True
