@@ -14,7 +14,7 @@ from moekit.io import load_dense, load_model
 from moekit.moe import moe_layers
 from moekit.speech.corpus import read_manifest
 from moekit.speech.data import ASRDataConfig, CTCCollator, WhisperCollator, load_split
-from moekit.speech.evaluate import error_table
+from moekit.eval.asr import error_table
 from moekit.speech.features import log_mel, stack_frames
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.speech.tts import load_audio
@@ -196,7 +196,7 @@ def test_fig5_token_entropy_and_fig6_relative_wer_change(tiny_speech):
     token (blanks left out); relative WER change 0 at p = 0 (the same decoding) and defined at p > 0."""
     from moekit.moe.spec import MoESpec
     from moekit.speech.ctc import CTCConfig, CTCEncoderForASR
-    from moekit.speech.evaluate import CTCTranscriber, permuted_wer, routing_report
+    from moekit.eval.asr import CTCTranscriber, permuted_wer, routing_report
     from moekit.upcycling import upcycle
 
     train, test = load_split(ASRDataConfig(corpus=str(tiny_speech["corpus"]), langs=["en", "fr"]))

@@ -11,12 +11,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from moekit.data.parallel import DEFAULT_TEMPLATE, Pair, TranslationCollator
 from moekit.errors import CheckpointError, ConfigError
-from moekit.evaluate import (CSV_COLUMNS, DenseReference, bleu_chrf, bleu_tokenizer, direction_loss, encode_pairs,
-                             evaluate_run, expert_usage, result_rows, results_table, translate, write_results)
-from moekit.metrics import kl_dense_moe
+from moekit.cli.tables import results_table
+from moekit.eval.translation import (CSV_COLUMNS, DenseReference, bleu_chrf, bleu_tokenizer, direction_loss, encode_pairs,
+                                     evaluate_run, result_rows, translate, write_results)
+from moekit.eval.usage import model_usage
+from moekit.eval.upcycling import kl_dense_moe
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
-from moekit.plots import plot_curves, plot_usage
+from moekit.eval.plots import plot_curves, plot_usage
 from moekit.testing import tiny_llama
 from moekit.upcycling import upcycle
 
@@ -139,17 +141,17 @@ def test_dense_reference(dense, examples, tmp_path):
 
 def test_expert_usage_sums_to_one_and_ignores_padding(moe, examples):
     collate = TranslationCollator(pad_id=0)
-    padded = expert_usage(moe, [collate(examples[:2])])
+    padded = model_usage(moe, [collate(examples[:2])])
     assert list(padded) == [p for p, _ in moe_layers(moe)]
     for v in padded.values():
         assert len(v) == 4 and sum(v) == pytest.approx(1.0)
     # the same tokens without padding (one example per batch) route identically
-    unpadded = expert_usage(moe, [collate([ex]) for ex in examples[:2]])
+    unpadded = model_usage(moe, [collate([ex]) for ex in examples[:2]])
     assert_usage_close(padded, unpadded)
     garbage = collate(examples[:2])
     garbage["input_ids"][garbage["attention_mask"] == 0] = 5  # what padding holds must not matter
-    assert_usage_close(expert_usage(moe, [garbage]), padded)
-    assert expert_usage(tiny_llama(), [collate(examples[:1])]) == {}
+    assert_usage_close(model_usage(moe, [garbage]), padded)
+    assert model_usage(tiny_llama(), [collate(examples[:1])]) == {}
 
 
 def test_evaluate_run_and_results_round_trip(moe, dense, tokenizer, examples, tmp_path):

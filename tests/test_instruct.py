@@ -6,7 +6,8 @@ import pytest
 from moekit.assets import Verse, cache_dir
 from moekit.config import validate
 from moekit.data.instruct import (BLANK, BOOK_NAMES, CATEGORIES, TASKS, Example, InstructConfig, TEMPLATE,
-                                  load_instruct, resolve_tasks, rouge_l, to_pair)
+                                  load_instruct, resolve_tasks, to_pair)
+from moekit.eval.instruct import rouge_l
 from moekit.data.parallel import BIBLE_CODE, LANG_NAMES, TranslationCollator, encode_pair
 from moekit.errors import ConfigError
 from moekit.testing import tiny_tokenizer

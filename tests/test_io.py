@@ -13,7 +13,7 @@ from safetensors import safe_open
 import moekit.io as mio
 from moekit.config import validate
 from moekit.errors import CheckpointError, OutputExistsError
-from moekit.metrics import kl_dense_moe, param_counts
+from moekit.eval.upcycling import kl_dense_moe, param_counts
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_gpt2, tiny_inputs, tiny_llama
 from moekit.upcycling import upcycle

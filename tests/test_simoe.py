@@ -353,7 +353,7 @@ def test_analysis_closed_forms():
 
 
 def test_run_parameter_counts_use_the_simoe_definition():
-    from moekit.metrics import param_counts
+    from moekit.eval.upcycling import param_counts
 
     model = simoe.simoe_upcycle(tiny_llama(), CFG)
     c = simoe.param_counts(model)

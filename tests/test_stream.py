@@ -266,7 +266,7 @@ def test_init_diversity_recorded_from_the_stored_experts(sources, tmp_path, fmt)
     and the model card; SPRI E=4, k=2 gives 1 − same-group pairs / all pairs = 1 − 2/6."""
     from moekit.checkpoint.files import ShardReader
     from moekit.checkpoint.stream import ROUTED_DOWN
-    from moekit.metrics import expert_diversity, init_diversity
+    from moekit.eval.upcycling import expert_diversity, init_diversity
     from moekit.moe.layer import moe_layers
 
     spec = make_spec(init={"method": "spri"} if fmt == "moekit" else "drop", shared_expert=fmt == "moekit")
@@ -289,7 +289,7 @@ def test_init_diversity_recorded_from_the_stored_experts(sources, tmp_path, fmt)
 
 def test_diversity_is_exact_for_any_chunk():
     """The Gram matrix over row chunks (one row at a time, a few rows, everything) gives the same diversity."""
-    from moekit.metrics import expert_diversity
+    from moekit.eval.upcycling import expert_diversity
 
     down = torch.randn(5, 7, 11, dtype=torch.float64)
     v = torch.nn.functional.normalize(down.reshape(5, -1), dim=-1)

@@ -14,7 +14,7 @@ from moekit.checkpoint.auto import adopt
 from moekit.errors import ConfigError, NumericsError
 from moekit.ffn import ExpertWeights
 from moekit.init.base import InitContext
-from moekit.metrics import expert_diversity
+from moekit.eval.upcycling import expert_diversity
 from moekit.moe.build import build_moe, init_router
 from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec

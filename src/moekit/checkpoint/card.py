@@ -71,7 +71,7 @@ def diversity_fact(mean: float | None) -> dict[str, str]:
 def write_model_card(model, folder: Path, title: str | None = None, extra: dict | None = None) -> Path:
     """The card of an in-memory model being saved (moekit or SIMoE format, or a plain HF model): method and
     spec from the model, parameter counts, dtype."""
-    from moekit.metrics import init_diversity, param_counts
+    from moekit.eval.upcycling import init_diversity, param_counts
     from moekit.state import spec_of
 
     spec = spec_of(model)

@@ -24,7 +24,7 @@ from moekit.checkpoint.writer import Planned, ShardWriter
 from moekit.errors import CheckpointError, NumericsError
 from moekit.ffn import FFNWeights
 from moekit.init.base import InitContext
-from moekit.metrics import diversity_by_rows
+from moekit.eval.upcycling import diversity_by_rows
 from moekit.moe.build import from_layout, layout
 from moekit.moe.layer import MoELayer, moe_layers
 from moekit.moe.router import Router
@@ -130,7 +130,7 @@ ROUTED_DOWN = ("experts.down", "experts.down_proj")  # the routed down-projectio
 
 
 def written_diversity(writer: ShardWriter, layer: Layer, chunk_bytes: int = 1 << 27) -> float:
-    """The diversity (moekit.metrics.expert_diversity) of the routed experts of `layer` as just written, read
+    """The diversity (moekit.eval.upcycling.expert_diversity) of the routed experts of `layer` as just written, read
     back from the page cache in row chunks of about `chunk_bytes`."""
     name = next(layer.prefix + n for n in ROUTED_DOWN if layer.prefix + n in writer.slots)
     shape = writer.slots[name].planned.shape  # (E, H, I)

@@ -24,7 +24,7 @@ from moekit.checkpoint.writer import DEFAULT_SHARD
 from moekit.errors import CheckpointError, ConfigError, ExportError, ResourceError
 from moekit.init.base import InitContext
 from moekit.io import check_dense_dir, load_tokenizer, meta_model, moekit_meta, unique_tensors
-from moekit.metrics import init_diversity, param_counts
+from moekit.eval.upcycling import init_diversity, param_counts
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.upcycling import layer_generator, router_groups, selected_slots

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from moekit.cli.common import device_arg, out_console
 from moekit.errors import CheckpointError
-from moekit.evaluate import DenseReference, result_rows, results_table
 from moekit.train.recipe import load_recipe
 
 
@@ -21,6 +20,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from moekit.cli.tables import result_rows, results_table
+    from moekit.eval.translation import DenseReference
     from moekit.methods import method
     from moekit.train.run import load_data, load_tokenizer, report
 
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> None:
 def run_asr(recipe, run_dir: Path, device: str) -> None:
     from moekit.methods import method
     from moekit.speech.data import load_split
-    from moekit.speech.evaluate import asr_table
+    from moekit.cli.tables import asr_table
     from moekit.train.asr import load_speech, report
 
     _, test = load_split(recipe.data)

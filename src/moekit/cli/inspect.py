@@ -7,7 +7,7 @@ from rich.table import Table
 
 from moekit.cli.common import human, out_console
 from moekit.io import load, read_meta
-from moekit.metrics import param_counts
+from moekit.eval.upcycling import param_counts
 from moekit.moe.layer import moe_layers
 from moekit.state import spec_of
 

@@ -31,6 +31,8 @@ def run_validate(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> None:
+    from moekit.cli.tables import run_table
+
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.task == "asr":
         from moekit.train.asr import train_asr as train
@@ -38,17 +40,5 @@ def run_train(args: argparse.Namespace) -> None:
         from moekit.train.run import train
     trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])
     if trainer.is_world_process_zero():
-        out_console().print(results_table(recipe, trainer.results))
+        out_console().print(run_table(recipe, trainer.results))
         out_console().print(f"trained {recipe.name}: {trainer.state.global_step} steps, output in {recipe.out}")
-
-
-def results_table(recipe, results: dict):
-    """The results table of a translation or an ASR run."""
-    title = f"{recipe.name} ({recipe.out})"
-    if recipe.task == "asr":
-        from moekit.speech.evaluate import asr_table
-
-        return asr_table(results, title=title)
-    from moekit.evaluate import result_rows, results_table as table
-
-    return table(result_rows(results), title=title)

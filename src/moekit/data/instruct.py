@@ -247,20 +247,3 @@ def load_instruct_pairs(cfg: InstructConfig) -> tuple[list[Pair], dict[str, list
     """`load_instruct` as Pairs: (training pairs, {task: test pairs})."""
     train, test = load_instruct(cfg)
     return [to_pair(e) for e in train], {t: [to_pair(e) for e in exs] for t, exs in test.items()}
-
-
-class _WhitespaceTokenizer:
-    """Lowercased whitespace tokens: rouge-score's default keeps only [a-z0-9], erasing most scripts."""
-
-    def tokenize(self, text: str) -> list[str]:
-        return text.lower().split()
-
-
-def rouge_l(hyps: list[str], refs: list[str]) -> float:
-    """Mean sentence-level ROUGE-L F-measure (Lin 2004) x 100, as in SNI; empty text scores 0."""
-    from rouge_score.rouge_scorer import RougeScorer
-
-    if len(hyps) != len(refs) or not refs:
-        raise ConfigError(f"need as many hypotheses as references, at least one (got {len(hyps)}, {len(refs)})")
-    scorer = RougeScorer(["rougeL"], tokenizer=_WhitespaceTokenizer())
-    return 100 * sum(scorer.score(r, h)["rougeL"].fmeasure for h, r in zip(hyps, refs)) / len(refs)

@@ -40,7 +40,7 @@ class MoE(TrainingMethod):
         """λ_lb·LB + λ_z·Z, each summed or averaged over the MoE layers (aux.layer_reduction), padding
         excluded; logged per layer with usage entropy and max load fraction."""
         from moekit.losses import load_balance, z_loss
-        from moekit.train.trainer import routing_stats
+        from moekit.eval.usage import routing_stats
 
         layers, aux, logs = moe_layers(model), trainer.aux, trainer.aux_logs
         if not layers:

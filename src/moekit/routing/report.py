@@ -1,6 +1,6 @@
 """Routing report of a trace: PNG figures, report.md and metrics.json (written atomically).
 
-Figures are drawn on matplotlib's Agg canvas (`matplotlib.figure.Figure`, no pyplot), like moekit.plots.
+Figures are drawn on matplotlib's Agg canvas (`matplotlib.figure.Figure`, no pyplot), like moekit.eval.plots.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from ..errors import ConfigError
 from .._fs import output
-from ..plots import plot_usage
+from moekit.eval.plots import plot_usage
 from . import stats
 from .trace import RoutingTrace
 

@@ -2,7 +2,7 @@
 baseline) or a Transformer-encoder CTC model trained from scratch (dense, Switch or Omni-router), on
 a speech corpus written by `moekit speech corpus`. Same Trainer, aux losses, freeze schedules and
 checkpoints as the translation recipes; evaluation gives WER/CER per language and voice, the
-real-time factor and routing statistics (moekit.speech.evaluate)."""
+real-time factor and routing statistics (moekit.eval.asr)."""
 from __future__ import annotations
 
 import csv
@@ -16,10 +16,10 @@ from transformers import TrainerCallback
 
 from moekit._fs import write_text_atomic
 from moekit.errors import ConfigError
-from moekit.plots import plot_curves, plot_usage
+from moekit.eval.plots import plot_curves, plot_usage
 from moekit.routing.permutation import mean_loss
 from moekit.speech.data import CTCCollator, WhisperCollator, load_split
-from moekit.speech.evaluate import CTCTranscriber, WhisperTranscriber, evaluate_asr
+from moekit.eval.asr import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.train.recipe import ASRRecipe
 from moekit.train.run import adapt, make_trainer, recipe_inputs, resume_from, run_directory, write_run_files

@@ -19,10 +19,11 @@ from moekit.checkpoint.card import write_model_card
 from moekit.data.instruct import load_instruct_pairs
 from moekit.data.parallel import TranslationCollator, load_pairs
 from moekit.errors import CheckpointError, ConfigError, OutputExistsError
-from moekit.evaluate import DenseReference, add_rouge, direction_loss, encode_pairs, evaluate_run, write_results
+from moekit.eval.instruct import add_rouge
+from moekit.eval.translation import DenseReference, direction_loss, encode_pairs, evaluate_run, write_results
 from moekit.io import load_dense
 from moekit.methods import method
-from moekit.plots import plot_curves, plot_usage
+from moekit.eval.plots import plot_curves, plot_usage
 from moekit.train.recipe import RecipeBase, TranslationRecipe
 from moekit.train.trainer import MoETrainer
 

@@ -14,14 +14,6 @@ from moekit.methods import TrainingMethod, method_for
 from moekit.train.recipe import AuxConfig
 
 
-def routing_stats(info, mask) -> dict[str, float]:
-    """Expert-usage entropy (nats) and max load fraction of one layer, padding excluded."""
-    counts = info.tokens_per_expert(mask).float()  # (E,)
-    frac = counts / counts.sum().clamp_min(1)  # (E,)
-    entropy = -(frac * frac.clamp_min(1e-12).log()).sum()
-    return {"usage_entropy": float(entropy), "max_load": float(frac.max())}
-
-
 @contextlib.contextmanager
 def checkpoint_errors(folder):
     """A checkpoint that does not load (truncated, corrupt, of another model) is one CheckpointError."""

@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from moekit.metrics import param_counts
+from moekit.eval.upcycling import param_counts
 from moekit.moe.layer import moe_layers
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.permutation import permutation_test, permuted
@@ -174,19 +174,3 @@ def evaluate_asr(model: nn.Module, transcriber, test: dict[str, list[Utterance]]
         out["routing"] = routing_report(model, transcriber, batches, routing_stack, list(ps))
         out["routing"]["wer_change"] = permuted_wer(model, transcriber, subset, batch_size, list(ps))
     return out
-
-
-def asr_table(results: dict, title: str | None = None):
-    """A rich Table of `evaluate_asr` results: WER/CER per language, their mean, per voice family, and the RTF."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    for c in ("", "n", "WER", "CER"):
-        table.add_column(c, justify="left" if not c else "right")
-    rows = [*results["languages"].items(), ("avg", {"n": "", **results["avg"]}),
-            *((f"family {k}", v) for k, v in results["families"].items())]
-    for name, r in rows:
-        table.add_row(name, str(r["n"]), f"{100 * r['wer']:.1f}%", f"{100 * r['cer']:.1f}%")
-    table.caption = f"RTF {results['rtf']:.3f}; params {results['params']['total']:,} total, " \
-                    f"{results['params']['active']:,} active"
-    return table

@@ -10,13 +10,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.table import Table
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from sacrebleu.metrics import BLEU, CHRF
@@ -25,7 +23,8 @@ from torch import Tensor, nn
 from moekit._fs import output, write_text_atomic
 from moekit.data.parallel import Pair, TranslationCollator, encode_pair, prompt_of
 from moekit.errors import CheckpointError, ConfigError
-from moekit.metrics import diversity, init_diversity, param_counts
+from moekit.eval.upcycling import diversity, init_diversity, param_counts
+from moekit.eval.usage import fractions, inference, usage_counts
 from moekit.moe.layer import moe_layers
 
 # sacreBLEU's own per-language defaults: "13a" (mteval v13a) for space-delimited scripts; Chinese is
@@ -35,16 +34,7 @@ CSV_COLUMNS = ("direction", "n", "rougeL", "bleu", "chrf", "loss", "kl", "divers
                "active_params")
 
 
-@contextmanager
-def _inference(model: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout, no router jitter) and no autograd; restores the training flag."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
+
 
 
 def _eos_pad(tokenizer) -> tuple[int, int]:
@@ -84,7 +74,7 @@ def translate(model: nn.Module, tokenizer, pairs: list[Pair], template: str, max
     eos, pad = _eos_pad(tokenizer)
     prompts = [tokenizer(prompt_of(p, template), add_special_tokens=False)["input_ids"] for p in pairs]
     out = []
-    with _inference(model):
+    with inference(model):
         for i in range(0, len(prompts), batch_size):
             ids, mask = _left_pad(prompts[i:i + batch_size], pad)  # (B, L), (B, L)
             gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
@@ -116,7 +106,7 @@ def bleu_chrf(hyps: list[str], refs: list[str], lang: str = "") -> tuple[float, 
 def _scored_logits(model: nn.Module, examples: list[dict], batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
     """Per batch: the logits (n, V) of the positions that predict a target token, and those tokens (n,).
 
-    Rows come in example order, so they do not depend on `batch_size`. Call under `_inference`."""
+    Rows come in example order, so they do not depend on `batch_size`. Call under `inference`."""
     collate = TranslationCollator(pad_id=0)  # padding is masked and never scored: its id does not matter
     for i in range(0, len(examples), batch_size):
         b = {k: v.to(model.device) for k, v in collate(examples[i:i + batch_size]).items()}
@@ -130,7 +120,7 @@ def direction_loss(model: nn.Module, tokenizer, pairs: list[Pair], template: str
     """Mean NLL per target token (target + eos; prompt excluded) under teacher forcing, token-weighted."""
     examples = encode_pairs(pairs, tokenizer, template, max_length)
     total, tokens = 0.0, 0
-    with _inference(model):
+    with inference(model):
         for logits, targets in _scored_logits(model, examples, batch_size):
             total += float(F.cross_entropy(logits, targets, reduction="sum"))
             tokens += targets.numel()
@@ -159,7 +149,7 @@ class DenseReference:
     def compute(cls, dense: nn.Module, examples: list[dict[str, list[int]]], batch_size: int = 8) -> DenseReference:
         if not any(t != -100 for ex in examples for t in ex["labels"][1:]):
             raise ConfigError("the held-out subset for the dense reference has no target tokens")
-        with _inference(dense):
+        with inference(dense):
             rows = [lg.log_softmax(-1).half().cpu() for lg, _ in _scored_logits(dense, examples, batch_size)]
         return cls(examples, torch.cat(rows))  # (N, V)
 
@@ -171,7 +161,7 @@ class DenseReference:
         """Mean per-token KL(dense ‖ model) over the cached positions, in float32. Rounding sets a noise
         floor of ~1e-5 (SmolLM2: -7e-6 for the dense model itself), so ~0 may print slightly negative."""
         total, start = 0.0, 0
-        with _inference(model):
+        with inference(model):
             for logits, _ in _scored_logits(model, self.examples, batch_size):
                 if logits.shape[-1] != self.logprobs.shape[1]:
                     raise ConfigError(f"model vocab {logits.shape[-1]} != dense vocab {self.logprobs.shape[1]}")
@@ -210,32 +200,6 @@ def _batches(examples: list[dict], batch_size: int) -> Iterator[dict[str, Tensor
     return (collate(examples[i:i + batch_size]) for i in range(0, len(examples), batch_size))
 
 
-def _usage_counts(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """{MoE layer path: (E,) routed (token, slot) assignments per expert} over non-padding tokens."""
-    layers = moe_layers(model)
-    counts = {path: torch.zeros(m.router.num_experts, dtype=torch.long) for path, m in layers}
-    with _inference(model):
-        for b in batches:
-            ids = b["input_ids"].to(model.device)  # (B, L)
-            mask = b.get("attention_mask", torch.ones_like(ids)).to(model.device)  # (B, L)
-            model(input_ids=ids, attention_mask=mask)
-            for path, m in layers:
-                counts[path] += m.last_routing.tokens_per_expert(mask).cpu()  # routing rows are (B·L, k)
-    return counts
-
-
-def _fractions(counts: dict[str, Tensor]) -> dict[str, list[float]]:
-    if any(int(c.sum()) == 0 for c in counts.values()):
-        raise ConfigError("no non-padding tokens to measure expert usage on")
-    return {path: (c.double() / c.sum()).tolist() for path, c in counts.items()}
-
-
-def expert_usage(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[str, list[float]]:
-    """{MoE layer path: fraction of routed (token, slot) assignments per expert}, teacher-forced,
-    over the non-padding tokens (attention_mask) of `batches`; {} for a dense model."""
-    return _fractions(_usage_counts(model, batches))
-
-
 def _evaluate_direction(model, tokenizer, lang: str, pairs: list[Pair], template: str, max_length: int,
                         max_new_tokens: int, batch_size: int, generate: bool) -> tuple[dict, list[str], dict]:
     """(metrics row, greedy translations, expert-usage counts) for one direction."""
@@ -246,7 +210,7 @@ def _evaluate_direction(model, tokenizer, lang: str, pairs: list[Pair], template
     if generate:
         row["bleu"], row["chrf"] = bleu_chrf(hyps, [p.tgt for p in pairs], lang)
     examples = encode_pairs(pairs, tokenizer, template, max_length)
-    return row, hyps, _usage_counts(model, _batches(examples, batch_size))
+    return row, hyps, usage_counts(model, _batches(examples, batch_size))
 
 
 def evaluate_run(model: nn.Module, tokenizer, test_pairs: dict[str, list[Pair]], template: str,
@@ -272,28 +236,12 @@ def evaluate_run(model: nn.Module, tokenizer, test_pairs: dict[str, list[Pair]],
         "kl": None if dense_ref is None else dense_ref.kl(model, batch_size),
         "diversity_init": init_diversity(model),
         "diversity": diversity(model) if moe_layers(model) else None,
-        "usage": _fractions({p: sum(c[p] for c in counts.values()) for p in next(iter(counts.values()))}),
-        "usage_by_direction": {lang: _fractions(c) for lang, c in counts.items()},
+        "usage": fractions({p: sum(c[p] for c in counts.values()) for p in next(iter(counts.values()))}),
+        "usage_by_direction": {lang: fractions(c) for lang, c in counts.items()},
         "params": {"total": total, "active": active},
         "bleu_tokenize": tokenize,
         "translations": translations,
     }
-
-
-def add_rouge(results: dict, test: dict[str, list[Pair]], unseen: list[str]) -> dict:
-    """Instruction runs: ROUGE-L per task (SNI's metric) and the unweighted means of every metric over the
-    trained tasks ("seen") and the held-out ones ("unseen") in results["groups"]."""
-    from moekit.data.instruct import rouge_l
-
-    for task, row in results["directions"].items():
-        row["rougeL"] = rouge_l(results["translations"][task], [p.tgt for p in test[task]])
-    results["avg"]["rougeL"] = sum(r["rougeL"] for r in results["directions"].values()) / len(test)
-    groups = {"seen": [t for t in test if t not in unseen], "unseen": [t for t in test if t in unseen]}
-    rows = results["directions"]
-    results["groups"] = {g: {"n": sum(rows[t]["n"] for t in ts),
-                             **{k: sum(rows[t][k] for t in ts) / len(ts) for k in results["avg"]}}
-                         for g, ts in groups.items() if ts}
-    return results
 
 
 def result_rows(results: dict) -> list[dict]:
@@ -319,18 +267,3 @@ def write_results(results: dict, folder: str | Path) -> tuple[Path, Path]:
     writer.writerows(result_rows(results))
     write_text_atomic(csv_path, table.getvalue())
     return json_path, csv_path
-
-
-_FORMATS = {"rougeL": "{:.2f}", "bleu": "{:.2f}", "chrf": "{:.2f}", "loss": "{:.4f}", "kl": "{:.4g}",
-            "diversity_init": "{:.4f}", "diversity": "{:.4f}", "n": "{:,}", "total_params": "{:,}", "active_params": "{:,}"}
-
-
-def results_table(rows: list[dict], title: str | None = None) -> Table:
-    """A rich Table of `result_rows` (columns that are empty in every row are left out)."""
-    columns = [c for c in CSV_COLUMNS if any(r.get(c) is not None for r in rows)]
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c, justify="left" if c == "direction" else "right")
-    for r in rows:
-        table.add_row(*("" if r.get(c) is None else _FORMATS.get(c, "{}").format(r[c]) for c in columns))
-    return table
