@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from moekit.config import Config, apply_overrides, read_yaml, validate
 from moekit.data.instruct import InstructConfig
 from moekit.data.parallel import DataConfig
 from moekit.moe.spec import MoESpec
 from moekit.simoe.model import SIMoEConfig
+from moekit.train.args import check_trainer_keys
 
 
 class ModelConfig(Config):
@@ -65,11 +66,19 @@ class TrainConfig(Config):
     batch_size: int = Field(8, ge=1)
     grad_accum: int = Field(1, ge=1)
     seed: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: mixed precision (autocast); fp16 needs a GPU
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory)
+    report_to: list[str] = Field(default_factory=list)  # Trainer integrations, e.g. ["tensorboard"]
+    trainer_args: dict[str, Any] = Field(default_factory=dict)  # other TrainingArguments fields (moekit.train.args)
     logging_steps: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0)  # 0: evaluate at the end only
     save_every: int = Field(0, ge=0)  # 0: no intermediate checkpoints
     save_total_limit: int = Field(2, ge=1)
+
+    @field_validator("trainer_args")
+    @classmethod
+    def _check_trainer_args(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_trainer_keys(args)
 
 
 class EvalConfig(Config):

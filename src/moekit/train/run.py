@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 from torch import nn
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerState
 
 from moekit._fs import PARTIAL, output, read_small, remove
@@ -24,6 +24,7 @@ from moekit.io import load_dense
 from moekit.plots import plot_curves, plot_usage
 from moekit.simoe.model import simoe_upcycle
 from moekit.simoe.objective import DualCallback, param_groups
+from moekit.train.args import check_training_args, training_args
 from moekit.train.freeze import FreezeCallback
 from moekit.train.recipe import Recipe
 from moekit.train.trainer import MoETrainer
@@ -173,28 +174,6 @@ def report(recipe: Recipe, model, tok, test, ref, log_history) -> dict:
     return results
 
 
-def cpu_multiprocess() -> bool:
-    """Launched as several processes (torchrun, accelerate launch) on a machine without CUDA. accelerate
-    sets up CPU DDP (gloo) only with use_cpu=True; without it every process trains alone on all the data."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-
-
-def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
-    t, o = recipe.train, recipe.optim
-    return TrainingArguments(
-        use_cpu=cpu_multiprocess(),
-        output_dir=str(out / "checkpoints"), max_steps=t.steps, per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.grad_accum, learning_rate=o.lr, weight_decay=o.weight_decay,
-        lr_scheduler_type="constant_with_warmup" if o.schedule == "constant" else o.schedule,
-        warmup_steps=o.warmup_ratio, max_grad_norm=o.max_grad_norm,
-        seed=t.seed, data_seed=t.seed, bf16=t.precision == "bf16", logging_steps=t.logging_steps,
-        save_strategy="steps" if t.save_every else "no", save_steps=t.save_every or 500,
-        save_total_limit=t.save_total_limit, report_to=[], remove_unused_columns=False,
-        dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True,
-        ddp_find_unused_parameters=recipe.freeze.schedule != "none" or recipe.method == "lora",
-    )
-
-
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
     """MoETrainer for a recipe (translation or ASR): its freeze schedule, aux losses and a quiet progress bar."""
     optimizers = (None, None)
@@ -287,6 +266,7 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     (see `run_directory` for where the run lives meanwhile). `final_out`: where the run will finally live, as
     recorded in its recipe.yaml, if not `recipe.out` (`moekit demo` builds its runs inside its own output).
     `inputs`: files read besides the recipe's own (e.g. the recipe file), which `out` may not be or contain."""
+    check_training_args(recipe)
     with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
         return _train(work, last, callbacks, final_out=final_out or recipe.out)
 

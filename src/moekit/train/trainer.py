@@ -89,6 +89,8 @@ class MoETrainer(Trainer):
         super().log(logs, start_time)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """moekit format for MoE and SIMoE models. Under FSDP (FULL_STATE_DICT) or ZeRO-3, Trainer.save_model
+        gathers the full `state_dict` on every rank first; only the main process writes it."""
         model = self.accelerator.unwrap_model(self.model)
         if not (moe_layers(model) or is_simoe(model)):
             return super()._save(output_dir, state_dict)
@@ -96,7 +98,7 @@ class MoETrainer(Trainer):
             return
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (simoe_export.write_checkpoint if is_simoe(model) else write_checkpoint)(model, out)
+        (simoe_export.write_checkpoint if is_simoe(model) else write_checkpoint)(model, out, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         with checkpoint_errors(resume_from_checkpoint):
