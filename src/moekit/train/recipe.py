@@ -126,11 +126,15 @@ class InstructRecipe(Recipe):
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """A translation `Recipe`, an `InstructRecipe` (`task: instruct`) or an `ASRRecipe` (moekit.train.asr,
-    `task: asr`)."""
+    """A translation `Recipe`, an `InstructRecipe` (`task: instruct`), a `TextRecipe` (moekit.train.text,
+    `task: text`) or an `ASRRecipe` (moekit.train.asr, `task: asr`)."""
     data = apply_overrides(read_yaml(path), overrides or [])
     if data.get("task") == "instruct":
         return validate(InstructRecipe, data, source=str(path))
+    if data.get("task") == "text":
+        from moekit.train.text import TextRecipe
+
+        return validate(TextRecipe, data, source=str(path))
     if data.get("task") == "asr":
         from moekit.train.asr import ASRRecipe
 

@@ -267,8 +267,11 @@ def train(recipe: Recipe, overwrite: bool = False, resume: bool = False, callbac
     recorded in its recipe.yaml, if not `recipe.out` (`moekit demo` builds its runs inside its own output).
     `inputs`: files read besides the recipe's own (e.g. the recipe file), which `out` may not be or contain."""
     check_training_args(recipe)
+    run = _train
+    if recipe.task == "text":  # local data through `datasets`
+        from moekit.train.text import train_text as run
     with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
-        return _train(work, last, callbacks, final_out=final_out or recipe.out)
+        return run(work, last, callbacks, final_out=final_out or recipe.out)
 
 
 def _train(recipe: Recipe, last: Path | None, callbacks, final_out: str) -> MoETrainer:
