@@ -10,9 +10,11 @@ from moekit.config import validate
 from moekit.data.hf import (ALPACA, ALPACA_NO_INPUT, TextDataConfig, builder_of, encode_records, load_text_data,
                             read_records)
 from moekit.errors import ConfigError
+from moekit.evaluate import examples_loss
+from moekit.io import load
 from moekit.testing import tiny_llama, tiny_tokenizer
 from moekit.train.recipe import load_recipe
-from moekit.train.run import load_tokenizer, train
+from moekit.train.run import load_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -178,25 +180,26 @@ FILES = {"text": ("train.txt", "test.txt"), "alpaca": ("alpaca_train.csv", "alpa
 
 
 @pytest.mark.parametrize("fmt", list(FILES))
-def test_text_recipe_trains_two_steps(fmt, text_assets, tmp_path):
+def test_text_recipe_trains_two_steps(fmt, text_assets, tmp_path, run):
     train_file, test_file = FILES[fmt]
-    recipe = {"task": "text", "name": f"text_{fmt}", "out": str(tmp_path / "run"),
-              "model": {"path": str(text_assets / "dense")},
+    out = tmp_path / "run"
+    recipe = {"task": "text", "name": f"text_{fmt}", "out": str(out), "model": {"path": str(text_assets / "dense")},
               "method": "moe", "moe": {"num_experts": 4, "top_k": 2, "every": 2, "shared_expert": True, "init": "spri"},
               "data": {"source": "datasets", "format": fmt, "train_files": [str(text_assets / train_file)],
                        "test_files": [str(text_assets / test_file)], "max_length": 64, **SHORT.get(fmt, {})},
               "train": {"steps": 2, "batch_size": 2, "logging_steps": 1, "eval_every": 1},
               "eval": {"batch_size": 2}}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    r = load_recipe(tmp_path / "recipe.yaml")
-    trainer = train(r)
-    assert trainer.state.global_step == 2
-    history = trainer.state.log_history
+    rc, stdout, stderr = run("train", tmp_path / "recipe.yaml")  # the CLI: load_recipe, train, results table
+    assert rc == 0, stderr
+    assert f"trained text_{fmt}: 2 steps" in stdout
+    history = json.loads((out / "log_history.json").read_text())
     assert [h["step"] for h in history if "loss" in h] == [1, 2] == [h["step"] for h in history if "eval_loss" in h]
-    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     row = results["directions"]["test"]
     assert row["perplexity"] == pytest.approx(math.exp(row["loss"]), rel=1e-12)
-    assert row["n"] == len(load_text_data(r.data, load_tokenizer(text_assets / "dense"))[1])
+    r = load_recipe(out / "recipe.yaml")
+    test = load_text_data(r.data, load_tokenizer(out / "model"))[1]
+    assert row["n"] == len(test) and row["loss"] == pytest.approx(examples_loss(load(out / "model"), test, 2), rel=1e-5)
     assert len(results["usage"]) == 2 and all(sum(u) == pytest.approx(1.0) for u in results["usage"].values())
-    assert (tmp_path / "run" / "model" / "moekit.json").is_file()
-    assert yaml.safe_load((tmp_path / "run" / "recipe.yaml").read_text())["data"]["format"] == fmt
+    assert r.data.format == fmt and r.task == "text"

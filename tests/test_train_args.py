@@ -54,8 +54,10 @@ def test_trainer_args_keys_refused_at_validation(args, message, tiny_recipe_over
     ({"train.trainer_args": {"optim": "adamw_nonexistent"}}, "train.trainer_args: "),
     pytest.param({"train.precision": "fp16"}, "train.precision=fp16 needs a GPU: on the CPU accelerate runs no "
                  "fp16 autocast or grad scaler, so the run would silently be fp32", marks=cpu_only),
-    pytest.param({"train.trainer_args": {"fsdp": "full_shard"}}, "train.trainer_args.fsdp needs GPUs: accelerate "
+    pytest.param({"train.trainer_args": {"fsdp": True}}, "train.trainer_args.fsdp needs GPUs: accelerate "
                  "selects FSDP only for GPU-type devices", marks=cpu_only),
+    ({"train.trainer_args": {"fsdp": True, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}},
+     "train.trainer_args.fsdp_config.state_dict_type must be FULL_STATE_DICT"),
 ])
 def test_values_refused_before_any_work(extra, message, tiny_recipe_overrides, tmp_path):
     out = tmp_path / "run"

@@ -24,7 +24,8 @@ FROM_RECIPE = {
     "data_seed": "train.seed", "bf16": "train.precision", "fp16": "train.precision",
     "logging_steps": "train.logging_steps", "save_strategy": "train.save_every", "save_steps": "train.save_every",
     "save_total_limit": "train.save_total_limit", "report_to": "train.report_to",
-    "gradient_checkpointing": "train.gradient_checkpointing", "activation_checkpointing": "train.gradient_checkpointing",
+    "gradient_checkpointing": "train.gradient_checkpointing",
+    "activation_checkpointing": "train.gradient_checkpointing",
     "eval_strategy": "train.eval_every (moekit evaluates with its own callback)",
     "eval_steps": "train.eval_every (moekit evaluates with its own callback)",
     "resume_from_checkpoint": "`moekit train --resume`",
@@ -95,6 +96,10 @@ def check_training_args(recipe) -> None:
         args = training_args(recipe, Path(recipe.out))
     except (ValueError, TypeError, ImportError, OSError) as e:
         raise ConfigError(f"train.trainer_args: {e}") from None
+    fsdp = args.fsdp_plugin_args or {}
+    if fsdp.get("state_dict_type", "FULL_STATE_DICT") != "FULL_STATE_DICT":
+        raise ConfigError("train.trainer_args.fsdp_config.state_dict_type must be FULL_STATE_DICT: moekit writes its "
+                          "checkpoints from the full state dict the Trainer gathers")
     check_device(recipe, args)
 
 
