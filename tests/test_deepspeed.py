@@ -5,9 +5,6 @@ ZeRO-3 is not covered: with moekit's MoE layers its first backward fails here ("
 must match the size of tensor b (32) at non-singleton dimension 1": a partitioned parameter is used in the
 backward pass outside the module hooks that gather it); a dense model trains under ZeRO-3 (see README)."""
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,30 +20,20 @@ ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "a
          "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "gradient_clipping": "auto"}
 
 
-def torchrun_train(tmp_path, overrides, timeout=240):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+def torchrun_train(run_command, tmp_path, overrides):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moekit",
            "train", str(RECIPES / "spri.yaml"), *overrides]
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a hung run is killed whole
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    return stdout
+    return run_command(cmd, timeout=240, cwd=tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
-def test_deepspeed_zero2_equals_ddp(tiny_recipe_overrides, tmp_path):
+def test_deepspeed_zero2_equals_ddp(tiny_recipe_overrides, tmp_path, run_command):
     pytest.importorskip("deepspeed")
     (tmp_path / "zero2.json").write_text(json.dumps(ZERO2))
     keys = {"eval.kl_examples": 0, "eval.generate": False, "optim.warmup_ratio": 0.0, "optim.lr": 1e-2}
-    torchrun_train(tmp_path, tiny_recipe_overrides(tmp_path / "ddp", **keys))
-    out = torchrun_train(tmp_path, tiny_recipe_overrides(
+    torchrun_train(run_command, tmp_path, tiny_recipe_overrides(tmp_path / "ddp", **keys))
+    out = torchrun_train(run_command, tmp_path, tiny_recipe_overrides(
         tmp_path / "zero2", **keys, **{"train.trainer_args": {"deepspeed": str(tmp_path / "zero2.json")},
                                        "train.save_every": 2}))
     assert "trained spri: 2 steps" in out

@@ -11,9 +11,6 @@ This test runs exactly that gather and write on a really sharded model, trained 
 checkpoint with the same 2 steps trained in one process.
 """
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -91,27 +88,14 @@ dist.destroy_process_group()
 '''
 
 
-def run(cmd, timeout=180):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a hung run is killed whole
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-
-
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                     reason="needs torch.distributed with gloo")
-def test_fsdp_sharded_checkpoint_equals_unsharded_training(tmp_path):
+def test_fsdp_sharded_checkpoint_equals_unsharded_training(tmp_path, run_command):
     script = tmp_path / "fsdp_train.py"
     script.write_text(SCRIPT)
-    run([sys.executable, str(script), "single", str(tmp_path / "single")])
+    run_command([sys.executable, str(script), "single", str(tmp_path / "single")])
     (tmp_path / "fsdp").mkdir()
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
          "fsdp", str(tmp_path / "fsdp" / "model")])
     ranks = [json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(all(r["sharded"].values()) for r in ranks)  # every parameter really was a shard
