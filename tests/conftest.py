@@ -2,6 +2,8 @@
 import json
 import os
 import random
+import signal
+import subprocess
 
 import pytest
 import torch
@@ -88,3 +90,23 @@ def tiny_speech(tmp_path_factory):
                        texts={lang: str(root / f"{lang}.txt") for lang in texts}, flite_test=True, seed=0)
     build_corpus(cfg, root / "corpus")
     return {"corpus": root / "corpus", "whisper": save_tiny_whisper_asr(root / "whisper")}
+
+
+@pytest.fixture
+def run_command():
+    """run_command(cmd, timeout=180, cwd=None) -> stdout of a command that must succeed (its output is shown
+    when it does not); it runs in its own process group, killed whole when it hangs. OMP_NUM_THREADS=1."""
+
+    def call(cmd, timeout=180, cwd=None):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        return stdout
+    return call

@@ -22,6 +22,8 @@ import transformers
 from pydantic import BaseModel, ValidationError
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers.initialization import no_init_weights
 
 from moekit._fs import output, read_small
@@ -41,17 +43,25 @@ from moekit.state import model_state, spec_of
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 
 
-def unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def unique_tensors(model: nn.Module, full: dict[str, torch.Tensor] | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """state_dict with each tensor once (tied embeddings, shared routers); aliases maps a dropped key to the
-    key that is kept. Real tensors are matched by storage, meta ones (no storage) by identity."""
+    key that is kept. Real tensors are matched by storage, meta ones (no storage) by identity. `full`: the
+    values to keep instead of the model's own, e.g. the full state dict the Trainer gathered from FSDP or ZeRO-3
+    shards; the model's own tensors are then shards or placeholders, matched by identity (tied weights are
+    one Parameter object)."""
     kept, aliases, seen = {}, {}, {}
     for k, v in model.state_dict(keep_vars=True).items():
-        key = id(v) if v.is_meta else (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)
+        if full is None and isinstance(v, DTensor):
+            raise CheckpointError("the model's parameters are FSDP shards: pass the full state dict gathered from "
+                                  "them (torch.distributed.checkpoint.state_dict.get_model_state_dict)")
+        by_id = v.is_meta or full is not None
+        key = id(v) if by_id else (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype)
         if key in seen:
             aliases[k] = seen[key]
         else:
             seen[key] = k
-            kept[k] = v.detach().contiguous()
+            kept[k] = (v if full is None else full[k]).detach().contiguous()
     return kept, aliases
 
 
@@ -95,6 +105,11 @@ def load_generation_config(model: nn.Module, folder: Path) -> None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
 
 
+def architecture(model: nn.Module) -> str:
+    """The model's class name; FSDP2's fully_shard swaps a model's class for a subclass FSDP<name>."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def moekit_meta(model: nn.Module, aliases: dict[str, str]) -> dict:
     """moekit.json of an MoE model (also of one on the meta device: layouts and router owners only)."""
     spec = spec_of(model)
@@ -104,15 +119,16 @@ def moekit_meta(model: nn.Module, aliases: dict[str, str]) -> dict:
         owner = router_owner.setdefault(id(moe.router), path)
         entries.append({"path": path, **moe.slot, "layout": layout(moe), "router_of": owner,
                         "init_diversity": moe.init_diversity})
-    return {"format": MoekitMeta.FORMATS[0], "architecture": type(model).__name__,
+    return {"format": MoekitMeta.FORMATS[0], "architecture": architecture(model),
             "spec": None if spec is None else spec.model_dump(mode="json"), "layers": entries, "aliases": aliases}
 
 
-def write_checkpoint(model: nn.Module, folder: Path) -> None:
-    """Write config.json, the weights (shared tensors once) and moekit.json into an existing folder."""
+def write_checkpoint(model: nn.Module, folder: Path, full: dict[str, torch.Tensor] | None = None) -> None:
+    """Write config.json, the weights (shared tensors once; `full`: see unique_tensors) and moekit.json into an
+    existing folder."""
     if not moe_layers(model):
         raise CheckpointError("the model has no MoE layers; use model.save_pretrained for dense models")
-    tensors, aliases = unique_tensors(model)
+    tensors, aliases = unique_tensors(model, full)
     save_configs(model, folder)
     save_weights(tensors, folder)
     (folder / "moekit.json").write_text(json.dumps(moekit_meta(model, aliases), indent=2))

@@ -72,6 +72,7 @@ def write_model_card(model, folder: Path, title: str | None = None, extra: dict 
     """The card of an in-memory model being saved (moekit or SIMoE format, or a plain HF model): method and
     spec from the model, parameter counts, dtype."""
     from moekit.eval.upcycling import init_diversity, param_counts
+    from moekit.io import architecture
     from moekit.state import spec_of
 
     spec = spec_of(model)
@@ -80,7 +81,7 @@ def write_model_card(model, folder: Path, title: str | None = None, extra: dict 
     simoe = getattr(getattr(model, "simoe", None), "cfg", None)
     fmt = "moekit (SIMoE)" if simoe is not None else "moekit" if spec is not None else "transformers"
     base = getattr(model.config, "_name_or_path", None) or None
-    return write_card(folder, title=title or f"{type(model).__name__} ({fmt})", base_model=base,
+    return write_card(folder, title=title or f"{architecture(model)} ({fmt})", base_model=base,
                       method=None if spec is None else spec.init.method,
                       spec=(spec.model_dump(mode="json") if spec is not None else
                             None if simoe is None else simoe.model_dump(mode="json")),

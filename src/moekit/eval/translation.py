@@ -118,7 +118,11 @@ def _scored_logits(model: nn.Module, examples: list[dict], batch_size: int) -> I
 def direction_loss(model: nn.Module, tokenizer, pairs: list[Pair], template: str, max_length: int = 128,
                    batch_size: int = 8) -> float:
     """Mean NLL per target token (target + eos; prompt excluded) under teacher forcing, token-weighted."""
-    examples = encode_pairs(pairs, tokenizer, template, max_length)
+    return examples_loss(model, encode_pairs(pairs, tokenizer, template, max_length), batch_size)
+
+
+def examples_loss(model: nn.Module, examples: list[dict], batch_size: int = 8) -> float:
+    """Mean NLL per labelled token of encoded examples ({input_ids, labels}) under teacher forcing."""
     total, tokens = 0.0, 0
     with inference(model):
         for logits, targets in _scored_logits(model, examples, batch_size):

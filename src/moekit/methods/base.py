@@ -18,7 +18,7 @@ class TrainingMethod:
 
     name: ClassVar[str]
     section: ClassVar[str | None] = None  # the recipe section with the method's settings: required iff chosen
-    tasks: ClassVar[frozenset[str]] = frozenset({"translation", "instruct"})  # recipe tasks it trains
+    tasks: ClassVar[frozenset[str]] = frozenset({"translation", "instruct", "text"})  # recipe tasks it trains
     freezes: ClassVar[bool] = False  # whether it takes a freeze.schedule (moekit.train.freeze)
 
     def adapt(self, recipe, model: nn.Module) -> nn.Module:
@@ -40,8 +40,9 @@ class TrainingMethod:
         """Added to the task loss in training (`model` unwrapped); logs go to trainer.aux_logs."""
         return None
 
-    def write_checkpoint(self, model: nn.Module, folder: Path) -> bool:
-        """Write the model in the method's own format into `folder`; False: the Trainer's save_pretrained."""
+    def write_checkpoint(self, model: nn.Module, folder: Path, state_dict: dict | None = None) -> bool:
+        """Write the model in the method's own format into `folder` (`state_dict`: the full one gathered from
+        FSDP/ZeRO-3 shards, else None); False: the Trainer's save_pretrained."""
         return False
 
     def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:

@@ -8,4 +8,4 @@ from moekit.methods.base import METHODS, TrainingMethod
 @METHODS.register("dense")
 class Dense(TrainingMethod):
     name = "dense"
-    tasks = frozenset({"translation", "instruct", "asr"})
+    tasks = frozenset({"translation", "instruct", "text", "asr"})

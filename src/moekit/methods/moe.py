@@ -15,7 +15,7 @@ from moekit.moe.layer import moe_layers
 class MoE(TrainingMethod):
     name = "moe"
     section = "moe"
-    tasks = frozenset({"translation", "instruct", "asr"})
+    tasks = frozenset({"translation", "instruct", "text", "asr"})
     freezes = True
 
     def adapt(self, recipe, model: nn.Module) -> nn.Module:
@@ -59,10 +59,10 @@ class MoE(TrainingMethod):
         logs["moe/z"].append(z.item())
         return aux.load_balance * lb + aux.z_loss * z
 
-    def write_checkpoint(self, model: nn.Module, folder: Path) -> bool:
+    def write_checkpoint(self, model: nn.Module, folder: Path, state_dict: dict | None = None) -> bool:
         from moekit.io import write_checkpoint
 
-        write_checkpoint(model, folder)
+        write_checkpoint(model, folder, state_dict)
         return True
 
     def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:

@@ -39,10 +39,10 @@ class SIMoEMethod(TrainingMethod):
             trainer.aux_logs[k].append(v)
         return loss
 
-    def write_checkpoint(self, model: nn.Module, folder: Path) -> bool:
+    def write_checkpoint(self, model: nn.Module, folder: Path, state_dict: dict | None = None) -> bool:
         from moekit.simoe.export import write_checkpoint
 
-        write_checkpoint(model, folder)
+        write_checkpoint(model, folder, state_dict)
         return True
 
     def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:

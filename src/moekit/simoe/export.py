@@ -20,8 +20,8 @@ from moekit.checkpoint.card import write_model_card
 from moekit.checkpoint.meta import SIMoEMeta
 from moekit.config import validate
 from moekit.errors import CheckpointError
-from moekit.io import (check_headers, load_config, load_generation_config, load_state, model_class, save_configs,
-                       save_weights, unique_tensors)
+from moekit.io import (architecture, check_headers, load_config, load_generation_config, load_state, model_class,
+                       save_configs, save_weights, unique_tensors)
 from moekit.io import read_meta as io_read_meta
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear
@@ -32,13 +32,13 @@ def is_simoe(model: nn.Module) -> bool:
     return model_state(model).simoe is not None
 
 
-def write_checkpoint(model: nn.Module, folder: Path) -> None:
-    """config.json, weights and simoe.json into an existing folder."""
+def write_checkpoint(model: nn.Module, folder: Path, full: dict | None = None) -> None:
+    """config.json, weights and simoe.json into an existing folder (`full`: see moekit.io.unique_tensors)."""
     kept = {p: m.delta.shape[1] for p, m in si_modules(model) if isinstance(m, SILinear) and m.keep is not None}
-    meta = {"format": SIMoEMeta.FORMATS[0], "architecture": type(model).__name__,
+    meta = {"format": SIMoEMeta.FORMATS[0], "architecture": architecture(model),
             "config": model.simoe.cfg.model_dump(mode="json"), "kept": kept}
     save_configs(model, folder)
-    tensors, aliases = unique_tensors(model)  # tied embeddings once
+    tensors, aliases = unique_tensors(model, full)  # tied embeddings once
     meta["aliases"] = aliases
     save_weights(tensors, folder)
     (folder / "simoe.json").write_text(json.dumps(meta, indent=2))

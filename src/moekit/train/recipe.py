@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
@@ -11,7 +11,9 @@ from moekit.data.instruct import InstructConfig
 from moekit.data.parallel import DataConfig
 from moekit.moe.spec import MoESpec
 from moekit.simoe.model import SIMoEConfig
+from moekit.data.hf import TextDataConfig
 from moekit.speech.data import ASRDataConfig
+from moekit.train.args import check_trainer_keys
 
 
 class ModelConfig(Config):
@@ -66,11 +68,19 @@ class TrainConfig(Config):
     batch_size: int = Field(8, ge=1)
     grad_accum: int = Field(1, ge=1)
     seed: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: mixed precision (autocast); fp16 needs a GPU
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory)
+    report_to: list[str] = Field(default_factory=list)  # Trainer integrations, e.g. ["tensorboard"]
+    trainer_args: dict[str, Any] = Field(default_factory=dict)  # other TrainingArguments fields (moekit.train.args)
     logging_steps: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0)  # 0: evaluate at the end only
     save_every: int = Field(0, ge=0)  # 0: no intermediate checkpoints
     save_total_limit: int = Field(2, ge=1)
+
+    @field_validator("trainer_args")
+    @classmethod
+    def _check_trainer_args(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_trainer_keys(args)
 
 
 class EvalConfig(Config):
@@ -188,11 +198,25 @@ class ASRRecipe(RecipeBase):
     eval: ASREvalConfig = ASREvalConfig()
 
 
-Recipe = Annotated[TranslationRecipe | InstructRecipe | ASRRecipe, Field(discriminator="task")]
-RECIPE = TypeAdapter(Recipe)
+class TextEvalConfig(Config):
+    batch_size: int = Field(8, ge=1)
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> TranslationRecipe | InstructRecipe | ASRRecipe:
+class TextRecipe(RecipeBase):
+    """Causal-LM fine-tuning on the user's local files (data.source: datasets; formats text, alpaca, chat,
+    translation; moekit.train.text)."""
+
+    task: Literal["text"] = "text"
+    model: ModelConfig = ModelConfig()
+    data: TextDataConfig
+    eval: TextEvalConfig = TextEvalConfig()
+
+
+AnyRecipe = TranslationRecipe | InstructRecipe | ASRRecipe | TextRecipe
+RECIPE = TypeAdapter(Annotated[AnyRecipe, Field(discriminator="task")])
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> AnyRecipe:
     """The recipe in a YAML file (after dotted overrides), of the class its `task` names (default
     translation)."""
     data = apply_overrides(read_yaml(path), overrides or [])

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 from torch import nn
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerState
 
 from moekit._fs import PARTIAL, output, read_small, remove
@@ -21,9 +21,10 @@ from moekit.data.parallel import TranslationCollator, load_pairs
 from moekit.errors import CheckpointError, ConfigError, OutputExistsError
 from moekit.eval.instruct import add_rouge
 from moekit.eval.translation import DenseReference, direction_loss, encode_pairs, evaluate_run, write_results
+from moekit.eval.plots import plot_curves, plot_usage
 from moekit.io import load_dense
 from moekit.methods import method
-from moekit.eval.plots import plot_curves, plot_usage
+from moekit.train.args import check_training_args, training_args
 from moekit.train.recipe import RecipeBase, TranslationRecipe
 from moekit.train.trainer import MoETrainer
 
@@ -158,28 +159,6 @@ def report(recipe: TranslationRecipe, model, tok, test, ref, log_history) -> dic
     return results
 
 
-def cpu_multiprocess() -> bool:
-    """Launched as several processes (torchrun, accelerate launch) on a machine without CUDA. accelerate
-    sets up CPU DDP (gloo) only with use_cpu=True; without it every process trains alone on all the data."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-
-
-def training_args(recipe: TranslationRecipe, out: Path) -> TrainingArguments:
-    t, o = recipe.train, recipe.optim
-    return TrainingArguments(
-        use_cpu=cpu_multiprocess(),
-        output_dir=str(out / "checkpoints"), max_steps=t.steps, per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.grad_accum, learning_rate=o.lr, weight_decay=o.weight_decay,
-        lr_scheduler_type="constant_with_warmup" if o.schedule == "constant" else o.schedule,
-        warmup_steps=o.warmup_ratio, max_grad_norm=o.max_grad_norm,
-        seed=t.seed, data_seed=t.seed, bf16=t.precision == "bf16", logging_steps=t.logging_steps,
-        save_strategy="steps" if t.save_every else "no", save_steps=t.save_every or 500,
-        save_total_limit=t.save_total_limit, report_to=[], remove_unused_columns=False,
-        dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True,
-        ddp_find_unused_parameters=method(recipe.method).find_unused_parameters(recipe),
-    )
-
-
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
     """MoETrainer for a recipe (any task): its method's callbacks, optimizer and losses, a quiet progress bar."""
     m = method(recipe.method)
@@ -268,8 +247,12 @@ def train(recipe: TranslationRecipe, overwrite: bool = False, resume: bool = Fal
     (see `run_directory` for where the run lives meanwhile). `final_out`: where the run will finally live, as
     recorded in its recipe.yaml, if not `recipe.out` (`moekit demo` builds its runs inside its own output).
     `inputs`: files read besides the recipe's own (e.g. the recipe file), which `out` may not be or contain."""
+    check_training_args(recipe)
+    run = _train
+    if recipe.task == "text":  # local data through `datasets`
+        from moekit.train.text import train_text as run
     with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
-        return _train(work, last, callbacks, final_out=final_out or recipe.out)
+        return run(work, last, callbacks, final_out=final_out or recipe.out)
 
 
 def _train(recipe: TranslationRecipe, last: Path | None, callbacks, final_out: str) -> MoETrainer:

@@ -54,11 +54,13 @@ class MoETrainer(Trainer):
         super().log(logs, start_time)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The method's own format (moekit, SIMoE) or save_pretrained. Under FSDP (FULL_STATE_DICT) or ZeRO-3,
+        Trainer.save_model gathers the full `state_dict` on every rank first; only the main process writes."""
         if not self.args.should_save:  # Trainer calls _save on every rank and leaves the check to it
             return
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        if not self.method.write_checkpoint(self.accelerator.unwrap_model(self.model), out):
+        if not self.method.write_checkpoint(self.accelerator.unwrap_model(self.model), out, state_dict):
             super()._save(output_dir, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

@@ -1,0 +1,63 @@
+"""Chat records ({messages: [{role, content}, ...]}) encoded with the tokenizer's chat template, loss on the
+assistant turns only.
+
+Assistant turns are located by rendering prefixes of the conversation: turn i spans from the end of
+`render(messages[:i], add_generation_prompt=True)` to the end of `render(messages[:i + 1])`, so it holds the
+turn's content and the template's end-of-turn text (what the model must learn to emit), not the role header
+that the generation prompt supplies at inference. Templates that do not render conversations incrementally
+(each prefix's rendering a prefix of the next) are refused rather than guessed at. Each span is tokenized
+on its own, so no token straddles a prompt/answer boundary; the prompt side of every assistant turn is
+exactly what `apply_chat_template(..., add_generation_prompt=True)` gives at inference.
+"""
+from __future__ import annotations
+
+from moekit.errors import ConfigError
+
+Span = tuple[int, int, bool]  # (start, end, scored) in characters of the rendered conversation
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok:
+        raise ConfigError(f"{where}: expected a column 'messages' holding a non-empty list of {{role, content}} "
+                          "strings")
+    if messages[0]["role"] == "assistant":
+        raise ConfigError(f"{where}: the conversation starts with an assistant turn (nothing to answer)")
+    return messages
+
+
+def render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_spans(tok, messages: list[dict], where: str) -> tuple[str, list[Span]]:
+    """(the rendered conversation, its spans in order, covering it, assistant turns scored)."""
+    full = render(tok, messages)
+    spans, pos = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, end = render(tok, messages[:i], True), render(tok, messages[:i + 1])
+        if not (full.startswith(end) and end.startswith(start) and len(start) >= pos):
+            raise ConfigError(f"{where}: the tokenizer's chat template does not render this conversation "
+                              "incrementally (a prefix renders differently inside the whole), so its assistant "
+                              "turns cannot be located; use data.format=alpaca or another template")
+        spans += [(pos, len(start), False), (len(start), len(end), True)]
+        pos = len(end)
+    return full, [*spans, (pos, len(full), False)]
+
+
+def encode_chat(record: dict, tok, cfg, where: str) -> dict[str, list[int]]:
+    """input_ids of the rendered conversation, labels = input_ids on assistant turns, -100 elsewhere."""
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError("data.format=chat needs a tokenizer with a chat template (tokenizer_config.json "
+                          "'chat_template' or chat_template.jinja); this one has none: use data.format=alpaca")
+    text, spans = assistant_spans(tok, check_messages(record.get("messages"), where), where)
+    ids, labels = [], []
+    for start, end, scored in spans:
+        if start < end:
+            piece = tok(text[start:end], add_special_tokens=False)["input_ids"]
+            ids += piece
+            labels += piece if scored else [-100] * len(piece)
+    return {"input_ids": ids[:cfg.max_length], "labels": labels[:cfg.max_length]}

@@ -1,0 +1,74 @@
+"""Text recipes (`task: text`): causal-LM training on local data read through `datasets` (moekit.data.hf:
+raw text packed into blocks, Alpaca instructions, chat conversations, translation records), with any method
+(moe, dense, lora, simoe). Evaluation: held-out loss and perplexity over the labelled tokens of the test split
+(logged as eval_loss every train.eval_every steps, and at the end), expert usage and diversity for MoE models,
+parameter counts."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from moekit.assets import resolve_model
+from moekit.data.hf import load_text_data
+from moekit.data.parallel import TranslationCollator
+from moekit.eval.translation import examples_loss, write_results
+from moekit.eval.upcycling import diversity, init_diversity, param_counts
+from moekit.eval.usage import model_usage
+from moekit.eval.plots import plot_curves, plot_usage
+from moekit.moe.layer import moe_layers
+from moekit.train.recipe import TextRecipe
+from moekit.train.run import adapt, load_base, load_tokenizer, make_trainer, resume_from, write_run_files
+
+
+class LossCallback(TrainerCallback):
+    """Every `eval_every` steps: the held-out loss, logged as eval_loss (main process)."""
+
+    def __init__(self, recipe: TextRecipe, test: list[dict]):
+        self.recipe, self.test, self.trainer = recipe, test, None
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        every = self.recipe.train.eval_every
+        if not every or state.global_step % every or not state.is_world_process_zero:
+            return
+        should_log = control.should_log  # Trainer.log clears it; keep this step's training log
+        self.trainer.log({"eval_loss": examples_loss(model, self.test, self.recipe.eval.batch_size)})
+        control.should_log = should_log
+
+
+def evaluate_text(model, test: list[dict], batch_size: int) -> dict:
+    """Held-out loss and perplexity, expert usage, diversity and parameter counts, in the layout of
+    moekit.eval.translation.evaluate_run (one "direction": test) so results.csv and the CLI table read it."""
+    loss = examples_loss(model, test, batch_size)
+    collate = TranslationCollator(pad_id=0)  # padding is masked out: its id does not matter
+    usage = model_usage(model, (collate(test[i:i + batch_size]) for i in range(0, len(test), batch_size)))
+    total, active = param_counts(model)
+    row = {"n": len(test), "loss": loss, "perplexity": math.exp(loss)}
+    return {"directions": {"test": row}, "avg": {"loss": loss}, "kl": None, "diversity_init": init_diversity(model),
+            "diversity": diversity(model) if moe_layers(model) else None, "usage": usage,
+            "params": {"total": total, "active": active}}
+
+
+def train_text(recipe: TextRecipe, last: Path | None, callbacks, final_out: str):
+    """Train a text recipe inside its run directory (moekit.train.run.train) and evaluate it."""
+    out = Path(recipe.out)
+    path = resolve_model(recipe.model.path)
+    tok = load_tokenizer(path, recipe.model.trust_remote_code)
+    train, test = load_text_data(recipe.data, tok)
+    model = adapt(recipe, load_base(recipe, path))
+    losses = LossCallback(recipe, test)
+    trainer = make_trainer(recipe, model, train, TranslationCollator(tok.pad_token_id), [losses, *callbacks])
+    losses.trainer = trainer
+    resume_from(trainer, last)
+    trainer.save_model(str(out / "model"))  # moekit format for MoE, adapter for LoRA
+    trainer.results = {}
+    if trainer.is_world_process_zero():
+        tok.save_pretrained(out / "model")
+        write_run_files(recipe, trainer, final_out)
+        trainer.results = evaluate_text(trainer.model, test, recipe.eval.batch_size)
+        write_results(trainer.results, out)
+        plot_curves(trainer.state.log_history, out)
+        if trainer.results["usage"]:
+            plot_usage(trainer.results["usage"], out / "usage.png", title=f"{recipe.name}: expert usage (test)")
+    return trainer
