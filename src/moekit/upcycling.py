@@ -65,7 +65,7 @@ def check_finite_experts(w: ExpertWeights, path: str, method: str) -> None:
     for name, t in tensors.items():
         if t is not None and not bool(torch.isfinite(t).all()):
             raise NumericsError(f"{method} produced non-finite {name} weights for {path}; "
-                                "pass --allow-nonfinite to proceed anyway")
+                                "pass allow_nonfinite=True to proceed anyway")
 
 
 def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: list[str], seed: bool) -> None:

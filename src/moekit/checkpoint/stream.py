@@ -41,7 +41,7 @@ def check_finite(t: Tensor, what: str) -> None:
     if t.is_floating_point() and t.numel() and not all(map(math.isfinite, map(float, torch.aminmax(t)))):
         bad = int((~torch.isfinite(t)).sum())
         raise NumericsError(f"{what} has {bad} non-finite value{'s' * (bad > 1)} (NaN or Inf); pass "
-                            "--allow-nonfinite to proceed anyway")
+                            "allow_nonfinite=True to proceed anyway")
 
 
 # ----------------------------------------------------------------------------------------- units

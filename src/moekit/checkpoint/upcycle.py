@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moekit._fs import available_memory, check_space, output, peak_memory
+from moekit.config import Config
 from moekit.checkpoint.auto import save_config
 from moekit.checkpoint.card import diversity_fact, write_card
 from moekit.checkpoint.files import ShardReader, read_headers
@@ -36,6 +37,15 @@ AUTO_ORDER = ("mixtral", "qwen3_moe", "qwen2_moe")  # the most widely served nat
 KEEP_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
               "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
+
+
+class UpcycleRecipe(Config):
+    """A YAML upcycling recipe (`moekit upcycle RECIPE`). `model`: a model directory or built-in asset name;
+    `out`: the output directory (relative paths are relative to the working directory)."""
+
+    model: str
+    out: str
+    spec: MoESpec
 
 
 @dataclass
@@ -219,7 +229,7 @@ def check_memory(dense: nn.Module, slots, spec: MoESpec, force: bool) -> None:
     have = available_memory()
     if need > have and not force:
         raise ResourceError(f"upcycling needs about {need / 2**30:.1f} GiB of memory, {have / 2**30:.1f} GiB are "
-                            "available; pass --force to try anyway")
+                            "available; pass force=True to try anyway")
 
 
 def check_shapes(model: nn.Module, reader: ShardReader) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moekit.cli.common import device_arg, out_console
 from moekit.errors import CheckpointError
-from moekit.evaluate import DenseReference, result_rows, results_table
-from moekit.train.recipe import Recipe, load_recipe
+
+if TYPE_CHECKING:
+    from moekit.train.recipe import Recipe
 
 
 def add_parser(sub) -> None:
@@ -35,6 +37,8 @@ def load_run_model(recipe: Recipe, folder: Path):
 
 
 def run(args: argparse.Namespace) -> None:
+    from moekit.evaluate import DenseReference, result_rows, results_table
+    from moekit.train.recipe import load_recipe
     from moekit.train.run import load_data, load_tokenizer, report
 
     run_dir = Path(args.run_dir)

@@ -21,13 +21,13 @@ def add_parser(sub) -> None:
                    help="one text per line per language; several per flag or one flag per language")
     c.add_argument("--out", required=True, help="trace file (.npz)")
     c.add_argument("--max-length", type=int, default=256, help="truncate texts to this many tokens")
-    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--batch-size", type=int, default=8, help="texts per forward pass")
     c.add_argument("--max-texts", type=int, help="use at most this many texts per language")
     c.add_argument("--layers", help="regular expression on the MoE layer paths to record")
     c.add_argument("--overwrite", action="store_true", help="replace an existing trace file")
     c.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model directory that ships its own Python code (auto_map); it will run")
-    c.add_argument("--device", default="cpu", type=device_arg, help="auto, cpu, cuda or cuda:N (default: cpu)")
+    c.add_argument("--device", default="cpu", type=device_arg, help="auto, cpu, cuda or cuda:N")
     c.set_defaults(run=run_collect)
     r = rsub.add_parser("report", help="figures, report.md and metrics.json of a trace",
                         description="Language routing isolation (RISE), layer-wise similarity, expert usage, "

@@ -9,7 +9,6 @@ import argparse
 from pathlib import Path
 
 from moekit.cli.common import out_console
-from moekit.train.recipe import load_recipe
 
 
 def add_parser(sub) -> None:
@@ -25,12 +24,16 @@ def add_parser(sub) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> None:
+    from moekit.train.recipe import load_recipe
+
     recipe = load_recipe(args.recipe, args.overrides)
     out_console().print(f"{args.recipe}: valid ({recipe.task}, {recipe.method}, {recipe.train.steps} steps, "
                         f"out={recipe.out})")
 
 
 def run_train(args: argparse.Namespace) -> None:
+    from moekit.train.recipe import load_recipe
+
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.task == "asr":
         from moekit.train.asr import train_asr as train

@@ -244,7 +244,7 @@ def resume_point(out: Path, partial: Path, overwrite: bool) -> Path:
     if last is None:
         where = partial if partial.exists() else out
         raise CheckpointError(f"nothing to resume: {where} has no complete checkpoint (train.save_every saves "
-                              f"them){'' if overwrite else '; --overwrite starts the run over'}")
+                              f"them){'' if overwrite else '; overwrite=True starts the run over'}")
     check_checkpoint(last)
     return last
 
@@ -269,7 +269,7 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     if last is not None and not continues:  # continuing a finished run replaces it
         overwrite = True
     if last is None and partial.exists() and not overwrite and is_main_process():
-        raise OutputExistsError(partial, f"{partial} holds an interrupted run of {out} (--resume continues it)")
+        raise OutputExistsError(partial, f"{partial} holds an interrupted run of {out} (resume=True continues it)")
     if not is_main_process():
         yield recipe.model_copy(update={"out": str(partial)}), last
         return
