@@ -281,3 +281,59 @@ def test_library_messages_name_no_flags():
             if isinstance(node, ast.Raise):
                 texts = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
                 assert not [t for t in texts if flag.search(t)], f"{path}:{node.lineno} words a remedy as a flag"
+
+
+def progress_lines(err: str, task: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith(f"{task} ")]
+
+
+def test_piped_progress_is_plain_lines_with_counts(tmp_path):
+    from moekit.testing import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "dense")  # 4 blocks
+    res = moekit("upcycle", "--model", tmp_path / "dense", "--experts", 4, "--top-k", 2, "--out", tmp_path / "moe")
+    assert res.returncode == 0, res.stderr
+    lines = progress_lines(res.stderr, "upcycling")
+    assert lines and lines[-1].startswith("upcycling 4/4 model.layers.3.mlp (") and lines[-1].endswith(" s)")
+    assert "\r" not in res.stderr and "\x1b" not in res.stderr  # no bar redrawn in a log
+    res = moekit("export", tmp_path / "moe", "--format", "mixtral", "--out", tmp_path / "mixtral")
+    assert res.returncode == 0, res.stderr
+    assert progress_lines(res.stderr, "exporting")[-1].startswith("exporting 4/4 model.layers.3.mlp (")
+
+
+def test_training_and_evaluation_report_steps_loss_and_examples(tmp_path, tiny_recipe_overrides, run):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: moe\nmoe: {num_experts: 4, top_k: 2, init: naive, every: 2}\n")
+    rc, _, err = run("train", recipe, *tiny_recipe_overrides(tmp_path / "run", **{"train.steps": 3}))
+    assert rc == 0, err
+    assert progress_lines(err, "upcycling")[-1].startswith("upcycling 2/2 model.layers.3.mlp")
+    training = progress_lines(err, "training")
+    assert training[-1].startswith("training 3/3 loss ")  # the step, of max_steps, with the latest loss
+    assert float(training[-1].split()[3]) > 0
+    assert progress_lines(err, "generating")[-1].startswith("generating 2/2 ")  # 2 test pairs per direction
+    rc, _, err = run("evaluate", tmp_path / "run")
+    assert rc == 0, err
+    assert progress_lines(err, "generating")[-1].startswith("generating 2/2 ")
+
+
+def test_the_library_prints_no_progress(tmp_path, capfd):
+    from moekit.moe.spec import MoESpec
+    from moekit.testing import tiny_llama
+    from moekit.upcycling import upcycle
+
+    upcycle(tiny_llama(), MoESpec(num_experts=2, top_k=1))
+    assert capfd.readouterr() == ("", "")  # progress records go to the moekit.progress logger, unseen by default
+
+
+def test_progress_records_carry_their_counts(caplog):
+    import logging
+
+    from moekit.moe.spec import MoESpec
+    from moekit.testing import tiny_llama
+    from moekit.upcycling import upcycle
+
+    with caplog.at_level(logging.INFO, logger="moekit.progress"):
+        upcycle(tiny_llama(), MoESpec(num_experts=2, top_k=1, every=2))
+    assert [r.progress for r in caplog.records] == [("upcycling", 1, 2, "model.layers.1.mlp"),
+                                                   ("upcycling", 2, 2, "model.layers.3.mlp")]
+    assert caplog.records[-1].getMessage() == "upcycling 2/2 model.layers.3.mlp"

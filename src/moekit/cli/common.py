@@ -1,12 +1,10 @@
-"""Helpers shared by the commands: the parser classes, consoles, progress, number formatting, argument types."""
+"""Helpers shared by the commands: the parser classes, consoles, number formatting, argument types."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -132,39 +130,3 @@ def lang_files(pairs: list[tuple[str, Path]] | None, flag: str) -> dict[str, Pat
             raise ConfigError(f"{flag} gives language {lang!r} twice ({out[lang]} and {path}); give each once")
         out[lang] = path
     return out
-
-
-@contextlib.contextmanager
-def progress(label: str, total: int | None = None) -> Iterator[Callable[..., None]]:
-    """`step(done=None, total=None, note="")` reports progress on stderr: a rich bar on a terminal, plain
-    lines with the elapsed time and an ETA otherwise (so redirected logs show it; at most one line a second)."""
-    console = err_console()
-    if console.is_terminal:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.description}"))
-        with Progress(*columns, console=console, transient=True) as bar:
-            task = bar.add_task("", total=total)
-
-            def step(done=None, total=None, note=""):
-                bar.update(task, **({"advance": 1} if done is None else {"completed": done}),
-                           **({} if total is None else {"total": total}), description=note)
-
-            yield step
-        return
-    start, state = time.monotonic(), {"done": 0, "total": total, "shown": 0.0}
-
-    def step(done=None, total=None, note=""):
-        state["done"] = state["done"] + 1 if done is None else done
-        state["total"] = total or state["total"]
-        now, n, of = time.monotonic(), state["done"], state["total"]
-        if now - state["shown"] < 1 and n != of:
-            return
-        state["shown"] = now
-        elapsed = now - start
-        eta = f", ETA {elapsed / n * (of - n):.0f} s" if of and n else ""
-        print(f"{label} {n}/{of or '?'} {note} ({elapsed:.0f} s{eta})".replace("  ", " "), file=sys.stderr,
-              flush=True)
-
-    yield step

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moekit.cli.common import human, out_console
+from moekit.cli.progress import progress
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -63,7 +64,7 @@ def run(args) -> None:
     from moekit._fs import output
 
     systems = recipes(Path(args.out), args.overrides)  # validated before any work
-    with output(args.out, overwrite=args.overwrite) as tmp:  # the old demo output stays until this one is done
+    with output(args.out, overwrite=args.overwrite) as tmp, progress():  # the old output stays until this one is done
         table = run_systems(systems, tmp, Path(args.out))
     out_console().print(table)
     out_console().print(f"runs, results.json/csv and plots (loss.png, kl.png, usage.png): "

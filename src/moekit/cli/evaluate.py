@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moekit.cli.common import device_arg, out_console
+from moekit.cli.progress import progress
 from moekit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace) -> None:
     _, test = load_data(recipe)
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
-    results = report(recipe, load_run_model(recipe, run_dir / "model").to(args.device), tok, test, ref, history)
+    with progress():
+        results = report(recipe, load_run_model(recipe, run_dir / "model").to(args.device), tok, test, ref, history)
     out_console().print(results_table(result_rows(results), title=f"{recipe.name} ({run_dir})"))
 
 
@@ -67,5 +69,6 @@ def run_asr(recipe, run_dir: Path, device: str) -> None:
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
     model = load_model(run_dir / "model", recipe.model.allow_pickle).to(device)
-    results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
+    with progress():
+        results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
     out_console().print(asr_table(results, title=f"{recipe.name} ({run_dir})"))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from moekit.cli.common import out_console, progress
+from moekit.cli.common import out_console
+from moekit.cli.progress import progress
 from moekit.cli.upcycle import DTYPES, FORMATS, size_arg
 
 
@@ -27,8 +28,8 @@ def run(args: argparse.Namespace) -> None:
     from moekit.export import EXPORTERS
 
     EXPORTERS.get(args.format)  # unknown format: ConfigError before any loading
-    with reserve(args.out, [args.dir], args.overwrite) as out, progress("exporting") as step:
+    with reserve(args.out, [args.dir], args.overwrite) as out, progress():
         w = export_checkpoint(args.dir, out, args.format, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                              overwrite=args.overwrite, progress=lambda done, total, path: step(done, total, path))
+                              overwrite=args.overwrite)
     out_console().print(f"exported {args.dir} as {w.format} to {args.out}: {w.dtype}, {w.bytes / 1e9:.2f} GB in "
                         f"{w.seconds:.1f} s, peak RSS {w.peak_rss / 2**30:.2f} GiB")

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from moekit.cli.common import device_arg, err_console, human, lang_file, lang_files, out_console
+from moekit.cli.progress import progress
 from moekit.errors import CheckpointError, ConfigError
 
 
@@ -92,8 +93,7 @@ def run_finetune(args: argparse.Namespace) -> None:
         selection, model, tokenizer = prepare(args)
         if tokenizer is None:
             raise CheckpointError(f"{args.model} has no tokenizer files; finetune needs one to read the text")
-        budget = f"{args.steps} steps" if args.steps else f"{args.epochs:g} epochs"
-        with err_console().status(f"training {selection.count} experts for {budget}"):
+        with progress():
             log = train_selected(model, selection, tokenizer, lines, steps=args.steps, epochs=args.epochs,
                                  lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                  max_length=args.max_length, weight_decay=args.weight_decay, seed=args.seed,

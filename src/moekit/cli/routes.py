@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moekit.cli.common import device_arg, err_console, lang_file, lang_files, out_console
+from moekit.cli.common import device_arg, lang_file, lang_files, out_console
+from moekit.cli.progress import progress
 from moekit.errors import CheckpointError, ConfigError
 
 
@@ -52,16 +53,19 @@ def read_texts(path: Path, limit: int | None) -> list[str]:
 
 
 def collect(model, tok, texts: dict[str, list[str]], max_length: int, batch_size: int, layers: str | None):
-    """A RoutingTrace of every language's texts, batch by batch."""
+    """A RoutingTrace of every language's texts, batch by batch (progress: "recording" texts)."""
+    from moekit.progress import report
     from moekit.routing.capture import RoutingCapture
 
-    device = next(model.parameters()).device
+    device, done, total = next(model.parameters()).device, 0, sum(map(len, texts.values()))
     with RoutingCapture(model, layers) as cap:
         for lang, lines in texts.items():
             for i in range(0, len(lines), batch_size):
                 enc = tok(lines[i:i + batch_size], return_tensors="pt", padding=True, truncation=True,
                           max_length=max_length)
                 cap.run(enc["input_ids"].to(device), enc["attention_mask"].to(device), language=lang)
+                done += len(lines[i:i + batch_size])
+                report("recording", done, total, lang)
     return cap.trace()
 
 
@@ -82,7 +86,7 @@ def run_collect(args: argparse.Namespace) -> None:
                 raise CheckpointError(f"the tokenizer of {args.model} has neither a pad nor an eos token")
             tok.pad_token = tok.eos_token
         model = load_model(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
-        with err_console().status(f"recording routing of {sum(map(len, texts.values()))} texts"):
+        with progress():
             trace = collect(model, tok, texts, args.max_length, args.batch_size, args.layers)
         trace.meta.update(model=str(args.model), max_length=args.max_length)
         trace.save(args.out, overwrite=args.overwrite)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from moekit.cli.common import lang_file, lang_files, out_console, progress
+from moekit.cli.common import lang_file, lang_files, out_console
+from moekit.cli.progress import progress
 from moekit.errors import ConfigError
 
 OPTIONS = ("voices", "test_voices", "train_per_lang", "test_per_lang", "max_chars", "seed", "workers")
@@ -65,8 +66,8 @@ def run_corpus(args: argparse.Namespace) -> None:
     from moekit.speech.corpus import build_corpus, read_manifest
 
     cfg = config_of(args)
-    with progress("synthesizing") as step:
-        out = build_corpus(cfg, args.out, overwrite=args.overwrite, progress=lambda done, total: step(done, total))
+    with progress():
+        out = build_corpus(cfg, args.out, overwrite=args.overwrite)
     utts = read_manifest(out)
     hours = sum(u.seconds for u in utts) / 3600
     voices = len({u.voice for u in utts})

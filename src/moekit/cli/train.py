@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from moekit.cli.common import out_console
+from moekit.cli.progress import progress
 
 
 def add_parser(sub) -> None:
@@ -39,7 +40,8 @@ def run_train(args: argparse.Namespace) -> None:
         from moekit.train.asr import train_asr as train
     else:
         from moekit.train.run import train
-    trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])
+    with progress():
+        trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])
     if trainer.is_world_process_zero():
         out_console().print(results_table(recipe, trainer.results))
         out_console().print(f"trained {recipe.name}: {trainer.state.global_step} steps, output in {recipe.out}")

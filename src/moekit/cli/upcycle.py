@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moekit.cli.common import device_arg, err_console, human, out_console, progress
+from moekit.cli.common import device_arg, err_console, human, out_console
+from moekit.cli.progress import progress
 from moekit.errors import ConfigError
 from moekit.registry import declared
 
@@ -168,12 +169,11 @@ def run(args: argparse.Namespace) -> None:
         branches = [resolve_model(b, log=console.print) for b in getattr(spec.init, "branches", [])]
         if branches:
             spec = spec.model_copy(update={"init": spec.init.model_copy(update={"branches": list(map(str, branches))})})
-        with safetensors_of(model_dir, args, out) as source, progress("upcycling") as step:
+        with safetensors_of(model_dir, args, out) as source, progress():
             w = upcycle_checkpoint(source, out, spec, format=args.format, dtype=args.dtype, device=args.device,
                                    max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                                    trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite,
-                                   force=args.force, inputs=inputs, progress=lambda done, total, path: step(done, total, path),
-                                   base_model=recipe.model)
+                                   force=args.force, inputs=inputs, base_model=recipe.model)
     show = out_console().print
     show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.num_experts} experts, top-{spec.top_k}, "
          f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")

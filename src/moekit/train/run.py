@@ -11,7 +11,7 @@ import torch
 import yaml
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
-from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerState
+from transformers.trainer_callback import PrinterCallback, TrainerState
 
 from moekit._fs import PARTIAL, output, read_small, remove
 from moekit.assets import model_inputs, resolve_model
@@ -25,6 +25,7 @@ from moekit.plots import plot_curves, plot_usage
 from moekit.simoe.model import simoe_upcycle
 from moekit.simoe.objective import DualCallback, param_groups
 from moekit.train.freeze import FreezeCallback
+from moekit.train.progress import TrainProgress
 from moekit.train.recipe import Recipe
 from moekit.train.trainer import MoETrainer
 from moekit.upcycling import upcycle
@@ -98,13 +99,6 @@ def dense_reference(recipe: Recipe, dense: nn.Module, tok, test, saved: Path | N
     if is_main_process():
         ref.save(out)
     return ref
-
-
-class QuietProgress(ProgressCallback):
-    """A progress bar (stderr) without printing every log dict: logs go to log_history.json."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        pass
 
 
 class EvalCallback(TrainerCallback):
@@ -196,7 +190,7 @@ def training_args(recipe: Recipe, out: Path) -> TrainingArguments:
 
 
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
-    """MoETrainer for a recipe (translation or ASR): its freeze schedule, aux losses and a quiet progress bar."""
+    """MoETrainer for a recipe (translation or ASR): its freeze schedule, aux losses and progress (TrainProgress)."""
     optimizers = (None, None)
     if recipe.freeze.schedule != "none":
         callbacks = [*callbacks, FreezeCallback(model, recipe.freeze)]
@@ -206,7 +200,7 @@ def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -
     trainer = MoETrainer(model=model, args=training_args(recipe, Path(recipe.out)), train_dataset=dataset,
                          data_collator=collator, aux=recipe.aux, callbacks=callbacks, optimizers=optimizers)
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(QuietProgress)
+    trainer.add_callback(TrainProgress)
     return trainer
 
 
