@@ -337,3 +337,17 @@ def test_progress_records_carry_their_counts(caplog):
     assert [r.progress for r in caplog.records] == [("upcycling", 1, 2, "model.layers.1.mlp"),
                                                    ("upcycling", 2, 2, "model.layers.3.mlp")]
     assert caplog.records[-1].getMessage() == "upcycling 2/2 model.layers.3.mlp"
+
+
+def test_public_api_is_lazy_and_exports_export_model():
+    code = ("import sys, moekit\n"
+            "light = 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+            "from moekit import export_model\n"
+            "import moekit.export\n"
+            "assert export_model is moekit.export.export_model and 'export_model' in moekit.__all__\n"
+            "assert all(getattr(moekit, name) is not None for name in moekit.__all__)\n"
+            "print(light)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": SRC})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[-1] == "True"  # `import moekit` imports neither torch nor transformers
