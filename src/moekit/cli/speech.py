@@ -5,7 +5,6 @@ import argparse
 
 from moekit.cli.common import lang_file, lang_files, out_console
 from moekit.cli.progress import progress
-from moekit.errors import ConfigError
 
 OPTIONS = ("voices", "test_voices", "train_per_lang", "test_per_lang", "max_chars", "seed", "workers")
 
