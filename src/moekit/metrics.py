@@ -81,10 +81,7 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
         counts = simoe_counts(model)
         return counts["total"], counts["active"]
     total = sum(p.numel() for p in model.parameters())  # parameters() yields shared tensors once
-    inactive = 0
-    for site in moe_sites(model):
-        per_expert = sum(p.numel() for p in site.experts.parameters()) // site.num_experts
-        inactive += (site.num_experts - site.top_k) * per_expert
+    inactive = sum((s.num_experts - s.top_k) * s.params_per_expert for s in moe_sites(model))
     return total, total - inactive
 
 

@@ -61,9 +61,8 @@ def native_table(sites) -> Table:
 
     table = Table("MoE layer", "experts", "top-k", "params per expert", "shared expert", "block")
     for s in sites:
-        per_expert = sum(p.numel() for p in s.experts.parameters()) // s.num_experts
         shared = [n for n, m in s.block.named_children() if "shared" in n and any(True for _ in m.parameters())]
-        table.add_row(s.name, str(s.num_experts), str(s.top_k), f"{per_expert:,}", ", ".join(shared) or "no",
+        table.add_row(s.name, str(s.num_experts), str(s.top_k), f"{s.params_per_expert:,}", ", ".join(shared) or "no",
                       type(s.block).__name__)
     return table
 

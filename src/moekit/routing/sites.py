@@ -46,6 +46,11 @@ class RouterSite:
     top_k: int
 
     @property
+    def params_per_expert(self) -> int:
+        """Parameters of one routed expert (every parameter of the fused experts has the expert dimension)."""
+        return sum(p.numel() for p in self.experts.parameters()) // self.num_experts
+
+    @property
     def is_moekit(self) -> bool:
         return isinstance(self.block, MoELayer)
 
