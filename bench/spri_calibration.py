@@ -32,7 +32,7 @@ def measured(dense, recipe: str, init: dict) -> float:
     import copy
 
     from moekit.config import read_yaml, validate
-    from moekit.metrics import init_diversity
+    from moekit.eval.upcycling import init_diversity
     from moekit.moe.spec import MoESpec
     from moekit.upcycling import upcycle
 

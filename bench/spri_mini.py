@@ -39,13 +39,13 @@ ABLATION_MARK = ("<!-- spri_mini_ablations -->", "<!-- /spri_mini_ablations -->"
 
 def run_system(name: str, recipe_name: str, extra: list[str], out: Path) -> dict:
     from moekit.config import load_yaml
-    from moekit.train.recipe import Recipe
+    from moekit.train.recipe import TranslationRecipe
     from moekit.train.run import train
 
     folder = out / name
     if (folder / "summary.json").is_file():  # cached (written after results.json)
         return json.loads((folder / "summary.json").read_text())
-    recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", Recipe, [*OVERRIDES, *extra, f"out={folder}"])
+    recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe, [*OVERRIDES, *extra, f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]

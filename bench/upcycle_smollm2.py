@@ -114,7 +114,7 @@ def quality(methods: list[str], model_dir: Path, work: Path, texts: list[str], b
     from transformers import AutoTokenizer
 
     from moekit.io import load, load_dense
-    from moekit.metrics import diversity, kl_dense_moe, param_counts
+    from moekit.eval.upcycling import diversity, kl_dense_moe, param_counts
 
     transformers.utils.logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(model_dir)

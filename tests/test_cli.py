@@ -137,7 +137,7 @@ def refused(run, out, *args):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--method", "nope"], "unknown expert init method 'nope'"),
+    (["--method", "nope"], "invalid choice: 'nope'"),
     (["--experts", 2, "--top-k", 3], "top_k (3) cannot exceed num_experts (2)"),
     (["--method", "spri", "--experts", 5, "--top-k", 2, "--shared-expert"], "divisible by top_k"),
     (["--method", "spri", "--experts", 4, "--top-k", 2], "shared expert"),

@@ -67,10 +67,11 @@ def test_random_is_reproducible_from_the_command_line(run, trace_file, tmp_path)
 
 
 @pytest.mark.parametrize("args, message", [
-    (("rise", "--target", "sw"), "needs a budget"),
+    (("rise", "--target", "sw"), "the following arguments are required: --budget"),
     (("rise", "--target", "xx", "--budget", 4), "'xx' is not in the trace"),
     (("topk", "--target", "sw", "--budget", 33), "between 1 and the 32 experts"),
-    (("topk", "--target", "sw", "--budget", 4, "--alpha", 1), "--alpha does not apply to topk"),
+    (("topk", "--target", "sw", "--budget", 4, "--alpha", 1),
+     "moekit select topk: unrecognized arguments: --alpha 1 (see `moekit select topk --help`)"),
     (("esft", "--target", "sw", "--budget", 4, "--top-p", 0.3), "not both"),
     (("rise", "--target", "sw", "--budget", 4, "--ratios", "0.5,0.5,0.5"), "summing to 1"),
 ])

@@ -1,8 +1,12 @@
-"""Typed errors. Library code raises these; only `moekit.cli` prints them and exits."""
+"""Typed errors. Library code raises these; only `moekit.cli` prints them and exits.
+
+Messages are worded for the library's caller: a remedy is the keyword argument that grants it
+(`allow_pickle=True`, `overwrite=True`); the command line rewords those as its flags (`--allow-pickle`).
+"""
 
 
 class MoekitError(Exception):
-    """Base class: one clear message, shown to the user as is."""
+    """Base class: one clear message, shown to the user as is (remedies in the library's words)."""
 
 
 class ConfigError(MoekitError):
@@ -18,12 +22,11 @@ class OutputError(MoekitError):
 
 
 class OutputExistsError(OutputError):
-    """The output exists (a non-empty directory, or a file) and overwrite was not requested. The CLI
-    words the remedy as `--overwrite`, the library as `overwrite=True`."""
+    """The output exists (a non-empty directory, or a file) and overwrite was not requested."""
 
     def __init__(self, path, message: str):
-        self.path, self.message = path, message
-        super().__init__(f"{message} (overwrite=True replaces it)")
+        self.path = path
+        super().__init__(f"{message}; pass overwrite=True to replace it")
 
 
 class UnsafeOutputError(OutputError):

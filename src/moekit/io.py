@@ -251,7 +251,7 @@ def check_remote_code(folder: Path, trust_remote_code: bool) -> None:
                 continue  # not ours to judge here: the loader reports a broken file
             if isinstance(data, dict) and data.get("auto_map"):
                 raise CheckpointError(f"{folder} needs its own Python code ({name} has an auto_map); pass "
-                                      "--trust-remote-code only if you trust that code")
+                                      "trust_remote_code=True only if you trust that code")
 
 
 def load_state(model: nn.Module, folder: Path, meta: dict) -> None:
@@ -392,17 +392,17 @@ def has_safetensors(path: Path, allow_pickle: bool) -> bool:
     if not allow_pickle:
         found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}))
         raise CheckpointError(f"{path} has no safetensors weights{f' (found {found})' if found else ''}; pickle "
-                              "checkpoints can run arbitrary code: pass --allow-pickle only if you trust them")
+                              "checkpoints can run arbitrary code: pass allow_pickle=True only if you trust them")
     return False
 
 
 def check_finite(tensors, where: str) -> None:
-    """NumericsError naming the first tensor with a NaN or Inf (--allow-nonfinite proceeds anyway)."""
+    """NumericsError naming the first tensor with a NaN or Inf (allow_nonfinite=True proceeds anyway)."""
     for name, t in tensors:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
             raise NumericsError(f"{where}: {name} has {bad} non-finite value{'s' * (bad > 1)} (NaN or Inf); "
-                                "pass --allow-nonfinite to proceed anyway")
+                                "pass allow_nonfinite=True to proceed anyway")
 
 
 def load_model(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:

@@ -18,6 +18,7 @@ from moekit.eval.upcycling import expert_diversity
 from moekit.moe.build import build_moe, init_router
 from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
+from moekit.progress import report
 from moekit.surgery import Slot, find_slots
 from moekit.state import model_state
 
@@ -65,7 +66,7 @@ def check_finite_experts(w: ExpertWeights, path: str, method: str) -> None:
     for name, t in tensors.items():
         if t is not None and not bool(torch.isfinite(t).all()):
             raise NumericsError(f"{method} produced non-finite {name} weights for {path}; "
-                                "pass --allow-nonfinite to proceed anyway")
+                                "pass allow_nonfinite=True to proceed anyway")
 
 
 def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: list[str], seed: bool) -> None:
@@ -142,7 +143,7 @@ def release_freed_memory() -> None:
 
 
 def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = None,
-            progress: Callable[[str], None] | None = None, allow_nonfinite: bool = False) -> nn.Module:
+            allow_nonfinite: bool = False) -> nn.Module:
     """Replace the FFNs `spec` selects by MoE layers initialized with `spec.init`. Returns `model`.
 
     Works layer by layer (read dense FFN -> init experts -> install), so at most one extra layer's
@@ -159,13 +160,12 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
         average_branches(model, branches, [s.path for s in slots], spec.init.include_seed)
     groups = router_groups(slots, spec)  # checked before any layer changes
     routers: dict[str, Router] = {}  # router-sharing group -> its router (Omni-router)
-    for slot in slots:
+    for done, slot in enumerate(slots, 1):
         group = groups[slot.path]
         router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], routers.get(group), allow_nonfinite)
         if group is not None:
             routers.setdefault(group, router)
         release_freed_memory()  # this layer's temporaries are gone: hand them back before the next
-        if progress:
-            progress(slot.path)
+        report("upcycling", done, len(slots), slot.path)
     model_state(model).spec = spec
     return adopt(model)  # model.save_pretrained writes the moekit format

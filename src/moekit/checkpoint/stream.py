@@ -29,11 +29,11 @@ from moekit.moe.build import from_layout, layout
 from moekit.moe.layer import MoELayer, moe_layers
 from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
+from moekit.progress import report
 from moekit.surgery import Slot, slot_at
 from moekit.upcycling import release_freed_memory
 from moekit.state import model_state
 
-Progress = Callable[[int, int, str], None]  # (MoE layers done, MoE layers, the last one's path)
 
 
 def check_finite(t: Tensor, what: str) -> None:
@@ -41,7 +41,7 @@ def check_finite(t: Tensor, what: str) -> None:
     if t.is_floating_point() and t.numel() and not all(map(math.isfinite, map(float, torch.aminmax(t)))):
         bad = int((~torch.isfinite(t)).sum())
         raise NumericsError(f"{what} has {bad} non-finite value{'s' * (bad > 1)} (NaN or Inf); pass "
-                            "--allow-nonfinite to proceed anyway")
+                            "allow_nonfinite=True to proceed anyway")
 
 
 # ----------------------------------------------------------------------------------------- units
@@ -102,10 +102,11 @@ class Layer:
             yield self.prefix + name, t, i
 
 
-def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: int,
-                progress: Progress | None = None, diversities: dict[str, float] | None = None) -> int:
-    """Plan, then write every unit into `folder`; returns the bytes of tensor data written. With
-    `diversities`, each MoE layer's diversity as written is put there under its path."""
+def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: int, task: str = "writing",
+                diversities: dict[str, float] | None = None) -> int:
+    """Plan, then write every unit into `folder`; returns the bytes of tensor data written. Reports each MoE
+    layer written as progress of `task` (moekit.progress). With `diversities`, each MoE layer's diversity as
+    written is put there under its path."""
     writer = ShardWriter(folder, [p for u in units for p in u.plan(dtype)], max_shard_bytes)
     layers, done = sum(isinstance(u, Layer) for u in units), 0
     try:
@@ -117,8 +118,7 @@ def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: 
                     diversities[u.prefix.removesuffix(".")] = written_diversity(writer, u)
                 release_freed_memory()  # hand this layer's temporaries back before the next (see there)
                 done += 1
-                if progress is not None:
-                    progress(done, layers, u.prefix.rstrip("."))
+                report(task, done, layers, u.prefix.rstrip("."))
     except BaseException:
         writer.abort()
         raise

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from moekit._fs import available_memory, check_space, output, peak_memory
+from moekit.config import Config
 from moekit.checkpoint.auto import save_config
 from moekit.checkpoint.card import diversity_fact, write_card
 from moekit.checkpoint.files import ShardReader, read_headers
-from moekit.checkpoint.stream import (Const, Copy, Layer, Progress, StoredParts, UpcycledParts, draw_router,
+from moekit.checkpoint.stream import (Const, Copy, Layer, StoredParts, UpcycledParts, draw_router,
                                       meta_moe_model, moe_units, moekit_naming, planned_bytes, read_ffn,
                                       write_units)
 from moekit.checkpoint.writer import DEFAULT_SHARD
@@ -36,6 +37,15 @@ AUTO_ORDER = ("mixtral", "qwen3_moe", "qwen2_moe")  # the most widely served nat
 KEEP_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
               "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
+
+
+class UpcycleRecipe(Config):
+    """A YAML upcycling recipe (`moekit upcycle RECIPE`). `model`: a model directory or built-in asset name;
+    `out`: the output directory (relative paths are relative to the working directory)."""
+
+    model: str
+    out: str
+    spec: MoESpec
 
 
 @dataclass
@@ -126,12 +136,13 @@ def copy_files(src: Path, dst: Path) -> None:
 def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, format: str = "moekit",
                        dtype: str = "auto", device: str | torch.device = "cpu",
                        max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, trust_remote_code: bool = False,
-                       allow_nonfinite: bool = False, force: bool = False, inputs=(), progress: Progress | None = None,
+                       allow_nonfinite: bool = False, force: bool = False, inputs=(),
                        base_model: str | None = None) -> Written:
     """Upcycle the dense checkpoint directory `src` into `out` (atomically; see moekit._fs.output), layer by
     layer: init math in float32 (or wider) on `device`, tensors written in `dtype` ("auto": the checkpoint's
     own) as `format` ("auto": a native format when one represents the spec exactly). Memory and disk needs
-    are checked first (`force` skips the memory check); `base_model` names the source in the model card."""
+    are checked first (`force` skips the memory check); `base_model` names the source in the model card.
+    Progress: "upcycling" per MoE layer (moekit.progress)."""
     start, src = time.perf_counter(), check_dense_dir(src)
     dense = meta_model(src, trust_remote_code)
     branch_dirs = [check_dense_dir(b) for b in getattr(spec.init, "branches", [])]
@@ -158,7 +169,7 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     check_memory(dense, slots, spec, force)
     with output(out, [src, *branch_dirs, *inputs], overwrite, need) as tmp:
         diversities: dict[str, float] = {}  # of the tensors as written
-        nbytes = write_units(tmp, units, dt, max_shard_size, progress, diversities)
+        nbytes = write_units(tmp, units, dt, max_shard_size, "upcycling", diversities)
         for path, m in moe_layers(moe):  # recorded in moekit.json / moekit_spec.json and the card
             m.init_diversity = diversities[path]
         title = f"{src.name} upcycled to an MoE ({spec.num_experts} experts, top-{spec.top_k}, {spec.init.method})"
@@ -172,11 +183,11 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
 
 
 def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype: str = "auto",
-                      max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, inputs=(),
-                      progress: Progress | None = None) -> Written:
+                      max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, inputs=()) -> Written:
     """A moekit checkpoint -> a native transformers MoE checkpoint, streamed like `upcycle_checkpoint`: the
     model is built on the meta device from moekit.json (validated against the shard headers), each MoE layer
-    is read expert by expert (moekit.checkpoint.stream.StoredParts) and renamed to the native layout."""
+    is read expert by expert (moekit.checkpoint.stream.StoredParts) and renamed to the native layout. Progress:
+    "exporting" per MoE layer (moekit.progress)."""
     from moekit.export import EXPORTERS
     from moekit.io import build_from_meta
 
@@ -198,7 +209,7 @@ def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype:
     units += [Const(k, v) for k, v in fmt.extra_tensors(model, plan).items()]
     need = planned_bytes(units, dt)
     with output(out, [src, *inputs], overwrite, need) as tmp:
-        nbytes = write_units(tmp, units, dt, max_shard_size, progress)
+        nbytes = write_units(tmp, units, dt, max_shard_size, "exporting")
         _write_metadata(tmp, src, model, aliases, fmt, plan, dt, f"{fmt.name} requested", src.name,
                         f"{src.name} exported to {fmt.name}")
         read_headers(tmp)
@@ -219,7 +230,7 @@ def check_memory(dense: nn.Module, slots, spec: MoESpec, force: bool) -> None:
     have = available_memory()
     if need > have and not force:
         raise ResourceError(f"upcycling needs about {need / 2**30:.1f} GiB of memory, {have / 2**30:.1f} GiB are "
-                            "available; pass --force to try anyway")
+                            "available; pass force=True to try anyway")
 
 
 def check_shapes(model: nn.Module, reader: ShardReader) -> None:

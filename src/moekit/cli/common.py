@@ -1,11 +1,10 @@
-"""Helpers shared by the commands: consoles, number formatting, LANG=FILE arguments."""
+"""Helpers shared by the commands: the parser classes, consoles, number formatting, argument types."""
 from __future__ import annotations
 
 import argparse
-import contextlib
+import re
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -13,15 +12,83 @@ from rich.console import Console
 from moekit.errors import ConfigError
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already words it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "(default" in text or not action.option_strings or not shows_default(action) else \
+            f"{text} (default: %(default)s)"
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether the option has a default worth stating (not None, False, an empty list or suppressed)."""
+    d = action.default
+    return not (d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, list) and not d))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one line, like every other error, and defaults shown in the help
+    (subparsers inherit both)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message: str):
+        print(f"moekit: error: {self.prog}: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class LazyParser(Parser):
+    """A subcommand's parser whose arguments `build(parser)` adds only when that subcommand is parsed (its
+    help included): they may need modules that `moekit --help` and the other commands should not import.
+    Use it as `add_subparsers(parser_class=LazyParser)` and `add_parser(name, build=...)`."""
+
+    def __init__(self, *args, build: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.build = build
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.built()
+        return super().parse_known_args(args, namespace)
+
+    def built(self) -> LazyParser:
+        """This parser with its arguments added."""
+        if self.build is not None:
+            build, self.build = self.build, None
+            build(self)
+        return self
+
+
+class PlainConsole(Console):
+    """A console for a pipe or a file: each line as long as its content needs (nothing wrapped at a width,
+    no padding, no trailing spaces), so that tables stay greppable."""
+
+    def __init__(self, **kwargs):
+        super().__init__(width=1 << 16, **kwargs)  # wide enough that nothing wraps; the padding is stripped
+
+    def print(self, *objects, **kwargs) -> None:
+        with self.capture() as captured:
+            super().print(*objects, **kwargs)
+        self.file.write(re.sub(r"[ \t]+$", "", captured.get(), flags=re.MULTILINE))
+        self.file.flush()
+
+
 def out_console() -> Console:
-    """Results go to stdout (created per call so redirected/captured streams are honoured). Not
-    wrapped at 80 columns when stdout is a pipe or file, so tables stay greppable."""
-    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    """Results go to stdout (created per call so redirected/captured streams are honoured): at the terminal's
+    width on a terminal, else at the content's natural width (PlainConsole)."""
+    return (Console if sys.stdout.isatty() else PlainConsole)(highlight=False, soft_wrap=True)
 
 
 def err_console() -> Console:
     """Progress and status go to stderr."""
     return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def summary(doc: str | None) -> str:
+    """The first sentence of a docstring's first paragraph (docstrings wrap mid-sentence)."""
+    para = " ".join((doc or "").strip().split("\n\n")[0].split())
+    return re.split(r"(?<=[\w)\]])\.\s+(?=[A-Z])", para, maxsplit=1)[0].removesuffix(".") + "."
 
 
 def human(n: int) -> str:
@@ -63,39 +130,3 @@ def lang_files(pairs: list[tuple[str, Path]] | None, flag: str) -> dict[str, Pat
             raise ConfigError(f"{flag} gives language {lang!r} twice ({out[lang]} and {path}); give each once")
         out[lang] = path
     return out
-
-
-@contextlib.contextmanager
-def progress(label: str, total: int | None = None) -> Iterator[Callable[..., None]]:
-    """`step(done=None, total=None, note="")` reports progress on stderr: a rich bar on a terminal, plain
-    lines with the elapsed time and an ETA otherwise (so redirected logs show it; at most one line a second)."""
-    console = err_console()
-    if console.is_terminal:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.description}"))
-        with Progress(*columns, console=console, transient=True) as bar:
-            task = bar.add_task("", total=total)
-
-            def step(done=None, total=None, note=""):
-                bar.update(task, **({"advance": 1} if done is None else {"completed": done}),
-                           **({} if total is None else {"total": total}), description=note)
-
-            yield step
-        return
-    start, state = time.monotonic(), {"done": 0, "total": total, "shown": 0.0}
-
-    def step(done=None, total=None, note=""):
-        state["done"] = state["done"] + 1 if done is None else done
-        state["total"] = total or state["total"]
-        now, n, of = time.monotonic(), state["done"], state["total"]
-        if now - state["shown"] < 1 and n != of:
-            return
-        state["shown"] = now
-        elapsed = now - start
-        eta = f", ETA {elapsed / n * (of - n):.0f} s" if of and n else ""
-        print(f"{label} {n}/{of or '?'} {note} ({elapsed:.0f} s{eta})".replace("  ", " "), file=sys.stderr,
-              flush=True)
-
-    yield step

@@ -14,11 +14,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from moekit.cli.common import human, out_console
-from moekit.config import apply_overrides, validate
-from moekit.train.recipe import TranslationRecipe
+from moekit.cli.progress import progress
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from moekit.train.recipe import TranslationRecipe
 
 SYSTEMS = {
     "naive": {"moe": {"init": "naive"}, "freeze": {"schedule": "none"}},
@@ -39,12 +43,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="run the built-in demo (SmolLM2-135M: naive vs SPRI, fine-tuned and compared)",
                        description=__doc__)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides applied to both systems")
-    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(run=run)
 
 
 def recipes(out: Path, overrides: list[str]) -> dict[str, TranslationRecipe]:
+    from moekit.config import apply_overrides, validate
+    from moekit.train.recipe import TranslationRecipe
+
     built = {}
     for name, system in SYSTEMS.items():
         data = {**BASE, "name": name, "out": str(out / name), "freeze": system["freeze"],
@@ -57,7 +64,7 @@ def run(args) -> None:
     from moekit._fs import output
 
     systems = recipes(Path(args.out), args.overrides)  # validated before any work
-    with output(args.out, overwrite=args.overwrite) as tmp:  # the old demo output stays until this one is done
+    with output(args.out, overwrite=args.overwrite) as tmp, progress():  # the old output stays until this one is done
         table = run_systems(systems, tmp, Path(args.out))
     out_console().print(table)
     out_console().print(f"runs, results.json/csv and plots (loss.png, kl.png, usage.png): "
@@ -70,6 +77,8 @@ def four(x: float | None) -> str:
 
 def run_systems(systems: dict[str, TranslationRecipe], folder: Path, final: Path) -> Table:
     """Train and evaluate each system into `folder`/<system> (to be renamed `final`); the comparison table."""
+    from rich.table import Table
+
     from moekit.train.run import train
 
     table = Table(title="moekit demo: SmolLM2-135M upcycled (E=8, top-2, every 4th block), equal fine-tuning budget")

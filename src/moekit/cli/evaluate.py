@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from moekit.cli.common import device_arg, out_console
+from moekit.cli.progress import progress
 from moekit.errors import CheckpointError
-from moekit.train.recipe import load_recipe
 
 
 def add_parser(sub) -> None:
@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> None:
     from moekit.cli.tables import result_rows, results_table
     from moekit.eval.translation import DenseReference
     from moekit.methods import method
+    from moekit.train.recipe import load_recipe
     from moekit.train.run import load_data, load_tokenizer, report
 
     run_dir = Path(args.run_dir)
@@ -38,19 +39,21 @@ def run(args: argparse.Namespace) -> None:
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
     model = method(recipe.method).load_trained(recipe, run_dir / "model").to(args.device)
-    results = report(recipe, model, tok, test, ref, history)
+    with progress():
+        results = report(recipe, model, tok, test, ref, history)
     out_console().print(results_table(result_rows(results), title=f"{recipe.name} ({run_dir})"))
 
 
 def run_asr(recipe, run_dir: Path, device: str) -> None:
+    from moekit.cli.tables import asr_table
     from moekit.methods import method
     from moekit.speech.data import load_split
-    from moekit.cli.tables import asr_table
     from moekit.train.asr import load_speech, report
 
     _, test = load_split(recipe.data)
     log = run_dir / "log_history.json"
     history = json.loads(log.read_text()) if log.is_file() else []
     model = method(recipe.method).load_trained(recipe, run_dir / "model").to(device)
-    results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
+    with progress():
+        results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
     out_console().print(asr_table(results, title=f"{recipe.name} ({run_dir})"))

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from moekit.cli.common import out_console, progress
-from moekit.cli.upcycle import DTYPES, size_arg
+from moekit.cli.common import out_console
+from moekit.cli.progress import progress
+from moekit.cli.upcycle import DTYPES, FORMATS, size_arg
 
 
 def add_parser(sub) -> None:
@@ -12,11 +13,11 @@ def add_parser(sub) -> None:
                        description="Export a moekit checkpoint as a native transformers MoE model "
                                    "(see `moekit list formats`).")
     p.add_argument("dir", help="moekit checkpoint directory")
-    p.add_argument("--format", required=True, choices=["mixtral", "qwen2_moe", "qwen3_moe"])
+    p.add_argument("--format", required=True, choices=[f for f in FORMATS if f not in ("auto", "moekit")],
+                   help="native transformers format")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="output dtype (default: auto = the checkpoint's own)")
-    p.add_argument("--max-shard-size", default="5GB", type=size_arg, help="largest output shard (default: 5GB)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="output dtype (auto: the checkpoint's own)")
+    p.add_argument("--max-shard-size", default="5GB", type=size_arg, help="largest output shard")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.set_defaults(run=run)
 
@@ -27,8 +28,8 @@ def run(args: argparse.Namespace) -> None:
     from moekit.export import EXPORTERS
 
     EXPORTERS.get(args.format)  # unknown format: ConfigError before any loading
-    with reserve(args.out, [args.dir], args.overwrite) as out, progress("exporting") as step:
+    with reserve(args.out, [args.dir], args.overwrite) as out, progress():
         w = export_checkpoint(args.dir, out, args.format, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                              overwrite=args.overwrite, progress=lambda done, total, path: step(done, total, path))
+                              overwrite=args.overwrite)
     out_console().print(f"exported {args.dir} as {w.format} to {args.out}: {w.dtype}, {w.bytes / 1e9:.2f} GB in "
                         f"{w.seconds:.1f} s, peak RSS {w.peak_rss / 2**30:.2f} GiB")

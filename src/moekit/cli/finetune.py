@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from moekit.cli.common import device_arg, err_console, human, lang_file, lang_files, out_console
+from moekit.cli.progress import progress
 from moekit.errors import CheckpointError, ConfigError
 
 
@@ -17,17 +18,17 @@ def add_parser(sub) -> None:
     common(p)
     p.add_argument("--data", type=lang_file, nargs="+", action="extend", required=True, metavar="LANG=FILE",
                    help="training text, one example per line (several per flag, or repeat the flag)")
-    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (default 3, RISE §4.1)")
+    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (RISE §4.1)")
     p.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
-    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, linear decay (default 2e-5, RISE §4.1)")
-    p.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (default 16, RISE §4.1)")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, linear decay (RISE §4.1)")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (RISE §4.1)")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="split each optimizer step's batch into this many micro-batches (RISE: 8 of 2)")
     p.add_argument("--max-length", type=int, default=128, help="tokens per line, longer lines are cut")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (selected rows only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order")
     p.add_argument("--device", default="auto", type=device_arg,
-                   help="auto (a CUDA device when torch sees one), cpu, cuda or cuda:N (default: auto)")
+                   help="auto (a CUDA device when torch sees one), cpu, cuda or cuda:N")
     p.set_defaults(run=run_finetune)
 
     p = sub.add_parser("prune", help="disable the selected experts",
@@ -92,8 +93,7 @@ def run_finetune(args: argparse.Namespace) -> None:
         selection, model, tokenizer = prepare(args)
         if tokenizer is None:
             raise CheckpointError(f"{args.model} has no tokenizer files; finetune needs one to read the text")
-        budget = f"{args.steps} steps" if args.steps else f"{args.epochs:g} epochs"
-        with err_console().status(f"training {selection.count} experts for {budget}"):
+        with progress():
             log = train_selected(model, selection, tokenizer, lines, steps=args.steps, epochs=args.epochs,
                                  lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                  max_length=args.max_length, weight_decay=args.weight_decay, seed=args.seed,

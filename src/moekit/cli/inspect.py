@@ -1,29 +1,35 @@
-"""`moekit inspect DIR`: what a moekit checkpoint holds."""
+"""`moekit inspect DIR`: what a moekit checkpoint, or a transformers MoE model directory, holds."""
 from __future__ import annotations
 
 import argparse
-
-from rich.table import Table
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moekit.cli.common import human, out_console
-from moekit.io import load, read_meta
-from moekit.eval.upcycling import param_counts
-from moekit.moe.layer import moe_layers
-from moekit.state import spec_of
 
-CONFIG_KEYS = ("model_type", "hidden_size", "d_model", "intermediate_size", "num_hidden_layers", "encoder_layers",
-               "decoder_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "hidden_act",
-               "activation_function", "dtype")
+if TYPE_CHECKING:
+    from rich.table import Table
+
+CONFIG_KEYS = ("model_type", "hidden_size", "d_model", "intermediate_size", "moe_intermediate_size",
+               "num_hidden_layers", "encoder_layers", "decoder_layers", "num_attention_heads", "num_key_value_heads",
+               "vocab_size", "hidden_act", "activation_function", "dtype")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("inspect", help="describe a moekit checkpoint",
-                       description="Show the base model, the MoE layers, parameter counts and the init method.")
-    p.add_argument("dir", help="moekit checkpoint directory")
+    p = sub.add_parser("inspect", help="describe a moekit checkpoint or a transformers MoE model",
+                       description="Show the base model, the MoE layers (experts, top-k), total and active "
+                                   "parameter counts and, for a moekit checkpoint, the init method. A transformers "
+                                   "MoE directory (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) is read from its "
+                                   "config alone: no weights are loaded.")
+    p.add_argument("dir", help="moekit checkpoint or transformers MoE model directory")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model directory that ships its own Python code (auto_map); it will run")
     p.set_defaults(run=run)
 
 
 def config_table(config) -> Table:
+    from rich.table import Table
+
     table = Table("base config", "value", box=None, pad_edge=False)
     d = config.to_dict()
     for key in CONFIG_KEYS:
@@ -33,6 +39,10 @@ def config_table(config) -> Table:
 
 
 def layers_table(model) -> Table:
+    from rich.table import Table
+
+    from moekit.moe.layer import moe_layers
+
     table = Table("MoE layer", "experts", "top-k", "scoring", "expert FFN", "shared expert", "router")
     owner: dict[int, str] = {}
     for path, moe in moe_layers(model):
@@ -45,17 +55,34 @@ def layers_table(model) -> Table:
     return table
 
 
+def native_table(sites) -> Table:
+    """The MoE blocks of a transformers model (moekit.routing.sites): experts, top-k, size, shared expert."""
+    from rich.table import Table
+
+    table = Table("MoE layer", "experts", "top-k", "params per expert", "shared expert", "block")
+    for s in sites:
+        shared = [n for n, m in s.block.named_children() if "shared" in n and any(True for _ in m.parameters())]
+        table.add_row(s.name, str(s.num_experts), str(s.top_k), f"{s.params_per_expert:,}", ", ".join(shared) or "no",
+                      type(s.block).__name__)
+    return table
+
+
 def run(args: argparse.Namespace) -> None:
-    meta = read_meta(args.dir)  # a clear error before loading anything
-    model = load(args.dir)
-    show = out_console().print
-    layers = moe_layers(model)
-    show(f"[bold]{args.dir}[/bold]: {meta['architecture']}, format {meta['format']}")
-    show(config_table(model.config))
-    show(f"\n{len(layers)} MoE layers")
-    show(layers_table(model))
-    total, active = param_counts(model)
-    show(f"\nparameters: total {human(total)}, active per token {human(active)}")
+    folder = Path(args.dir)
+    if (folder / "config.json").is_file() and not (folder / "moekit.json").exists():
+        return show_native(folder, args.trust_remote_code)
+    show_moekit(args.dir)
+
+
+def show_moekit(folder: str) -> None:
+    from moekit.io import load, read_meta
+    from moekit.moe.layer import moe_layers
+    from moekit.state import spec_of
+
+    meta = read_meta(folder)  # a clear error before loading anything
+    model = load(folder)
+    show = show_summary(f"{meta['architecture']}, format {meta['format']}", folder, model, len(moe_layers(model)),
+                        layers_table(model))
     spec = spec_of(model)
     if spec is None:
         show("init: not recorded (no MoE spec in moekit.json)")
@@ -64,3 +91,31 @@ def run(args: argparse.Namespace) -> None:
     params = ", ".join(f"{k}={v}" for k, v in init.items() if k != "method")
     show(f"init: {init['method']}{f' ({params})' if params else ''}, seed {spec.seed}, "
          f"router init {spec.router_init}, router sharing {spec.router_sharing}")
+
+
+def show_native(folder: Path, trust_remote_code: bool) -> None:
+    """A transformers MoE directory, built on the meta device from its config (no weight is read)."""
+    from moekit.errors import CheckpointError, UnsupportedModelError
+    from moekit.io import meta_model
+    from moekit.routing.sites import find_sites
+
+    model = meta_model(folder, trust_remote_code)
+    try:
+        sites = find_sites(model)
+    except UnsupportedModelError as e:
+        raise CheckpointError(f"{folder} is not a moekit checkpoint (no moekit.json), and {e}") from None
+    show_summary(f"{type(model).__name__}, native transformers MoE", folder, model, len(sites), native_table(sites))
+
+
+def show_summary(kind: str, folder, model, layers: int, table: Table):
+    """Print what every inspected model shows (base config, MoE layers, parameter counts); the print function."""
+    from moekit.eval.upcycling import param_counts
+
+    show = out_console().print
+    show(f"[bold]{folder}[/bold]: {kind}")
+    show(config_table(model.config))
+    show(f"\n{layers} MoE layers")
+    show(table)
+    total, active = param_counts(model)
+    show(f"\nparameters: total {human(total)}, active per token {human(active)}")
+    return show

@@ -14,21 +14,56 @@ import traceback
 from moekit.cli import (demo, evaluate, export, finetune, inspect, listing, routes, select, simoe, speech, train,
                         upcycle)
 from moekit._fs import Terminated, install_signal_handlers
-from moekit.errors import MoekitError, OutputExistsError
+from moekit.cli.common import Parser
+from moekit.errors import MoekitError
 
+# The command modules import only the standard library, rich and moekit's light modules at the top: building
+# the parser (`moekit --help`, `moekit CMD --help`) never imports torch or transformers; a command's `run`
+# imports what it needs.
 COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, select, finetune, speech, simoe)
+# The library words a remedy as the keyword argument it takes (`overwrite=True`); the command line as its flag.
+FLAGS = {f"{name}=True": "--" + name.replace("_", "-")
+         for name in ("overwrite", "allow_pickle", "allow_nonfinite", "trust_remote_code", "force", "resume")}
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with its usage errors as one line, like every other error (subparsers inherit it)."""
+class Version(argparse.Action):
+    """`--version`: looked up only when asked for (importlib.metadata reads the installed distributions)."""
 
-    def error(self, message: str):
-        print(f"moekit: error: {self.prog}: {message} (see `{self.prog} --help`)", file=sys.stderr)
-        raise SystemExit(2)
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    """`moekit 0.1.0 from /path/to/moekit (Python 3.11)`, like pip's; the version of the installed
+    distribution, else of the source tree's pyproject.toml, else "(not installed)"."""
+    import importlib.metadata
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1]
+    try:
+        number = importlib.metadata.version("moekit")
+    except importlib.metadata.PackageNotFoundError:
+        number = source_version(package.parents[1] / "pyproject.toml") or "(not installed)"
+    return f"moekit {number} from {package} (Python {sys.version_info.major}.{sys.version_info.minor})"
+
+
+def source_version(pyproject) -> str | None:
+    import tomllib
+
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return project.get("version") if project.get("name") == "moekit" else None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moekit", description="Mixture-of-Experts models from dense checkpoints.")
+    parser.add_argument("--version", action=Version, help="show moekit's version and where it is installed, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
@@ -42,19 +77,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if extra:
         takes = getattr(args, "overrides", None) is not None
         if not takes or any(e.startswith("-") or "=" not in e for e in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides += extra
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    from transformers.utils import logging
+def chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser that parsed `args` (e.g. `moekit select rise`'s), whose help to name."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return chosen(action.choices[getattr(args, action.dest)], args)
+    return parser
 
-    logging.disable_progress_bar()  # moekit draws its own progress; keep transformers' bars out of it
+
+def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
     except SystemExit as e:  # argparse has printed usage or help
         return e.code if isinstance(e.code, int) else 2
+    quiet_hub_progress()
     install_signal_handlers()
     try:
         args.run(args)
@@ -71,12 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def quiet_hub_progress() -> None:
+    """moekit draws its own progress: keep transformers' and huggingface_hub's bars out of it (the environment
+    variable for the modules not imported yet, so that no command imports transformers just for this)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+
+
 def message(e: Exception) -> str:
-    """One line for the user: moekit's own errors as they are (in CLI words), anything else named."""
-    if isinstance(e, OutputExistsError):
-        text = f"{e.message}; pass --overwrite to replace it"
-    elif isinstance(e, MoekitError):
+    """One line for the user: moekit's own errors with their remedies in CLI words (`--overwrite` where the
+    library says `overwrite=True`), anything else named."""
+    if isinstance(e, MoekitError):
         text = str(e)
+        for api, flag in FLAGS.items():
+            text = text.replace(api, flag)
     elif isinstance(e, MemoryError):
         text = "out of memory; use a smaller model or setting, or a machine with more memory"
     elif isinstance(e, OSError):

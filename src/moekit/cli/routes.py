@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moekit.cli.common import device_arg, err_console, lang_file, lang_files, out_console
+from moekit.cli.common import device_arg, lang_file, lang_files, out_console
+from moekit.cli.progress import progress
 from moekit.errors import CheckpointError, ConfigError
 
 
@@ -21,13 +22,13 @@ def add_parser(sub) -> None:
                    help="one text per line per language; several per flag or one flag per language")
     c.add_argument("--out", required=True, help="trace file (.npz)")
     c.add_argument("--max-length", type=int, default=256, help="truncate texts to this many tokens")
-    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--batch-size", type=int, default=8, help="texts per forward pass")
     c.add_argument("--max-texts", type=int, help="use at most this many texts per language")
     c.add_argument("--layers", help="regular expression on the MoE layer paths to record")
     c.add_argument("--overwrite", action="store_true", help="replace an existing trace file")
     c.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model directory that ships its own Python code (auto_map); it will run")
-    c.add_argument("--device", default="cpu", type=device_arg, help="auto, cpu, cuda or cuda:N (default: cpu)")
+    c.add_argument("--device", default="cpu", type=device_arg, help="auto, cpu, cuda or cuda:N")
     c.set_defaults(run=run_collect)
     r = rsub.add_parser("report", help="figures, report.md and metrics.json of a trace",
                         description="Language routing isolation (RISE), layer-wise similarity, expert usage, "
@@ -52,16 +53,19 @@ def read_texts(path: Path, limit: int | None) -> list[str]:
 
 
 def collect(model, tok, texts: dict[str, list[str]], max_length: int, batch_size: int, layers: str | None):
-    """A RoutingTrace of every language's texts, batch by batch."""
+    """A RoutingTrace of every language's texts, batch by batch (progress: "recording" texts)."""
+    from moekit.progress import report
     from moekit.routing.capture import RoutingCapture
 
-    device = next(model.parameters()).device
+    device, done, total = next(model.parameters()).device, 0, sum(map(len, texts.values()))
     with RoutingCapture(model, layers) as cap:
         for lang, lines in texts.items():
             for i in range(0, len(lines), batch_size):
                 enc = tok(lines[i:i + batch_size], return_tensors="pt", padding=True, truncation=True,
                           max_length=max_length)
                 cap.run(enc["input_ids"].to(device), enc["attention_mask"].to(device), language=lang)
+                done += len(lines[i:i + batch_size])
+                report("recording", done, total, lang)
     return cap.trace()
 
 
@@ -82,7 +86,7 @@ def run_collect(args: argparse.Namespace) -> None:
                 raise CheckpointError(f"the tokenizer of {args.model} has neither a pad nor an eos token")
             tok.pad_token = tok.eos_token
         model = load_model(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
-        with err_console().status(f"recording routing of {sum(map(len, texts.values()))} texts"):
+        with progress():
             trace = collect(model, tok, texts, args.max_length, args.batch_size, args.layers)
         trace.meta.update(model=str(args.model), max_length=args.max_length)
         trace.save(args.out, overwrite=args.overwrite)

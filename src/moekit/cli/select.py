@@ -3,14 +3,13 @@ routing trace (RISE, ESFT, random, top-K) and write them as a Selection JSON fil
 from __future__ import annotations
 
 import argparse
+import types
+import typing
+from functools import partial
 from pathlib import Path
 
-from rich.table import Table
-
-from moekit.cli.common import out_console
-from moekit.errors import ConfigError
-
-SETTINGS = ("alpha", "ratios", "regions", "top_p", "score", "seed")  # flags that set a method's settings
+from moekit.cli.common import LazyParser, out_console, summary
+from moekit.registry import declared
 
 
 def triple(text: str) -> tuple[float, float, float]:
@@ -24,26 +23,53 @@ def triple(text: str) -> tuple[float, float, float]:
 
 
 def add_parser(sub) -> None:
-    from moekit.select import SELECTORS
-
     p = sub.add_parser("select", help="select experts from a routing trace (RISE, ESFT, random, top-K)",
                        description="Choose an expert subnetwork for a target language from a routing trace "
                                    "(`moekit routes collect`) and write it as JSON {layer: [expert ids]} "
-                                   "with the scores that produced it.")
-    p.add_argument("method", choices=SELECTORS.names())
+                                   "with the scores that produced it. `moekit select METHOD --help` shows a "
+                                   "method's settings.")
+    methods = p.add_subparsers(dest="method", required=True, metavar="METHOD", parser_class=LazyParser)
+    for name, doc in declared("moekit.select", "SELECTORS").items():
+        methods.add_parser(name, help=summary(doc), description=" ".join(doc.split()),
+                           build=partial(add_method_arguments, method=name))
+
+
+def add_method_arguments(p: argparse.ArgumentParser, method: str) -> None:
+    """The arguments every method takes, then one flag per setting of the method's config class."""
+    from moekit.select import SELECTORS
+
+    selector = SELECTORS.get(method)
     p.add_argument("trace", help="routing trace (.npz)")
     p.add_argument("--target", required=True, help="target language, as labelled in the trace")
-    p.add_argument("--budget", type=int, help="number of experts K (optional for esft: default is its top_p)")
+    p.add_argument("--budget", type=int, required=selector.needs_budget,
+                   help="number of experts K" + ("" if selector.needs_budget else " instead of top_p"))
     p.add_argument("--out", required=True, help="output JSON file")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    p.add_argument("--alpha", type=float, help="rise: activation-magnitude weight α of eq. 8 (default 10)")
-    p.add_argument("--ratios", type=triple, help="rise: budget shares shallow,middle,deep (default 0.35,0.25,0.4)")
-    p.add_argument("--regions", type=triple,
-                   help="rise: layer shares shallow,middle,deep (default 0.375,0.25,0.375)")
-    p.add_argument("--top-p", type=float, help="esft: cumulative relevance threshold (default 0.1 gate, 0.2 token)")
-    p.add_argument("--score", choices=["gate", "token"], help="esft: relevance score (default token)")
-    p.add_argument("--seed", type=int, help="random: seed (default 0)")
+    for name, field in settings_of(method).items():
+        shown = ",".join(map(str, field.default)) if isinstance(field.default, tuple) else field.default
+        text = field.description or ""
+        if "(default" not in text:
+            text += f" (default: {shown})"
+        p.add_argument("--" + name.replace("_", "-"), dest=name, help=text, **value_of(field.annotation))
     p.set_defaults(run=run)
+
+
+def value_of(annotation) -> dict:
+    """argparse keywords for a setting's type: a Literal's choices, three numbers for a triple, else the type."""
+    if isinstance(annotation, types.UnionType):  # X | None: the setting's default is None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return {"choices": list(typing.get_args(annotation))}
+    if typing.get_origin(annotation) is tuple:
+        return {"type": triple, "metavar": "S,M,D"}
+    return {"type": annotation}
+
+
+def settings_of(method: str) -> dict:
+    """{name: pydantic field} of a selection method's settings."""
+    from moekit.select import SELECTORS
+
+    return {k: f for k, f in SELECTORS.get(method).model_fields.items() if k != "method"}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -52,32 +78,17 @@ def run(args: argparse.Namespace) -> None:
     from moekit.select import select
 
     out = Path(args.out)
-    params = settings(args)
+    given = {k: getattr(args, k) for k in settings_of(args.method) if getattr(args, k) is not None}
     with reserve(out, [args.trace], args.overwrite, what="selection"):
         trace = RoutingTrace.load(args.trace)
-        selection = select(trace, args.method, args.target, args.budget, **params)
+        selection = select(trace, args.method, args.target, args.budget, **given)
         selection.save(out, overwrite=args.overwrite)
     print_selection(selection, trace.num_experts, out)
 
 
-def flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def settings(args: argparse.Namespace) -> dict:
-    """The method settings given on the command line; ConfigError for one the method does not take."""
-    from moekit.select import SELECTORS
-
-    given = {key: getattr(args, key) for key in SETTINGS if getattr(args, key) is not None}
-    takes = set(SELECTORS.get(args.method).model_fields) - {"method"}
-    wrong = sorted(given.keys() - takes)
-    if wrong:
-        raise ConfigError(f"{', '.join(map(flag, wrong))} does not apply to {args.method} "
-                          f"(its settings: {', '.join(map(flag, sorted(takes))) or 'none'})")
-    return given
-
-
 def print_selection(selection, num_experts, out: Path) -> None:
+    from rich.table import Table
+
     regions = selection.params.get("layer_regions")
     table = Table("layer", *(["region"] if regions else []), "n", "experts", box=None, pad_edge=False)
     for li, (layer, ids) in enumerate(selection.experts.items()):

@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
                                        "task dendrogram (PNG + report.json)")
     r.add_argument("run_dir", help="a SIMoE run directory (or a SIMoE checkpoint: no task routing then)")
     r.add_argument("--out", required=True, help="output directory")
-    r.add_argument("--overwrite", action="store_true")
+    r.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     r.set_defaults(run=run_report)
     e = ssub.add_parser("export", help="save the SIMoE form (--prune: drop unused δ columns) or, with --merge "
                                        "TASK, a plain dense model for that task's mean routing")
@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--prune", action="store_true", help="remove δ columns whose gates are 0 for every expert")
     e.add_argument("--merge", metavar="TASK", help="fold the experts for TASK's mean routing into dense weights")
-    e.add_argument("--overwrite", action="store_true")
+    e.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     e.set_defaults(run=run_export)
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from moekit.cli.common import lang_file, lang_files, out_console, progress
-from moekit.errors import ConfigError
+from moekit.cli.common import lang_file, lang_files, out_console
+from moekit.cli.progress import progress
 
 OPTIONS = ("voices", "test_voices", "train_per_lang", "test_per_lang", "max_chars", "seed", "workers")
 
@@ -33,19 +33,19 @@ def add_parser(sub) -> None:
                                     "voices. Writes manifest.jsonl, audio/<lang>/*.wav (16 kHz) and corpus.json.")
     c.add_argument("--langs", required=True, type=langs, help="comma-separated languages, e.g. en,fr,de,sw")
     c.add_argument("--out", required=True, help="output directory")
-    c.add_argument("--voices", type=int, help="training voices per language (default 4)")
-    c.add_argument("--test-voices", type=int, help="held-out test voices per language (default 1)")
-    c.add_argument("--train-per-lang", type=int, help="training utterances per language (default 200)")
-    c.add_argument("--test-per-lang", type=int, help="test utterances per language (default 50)")
-    c.add_argument("--max-chars", type=int, help="skip texts longer than this (default 200)")
+    c.add_argument("--voices", type=int, help="training voices per language (default: 4)")
+    c.add_argument("--test-voices", type=int, help="held-out test voices per language (default: 1)")
+    c.add_argument("--train-per-lang", type=int, help="training utterances per language (default: 200)")
+    c.add_argument("--test-per-lang", type=int, help="test utterances per language (default: 50)")
+    c.add_argument("--max-chars", type=int, help="skip texts longer than this (default: 200)")
     c.add_argument("--flite-test", action="store_true",
                    help="also speak the English test texts with flite voices (a family unseen in training)")
     c.add_argument("--texts", nargs="+", action="extend", type=lang_file, metavar="LANG=FILE",
                    help="one sentence per line for each language, instead of the Bible")
     c.add_argument("--books", type=numbers,
-                   help="Bible books to draw from, e.g. 40,41,42,43 (default all)")
-    c.add_argument("--seed", type=int, help="texts, voices and their pairing (default 0)")
-    c.add_argument("--workers", type=int, help="parallel synthesis processes (default 2)")
+                   help="Bible books to draw from, e.g. 40,41,42,43 (default: all)")
+    c.add_argument("--seed", type=int, help="texts, voices and their pairing (default: 0)")
+    c.add_argument("--workers", type=int, help="parallel synthesis processes (default: 2)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     c.set_defaults(run=run_corpus)
 
@@ -65,8 +65,8 @@ def run_corpus(args: argparse.Namespace) -> None:
     from moekit.speech.corpus import build_corpus, read_manifest
 
     cfg = config_of(args)
-    with progress("synthesizing") as step:
-        out = build_corpus(cfg, args.out, overwrite=args.overwrite, progress=lambda done, total: step(done, total))
+    with progress():
+        out = build_corpus(cfg, args.out, overwrite=args.overwrite)
     utts = read_manifest(out)
     hours = sum(u.seconds for u in utts) / 3600
     voices = len({u.voice for u in utts})

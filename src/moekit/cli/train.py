@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from moekit.cli.common import out_console
-from moekit.train.recipe import load_recipe
+from moekit.cli.progress import progress
 
 
 def add_parser(sub) -> None:
@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> None:
+    from moekit.train.recipe import load_recipe
+
     recipe = load_recipe(args.recipe, args.overrides)
     out_console().print(f"{args.recipe}: valid ({recipe.task}, {recipe.method}, {recipe.train.steps} steps, "
                         f"out={recipe.out})")
@@ -32,13 +34,15 @@ def run_validate(args: argparse.Namespace) -> None:
 
 def run_train(args: argparse.Namespace) -> None:
     from moekit.cli.tables import run_table
+    from moekit.train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.task == "asr":
         from moekit.train.asr import train_asr as train
     else:
         from moekit.train.run import train
-    trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])
+    with progress():
+        trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])
     if trainer.is_world_process_zero():
         out_console().print(run_table(recipe, trainer.results))
         out_console().print(f"trained {recipe.name}: {trainer.state.global_step} steps, output in {recipe.out}")

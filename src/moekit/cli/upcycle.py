@@ -12,24 +12,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from moekit.assets import model_inputs, resolve_model
-from moekit.cli.common import device_arg, err_console, human, out_console, progress
-from moekit.config import Config, apply_overrides, read_yaml, validate
+from moekit.cli.common import device_arg, err_console, human, out_console
+from moekit.cli.progress import progress
 from moekit.errors import ConfigError
-from moekit.moe.spec import MoESpec
+from moekit.registry import declared
 
-FORMATS = ("auto", "moekit", "mixtral", "qwen2_moe", "qwen3_moe")
+if TYPE_CHECKING:
+    from moekit.checkpoint.upcycle import UpcycleRecipe
+
+FORMATS = ("auto", "moekit", *declared("moekit.export", "EXPORTERS"))
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class UpcycleRecipe(Config):
-    """A YAML upcycling recipe. `model`: a model directory or built-in asset name; `out`: the
-    output directory (relative paths are relative to the working directory)."""
-
-    model: str
-    out: str
-    spec: MoESpec
 
 
 def size_arg(text: str) -> int:
@@ -58,39 +52,40 @@ def add_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the recipe")
     p.add_argument("--model", help="model directory or built-in asset name (e.g. smollm2-135m)")
     p.add_argument("--out", help="output directory")
-    p.add_argument("--method", help="expert-init method (see `moekit list methods`)")
-    p.add_argument("--experts", type=int, help="experts per MoE layer")
-    p.add_argument("--top-k", type=int, help="experts per token")
+    p.add_argument("--method", choices=list(declared("moekit.init", "EXPERT_INITS")),
+                   help="expert-init method; its parameters: `moekit list methods` (default: naive)")
+    p.add_argument("--experts", type=int, help="experts per MoE layer (default: 8)")
+    p.add_argument("--top-k", type=int, help="experts per token (default: 2)")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--every", type=int, help="block i becomes MoE when (i + 1) %% N == 0")
-    which.add_argument("--layers", type=int_list, help="comma-separated block indices, e.g. 0,4,8")
-    p.add_argument("--target", help="regular expression the FFN module path must match")
+    which.add_argument("--every", type=int, help="block i becomes MoE when (i + 1) %% N == 0 (default: all layers)")
+    which.add_argument("--layers", type=int_list, help="comma-separated block indices, e.g. 0,4,8 (default: all layers)")
+    p.add_argument("--target", help="regular expression the FFN module path must match (default: every FFN)")
     p.add_argument("--shared-expert", action=argparse.BooleanOptionalAction, default=None,
-                   help="add an always-on shared expert (a copy of the dense FFN)")
-    p.add_argument("--scoring", choices=["softmax_topk", "topk_softmax"], help="router scoring")
-    p.add_argument("--router-sharing", choices=["none", "all"], help="one router for all MoE layers")
-    p.add_argument("--seed", type=int)
+                   help="add an always-on shared expert, a copy of the dense FFN (default: no)")
+    p.add_argument("--scoring", choices=["softmax_topk", "topk_softmax"],
+                   help="router scoring (default: the init method's)")
+    p.add_argument("--router-sharing", choices=["none", "all"], help="one router for all MoE layers (default: none)")
+    p.add_argument("--seed", type=int, help="seed of the experts' and routers' random init (default: 0)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a spec field, e.g. init.rho=1e-3 or router.jitter=0.01 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept pickle (.bin) weights: they are converted to safetensors first (pickle runs code)")
     p.add_argument("--format", default="moekit", choices=FORMATS,
-                   help="output format (default: moekit); auto: a native transformers format when one represents "
-                        "the MoE exactly, else moekit")
+                   help="output format; auto: a native transformers format when one represents the MoE exactly, "
+                        "else moekit")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="output dtype (default: auto = the checkpoint's own); init math runs in float32")
+                   help="output dtype (auto: the checkpoint's own); init math runs in float32")
     p.add_argument("--device", default="cpu", type=device_arg,
-                   help="where the init math runs: auto, cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--max-shard-size", default="5GB", type=size_arg, help="largest output shard (default: 5GB)")
+                   help="where the init math runs: auto, cpu, cuda or cuda:N")
+    p.add_argument("--max-shard-size", default="5GB", type=size_arg, help="largest output shard")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow models whose directory ships its own Python code (auto_map); it will run")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="proceed although the dense weights or the initialized experts hold NaN or Inf")
     p.add_argument("--force", action="store_true",
                    help="proceed although the estimated memory exceeds what this machine has available")
-    p.epilog = ("Defaults: 8 experts, top-2, init naive, every FFN, no shared expert, router scoring of the method. "
-                "The checkpoint is read and written tensor by tensor (safetensors only).")
+    p.epilog = "The checkpoint is read and written tensor by tensor (safetensors only)."
     p.set_defaults(run=run)
 
 
@@ -112,6 +107,9 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 def read_recipe(args: argparse.Namespace) -> UpcycleRecipe:
     """The recipe file (or flags) with KEY=VALUE overrides, flags and `--set KEY=VALUE` (spec fields, e.g.
     init.rho, on top of the chosen method's defaults) applied in that order, then validated once."""
+    from moekit.checkpoint.upcycle import UpcycleRecipe
+    from moekit.config import apply_overrides, read_yaml, validate
+
     if args.recipe is not None and "=" in args.recipe and not Path(args.recipe).exists():
         args.recipe, args.overrides = None, [args.recipe, *args.overrides]  # no recipe, only overrides
     if args.recipe is None:
@@ -130,6 +128,8 @@ def read_recipe(args: argparse.Namespace) -> UpcycleRecipe:
 
 def inputs_of(args: argparse.Namespace, recipe: UpcycleRecipe) -> list[Path]:
     """Everything the command reads: the output may not be, or contain, any of it."""
+    from moekit.assets import model_inputs
+
     branches = getattr(recipe.spec.init, "branches", [])
     paths = [*model_inputs(recipe.model), *(p for b in branches for p in model_inputs(b))]
     return paths + ([Path(args.recipe)] if args.recipe else [])
@@ -157,6 +157,7 @@ def safetensors_of(model_dir: Path, args: argparse.Namespace, out: Path):
 
 def run(args: argparse.Namespace) -> None:
     from moekit._fs import guard, reserve
+    from moekit.assets import resolve_model
     from moekit.checkpoint.upcycle import upcycle_checkpoint
 
     recipe = read_recipe(args)
@@ -168,12 +169,11 @@ def run(args: argparse.Namespace) -> None:
         branches = [resolve_model(b, log=console.print) for b in getattr(spec.init, "branches", [])]
         if branches:
             spec = spec.model_copy(update={"init": spec.init.model_copy(update={"branches": list(map(str, branches))})})
-        with safetensors_of(model_dir, args, out) as source, progress("upcycling") as step:
+        with safetensors_of(model_dir, args, out) as source, progress():
             w = upcycle_checkpoint(source, out, spec, format=args.format, dtype=args.dtype, device=args.device,
                                    max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                                    trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite,
-                                   force=args.force, inputs=inputs, progress=lambda done, total, path: step(done, total, path),
-                                   base_model=recipe.model)
+                                   force=args.force, inputs=inputs, base_model=recipe.model)
     show = out_console().print
     show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.num_experts} experts, top-{spec.top_k}, "
          f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")

@@ -13,6 +13,7 @@ from torch import nn
 
 from moekit.eval.upcycling import param_counts
 from moekit.moe.layer import moe_layers
+from moekit.progress import report
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.permutation import permutation_test, permuted
 from moekit.routing.sites import find_sites
@@ -88,13 +89,17 @@ def _pool(rows: list[dict]) -> dict:
 
 
 def transcribe_all(model, transcriber, test: dict[str, list[Utterance]], batch_size: int) -> tuple[dict, float]:
-    """({language: hypotheses}, decoding seconds); one language per batch (Whisper's language token)."""
+    """({language: hypotheses}, decoding seconds); one language per batch (Whisper's language token). Progress:
+    "transcribing" per batch (moekit.progress)."""
     was = model.training
     model.eval()
     t0, hyps = time.perf_counter(), {}
     try:
         for lang, utts in test.items():
-            hyps[lang] = [h for chunk in _chunks(utts, batch_size) for h in transcriber.transcribe(model, chunk)]
+            hyps[lang] = []
+            for chunk in _chunks(utts, batch_size):
+                hyps[lang] += transcriber.transcribe(model, chunk)
+                report("transcribing", len(hyps[lang]), len(utts), lang)
     finally:
         model.train(was)
     return hyps, time.perf_counter() - t0

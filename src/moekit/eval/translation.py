@@ -26,6 +26,7 @@ from moekit.errors import CheckpointError, ConfigError
 from moekit.eval.upcycling import diversity, init_diversity, param_counts
 from moekit.eval.usage import fractions, inference, usage_counts
 from moekit.moe.layer import moe_layers
+from moekit.progress import report
 
 # sacreBLEU's own per-language defaults: "13a" (mteval v13a) for space-delimited scripts; Chinese is
 # split per character ("zh"); Japanese and Korean need MeCab (`pip install sacrebleu[ja]` / `[ko]`).
@@ -70,7 +71,8 @@ def _hypothesis(tokenizer, new_ids: list[int], eos: int) -> str:
 
 def translate(model: nn.Module, tokenizer, pairs: list[Pair], template: str, max_new_tokens: int = 64,
               batch_size: int = 8) -> list[str]:
-    """Greedy translations of `pairs` (one string each): prompt as in training, stop at eos."""
+    """Greedy translations of `pairs` (one string each): prompt as in training, stop at eos. Progress:
+    "generating" per batch (moekit.progress)."""
     eos, pad = _eos_pad(tokenizer)
     prompts = [tokenizer(prompt_of(p, template), add_special_tokens=False)["input_ids"] for p in pairs]
     out = []
@@ -81,6 +83,7 @@ def translate(model: nn.Module, tokenizer, pairs: list[Pair], template: str, max
                                  do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
                                  eos_token_id=eos, pad_token_id=pad)  # (B, L + new)
             out += [_hypothesis(tokenizer, row.tolist(), eos) for row in gen[:, ids.shape[1]:]]
+            report("generating", len(out), len(prompts))
     return out
 
 

@@ -71,19 +71,17 @@ def kl_dense_moe(dense_logits: Tensor, moe_logits: Tensor, labels: Tensor | None
 
 
 def param_counts(model: nn.Module) -> tuple[int, int]:
-    """(total, active) parameters; active counts k of E routed experts per MoE layer (shared tensors once),
-    or for a SIMoE model what one input uses (moekit.simoe.export.param_counts)."""
+    """(total, active) parameters; active counts k of E routed experts per MoE layer (shared tensors once) of a
+    moekit or a transformers MoE model, or for a SIMoE model what one input uses (moekit.simoe.export.param_counts)."""
+    from moekit.routing.sites import moe_sites
+
     if model_state(model).simoe is not None:
         from moekit.simoe.export import param_counts as simoe_counts
 
         counts = simoe_counts(model)
         return counts["total"], counts["active"]
     total = sum(p.numel() for p in model.parameters())  # parameters() yields shared tensors once
-    inactive = 0
-    for _, m in moe_layers(model):
-        ex = m.experts
-        per_expert = sum(p.numel() for p in ex.parameters()) // ex.num_experts
-        inactive += (ex.num_experts - m.router.top_k) * per_expert
+    inactive = sum((s.num_experts - s.top_k) * s.params_per_expert for s in moe_sites(model))
     return total, total - inactive
 
 

@@ -46,6 +46,11 @@ class RouterSite:
     top_k: int
 
     @property
+    def params_per_expert(self) -> int:
+        """Parameters of one routed expert (every parameter of the fused experts has the expert dimension)."""
+        return sum(p.numel() for p in self.experts.parameters()) // self.num_experts
+
+    @property
     def is_moekit(self) -> bool:
         return isinstance(self.block, MoELayer)
 
@@ -109,13 +114,17 @@ def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
     return None
 
 
-def find_sites(model: nn.Module, layers: str | None = None) -> list[RouterSite]:
-    """Every MoE layer of `model` in module order; `layers` is an optional regex on the block path."""
+def moe_sites(model: nn.Module) -> list[RouterSite]:
+    """Every MoE layer of `model` in module order: moekit's, else transformers v5 MoE blocks (none if dense)."""
     ours = moe_layers(model)
     if ours:
-        sites = [RouterSite(n, m, m.router, m.experts, m.router.num_experts, m.router.top_k) for n, m in ours]
-    else:
-        sites = [s for n, m in model.named_modules() if (s := _hf_site(n, m)) is not None]
+        return [RouterSite(n, m, m.router, m.experts, m.router.num_experts, m.router.top_k) for n, m in ours]
+    return [s for n, m in model.named_modules() if (s := _hf_site(n, m)) is not None]
+
+
+def find_sites(model: nn.Module, layers: str | None = None) -> list[RouterSite]:
+    """Every MoE layer of `model` in module order; `layers` is an optional regex on the block path."""
+    sites = moe_sites(model)
     if not sites:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no MoE layer moekit can read: expected moekit MoE layers or a "

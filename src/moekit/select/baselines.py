@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
+from pydantic import Field
 
 from moekit.routing.stats import activation_frequency
 from moekit.routing.trace import RoutingTrace
@@ -21,7 +22,7 @@ class RandomSelector(Selector):
     """
 
     method: Literal["random"] = "random"
-    seed: int = 0
+    seed: int = Field(0, description="seed of the random draw")
 
     def select(self, trace: RoutingTrace, target: str, budget: int | None = None) -> Selection:
         check_target(trace, target)

@@ -79,8 +79,10 @@ class ESFTSelector(Selector):
     """
 
     method: Literal["esft"] = "esft"
-    score: Literal["gate", "token"] = "token"
-    top_p: float | None = Field(None, gt=0, le=1)  # None: the paper's 0.1 (gate) or 0.2 (token)
+    score: Literal["gate", "token"] = Field("token", description="relevance: average gate score (gate, eq. 6) "
+                                                                  "or token selection ratio (token, eq. 7)")
+    top_p: float | None = Field(None, gt=0, le=1, description="cumulative relevance threshold of eq. 8 (default: "
+                                                              "the paper's 0.1 for gate, 0.2 for token)")
     needs_budget: ClassVar[bool] = False
 
     def select(self, trace: RoutingTrace, target: str, budget: int | None = None) -> Selection:

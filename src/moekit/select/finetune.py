@@ -165,8 +165,10 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     epochs; `batch_size` counts examples per optimizer step, split into `grad_accum` micro-batches. `device`:
     "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present)."""
     from transformers import Trainer, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
 
     from ..data.parallel import TranslationCollator
+    from ..train.progress import TrainProgress
 
     data = encode_lines(lines, tokenizer, max_length)
     if not data:
@@ -187,7 +189,9 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
                 logging_steps=max(1, total // 10), save_strategy="no", report_to=[], disable_tqdm=True,
                 remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=False,
                 use_cpu=device == "cpu")
-            trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad))
+            trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad),
+                              callbacks=[TrainProgress()])
+            trainer.remove_callback(PrinterCallback)  # the log dicts are returned, not printed
             trainer.train()
             return trainer.state.log_history
     finally:

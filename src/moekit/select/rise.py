@@ -83,9 +83,11 @@ class RISESelector(Selector):
     """
 
     method: Literal["rise"] = "rise"
-    alpha: float = Field(10.0, ge=0)
-    ratios: Triple = (0.35, 0.25, 0.40)  # (ρ_s, ρ_m, ρ_d), the defaults of the authors' code
-    regions: Triple = (0.375, 0.25, 0.375)  # shallow/middle/deep share of the MoE layers (RISE §3)
+    alpha: float = Field(10.0, ge=0, description="activation-magnitude weight α of eq. 8")
+    ratios: Triple = Field((0.35, 0.25, 0.40), description="budget shares ρ_s, ρ_m, ρ_d of the shallow, middle "
+                                                            "and deep regions; defaults from the authors' code")
+    regions: Triple = Field((0.375, 0.25, 0.375), description="shares of the MoE layers in the shallow, middle "
+                                                               "and deep regions (RISE §3)")
 
     @field_validator("ratios", "regions")
     @classmethod

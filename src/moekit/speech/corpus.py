@@ -14,7 +14,6 @@ import json
 import random
 import re
 import wave
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +25,10 @@ from moekit.config import Config
 from moekit.data.parallel import BIBLE_CODE, LANG_NAMES
 from moekit.errors import ConfigError
 from moekit._fs import output, reserve
+from moekit.progress import report
 from moekit.speech.tts import ESPEAK_LANG, SAMPLE_RATE, Voice, flite_voices, max_voices, require, synthesize, \
     voices_for
 
-Progress = Callable[[int, int], None]
 FIELDS = ("id", "audio", "text", "text_id", "lang", "voice", "family", "split", "seconds")
 
 
@@ -176,7 +175,7 @@ def plan(cfg: CorpusConfig) -> list[_Job]:
     return jobs
 
 
-def _synthesize_all(jobs: list[_Job], root: Path, workers: int, progress: Progress | None) -> None:
+def _synthesize_all(jobs: list[_Job], root: Path, workers: int) -> None:
     for lang in {j.lang for j in jobs}:
         (root / "audio" / lang).mkdir(parents=True)
     pool = ThreadPoolExecutor(max_workers=workers)
@@ -184,8 +183,7 @@ def _synthesize_all(jobs: list[_Job], root: Path, workers: int, progress: Progre
         futures = [pool.submit(synthesize, j.text, j.voice, root / _audio(j)) for j in jobs]
         for done, f in enumerate(as_completed(futures), 1):
             f.result()
-            if progress is not None:
-                progress(done, len(jobs))
+            report("synthesizing", done, len(jobs))
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -212,20 +210,20 @@ def _summary(cfg: CorpusConfig, rows: list[dict]) -> dict:
             "hours": sum(r["seconds"] for r in rows) / 3600, "counts": counts, "voices": voices}
 
 
-def build_corpus(cfg: CorpusConfig, out: str | Path, overwrite: bool = False, progress: Progress | None = None) -> Path:
+def build_corpus(cfg: CorpusConfig, out: str | Path, overwrite: bool = False) -> Path:
     """Synthesize the corpus `cfg` into `out` (atomically: nothing is left on failure). Everything
     that can be checked (output directory, programs, texts) is checked before synthesis starts.
-    `progress(done, total)` is called after each utterance. Deterministic in `cfg`."""
+    Progress: "synthesizing" per utterance (moekit.progress). Deterministic in `cfg`."""
     with reserve(out, cfg.inputs(), overwrite):
         for binary in ("espeak-ng", "sox", *(["flite"] if cfg.flite_test else [])):
             require(binary)
         jobs = plan(cfg)
-        return _build(cfg, jobs, out, progress)
+        return _build(cfg, jobs, out)
 
 
-def _build(cfg: CorpusConfig, jobs: list, out: str | Path, progress: Progress | None) -> Path:
+def _build(cfg: CorpusConfig, jobs: list, out: str | Path) -> Path:
     with output(out) as tmp:
-        _synthesize_all(jobs, tmp, cfg.workers, progress)
+        _synthesize_all(jobs, tmp, cfg.workers)
         rows = [{"id": j.id, "audio": _audio(j), "text": j.text, "text_id": j.text_id, "lang": j.lang,
                  "voice": j.voice.id, "family": j.voice.engine, "split": j.split,
                  "seconds": _seconds(tmp / _audio(j))} for j in jobs]

@@ -11,7 +11,7 @@ import torch
 import yaml
 from torch import nn
 from transformers import TrainerCallback
-from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerState
+from transformers.trainer_callback import PrinterCallback, TrainerState
 
 from moekit._fs import PARTIAL, output, read_small, remove
 from moekit.assets import model_inputs, resolve_model
@@ -25,6 +25,7 @@ from moekit.eval.plots import plot_curves, plot_usage
 from moekit.io import load_dense
 from moekit.methods import method
 from moekit.train.args import check_training_args, training_args
+from moekit.train.progress import TrainProgress
 from moekit.train.recipe import RecipeBase, TranslationRecipe
 from moekit.train.trainer import MoETrainer
 
@@ -84,13 +85,6 @@ def dense_reference(recipe: TranslationRecipe, dense: nn.Module, tok, test, save
     if is_main_process():
         ref.save(out)
     return ref
-
-
-class QuietProgress(ProgressCallback):
-    """A progress bar (stderr) without printing every log dict: logs go to log_history.json."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        pass
 
 
 class EvalCallback(TrainerCallback):
@@ -160,13 +154,14 @@ def report(recipe: TranslationRecipe, model, tok, test, ref, log_history) -> dic
 
 
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
-    """MoETrainer for a recipe (any task): its method's callbacks, optimizer and losses, a quiet progress bar."""
+    """MoETrainer for a recipe (any task): its method's callbacks, optimizer and losses, and progress
+    (TrainProgress)."""
     m = method(recipe.method)
     trainer = MoETrainer(model=model, args=training_args(recipe, Path(recipe.out)), train_dataset=dataset,
                          data_collator=collator, aux=recipe.aux, callbacks=[*callbacks, *m.callbacks(recipe, model)],
                          optimizers=(m.optimizer(recipe, model), None), method=m)
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(QuietProgress)
+    trainer.add_callback(TrainProgress)
     return trainer
 
 
@@ -204,7 +199,7 @@ def resume_point(out: Path, partial: Path, overwrite: bool) -> Path:
     if last is None:
         where = partial if partial.exists() else out
         raise CheckpointError(f"nothing to resume: {where} has no complete checkpoint (train.save_every saves "
-                              f"them){'' if overwrite else '; --overwrite starts the run over'}")
+                              f"them){'' if overwrite else '; overwrite=True starts the run over'}")
     check_checkpoint(last)
     return last
 
@@ -229,7 +224,7 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     if last is not None and not continues:  # continuing a finished run replaces it
         overwrite = True
     if last is None and partial.exists() and not overwrite and is_main_process():
-        raise OutputExistsError(partial, f"{partial} holds an interrupted run of {out} (--resume continues it)")
+        raise OutputExistsError(partial, f"{partial} holds an interrupted run of {out} (resume=True continues it)")
     if not is_main_process():
         yield recipe.model_copy(update={"out": str(partial)}), last
         return
