@@ -40,19 +40,12 @@ def selected_slots(model: nn.Module, spec: MoESpec) -> list[Slot]:
             raise ConfigError(f"layers {beyond} do not exist; the model has {', '.join(stacks)}")
     if not chosen:
         raise ConfigError(f"the MoE spec selects no FFN; the model has {', '.join(stacks)}")
+    G = spec.granularity
+    uneven = next((s for s in chosen if s.read().intermediate_size % G), None)
+    if uneven is not None:
+        raise ConfigError(f"granularity {G} must divide the FFN's intermediate size, but {uneven.path} has "
+                          f"{uneven.read().intermediate_size}")
     return chosen
-
-
-def added_parameters(model: nn.Module, spec: MoESpec) -> int:
-    """How many parameters upcycling `model` with `spec` adds (the model may live on the meta device): per
-    selected FFN, E - 1 more copies of its shape (+ 1 with a shared expert) and an E x H router."""
-    added = 0
-    for slot in selected_slots(model, spec):
-        ffn = slot.read()
-        size = sum(t.numel() for t in (ffn.up, ffn.down, ffn.gate, ffn.up_bias, ffn.gate_bias, ffn.down_bias)
-                   if t is not None)
-        added += size * (spec.num_experts - 1 + spec.shared_expert) + spec.num_experts * ffn.hidden_size
-    return added
 
 
 def check_finite_experts(w: ExpertWeights, path: str, method: str) -> None:
@@ -96,8 +89,8 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
     if not allow_nonfinite:
         check_finite_experts(w, slot.path, spec.init.method)
     if router is None:
-        router = Router(w.up.shape[2], spec.num_experts, spec.top_k, spec.scoring, spec.router.jitter)
-        init_router(router, spec.router_init, spec.router.init_std, gen)
+        router = Router(w.up.shape[2], spec.routed_experts, spec.routed_top_k, spec.scoring, spec.router.jitter)
+        init_router(router, spec.router_init, spec.router.init_std, gen, spec.granularity)
         router = router.to(w.up.dtype)
         if w.router is not None:
             with torch.no_grad():

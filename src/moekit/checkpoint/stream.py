@@ -204,7 +204,7 @@ class UpcycledParts(LayerParts):
 
     def __init__(self, ctx: InitContext, stored: FFNWeights, router: Callable[[], Tensor], finite: bool):
         self.ctx, self._router, self.finite, self.state = ctx, router, finite, None
-        self.num_experts, self.hidden_size = ctx.spec.num_experts, ctx.dense.hidden_size
+        self.num_experts, self.hidden_size = ctx.spec.routed_experts, ctx.dense.hidden_size
         self.stored = {id(getattr(ctx.dense, f)): getattr(stored, f) for f in FFN_FIELDS
                        if getattr(ctx.dense, f) is not None}
 
@@ -235,10 +235,10 @@ class UpcycledParts(LayerParts):
 
 def draw_router(spec: MoESpec, hidden: int, gen: torch.Generator) -> Tensor:
     """A new router's weight (E, H) in float32, as moekit.moe.build.init_router draws it."""
-    router = Router(hidden, spec.num_experts, spec.top_k, spec.scoring)
+    router = Router(hidden, spec.routed_experts, spec.routed_top_k, spec.scoring)
     from moekit.moe.build import init_router
 
-    init_router(router, spec.router_init, spec.router.init_std, gen)
+    init_router(router, spec.router_init, spec.router.init_std, gen, spec.granularity)
     return router.weight.detach()
 
 
@@ -274,8 +274,9 @@ def layout_for(ffn: FFNWeights, spec: MoESpec, dropout: float, dtype: torch.dtyp
     shared = None if not spec.shared_expert else {
         "intermediate_size": ffn.intermediate_size, "gated": ffn.gated,
         "bias": [ffn.gate_bias is not None, ffn.up_bias is not None, ffn.down_bias is not None]}
-    return {"num_experts": spec.num_experts, "top_k": spec.top_k, "scoring": spec.scoring,
-            "jitter": spec.router.jitter, "hidden_size": ffn.hidden_size, "intermediate_size": ffn.intermediate_size,
+    return {"num_experts": spec.routed_experts, "top_k": spec.routed_top_k, "scoring": spec.scoring,
+            "jitter": spec.router.jitter, "hidden_size": ffn.hidden_size,
+            "intermediate_size": ffn.intermediate_size // spec.granularity,
             "act": ffn.act, "gated": ffn.gated, "bias": ffn.has_bias, "dropout": dropout,
             "dtype": str(dtype).removeprefix("torch."), "shared": shared}
 

@@ -161,7 +161,7 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
         nbytes = write_units(tmp, units, dt, max_shard_size, progress, diversities)
         for path, m in moe_layers(moe):  # recorded in moekit.json / moekit_spec.json and the card
             m.init_diversity = diversities[path]
-        title = f"{src.name} upcycled to an MoE ({spec.num_experts} experts, top-{spec.top_k}, {spec.init.method})"
+        title = f"{src.name} upcycled to an MoE ({spec.summary}, {spec.init.method})"
         _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model or src.name, title)
         read_headers(tmp)  # the written shards parse and cover their files exactly
     for r in (reader, *branches):

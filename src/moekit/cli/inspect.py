@@ -63,4 +63,5 @@ def run(args: argparse.Namespace) -> None:
     init = spec.init.model_dump(mode="json")
     params = ", ".join(f"{k}={v}" for k, v in init.items() if k != "method")
     show(f"init: {init['method']}{f' ({params})' if params else ''}, seed {spec.seed}, "
-         f"router init {spec.router_init}, router sharing {spec.router_sharing}")
+         f"router init {spec.router_init}, router sharing {spec.router_sharing}"
+         f"{f', granularity {spec.granularity}' if spec.granularity > 1 else ''}")

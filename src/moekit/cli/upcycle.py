@@ -61,6 +61,9 @@ def add_parser(sub) -> None:
     p.add_argument("--method", help="expert-init method (see `moekit list methods`)")
     p.add_argument("--experts", type=int, help="experts per MoE layer")
     p.add_argument("--top-k", type=int, help="experts per token")
+    p.add_argument("--granularity", type=int, metavar="G",
+                   help="cut each FFN into G shards: experts x G experts of 1/G the width, top-k x G per token "
+                        "(He et al. 2024; with --method scaled_copy)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--every", type=int, help="block i becomes MoE when (i + 1) %% N == 0")
     which.add_argument("--layers", type=int_list, help="comma-separated block indices, e.g. 0,4,8")
@@ -98,7 +101,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     """The recipe fields set by flags, as `key=<JSON>` overrides (JSON is valid YAML, so values
     such as regular expressions reach the recipe unchanged)."""
     given = {"model": args.model, "out": args.out, "spec.num_experts": args.experts, "spec.top_k": args.top_k,
-             "spec.target": args.target, "spec.shared_expert": args.shared_expert,
+             "spec.granularity": args.granularity, "spec.target": args.target, "spec.shared_expert": args.shared_expert,
              "spec.router.scoring": args.scoring, "spec.router_sharing": args.router_sharing,
              "spec.seed": args.seed, "spec.init": None if args.method is None else {"method": args.method}}
     values = {k: v for k, v in given.items() if v is not None}
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
                                    force=args.force, inputs=inputs, progress=lambda done, total, path: step(done, total, path),
                                    base_model=recipe.model)
     show = out_console().print
-    show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.num_experts} experts, top-{spec.top_k}, "
+    show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.summary}, "
          f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")
     show(f"parameters: total {human(w.params[0])}, active {human(w.params[1])}")
     show(f"format {w.format}: {w.why}")

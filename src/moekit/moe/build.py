@@ -12,12 +12,17 @@ from moekit.moe.router import Router
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
-def init_router(router: Router, how: str, std: float, gen: torch.Generator) -> None:
+def init_router(router: Router, how: str, std: float, gen: torch.Generator, granularity: int = 1) -> None:
+    """Zeros, or N(0, std²) entries. With granularity G, one row is drawn per group of G consecutive experts and
+    repeated over the group (He et al. 2024's virtual groups: the G shards of a dense FFN tie, so the router
+    picks them together at init; Megatron-Core's upcycling router)."""
     with torch.no_grad():
         if how == "zeros":
             router.weight.zero_()
         else:
-            router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * std)
+            E, H = router.weight.shape
+            rows = torch.randn((E // granularity, H), generator=gen) * std  # (E/G, H)
+            router.weight.copy_(rows.repeat_interleave(granularity, dim=0))  # (E, H)
 
 
 def build_moe(w: ExpertWeights, router: Router, dropout: float = 0.0) -> MoELayer:

@@ -26,6 +26,13 @@ class MoESpec(Config):
     `layers=[...]` lists block indices, neither means all. `target` is a regular expression the
     FFN's module path must match (e.g. "encoder" for Whisper's encoder only).
 
+    `granularity` G (He et al. 2024, arXiv:2410.07524, granular upcycling; Megatron-Core's upcycling
+    granularity): each dense FFN's intermediate dimension I is cut into G contiguous shards, so a layer has
+    E·G routed experts of width I/G (expert e·G + g is shard g of copy e) and its router picks k·G of them.
+    `num_experts` and `top_k` stay the number of copies E and of copies per token k; `routed_experts` and
+    `routed_top_k` are what the router sees. I must be divisible by G; only init methods that declare
+    `granular` (scaled_copy) accept G > 1.
+
     `router_sharing` (Omni-router, Gu et al. 2025, eq. 4.1): "none" gives every MoE layer its own
     router; "all" makes one router module serve every MoE layer (each feeds it its own hidden
     state); a mapping {group name: regular expression} shares one router among the MoE layers whose
@@ -35,6 +42,7 @@ class MoESpec(Config):
 
     num_experts: int = Field(8, ge=1)
     top_k: int = Field(2, ge=1)
+    granularity: int = Field(1, ge=1)
     every: int | None = Field(None, ge=1)
     layers: list[int] | None = None
     target: str | None = None
@@ -92,16 +100,40 @@ class MoESpec(Config):
             raise ValueError("give either every or layers, not both")
         if self.layers is not None and any(i < 0 for i in self.layers):
             raise ValueError("layers must be non-negative block indices")
+        if self.granularity > 1 and not self.init.granular:
+            from moekit.init import EXPERT_INITS
+
+            able = [m for m in EXPERT_INITS.names() if EXPERT_INITS.get(m).granular]
+            raise ValueError(f"granularity {self.granularity} (experts cut into shards of the dense FFN) works with "
+                             f"init {' or '.join(able)} only, not {self.init.method}")
         self.init.check(self)
         return self
 
     @property
+    def routed_experts(self) -> int:
+        """Experts per MoE layer as the router sees them: E·G."""
+        return self.num_experts * self.granularity
+
+    @property
+    def routed_top_k(self) -> int:
+        """Experts per token as the router picks them: k·G."""
+        return self.top_k * self.granularity
+
+    @property
+    def summary(self) -> str:
+        """E.g. "8 experts, top-2", or with granularity 2: "16 experts (8 copies x 2 shards), top-4"."""
+        if self.granularity == 1:
+            return f"{self.num_experts} experts, top-{self.top_k}"
+        return (f"{self.routed_experts} experts ({self.num_experts} copies x {self.granularity} shards), "
+                f"top-{self.routed_top_k}")
+
+    @property
     def scoring(self) -> Scoring:
-        return self.router.scoring or self.init.default_scoring
+        return self.router.scoring or self.init.scoring_default(self)
 
     @property
     def router_init(self) -> str:
-        return self.router.init or self.init.default_router_init
+        return self.router.init or self.init.router_init_default(self)
 
     def router_group(self, path: str) -> str | None:
         """The name of the router-sharing group of the MoE layer at `path` (None: a router of its own)."""
