@@ -16,8 +16,9 @@ from moekit.ffn import ExpertWeights
 from moekit.init.base import InitContext
 from moekit.metrics import expert_diversity
 from moekit.moe.build import build_moe, init_router
+from moekit.moe.prompts import prompt_rows
 from moekit.moe.router import Router
-from moekit.moe.spec import MoESpec
+from moekit.moe.spec import PROMPT_INITS, MoESpec
 from moekit.surgery import Slot, find_slots
 from moekit.state import model_state
 
@@ -61,15 +62,21 @@ def check_finite_experts(w: ExpertWeights, path: str, method: str) -> None:
                                 "pass --allow-nonfinite to proceed anyway")
 
 
+def check_branches(model: nn.Module, branches: list[nn.Module], method: str) -> None:
+    """Every branch (source model) has the base model's parameter names and shapes."""
+    target = model.state_dict()
+    for i, b in enumerate(branches):
+        st = b.state_dict()
+        if st.keys() != target.keys() or any(st[k].shape != v.shape for k, v in target.items()):
+            raise ConfigError(f"{method} branch {i} does not have the architecture of the base model "
+                              "(parameter names or shapes differ)")
+
+
 def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: list[str], seed: bool) -> None:
     """BTX: every non-FFN parameter of `model` becomes the mean over the branches (and over the seed
     `model` itself, with `seed`)."""
     target = model.state_dict()
     states = [b.state_dict() for b in branches] + ([{k: v.clone() for k, v in target.items()}] if seed else [])
-    for i, st in enumerate(states):
-        if st.keys() != target.keys() or any(st[k].shape != v.shape for k, v in target.items()):
-            raise ConfigError(f"btx branch {i} does not have the architecture of the base model "
-                              "(parameter names or shapes differ)")
     with torch.no_grad():
         for k, v in target.items():
             if v.is_floating_point() and not any(k.startswith(p + ".") for p in ffn_paths):
@@ -77,9 +84,10 @@ def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: lis
 
 
 def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Router | None,
-                 allow_nonfinite: bool = False) -> Router:
-    """Replace one dense FFN by an MoE layer; returns its router (`router` if one is given to share).
-    A function of its own so that the layer's temporaries are freed before the next layer starts."""
+                 allow_nonfinite: bool = False, rows: torch.Tensor | None = None) -> Router:
+    """Replace one dense FFN by an MoE layer; returns its router (`router` if one is given to share; else one
+    made by init_router, from `rows` for the prompt inits). A function of its own so that the layer's
+    temporaries are freed before the next layer starts."""
     gen = layer_generator(spec.seed, slot.path)
     dense = slot.read()
     ctx = InitContext(dense=dense.math(), spec=spec, generator=gen, path=slot.path,
@@ -90,7 +98,7 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
         check_finite_experts(w, slot.path, spec.init.method)
     if router is None:
         router = Router(w.up.shape[2], spec.routed_experts, spec.routed_top_k, spec.scoring, spec.router.jitter)
-        init_router(router, spec.router_init, spec.router.init_std, gen, spec.granularity)
+        init_router(router, spec, gen, rows)
         router = router.to(w.up.dtype)
         if w.router is not None:
             with torch.no_grad():
@@ -135,26 +143,32 @@ def release_freed_memory() -> None:
 
 
 def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = None,
-            progress: Callable[[str], None] | None = None, allow_nonfinite: bool = False) -> nn.Module:
+            progress: Callable[[str], None] | None = None, allow_nonfinite: bool = False,
+            tokenizer=None) -> nn.Module:
     """Replace the FFNs `spec` selects by MoE layers initialized with `spec.init`. Returns `model`.
 
     Works layer by layer (read dense FFN -> init experts -> install), so at most one extra layer's
-    experts are alive beside the model at any time. Non-finite expert weights are a NumericsError unless
-    `allow_nonfinite`.
+    experts are alive beside the model at any time. `branches` are the models of spec.init.source_models() (btx,
+    sources); `tokenizer` tokenizes the router prompts (router.init hidden or cheap_embed), whose rows are computed
+    on the dense model first. Non-finite expert weights are a NumericsError unless `allow_nonfinite`.
     """
     slots = selected_slots(model, spec)
     branch_slots: list[dict[str, Slot]] = []
     if spec.init.needs_branches:
-        need = len(spec.init.branches)
+        need = len(spec.init.source_models())
         if not branches or len(branches) != need:
             raise ConfigError(f"{spec.init.method} needs {need} branch models, got {len(branches or [])}")
+        check_branches(model, branches, spec.init.method)
         branch_slots = [{s.path: s for s in find_slots(b)} for b in branches]
-        average_branches(model, branches, [s.path for s in slots], spec.init.include_seed)
+        if spec.init.averages_non_ffn:
+            average_branches(model, branches, [s.path for s in slots], spec.init.include_seed)
     groups = router_groups(slots, spec)  # checked before any layer changes
+    rows = prompt_rows(model, slots, spec, tokenizer) if spec.router_init in PROMPT_INITS else {}
     routers: dict[str, Router] = {}  # router-sharing group -> its router (Omni-router)
     for slot in slots:
         group = groups[slot.path]
-        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], routers.get(group), allow_nonfinite)
+        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], routers.get(group), allow_nonfinite,
+                              rows.get(slot.path))
         if group is not None:
             routers.setdefault(group, router)
         release_freed_memory()  # this layer's temporaries are gone: hand them back before the next

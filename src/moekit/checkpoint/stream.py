@@ -233,12 +233,13 @@ class UpcycledParts(LayerParts):
         return self._router()
 
 
-def draw_router(spec: MoESpec, hidden: int, gen: torch.Generator) -> Tensor:
-    """A new router's weight (E, H) in float32, as moekit.moe.build.init_router draws it."""
+def draw_router(spec: MoESpec, hidden: int, gen: torch.Generator, rows: Tensor | None = None) -> Tensor:
+    """A new router's weight (E, H) in float32, as moekit.moe.build.init_router makes it (from prompt `rows`
+    for the prompt inits)."""
     router = Router(hidden, spec.routed_experts, spec.routed_top_k, spec.scoring)
     from moekit.moe.build import init_router
 
-    init_router(router, spec.router_init, spec.router.init_std, gen, spec.granularity)
+    init_router(router, spec, gen, rows)
     return router.weight.detach()
 
 

@@ -21,7 +21,7 @@ class InitContext:
     dense: FFNWeights  # the dense FFN being replaced
     spec: MoESpec
     generator: torch.Generator  # seeded per layer from spec.seed and the layer path
-    branches: list[FFNWeights] = field(default_factory=list)  # same FFN in each branch (BTX only)
+    branches: list[FFNWeights] = field(default_factory=list)  # same FFN in each of init.source_models()
     path: str = ""  # module path, for messages
 
 
@@ -34,8 +34,18 @@ class ExpertInitConfig(Config):
     method: str
     default_scoring: ClassVar[str] = "topk_softmax"
     default_router_init: ClassVar[str] = "normal"
-    needs_branches: ClassVar[bool] = False
+    needs_branches: ClassVar[bool] = False  # reads FFNs from source_models() (upcycle's `branches` models)
+    averages_non_ffn: ClassVar[bool] = False  # non-FFN weights = the mean over the branches (btx), else the base's
     granular: ClassVar[bool] = False  # accepts MoESpec.granularity > 1 (experts i = 0 .. E·G-1 are then shards)
+
+    def source_models(self) -> list[str]:
+        """The checkpoints besides the base model whose FFNs this method reads, in the order of
+        InitContext.branches."""
+        return []
+
+    def with_source_models(self, paths: list[str]) -> ExpertInitConfig:
+        """This config reading `paths` (e.g. resolved locations) in place of source_models()."""
+        return self
 
     def scoring_default(self, spec: MoESpec) -> str:
         """The router scoring when the spec names none."""

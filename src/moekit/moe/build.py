@@ -1,6 +1,8 @@
 """Build MoE layers from ExpertWeights (upcycling) or from a recorded layout (loading)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.initialization import no_init_weights
 
@@ -8,21 +10,30 @@ from moekit.ffn import ExpertWeights, FFNWeights
 from moekit.moe.experts import Experts
 from moekit.moe.layer import MoELayer, SharedExpert
 from moekit.moe.router import Router
+from moekit.moe.spec import PROMPT_INITS, MoESpec
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
-def init_router(router: Router, how: str, std: float, gen: torch.Generator, granularity: int = 1) -> None:
-    """Zeros, or N(0, std²) entries. With granularity G, one row is drawn per group of G consecutive experts and
-    repeated over the group (He et al. 2024's virtual groups: the G shards of a dense FFN tie, so the router
-    picks them together at init; Megatron-Core's upcycling router)."""
+def init_router(router: Router, spec: MoESpec, gen: torch.Generator, rows: torch.Tensor | None = None) -> None:
+    """The router's weight per `spec.router_init`: zeros; normal, N(0, init_std²); uniform, U(±1/√H) as
+    torch.nn.Linear; hidden or cheap_embed, the given prompt `rows` (E, H) (moekit.moe.prompts). With granularity
+    G, one row serves each group of G consecutive experts, repeated over the group (He et al. 2024's virtual
+    groups: the G shards of a dense FFN tie, so the router picks them together at init; Megatron-Core's
+    upcycling router)."""
+    how, G = spec.router_init, spec.granularity
+    E, H = router.weight.shape
     with torch.no_grad():
         if how == "zeros":
             router.weight.zero_()
+            return
+        if how in PROMPT_INITS:
+            base = rows  # (E/G, H)
+        elif how == "uniform":
+            base = (torch.rand((E // G, H), generator=gen) * 2 - 1) / math.sqrt(H)  # (E/G, H)
         else:
-            E, H = router.weight.shape
-            rows = torch.randn((E // granularity, H), generator=gen) * std  # (E/G, H)
-            router.weight.copy_(rows.repeat_interleave(granularity, dim=0))  # (E, H)
+            base = torch.randn((E // G, H), generator=gen) * spec.router.init_std  # (E/G, H)
+        router.weight.copy_(base.repeat_interleave(G, dim=0))  # (E, H)
 
 
 def build_moe(w: ExpertWeights, router: Router, dropout: float = 0.0) -> MoELayer:

@@ -11,11 +11,35 @@ from moekit.errors import ConfigError
 from moekit.moe.router import Scoring
 
 
+PROMPT_INITS = ("hidden", "cheap_embed")  # router inits computed from prompts (moekit.moe.prompts)
+
+
+class ExpertPrompts(Config):
+    """Texts one expert should (positive) and should not (negative) receive: mergekit-moe's positive_prompts and
+    negative_prompts of one expert."""
+
+    positive: list[str] = Field(min_length=1)
+    negative: list[str] = []
+
+
 class RouterSpec(Config):
+    """How routers score and start. `init`: normal, N(0, init_std²) entries; zeros; uniform, U(±1/√H) as
+    torch.nn.Linear (mergekit-moe's uniform_random); hidden or cheap_embed, rows computed from `prompts`, one
+    entry per expert (mergekit-moe's gate modes; moekit.moe.prompts), `pool` choosing the hidden state of each
+    prompt's last token (mergekit's hidden) or the mean over its tokens. None: the init method's default."""
+
     scoring: Scoring | None = None  # None -> the init method's default (see ExpertInitConfig)
     jitter: float = Field(0.0, ge=0.0, lt=1.0)
-    init: Literal["normal", "zeros"] | None = None  # None -> the init method's default
+    init: Literal["normal", "zeros", "uniform", "hidden", "cheap_embed"] | None = None
     init_std: float = Field(0.02, gt=0.0)
+    prompts: list[ExpertPrompts] | None = None
+    pool: Literal["last", "mean"] = "last"
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterSpec:
+        if (self.prompts is not None) != (self.init in PROMPT_INITS):
+            raise ValueError(f"router.prompts go with router.init {' or '.join(PROMPT_INITS)}, and those need them")
+        return self
 
 
 class MoESpec(Config):
@@ -107,7 +131,21 @@ class MoESpec(Config):
             raise ValueError(f"granularity {self.granularity} (experts cut into shards of the dense FFN) works with "
                              f"init {' or '.join(able)} only, not {self.init.method}")
         self.init.check(self)
+        self._check_prompts()
         return self
+
+    def _check_prompts(self) -> None:
+        prompts = self.router.prompts
+        if prompts is None:
+            return
+        if len(prompts) != self.num_experts:
+            raise ValueError(f"router.prompts has {len(prompts)} entries for {self.num_experts} experts; give one "
+                             "per expert")
+        if self.num_experts > 1 and all(p == prompts[0] for p in prompts[1:]):
+            raise ValueError("every expert has the same router prompts, so every expert gets the same router row: "
+                             "give each expert prompts of what it should receive")
+        if self.router.init == "hidden" and self.router_sharing != "none":
+            raise ValueError("router.init hidden gives each MoE layer its own router rows; use router_sharing none")
 
     @property
     def routed_experts(self) -> int:

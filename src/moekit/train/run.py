@@ -58,13 +58,14 @@ def load_base(recipe: Recipe, path: Path) -> nn.Module:
     return load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)
 
 
-def adapt(recipe: Recipe, model: nn.Module) -> nn.Module:
-    """The model the recipe trains: upcycled (in place), wrapped with LoRA, or the dense model itself."""
+def adapt(recipe: Recipe, model: nn.Module, tokenizer=None) -> nn.Module:
+    """The model the recipe trains: upcycled (in place; `tokenizer` for router prompts), wrapped with LoRA, or
+    the dense model itself."""
     if recipe.method == "moe":
         m = recipe.model
         branches = [load_dense(resolve_model(b), m.allow_pickle, m.trust_remote_code, model.dtype)
-                    for b in getattr(recipe.moe.init, "branches", [])]  # BTX: one trained branch per expert
-        upcycle(model, recipe.moe, branches or None)
+                    for b in recipe.moe.init.source_models()]  # btx, sources: the FFNs' models
+        upcycle(model, recipe.moe, branches or None, tokenizer=tokenizer)
     elif recipe.method == "simoe":
         simoe_upcycle(model, recipe.simoe)
     elif recipe.method == "lora":
@@ -214,7 +215,8 @@ def recipe_inputs(recipe) -> list[Path]:
     """Every local file or directory a recipe reads (base model, BTX branches, data files, speech corpus):
     the run directory may not be, or contain, any of them."""
     d, init = recipe.data, getattr(getattr(recipe, "moe", None), "init", None)
-    paths = [*model_inputs(recipe.model.path), *(p for b in getattr(init, "branches", []) for p in model_inputs(b))]
+    sources = [] if init is None else init.source_models()
+    paths = [*model_inputs(recipe.model.path), *(p for b in sources for p in model_inputs(b))]
     files = [*getattr(d, "train_files", []), *getattr(d, "test_files", []), getattr(d, "corpus", None)]
     return paths + [Path(f) for f in files if f]
 
@@ -302,7 +304,7 @@ def _train(recipe: Recipe, last: Path | None, callbacks, final_out: str) -> MoET
         raise ConfigError(f"no training example keeps a target token within data.max_length={d.max_length}")
     model = load_base(recipe, path)
     ref = dense_reference(recipe, model, tok, test, None if last is None else last.parent.parent)  # before adapting
-    model = adapt(recipe, model)
+    model = adapt(recipe, model, tok)
     evaluator = EvalCallback(recipe, tok, test, ref)
     trainer = make_trainer(recipe, model, dataset, TranslationCollator(tok.pad_token_id), [evaluator, *callbacks])
     evaluator.trainer = trainer
