@@ -18,6 +18,7 @@ from moekit.upcycling import upcycle
 PROMPTS = [(["hello world", "good day to you"], []),
            (["def f(x): return x", "x = 1; y = 2"], ["hello"]),
            (["2 + 2 = 4", "12 x 3 is 36", "7"], ["def", "world"])]
+SHARED = (["the", "and so on"], [])
 NON_FFN = "mlp"
 
 
@@ -60,7 +61,7 @@ def unit(v):
     return v / v.norm(dim=-1, keepdim=True).clamp(min=1e-8)
 
 
-def mergekit_rows(base, gate_mode) -> torch.Tensor:
+def mergekit_rows(base, gate_mode, prompts=PROMPTS) -> torch.Tensor:
     """(layers, experts, H) router rows by mergekit-moe's definition, with output_hidden_states (in float32)."""
     model = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     tok = tf.AutoTokenizer.from_pretrained(base)
@@ -77,7 +78,7 @@ def mergekit_rows(base, gate_mode) -> torch.Tensor:
         return unit((h * enc["attention_mask"].unsqueeze(-1)).sum((0, 1))).expand(L, -1)
 
     f = hidden if gate_mode == "hidden" else cheap
-    return torch.stack([unit(f(pos) - f(neg) if neg else f(pos)) for pos, neg in PROMPTS], dim=1)
+    return torch.stack([unit(f(pos) - f(neg) if neg else f(pos)) for pos, neg in prompts], dim=1)
 
 
 def tree(folder) -> dict:
@@ -110,43 +111,83 @@ def test_mergekit_config_runs_unchanged_to_mixtral(models, tmp_path, run, gate_m
     assert (out / "tokenizer.json").is_file()
 
 
-def test_pooling_and_streaming_equal_in_memory(models, tmp_path):
-    """hidden_avg (mean over prompt tokens), residual_scale and noise_scale: streamed tensors bit-identical to
-    moekit.upcycle's; residual_scale multiplies the down projection exactly."""
+@pytest.mark.parametrize("router", [
+    {"init": "hidden", "pool": "mean", "prompts": [{"positive": p, "negative": n} for p, n in PROMPTS],
+     "shared_prompts": {"positive": SHARED[0]}},
+    {"init": "normal"}])
+def test_pooling_scaling_and_shared_gate_stream_as_in_memory(models, tmp_path, router):
+    """hidden with mean pooling, residual_scale, noise_scale (on the shared expert too) and a prompted shared gate:
+    the streamed moekit and Qwen2-MoE tensors are bit-identical to moekit.upcycle's (and its export's: the formats
+    ask for the shared expert and the router in different orders, the draws keep one); residual_scale multiplies
+    the down projection exactly."""
+    from moekit.export import EXPORTERS
+
     spec = validate(MoESpec, {
-        "num_experts": 3, "top_k": 2, "router": {"init": "hidden", "pool": "mean", "scoring": "topk_softmax",
-                                                 "prompts": [{"positive": p, "negative": n} for p, n in PROMPTS]},
+        "num_experts": 3, "top_k": 2, "shared_expert": True, "shared_gate": True,
+        "router": {"scoring": "topk_softmax", **router},
         "init": {"method": "sources", "branches": [str(models / f"m{i}") for i in (1, 2, 3)],
-                 "scaling": [{"residual_scale": 0.5}, {"noise_scale": 0.01}, {}]}})
+                 "shared_source": str(models / "m3"),
+                 "scaling": [{"residual_scale": 0.5}, {"noise_scale": 0.01}, {}, {"noise_scale": 0.01}]}})
     upcycle_checkpoint(models / "m0", tmp_path / "moe", spec)
-    ref = upcycle(load_dense(models / "m0"), spec, [load_dense(models / f"m{i}") for i in (1, 2, 3)],
+    upcycle_checkpoint(models / "m0", tmp_path / "q2", spec, format="qwen2_moe")
+    ref = upcycle(load_dense(models / "m0"), spec, [load_dense(models / f"m{i}") for i in (1, 2, 3, 3)],
                   tokenizer=tf.AutoTokenizer.from_pretrained(models / "m0"))
-    got, want = load(tmp_path / "moe").state_dict(), ref.state_dict()
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    down = want["model.layers.2.mlp.experts.down"]
+    for got, want in ((load(tmp_path / "moe").state_dict(), ref.state_dict()),
+                      (tf.AutoModelForCausalLM.from_pretrained(tmp_path / "q2").state_dict(),
+                       EXPORTERS.get("qwen2_moe")(ref).state_dict())):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    down = ref.model.layers[2].mlp.experts.down
     assert torch.equal(down[0], load_dense(models / "m1").model.layers[2].mlp.down_proj.weight * 0.5)
     assert 0 < (down[1] - load_dense(models / "m2").model.layers[2].mlp.down_proj.weight).abs().max() < 0.1
 
 
-def test_shared_expert_and_architecture(models, tmp_path, run):
-    """architecture: qwen with one shared expert -> Qwen2-MoE; deepseek -> moekit's format (no transformers
-    class); both hold the shared source's FFN and equal each other."""
-    cfg = config(models, "random", shared_experts=[{"source_model": str(models / "m3")}])
-    outs = {}
-    for arch in ("qwen", "deepseek"):
-        outs[arch] = tmp_path / arch
-        rc, stdout, err = run("upcycle", write(tmp_path / f"{arch}.yml", {**cfg, "architecture": arch}), outs[arch])
+@pytest.mark.parametrize("gate_mode", ["hidden", "random"])
+def test_qwen_gates_the_shared_expert(models, tmp_path, run, gate_mode):
+    """architecture qwen: Qwen2-MoE whose shared expert is its source's FFN behind Qwen-MoE's sigmoid gate, the row of
+    the shared expert's prompts (hidden, by mergekit's definition) or a drawn one (random); moekit's own format of
+    the same config gives the same logits."""
+    shared = [{"source_model": str(models / "m3"), "positive_prompts": SHARED[0]}]
+    cfg = write(tmp_path / "qwen.yml", config(models, gate_mode, architecture="qwen", shared_experts=shared))
+    for out, flags in ((tmp_path / "qwen", []), (tmp_path / "moekit", ["--format", "moekit"])):
+        rc, _, err = run("upcycle", cfg, out, *flags)
         assert rc == 0, err
-    native, moe = tf.AutoModelForCausalLM.from_pretrained(outs["qwen"]), load(outs["deepseek"])
-    assert type(native) is tf.Qwen2MoeForCausalLM and (outs["deepseek"] / "moekit.json").is_file()
-    shared = moe.model.layers[1].mlp.shared
-    assert torch.equal(shared.up_proj.weight, load_dense(models / "m3").model.layers[1].mlp.up_proj.weight)
+    native, moe = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen"), load(tmp_path / "moekit")
+    assert type(native) is tf.Qwen2MoeForCausalLM
+    mlp, src = native.model.layers[1].mlp, load_dense(models / "m3").model.layers[1].mlp
+    assert all(torch.equal(getattr(mlp.shared_expert, n).weight, getattr(src, n).weight)
+               for n in ("gate_proj", "up_proj", "down_proj"))
+    gate = mlp.shared_expert_gate.weight.detach()
+    if gate_mode == "hidden":
+        torch.testing.assert_close(gate[0], mergekit_rows(models / "m0", "hidden", [SHARED])[1, 0], rtol=0, atol=1e-5)
+    else:
+        assert gate.abs().min() > 0
+    assert torch.equal(moe.model.layers[1].mlp.shared_gate.weight, gate)
     x = tiny_inputs(moe)
     torch.testing.assert_close(logits(native, x), logits(moe, x), rtol=0, atol=1e-5)
 
 
+def test_deepseek_shared_expert_is_ungated(models, tmp_path, run):
+    """architecture deepseek: moekit's format (transformers has no DeepSeek-MoE class), the shared expert always on,
+    residual_scale on its down projection; Qwen2-MoE holds the same MoE exactly; prompts on it are refused."""
+    shared = [{"source_model": str(models / "m3"), "residual_scale": 0.5}]
+    cfg = write(tmp_path / "ds.yml", config(models, "random", architecture="deepseek", shared_experts=shared))
+    for out, flags in ((tmp_path / "ds", []), (tmp_path / "q2", ["--format", "qwen2_moe"])):
+        rc, _, err = run("upcycle", cfg, out, *flags)
+        assert rc == 0, err
+    moe = load(tmp_path / "ds")
+    mlp = moe.model.layers[1].mlp
+    assert mlp.shared_gate is None
+    assert torch.equal(mlp.shared.down_proj.weight, load_dense(models / "m3").model.layers[1].mlp.down_proj.weight * 0.5)
+    x = tiny_inputs(moe)
+    torch.testing.assert_close(logits(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "q2"), x), logits(moe, x),
+                               rtol=0, atol=1e-5)
+    data = config(models, "random", architecture="deepseek", shared_experts=[{**shared[0], "positive_prompts": ["a"]}])
+    assert "takes no prompts" in refused(run, tmp_path / "refused", data)
+
+
 def refused(run, tmp_path, data, *flags) -> str:
     """The command fails with one error line and writes nothing (the output's parent is unchanged)."""
+    tmp_path.mkdir(exist_ok=True)
     cfg = write(tmp_path / "mergekit.yml", data)
     before = tree(tmp_path)
     rc, _, err = run("upcycle", cfg, tmp_path / "out", *flags)

@@ -359,12 +359,16 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
     check a spec and estimate sizes before any weight is read. With `buffers`, only the parameters are on the meta
     device and buffers (e.g. rotary frequencies) are real: a model whose weights can be assigned piece by piece
     and run (moekit.moe.prompts)."""
-    from accelerate import init_empty_weights
-
     path = check_dense_dir(path)
     config = load_config(path, trust_remote_code)
     arch = (getattr(config, "architectures", None) or [None])[0]
-    with init_empty_weights(include_buffers=False) if buffers else torch.device("meta"), no_init_weights():
+    if buffers:
+        from accelerate import init_empty_weights
+
+        where = init_empty_weights(include_buffers=False)
+    else:
+        where = torch.device("meta")
+    with where, no_init_weights():
         if arch and not trust_remote_code:
             model = model_class(arch, path)._from_config(config)
         else:

@@ -3,8 +3,9 @@
 Key by key: `base_model` -> the model upcycled (every weight but the FFNs); `experts[i].source_model` -> routed
 expert i's FFN (init `sources`); its `positive_prompts` / `negative_prompts` -> router.prompts[i]; `noise_scale`
 / `residual_scale` -> init.scaling; `gate_mode` -> router.init (GATE_MODES); `experts_per_token` -> top_k;
-`shared_experts` (at most one) -> the shared expert and its model; `dtype` -> the output dtype; `architecture`
--> the output format (ARCHITECTURES). Every decoder layer becomes an MoE layer whose top-k weights are
+`shared_experts` (at most one) -> the shared expert and its model, gated as Qwen-MoE's where mergekit writes Qwen
+MoE (`shared_gated`; its prompts -> router.shared_prompts); `dtype` -> the output dtype; `architecture` -> the
+output format (ARCHITECTURES). Every decoder layer becomes an MoE layer whose top-k weights are
 renormalized (topk_softmax), as in all of mergekit's outputs. The YAML is untrusted: read with yaml.safe_load
 (moekit.config.read_yaml), every key checked.
 """
@@ -97,7 +98,28 @@ def output_dtype(cfg: MergekitMoE) -> str:
     return name
 
 
-def _router(cfg: MergekitMoE) -> dict:
+def _prompts(e: MergekitExpert) -> dict:
+    return {"positive": e.positive_prompts, "negative": e.negative_prompts or []}
+
+
+def shared_gated(cfg: MergekitMoE, source: str) -> bool:
+    """Whether the shared expert gets Qwen-MoE's sigmoid gate: where mergekit writes Qwen MoE, i.e. the shared
+    expert has prompts (its gate row), or `architecture` is qwen with a random gate_mode (a random gate row).
+    DeepSeek-MoE's shared expert is ungated and takes no prompts."""
+    shared = cfg.shared_experts[0] if cfg.shared_experts else None
+    if shared is None:
+        return False
+    if shared.negative_prompts and not shared.positive_prompts:
+        raise ConfigError(f"{source}: shared_experts[0] has negative_prompts but no positive_prompts")
+    fmt = output_format(cfg)
+    if shared.positive_prompts and fmt == "moekit":
+        raise ConfigError(f"{source}: architecture {cfg.architecture} has no gate on its shared expert, so "
+                          "shared_experts[0] takes no prompts (architecture qwen has one)")
+    return bool(shared.positive_prompts) or (fmt == "qwen2_moe" and GATE_MODES[cfg.gate_mode]["init"] in
+                                             ("normal", "uniform"))
+
+
+def _router(cfg: MergekitMoE, gated: bool) -> dict:
     router = {"scoring": "topk_softmax", **GATE_MODES[cfg.gate_mode]}
     if router["init"] not in ("hidden", "cheap_embed"):
         return router
@@ -105,17 +127,15 @@ def _router(cfg: MergekitMoE) -> dict:
     if missing is not None:
         raise ConfigError(f"experts[{missing}] has no positive_prompts, which gate_mode {cfg.gate_mode} needs (or use "
                           "gate_mode random)")
-    return {**router, "prompts": [{"positive": e.positive_prompts, "negative": e.negative_prompts or []}
-                                  for e in cfg.experts]}
+    return {**router, "prompts": [_prompts(e) for e in cfg.experts],
+            **({"shared_prompts": _prompts(cfg.shared_experts[0])} if gated else {})}
 
 
 def to_spec(cfg: MergekitMoE, source: str, allow_same: bool = False, seed: int = 0) -> MoESpec:
     """The MoESpec of a mergekit-moe config (module docstring); `allow_same` builds experts that all come from one
     model (mergekit's --i-understand-this-is-not-useful-without-training)."""
     shared = cfg.shared_experts[0] if cfg.shared_experts else None
-    if shared is not None and (shared.positive_prompts or shared.negative_prompts):
-        raise ConfigError(f"{source}: shared_experts[0] has prompts, which set a Qwen-MoE sigmoid gate on the shared "
-                          "expert; moekit's shared expert is always on (ungated, as DeepSeek-MoE's): remove them")
+    gated = shared_gated(cfg, source)
     models = [e.source_model for e in cfg.experts]
     if len(models) > 1 and len(set(models)) == 1 and not allow_same:
         raise ConfigError(f"{source}: every expert is {models[0]}, so the MoE would compute what that model computes at "
@@ -128,5 +148,6 @@ def to_spec(cfg: MergekitMoE, source: str, allow_same: bool = False, seed: int =
             "scaling": [{"noise_scale": e.noise_scale or 0.0, "residual_scale": 1.0 if e.residual_scale is None
                          else e.residual_scale} for e in sources] if scaled else []}
     return validate(MoESpec, {"num_experts": len(cfg.experts), "top_k": cfg.experts_per_token, "init": init,
-                              "shared_expert": shared is not None, "router": _router(cfg), "seed": seed},
+                              "shared_expert": shared is not None, "shared_gate": gated, "router": _router(cfg, gated),
+                              "seed": seed},
                     source=source)

@@ -15,7 +15,7 @@ from moekit.errors import ConfigError, NumericsError
 from moekit.ffn import ExpertWeights
 from moekit.init.base import InitContext
 from moekit.metrics import expert_diversity
-from moekit.moe.build import build_moe, init_router
+from moekit.moe.build import build_moe, init_router, shared_gate_weight
 from moekit.moe.prompts import prompt_rows
 from moekit.moe.router import Router
 from moekit.moe.spec import PROMPT_INITS, MoESpec
@@ -103,7 +103,8 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
         if w.router is not None:
             with torch.no_grad():
                 router.weight.copy_(w.router)
-    moe = build_moe(w, router, slot.adapter.dropout(slot.block))
+    gate = shared_gate_weight(spec, w.up.shape[2], gen, rows)  # drawn after the router, as the streaming path does
+    moe = build_moe(w, router, slot.adapter.dropout(slot.block), None if gate is None else gate.to(w.up.dtype))
     moe.slot = slot.describe()
     moe.init_diversity = expert_diversity(moe.experts.down)  # SPRI A.1, recorded in moekit.json
     slot.install(moe.train(slot.block.training))

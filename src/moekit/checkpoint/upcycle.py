@@ -25,6 +25,7 @@ from moekit.errors import CheckpointError, ConfigError, ExportError, ResourceErr
 from moekit.init.base import InitContext
 from moekit.io import check_dense_dir, load_tokenizer, meta_model, moekit_meta, unique_tensors
 from moekit.metrics import init_diversity, param_counts
+from moekit.moe.build import shared_gate_weight
 from moekit.moe.layer import moe_layers
 from moekit.moe.prompts import streamed_prompt_rows
 from moekit.moe.spec import PROMPT_INITS, MoESpec
@@ -264,7 +265,8 @@ def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list
                 routers[group] = r
             return r
 
-        return UpcycledParts(ctx, stored, router, finite)
+        return UpcycledParts(ctx, stored, router, finite, lambda: shared_gate_weight(spec, dense.hidden_size, gen,
+                                                                                    rows.get(path)))
 
     return make
 

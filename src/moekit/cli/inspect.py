@@ -38,7 +38,8 @@ def layers_table(model) -> Table:
     for path, moe in moe_layers(model):
         ex, r = moe.experts, moe.router
         first = owner.setdefault(id(r), path)
-        shared = "no" if moe.shared is None else f"yes (I={moe.shared.up_proj.out_features})"
+        shared = "no" if moe.shared is None else \
+            f"yes (I={moe.shared.up_proj.out_features}{', gated' if moe.shared_gate is not None else ''})"
         kind = f"{'gated ' if ex.gated else ''}{ex.act}, I={ex.intermediate_size}"
         table.add_row(path, str(ex.num_experts), str(r.top_k), r.scoring, kind, shared,
                       "own" if first == path else f"shared with {first}")

@@ -1,7 +1,8 @@
 """Router rows from prompts: mergekit-moe's gate modes `hidden` and `cheap_embed` (mergekit 0.1.5, moe/router.py),
 implemented from their definition.
 
-For expert e with positive prompts P_e and negative prompts N_e (RouterSpec.prompts), and the MoE layer of block l:
+For expert e with positive prompts P_e and negative prompts N_e (RouterSpec.prompts; the shared expert's gate from
+RouterSpec.shared_prompts is one more row, after the experts'), and the MoE layer of block l:
 
   hidden       r_e = n(mean_{p∈P_e} h_l(p) − mean_{p∈N_e} h_l(p)), h_l(p) the hidden state entering block l
                (transformers' output_hidden_states[l]) at the prompt's last token (pool="last", mergekit's hidden)
@@ -91,9 +92,11 @@ def block_inputs(model: nn.Module, blocks: list[nn.Module], ids: Tensor, mask: T
 
 
 def _texts(spec: MoESpec) -> tuple[list[str], list[tuple[slice, slice]]]:
-    """All prompts in one list, and per expert the slices of its positive and negative ones."""
+    """All prompts in one list, and per expert (then for the shared expert's gate, if it has prompts) the slices
+    of its positive and negative ones."""
     texts, spans = [], []
-    for p in spec.router.prompts:
+    shared = [] if spec.router.shared_prompts is None else [spec.router.shared_prompts]
+    for p in [*spec.router.prompts, *shared]:
         start = len(texts)
         texts += p.positive + p.negative
         spans.append((slice(start, start + len(p.positive)), slice(start + len(p.positive), len(texts))))
@@ -101,7 +104,7 @@ def _texts(spec: MoESpec) -> tuple[list[str], list[tuple[slice, slice]]]:
 
 
 def hidden_rows(model: nn.Module, slots: list[Slot], spec: MoESpec, tokenizer) -> dict[str, Tensor]:
-    """{MoE layer path: (E, H) rows} of the `hidden` mode (module docstring), `model` holding weights."""
+    """{MoE layer path: (E [+ 1], H) rows} of the `hidden` mode (module docstring), `model` holding weights."""
     texts, spans = _texts(spec)
     order = sorted(slots, key=lambda s: s.index)
     states: list[list[Tensor]] = [[] for _ in order]  # per layer, per chunk: (chunk, H)
@@ -118,7 +121,7 @@ def hidden_rows(model: nn.Module, slots: list[Slot], spec: MoESpec, tokenizer) -
 
 
 def cheap_rows(embed: Tensor, spec: MoESpec, tokenizer) -> Tensor:
-    """(E, H) rows of the `cheap_embed` mode (module docstring) from the embedding matrix (V, H)."""
+    """(E [+ 1], H) rows of the `cheap_embed` mode (module docstring) from the embedding matrix (V, H)."""
     texts, spans = _texts(spec)
     ids, mask = encode(tokenizer, texts)
     sums = (embed.float()[ids] * mask.unsqueeze(-1)).sum(1)  # (P, H): each prompt's summed token embeddings
@@ -127,8 +130,8 @@ def cheap_rows(embed: Tensor, spec: MoESpec, tokenizer) -> Tensor:
 
 
 def prompt_rows(model: nn.Module, slots: list[Slot], spec: MoESpec, tokenizer) -> dict[str, Tensor]:
-    """{MoE layer path: (E, H) float32 router rows} for the prompt inits, `model` holding its weights (in its
-    dtype), put in eval mode for the forward."""
+    """{MoE layer path: (E [+ 1 for the shared gate], H) float32 router rows} for the prompt inits, `model` holding
+    its weights (in its dtype), put in eval mode for the forward."""
     _check_model(model, slots, tokenizer, spec)
     if spec.router_init == "cheap_embed":
         row = cheap_rows(model.get_input_embeddings().weight.detach(), spec, tokenizer)

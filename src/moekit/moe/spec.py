@@ -26,13 +26,16 @@ class RouterSpec(Config):
     """How routers score and start. `init`: normal, N(0, init_std²) entries; zeros; uniform, U(±1/√H) as
     torch.nn.Linear (mergekit-moe's uniform_random); hidden or cheap_embed, rows computed from `prompts`, one
     entry per expert (mergekit-moe's gate modes; moekit.moe.prompts), `pool` choosing the hidden state of each
-    prompt's last token (mergekit's hidden) or the mean over its tokens. None: the init method's default."""
+    prompt's last token (mergekit's hidden) or the mean over its tokens. None: the init method's default. The
+    shared expert's gate (MoESpec.shared_gate) starts the same way, from `shared_prompts` for hidden and
+    cheap_embed."""
 
     scoring: Scoring | None = None  # None -> the init method's default (see ExpertInitConfig)
     jitter: float = Field(0.0, ge=0.0, lt=1.0)
     init: Literal["normal", "zeros", "uniform", "hidden", "cheap_embed"] | None = None
     init_std: float = Field(0.02, gt=0.0)
     prompts: list[ExpertPrompts] | None = None
+    shared_prompts: ExpertPrompts | None = None
     pool: Literal["last", "mean"] = "last"
 
     @model_validator(mode="after")
@@ -57,6 +60,9 @@ class MoESpec(Config):
     `routed_top_k` are what the router sees. I must be divisible by G; only init methods that declare
     `granular` (scaled_copy) accept G > 1.
 
+    `shared_gate` (Qwen2-MoE's shared expert gate) scales the shared expert by sigmoid(g·x), g a router row of
+    its own (RouterSpec); without it the shared expert is always on (SPRI eq. 3, DeepSeek-MoE).
+
     `router_sharing` (Omni-router, Gu et al. 2025, eq. 4.1): "none" gives every MoE layer its own
     router; "all" makes one router module serve every MoE layer (each feeds it its own hidden
     state); a mapping {group name: regular expression} shares one router among the MoE layers whose
@@ -71,6 +77,7 @@ class MoESpec(Config):
     layers: list[int] | None = None
     target: str | None = None
     shared_expert: bool = False
+    shared_gate: bool = False
     router: RouterSpec = RouterSpec()
     router_sharing: Literal["none", "all"] | dict[str, str] = "none"
     init: SerializeAsAny[Any] = Field("naive", validate_default=True)
@@ -135,7 +142,12 @@ class MoESpec(Config):
         return self
 
     def _check_prompts(self) -> None:
+        if self.shared_gate and not self.shared_expert:
+            raise ValueError("shared_gate gates the shared expert: it needs shared_expert=true")
         prompts = self.router.prompts
+        if (self.router.shared_prompts is not None) != (prompts is not None and self.shared_gate):
+            raise ValueError("router.shared_prompts start the shared expert's gate (shared_gate) from prompts, as "
+                             "router.prompts start the router: give both or neither")
         if prompts is None:
             return
         if len(prompts) != self.num_experts:
