@@ -2,6 +2,8 @@
 other weight from base_model, router rows of gate_mode hidden / cheap_embed equal to mergekit's definition
 computed here independently with plain transformers; refusals write nothing."""
 import hashlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ PROMPTS = [(["hello world", "good day to you"], []),
            (["2 + 2 = 4", "12 x 3 is 36", "7"], ["def", "world"])]
 SHARED = (["the", "and so on"], [])
 NON_FFN = "mlp"
+PLAIN = ("import sys, transformers; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+         "print(type(m).__name__, 'moekit' in sys.modules)")  # plain transformers, moekit never imported
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +96,8 @@ def test_mergekit_config_runs_unchanged_to_mixtral(models, tmp_path, run, gate_m
     rc, stdout, err = run("upcycle", write(tmp_path / "mergekit.yml", config(models, gate_mode)), out)
     assert rc == 0, err
     assert "format mixtral" in stdout and "3 experts, top-2, init sources" in stdout
+    res = subprocess.run([sys.executable, "-c", PLAIN, str(out)], capture_output=True, text=True)
+    assert res.stdout.split() == ["MixtralForCausalLM", "False"], res.stderr[-2000:]
     native = tf.AutoModelForCausalLM.from_pretrained(out)
     assert type(native) is tf.MixtralForCausalLM and native.config.num_local_experts == 3
     got = native.state_dict()

@@ -23,8 +23,8 @@ class SourceScaling(Config):
 @EXPERT_INITS.register("sources")
 class SourcesInit(ExpertInitConfig):
     """Experts from separately trained models of one architecture (mergekit-moe's "MoErges": Goddard et al.
-    2024, "Arcee's MergeKit", arXiv:2403.13257, and mergekit's docs/moe.md): routed expert i is the FFN of model
-    `branches[i]`, the shared expert (spec.shared_expert) the FFN of `shared_source` (None: the base model's), and
+    2024, "Arcee's MergeKit", arXiv:2403.13257, and mergekit's docs/moe.md): routed expert i is the FFN of the i-th
+    model of `branches`, the shared expert (spec.shared_expert) the FFN of `shared_source` (None: the base model's), and
     every other weight the base model's, not averaged (btx averages them). `scaling` holds mergekit's noise_scale /
     residual_scale per source (routed experts, then the shared one), the noise drawn from the layer's generator.
     Experts that all come from one model are refused unless `allow_same` (mergekit's
