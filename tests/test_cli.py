@@ -126,6 +126,19 @@ def test_export_mixtral(dense, tmp_path, run):
     torch.testing.assert_close(logits(native, inputs), logits(load(moe), inputs), rtol=1e-5, atol=1e-5)
 
 
+def test_upcycle_granular_to_mixtral(dense, tmp_path, run):
+    out = tmp_path / "mixtral"
+    rc, stdout, err = run("upcycle", "--model", dense, "--method", "scaled_copy", "--experts", 4, "--top-k", 2,
+                          "--granularity", 2, "--format", "mixtral", "--out", out)
+    assert rc == 0, err
+    assert "8 experts (4 copies x 2 shards), top-4, init scaled_copy" in stdout
+    native = tf.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert (native.config.num_local_experts, native.config.num_experts_per_tok, native.config.intermediate_size) == \
+        (8, 4, 32)
+    inputs = tiny_inputs(native)
+    torch.testing.assert_close(logits(native, inputs), logits(tiny_llama(), inputs), rtol=1e-5, atol=1e-5)
+
+
 def refused(run, out, *args):
     """The command fails with one message and creates no output (not even a temporary directory)."""
     rc, stdout, err = run(*args)
@@ -144,6 +157,8 @@ def refused(run, out, *args):
     (["--method", "ume", "--shared-expert"], "shared_expert=false"),
     (["--set", "init.bogus=1"], "bogus"),
     (["--layers", "0,x"], "comma-separated block indices"),
+    (["--granularity", 2], "works with init scaled_copy only, not naive"),
+    (["--method", "scaled_copy", "--granularity", 3], "granularity 3 must divide the FFN's intermediate size"),
 ])
 def test_bad_spec_flags(dense, tmp_path, run, flags, message):
     out = tmp_path / "moe"

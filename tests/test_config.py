@@ -139,6 +139,7 @@ def test_defaults_come_from_the_init_method():
 
 @pytest.mark.parametrize("init", [m for m in EXPERT_INITS.names() if not EXPERT_INITS.get(m).needs_branches]
                          + [{"method": "btx", "branches": ["a", "b", "c"]},
+                            {"method": "sources", "branches": ["a", "b", "c", "d"], "scaling": [{"noise_scale": 0.1}] * 4},
                             {"method": "spri", "rho": 0.1, "placement": "gate"}])
 def test_spec_json_roundtrip(init):
     shared = isinstance(init, dict) and init["method"] == "spri" or init == "spri"

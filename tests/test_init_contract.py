@@ -28,8 +28,9 @@ def test_registry_lists_the_methods():
 def spec_for(method: str, seed: int = 0, **kw) -> MoESpec:
     cls = EXPERT_INITS.get(method)
     init: dict = {"method": method}
-    if cls.needs_branches:
-        init["branches"] = [f"branch-{i}" for i in range(E - 1)]  # and the seed model, the last expert
+    if cls.needs_branches:  # one model per expert, btx's seed model (the last expert) aside
+        with_seed = cls.model_fields["include_seed"].default if "include_seed" in cls.model_fields else False
+        init["branches"] = [f"branch-{i}" for i in range(E - with_seed)]
     # ume/scaled_copy keep the model dense-equal only without a shared expert; spri wants one
     shared = method == "spri"
     return validate(MoESpec, {"num_experts": E, "top_k": K, "init": init, "seed": seed,

@@ -49,6 +49,22 @@ class FFNWeights:
         return replace(self, **{k: v.to(dtype=dtype, device=device) for k, v in self.__dict__.items()
                                 if isinstance(v, Tensor)})
 
+    def shard(self, g: int, parts: int) -> FFNWeights:
+        """Shard g of `parts` contiguous, equal shards of the intermediate dimension (granular upcycling, He et
+        al. 2024): rows of gate and up (and their biases), columns of down; the down bias stays whole, for the
+        caller to share out. The activation acts entry by entry, so the shards' outputs without down bias sum
+        to the FFN's. `parts` = 1 gives the FFN itself."""
+        if parts == 1:
+            return self
+        n = self.intermediate_size // parts
+        rows = slice(g * n, (g + 1) * n)
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[rows]
+
+        return replace(self, up=self.up[rows], down=self.down[:, rows], gate=pick(self.gate),
+                       up_bias=pick(self.up_bias), gate_bias=pick(self.gate_bias))
+
     def math(self) -> FFNWeights:
         """For init math: float32 or wider (bf16/fp16 weights are upcast; float32/float64 kept)."""
         return self if self.up.dtype in (torch.float32, torch.float64) else self.to(torch.float32)

@@ -370,13 +370,21 @@ def check_dense_dir(path: str | Path) -> Path:
     return path
 
 
-def meta_model(path: str | Path, trust_remote_code: bool = False) -> nn.Module:
+def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool = False) -> nn.Module:
     """The dense model of a directory built on the meta device from its config: shapes without memory, to
-    check a spec and estimate sizes before any weight is read."""
+    check a spec and estimate sizes before any weight is read. With `buffers`, only the parameters are on the meta
+    device and buffers (e.g. rotary frequencies) are real: a model whose weights can be assigned piece by piece
+    and run (moekit.moe.prompts)."""
     path = check_dense_dir(path)
     config = load_config(path, trust_remote_code)
     arch = (getattr(config, "architectures", None) or [None])[0]
-    with torch.device("meta"), no_init_weights():
+    if buffers:
+        from accelerate import init_empty_weights
+
+        where = init_empty_weights(include_buffers=False)
+    else:
+        where = torch.device("meta")
+    with where, no_init_weights():
         if arch and not trust_remote_code:
             model = model_class(arch, path)._from_config(config)
         else:

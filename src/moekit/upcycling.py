@@ -15,9 +15,10 @@ from moekit.errors import ConfigError, NumericsError
 from moekit.ffn import ExpertWeights
 from moekit.init.base import InitContext
 from moekit.eval.upcycling import expert_diversity
-from moekit.moe.build import build_moe, init_router
+from moekit.moe.build import build_moe, init_router, shared_gate_weight
+from moekit.moe.prompts import prompt_rows
 from moekit.moe.router import Router
-from moekit.moe.spec import MoESpec
+from moekit.moe.spec import PROMPT_INITS, MoESpec
 from moekit.progress import report
 from moekit.surgery import Slot, find_slots
 from moekit.state import model_state
@@ -41,19 +42,12 @@ def selected_slots(model: nn.Module, spec: MoESpec) -> list[Slot]:
             raise ConfigError(f"layers {beyond} do not exist; the model has {', '.join(stacks)}")
     if not chosen:
         raise ConfigError(f"the MoE spec selects no FFN; the model has {', '.join(stacks)}")
+    G = spec.granularity
+    uneven = next((s for s in chosen if s.read().intermediate_size % G), None)
+    if uneven is not None:
+        raise ConfigError(f"granularity {G} must divide the FFN's intermediate size, but {uneven.path} has "
+                          f"{uneven.read().intermediate_size}")
     return chosen
-
-
-def added_parameters(model: nn.Module, spec: MoESpec) -> int:
-    """How many parameters upcycling `model` with `spec` adds (the model may live on the meta device): per
-    selected FFN, E - 1 more copies of its shape (+ 1 with a shared expert) and an E x H router."""
-    added = 0
-    for slot in selected_slots(model, spec):
-        ffn = slot.read()
-        size = sum(t.numel() for t in (ffn.up, ffn.down, ffn.gate, ffn.up_bias, ffn.gate_bias, ffn.down_bias)
-                   if t is not None)
-        added += size * (spec.num_experts - 1 + spec.shared_expert) + spec.num_experts * ffn.hidden_size
-    return added
 
 
 def check_finite_experts(w: ExpertWeights, path: str, method: str) -> None:
@@ -69,15 +63,21 @@ def check_finite_experts(w: ExpertWeights, path: str, method: str) -> None:
                                 "pass allow_nonfinite=True to proceed anyway")
 
 
+def check_branches(model: nn.Module, branches: list[nn.Module], method: str) -> None:
+    """Every branch (source model) has the base model's parameter names and shapes."""
+    target = model.state_dict()
+    for i, b in enumerate(branches):
+        st = b.state_dict()
+        if st.keys() != target.keys() or any(st[k].shape != v.shape for k, v in target.items()):
+            raise ConfigError(f"{method} branch {i} does not have the architecture of the base model "
+                              "(parameter names or shapes differ)")
+
+
 def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: list[str], seed: bool) -> None:
     """BTX: every non-FFN parameter of `model` becomes the mean over the branches (and over the seed
     `model` itself, with `seed`)."""
     target = model.state_dict()
     states = [b.state_dict() for b in branches] + ([{k: v.clone() for k, v in target.items()}] if seed else [])
-    for i, st in enumerate(states):
-        if st.keys() != target.keys() or any(st[k].shape != v.shape for k, v in target.items()):
-            raise ConfigError(f"btx branch {i} does not have the architecture of the base model "
-                              "(parameter names or shapes differ)")
     with torch.no_grad():
         for k, v in target.items():
             if v.is_floating_point() and not any(k.startswith(p + ".") for p in ffn_paths):
@@ -85,9 +85,10 @@ def average_branches(model: nn.Module, branches: list[nn.Module], ffn_paths: lis
 
 
 def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Router | None,
-                 allow_nonfinite: bool = False) -> Router:
-    """Replace one dense FFN by an MoE layer; returns its router (`router` if one is given to share).
-    A function of its own so that the layer's temporaries are freed before the next layer starts."""
+                 allow_nonfinite: bool = False, rows: torch.Tensor | None = None) -> Router:
+    """Replace one dense FFN by an MoE layer; returns its router (`router` if one is given to share; else one
+    made by init_router, from `rows` for the prompt inits). A function of its own so that the layer's
+    temporaries are freed before the next layer starts."""
     gen = layer_generator(spec.seed, slot.path)
     dense = slot.read()
     ctx = InitContext(dense=dense.math(), spec=spec, generator=gen, path=slot.path,
@@ -97,13 +98,14 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
     if not allow_nonfinite:
         check_finite_experts(w, slot.path, spec.init.method)
     if router is None:
-        router = Router(w.up.shape[2], spec.num_experts, spec.top_k, spec.scoring, spec.router.jitter)
-        init_router(router, spec.router_init, spec.router.init_std, gen)
+        router = Router(w.up.shape[2], spec.routed_experts, spec.routed_top_k, spec.scoring, spec.router.jitter)
+        init_router(router, spec, gen, rows)
         router = router.to(w.up.dtype)
         if w.router is not None:
             with torch.no_grad():
                 router.weight.copy_(w.router)
-    moe = build_moe(w, router, slot.adapter.dropout(slot.block))
+    gate = shared_gate_weight(spec, w.up.shape[2], gen, rows)  # drawn after the router, as the streaming path does
+    moe = build_moe(w, router, slot.adapter.dropout(slot.block), None if gate is None else gate.to(w.up.dtype))
     moe.slot = slot.describe()
     moe.init_diversity = expert_diversity(moe.experts.down)  # SPRI A.1, recorded in moekit.json
     slot.install(moe.train(slot.block.training))
@@ -143,26 +145,31 @@ def release_freed_memory() -> None:
 
 
 def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = None,
-            allow_nonfinite: bool = False) -> nn.Module:
+            allow_nonfinite: bool = False, tokenizer=None) -> nn.Module:
     """Replace the FFNs `spec` selects by MoE layers initialized with `spec.init`. Returns `model`.
 
     Works layer by layer (read dense FFN -> init experts -> install), so at most one extra layer's
-    experts are alive beside the model at any time. Non-finite expert weights are a NumericsError unless
-    `allow_nonfinite`.
+    experts are alive beside the model at any time. `branches` are the models of spec.init.source_models() (btx,
+    sources); `tokenizer` tokenizes the router prompts (router.init hidden or cheap_embed), whose rows are computed
+    on the dense model first. Non-finite expert weights are a NumericsError unless `allow_nonfinite`.
     """
     slots = selected_slots(model, spec)
     branch_slots: list[dict[str, Slot]] = []
     if spec.init.needs_branches:
-        need = len(spec.init.branches)
+        need = len(spec.init.source_models())
         if not branches or len(branches) != need:
             raise ConfigError(f"{spec.init.method} needs {need} branch models, got {len(branches or [])}")
+        check_branches(model, branches, spec.init.method)
         branch_slots = [{s.path: s for s in find_slots(b)} for b in branches]
-        average_branches(model, branches, [s.path for s in slots], spec.init.include_seed)
+        if spec.init.averages_non_ffn:
+            average_branches(model, branches, [s.path for s in slots], spec.init.include_seed)
     groups = router_groups(slots, spec)  # checked before any layer changes
+    rows = prompt_rows(model, slots, spec, tokenizer) if spec.router_init in PROMPT_INITS else {}
     routers: dict[str, Router] = {}  # router-sharing group -> its router (Omni-router)
     for done, slot in enumerate(slots, 1):
         group = groups[slot.path]
-        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], routers.get(group), allow_nonfinite)
+        router = upcycle_slot(slot, spec, [bs[slot.path] for bs in branch_slots], routers.get(group), allow_nonfinite,
+                              rows.get(slot.path))
         if group is not None:
             routers.setdefault(group, router)
         release_freed_memory()  # this layer's temporaries are gone: hand them back before the next

@@ -16,6 +16,7 @@ class SharedLayout(Strict):
     intermediate_size: int = Field(ge=1)
     gated: bool
     bias: list[bool] = Field(min_length=3, max_length=3)  # gate, up, down
+    gate: bool = False  # a sigmoid gate row scales the shared expert (MoESpec.shared_gate)
 
 
 class Layout(Strict):

@@ -1,6 +1,7 @@
 """One MoE layer's weights, piece by piece, and how each checkpoint format names the pieces.
 
-A `LayerParts` gives routed experts 0..E-1 in order (`expert`), then the shared expert, then the router:
+A `LayerParts` gives routed experts 0..E-1 in order (`expert`), then the shared expert, the router and the shared
+expert's gate:
 from an init method (upcycling), from a checkpoint's shards (export), from an in-memory MoELayer, or as
 shapes only on the meta device (planning). A format turns parts into items `(name, tensor, index)`, index
 being the slice of a stacked (E, ...) tensor or None for a whole tensor, so a writer holds one expert at a
@@ -37,6 +38,10 @@ class LayerParts:
     def router(self) -> Tensor:
         return self.moe.router.weight.detach()
 
+    def shared_gate(self) -> Tensor | None:
+        """The shared expert's gate row (1, H), or None (an ungated shared expert, or none)."""
+        return None if self.moe.shared_gate is None else self.moe.shared_gate.weight.detach()
+
 
 def item_shape(t: Tensor | list[Tensor]) -> tuple[int, ...]:
     """The shape of an item's tensor (of the concatenation along dim 0 for a list)."""
@@ -68,7 +73,8 @@ def _or_zeros(b: Tensor | None, n: int, like: Tensor) -> Tensor:
 def moekit_items(parts: LayerParts, own_router: bool, bias: bool) -> Iterator[Item]:
     """moekit's names (MoELayer.state_dict): experts.gate_up | experts.up (E, 2I | I, H), experts.down (E, H, I),
     experts.first_bias / down_bias (missing biases as zeros, as Experts.from_weights stores them),
-    shared.{gate,up,down}_proj.{weight,bias}, router.weight (only for the layer that owns a shared router)."""
+    shared.{gate,up,down}_proj.{weight,bias}, router.weight (only for the layer that owns a shared router),
+    shared_gate.weight."""
     for i in range(parts.num_experts):
         e = parts.expert(i)
         yield ("experts.gate_up" if e.gated else "experts.up"), gated_first(e), i
@@ -88,6 +94,9 @@ def moekit_items(parts: LayerParts, own_router: bool, bias: bool) -> Iterator[It
                 yield f"shared.{proj}.bias", b, None
     if own_router:
         yield "router.weight", parts.router(), None
+    gate = parts.shared_gate()
+    if gate is not None:
+        yield "shared_gate.weight", gate, None
 
 
 def assemble(items: Iterator[Item]) -> dict[str, Tensor]:

@@ -191,20 +191,27 @@ class StoredParts(LayerParts):
     def router(self) -> Tensor:
         return self.reader.get(f"{self.router_of}.router.weight")
 
+    def shared_gate(self) -> Tensor | None:
+        gated = (self.lay["shared"] or {}).get("gate", False)
+        return self.reader.get(f"{self.path}.shared_gate.weight") if gated else None
+
 
 FFN_FIELDS = ("up", "down", "gate", "up_bias", "gate_bias", "down_bias")
 
 
 class UpcycledParts(LayerParts):
-    """The parts an init method makes from one dense FFN: experts in order (prepare on the first), the shared
-    expert, then the router (drawn last from the layer's generator, as moekit.upcycle does, or `router` for a
-    router-sharing group). `stored` is the dense FFN as the checkpoint holds it: a tensor an init method
+    """The parts an init method makes from one dense FFN: experts in order (prepare on the first), then the shared
+    expert, the router (from `router`: drawn from the layer's generator, or a router-sharing group's) and the
+    shared expert's gate (from `gate`), made in that order whatever order a format asks for them in, as
+    moekit.upcycle draws them. `stored` is the dense FFN as the checkpoint holds it: a tensor an init method
     passes through unchanged (a copy) is written from it, not cast back from float32 (the same bytes, no
     work). New tensors are checked finite unless allowed."""
 
-    def __init__(self, ctx: InitContext, stored: FFNWeights, router: Callable[[], Tensor], finite: bool):
-        self.ctx, self._router, self.finite, self.state = ctx, router, finite, None
-        self.num_experts, self.hidden_size = ctx.spec.num_experts, ctx.dense.hidden_size
+    def __init__(self, ctx: InitContext, stored: FFNWeights, router: Callable[[], Tensor], finite: bool,
+                 gate: Callable[[], Tensor | None]):
+        self.ctx, self._router, self._gate, self.finite, self.state = ctx, router, gate, finite, None
+        self._tail: tuple | None = None
+        self.num_experts, self.hidden_size = ctx.spec.routed_experts, ctx.dense.hidden_size
         self.stored = {id(getattr(ctx.dense, f)): getattr(stored, f) for f in FFN_FIELDS
                        if getattr(ctx.dense, f) is not None}
 
@@ -225,20 +232,29 @@ class UpcycledParts(LayerParts):
         with torch.no_grad():
             return self._as_stored(init.expert(self.ctx, self.state, i), f"expert {i}")
 
+    def _finish(self) -> tuple:
+        if self._tail is None:
+            sh = self.ctx.spec.init.shared(self.ctx)
+            self._tail = (None if sh is None else self._as_stored(sh, "shared expert"), self._router(), self._gate())
+        return self._tail
+
     def shared(self) -> FFNWeights | None:
-        sh = self.ctx.spec.init.shared(self.ctx)
-        return None if sh is None else self._as_stored(sh, "shared expert")
+        return self._finish()[0]
 
     def router(self) -> Tensor:
-        return self._router()
+        return self._finish()[1]
+
+    def shared_gate(self) -> Tensor | None:
+        return self._finish()[2]
 
 
-def draw_router(spec: MoESpec, hidden: int, gen: torch.Generator) -> Tensor:
-    """A new router's weight (E, H) in float32, as moekit.moe.build.init_router draws it."""
-    router = Router(hidden, spec.num_experts, spec.top_k, spec.scoring)
+def draw_router(spec: MoESpec, hidden: int, gen: torch.Generator, rows: Tensor | None = None) -> Tensor:
+    """A new router's weight (E, H) in float32, as moekit.moe.build.init_router makes it (from prompt `rows`
+    for the prompt inits)."""
+    router = Router(hidden, spec.routed_experts, spec.routed_top_k, spec.scoring)
     from moekit.moe.build import init_router
 
-    init_router(router, spec.router_init, spec.router.init_std, gen)
+    init_router(router, spec, gen, rows)
     return router.weight.detach()
 
 
@@ -273,9 +289,11 @@ def layout_for(ffn: FFNWeights, spec: MoESpec, dropout: float, dtype: torch.dtyp
     """The moekit.json layout of the MoE layer `spec` makes of `ffn` (as moekit.moe.build.layout records it)."""
     shared = None if not spec.shared_expert else {
         "intermediate_size": ffn.intermediate_size, "gated": ffn.gated,
-        "bias": [ffn.gate_bias is not None, ffn.up_bias is not None, ffn.down_bias is not None]}
-    return {"num_experts": spec.num_experts, "top_k": spec.top_k, "scoring": spec.scoring,
-            "jitter": spec.router.jitter, "hidden_size": ffn.hidden_size, "intermediate_size": ffn.intermediate_size,
+        "bias": [ffn.gate_bias is not None, ffn.up_bias is not None, ffn.down_bias is not None],
+        "gate": spec.shared_gate}
+    return {"num_experts": spec.routed_experts, "top_k": spec.routed_top_k, "scoring": spec.scoring,
+            "jitter": spec.router.jitter, "hidden_size": ffn.hidden_size,
+            "intermediate_size": ffn.intermediate_size // spec.granularity,
             "act": ffn.act, "gated": ffn.gated, "bias": ffn.has_bias, "dropout": dropout,
             "dtype": str(dtype).removeprefix("torch."), "shared": shared}
 

@@ -26,8 +26,10 @@ from moekit.errors import CheckpointError, ConfigError, ExportError, ResourceErr
 from moekit.init.base import InitContext
 from moekit.io import check_dense_dir, load_tokenizer, meta_model, moekit_meta, unique_tensors
 from moekit.eval.upcycling import init_diversity, param_counts
+from moekit.moe.build import shared_gate_weight
 from moekit.moe.layer import moe_layers
-from moekit.moe.spec import MoESpec
+from moekit.moe.prompts import streamed_prompt_rows
+from moekit.moe.spec import PROMPT_INITS, MoESpec
 from moekit.upcycling import layer_generator, router_groups, selected_slots
 from moekit.state import spec_of
 
@@ -145,18 +147,20 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     Progress: "upcycling" per MoE layer (moekit.progress)."""
     start, src = time.perf_counter(), check_dense_dir(src)
     dense = meta_model(src, trust_remote_code)
-    branch_dirs = [check_dense_dir(b) for b in getattr(spec.init, "branches", [])]
+    branch_dirs = [check_dense_dir(b) for b in spec.init.source_models()]
     reader, branches = ShardReader(src), [ShardReader(b) for b in branch_dirs]
     dt = output_dtype(dtype, reader)
     slots = selected_slots(dense, spec)
     for r in (reader, *branches):
         check_shapes(dense, r)
-    load_tokenizer(src, trust_remote_code)  # its files are copied: they must load
+    tokenizer = load_tokenizer(src, trust_remote_code)  # its files are copied: they must load
     moe, _ = meta_moe_model(dense, slots, router_groups(slots, spec), spec, dt)
     fmt, plan, why = choose_format(format, moe)
-    layers = moe_units(moe, _parts_maker(spec, {s.path: s for s in slots}, reader, branches, device, allow_nonfinite),
+    rows: dict[str, torch.Tensor] = {}  # router rows from prompts, computed below once all checks passed
+    layers = moe_units(moe, _parts_maker(spec, {s.path: s for s in slots}, reader, branches, device, allow_nonfinite,
+                                         rows),
                        moekit_naming(moe) if fmt is None else (lambda path, parts: fmt.layer_items(parts, plan)))
-    copies = [*branches, *([reader] if getattr(spec.init, "include_seed", False) else [])] or [reader]
+    copies = [*branches, *([reader] if spec.init.include_seed else [])] if spec.init.averages_non_ffn else [reader]
 
     def copy_of(key, aliases):
         return Copy(key, source_key(key, aliases, reader), copies, finite=not allow_nonfinite)
@@ -167,12 +171,15 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     need = planned_bytes(units, dt)
     check_space(out, need)
     check_memory(dense, slots, spec, force)
+    if spec.router_init in PROMPT_INITS:
+        prompt_model = meta_model(src, trust_remote_code, buffers=True)
+        rows.update(streamed_prompt_rows(prompt_model, reader, selected_slots(prompt_model, spec), spec, tokenizer))
     with output(out, [src, *branch_dirs, *inputs], overwrite, need) as tmp:
         diversities: dict[str, float] = {}  # of the tensors as written
         nbytes = write_units(tmp, units, dt, max_shard_size, "upcycling", diversities)
         for path, m in moe_layers(moe):  # recorded in moekit.json / moekit_spec.json and the card
             m.init_diversity = diversities[path]
-        title = f"{src.name} upcycled to an MoE ({spec.num_experts} experts, top-{spec.top_k}, {spec.init.method})"
+        title = f"{src.name} upcycled to an MoE ({spec.summary}, {spec.init.method})"
         _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model or src.name, title)
         read_headers(tmp)  # the written shards parse and cover their files exactly
     for r in (reader, *branches):
@@ -226,7 +233,7 @@ def check_memory(dense: nn.Module, slots, spec: MoESpec, force: bool) -> None:
     largest = max(p.numel() for p in dense.parameters()) * 4 * 2
     ffn = max(sum(t.numel() for t in (f.up, f.down, f.gate) if t is not None) for f in (s.read() for s in slots))
     side = min(slots[0].read().hidden_size, slots[0].read().intermediate_size)
-    need = max(largest, ffn * 4 * 3 * (1 + len(getattr(spec.init, "branches", []))) + side * side * 8)
+    need = max(largest, ffn * 4 * 3 * (1 + len(spec.init.source_models())) + side * side * 8)
     have = available_memory()
     if need > have and not force:
         raise ResourceError(f"upcycling needs about {need / 2**30:.1f} GiB of memory, {have / 2**30:.1f} GiB are "
@@ -246,8 +253,9 @@ def check_shapes(model: nn.Module, reader: ShardReader) -> None:
 
 
 def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list[ShardReader], device,
-                 allow_nonfinite: bool):
-    """make_parts(path, moe) for moe_units: the layer's dense FFN (and branch FFNs) read, an init context."""
+                 allow_nonfinite: bool, rows: dict[str, torch.Tensor]):
+    """make_parts(path, moe) for moe_units: the layer's dense FFN (and branch FFNs) read, an init context; `rows`
+    the router rows of the prompt inits by layer path."""
     routers: dict[str, torch.Tensor] = {}  # router-sharing group -> its router (drawn by its first layer)
 
     def make(path: str, moe) -> UpcycledParts:
@@ -263,12 +271,13 @@ def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list
         def router() -> torch.Tensor:
             if group is not None and group in routers:
                 return routers[group]
-            r = draw_router(spec, dense.hidden_size, gen)
+            r = draw_router(spec, dense.hidden_size, gen, rows.get(path))
             if group is not None:
                 routers[group] = r
             return r
 
-        return UpcycledParts(ctx, stored, router, finite)
+        return UpcycledParts(ctx, stored, router, finite, lambda: shared_gate_weight(spec, dense.hidden_size, gen,
+                                                                                    rows.get(path)))
 
     return make
 

@@ -48,7 +48,8 @@ def layers_table(model) -> Table:
     for path, moe in moe_layers(model):
         ex, r = moe.experts, moe.router
         first = owner.setdefault(id(r), path)
-        shared = "no" if moe.shared is None else f"yes (I={moe.shared.up_proj.out_features})"
+        shared = "no" if moe.shared is None else \
+            f"yes (I={moe.shared.up_proj.out_features}{', gated' if moe.shared_gate is not None else ''})"
         kind = f"{'gated ' if ex.gated else ''}{ex.act}, I={ex.intermediate_size}"
         table.add_row(path, str(ex.num_experts), str(r.top_k), r.scoring, kind, shared,
                       "own" if first == path else f"shared with {first}")
@@ -90,7 +91,8 @@ def show_moekit(folder: str) -> None:
     init = spec.init.model_dump(mode="json")
     params = ", ".join(f"{k}={v}" for k, v in init.items() if k != "method")
     show(f"init: {init['method']}{f' ({params})' if params else ''}, seed {spec.seed}, "
-         f"router init {spec.router_init}, router sharing {spec.router_sharing}")
+         f"router init {spec.router_init}, router sharing {spec.router_sharing}"
+         f"{f', granularity {spec.granularity}' if spec.granularity > 1 else ''}")
 
 
 def show_native(folder: Path, trust_remote_code: bool) -> None:

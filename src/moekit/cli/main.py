@@ -23,7 +23,8 @@ from moekit.errors import MoekitError
 COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, select, finetune, speech, simoe)
 # The library words a remedy as the keyword argument it takes (`overwrite=True`); the command line as its flag.
 FLAGS = {f"{name}=True": "--" + name.replace("_", "-")
-         for name in ("overwrite", "allow_pickle", "allow_nonfinite", "trust_remote_code", "force", "resume")}
+         for name in ("overwrite", "allow_pickle", "allow_nonfinite", "trust_remote_code", "force", "resume",
+                     "allow_same_experts")}
 
 
 class Version(argparse.Action):

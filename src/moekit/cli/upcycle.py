@@ -47,8 +47,9 @@ def add_parser(sub) -> None:
         "upcycle", help="turn a dense model into an MoE model",
         description="Upcycle a dense model from flags (--model ... --out ...) or from a YAML recipe "
                     "{model, out, spec} with optional KEY=VALUE overrides (e.g. spec.top_k=1). "
-                    "Flags given with a recipe override it.")
-    p.add_argument("recipe", nargs="?", help="YAML recipe file")
+                    "Flags given with a recipe override it. A mergekit-moe config runs as is: "
+                    "moekit upcycle mergekit.yml OUT.")
+    p.add_argument("recipe", nargs="?", help="YAML recipe file, or a mergekit-moe config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the recipe")
     p.add_argument("--model", help="model directory or built-in asset name (e.g. smollm2-135m)")
     p.add_argument("--out", help="output directory")
@@ -56,6 +57,9 @@ def add_parser(sub) -> None:
                    help="expert-init method; its parameters: `moekit list methods` (default: naive)")
     p.add_argument("--experts", type=int, help="experts per MoE layer (default: 8)")
     p.add_argument("--top-k", type=int, help="experts per token (default: 2)")
+    p.add_argument("--granularity", type=int, metavar="G",
+                   help="cut each FFN into G shards: experts x G experts of 1/G the width, top-k x G per token "
+                        "(He et al. 2024; with --method scaled_copy) (default: 1)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--every", type=int, help="block i becomes MoE when (i + 1) %% N == 0 (default: all layers)")
     which.add_argument("--layers", type=int_list, help="comma-separated block indices, e.g. 0,4,8 (default: all layers)")
@@ -71,11 +75,15 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept pickle (.bin) weights: they are converted to safetensors first (pickle runs code)")
-    p.add_argument("--format", default="moekit", choices=FORMATS,
-                   help="output format; auto: a native transformers format when one represents the MoE exactly, "
-                        "else moekit")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="output dtype (auto: the checkpoint's own); init math runs in float32")
+    p.add_argument("--format", choices=FORMATS,
+                   help="output format (default: moekit; for a mergekit-moe config, its architecture's); "
+                        "auto: a native transformers format when one represents the MoE exactly, else moekit")
+    p.add_argument("--dtype", choices=["auto", *DTYPES],
+                   help="output dtype (default: the mergekit-moe config's dtype, else auto = the checkpoint's own); "
+                        "init math runs in float32")
+    p.add_argument("--allow-same-experts", "--i-understand-this-is-not-useful-without-training",
+                   dest="allow_same_experts", action="store_true",
+                   help="build a mergekit-moe config whose experts all come from one model (e.g. to train it)")
     p.add_argument("--device", default="cpu", type=device_arg,
                    help="where the init math runs: auto, cpu, cuda or cuda:N")
     p.add_argument("--max-shard-size", default="5GB", type=size_arg, help="largest output shard")
@@ -93,7 +101,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     """The recipe fields set by flags, as `key=<JSON>` overrides (JSON is valid YAML, so values
     such as regular expressions reach the recipe unchanged)."""
     given = {"model": args.model, "out": args.out, "spec.num_experts": args.experts, "spec.top_k": args.top_k,
-             "spec.target": args.target, "spec.shared_expert": args.shared_expert,
+             "spec.granularity": args.granularity, "spec.target": args.target, "spec.shared_expert": args.shared_expert,
              "spec.router.scoring": args.scoring, "spec.router_sharing": args.router_sharing,
              "spec.seed": args.seed, "spec.init": None if args.method is None else {"method": args.method}}
     values = {k: v for k, v in given.items() if v is not None}
@@ -104,11 +112,13 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in values.items()]
 
 
-def read_recipe(args: argparse.Namespace) -> UpcycleRecipe:
-    """The recipe file (or flags) with KEY=VALUE overrides, flags and `--set KEY=VALUE` (spec fields, e.g.
-    init.rho, on top of the chosen method's defaults) applied in that order, then validated once."""
+def read_recipe(args: argparse.Namespace) -> tuple[UpcycleRecipe, str, str]:
+    """(recipe, output format, output dtype): the recipe file (or flags) with KEY=VALUE overrides, flags and
+    `--set KEY=VALUE` (spec fields, e.g. init.rho, on top of the chosen method's defaults) applied in that order,
+    then validated once; or a mergekit-moe config (`mergekit_recipe`)."""
     from moekit.checkpoint.upcycle import UpcycleRecipe
     from moekit.config import apply_overrides, read_yaml, validate
+    from moekit.mergekit import is_mergekit
 
     if args.recipe is not None and "=" in args.recipe and not Path(args.recipe).exists():
         args.recipe, args.overrides = None, [args.recipe, *args.overrides]  # no recipe, only overrides
@@ -117,20 +127,46 @@ def read_recipe(args: argparse.Namespace) -> UpcycleRecipe:
             raise ConfigError("KEY=VALUE overrides need a recipe file; use --set KEY=VALUE to set spec fields")
         if args.model is None or args.out is None:
             raise ConfigError("give a recipe file, or --model and --out")
-    data = apply_overrides(read_yaml(args.recipe) if args.recipe else {"spec": {}},
-                           [*args.overrides, *flag_overrides(args)])
+    data = read_yaml(args.recipe) if args.recipe else {"spec": {}}
+    if is_mergekit(data):
+        return mergekit_recipe(args, data)
+    data = apply_overrides(data, [*args.overrides, *flag_overrides(args)])
     spec = data.get("spec")
     if isinstance(spec, dict) and isinstance(spec.get("init", "naive"), str):  # --set init.x needs a mapping
         spec["init"] = {"method": spec.get("init", "naive")}
     data = apply_overrides(data, [f"spec.{s}" for s in args.set])
-    return validate(UpcycleRecipe, data, source=str(args.recipe or "command line"))
+    return validate(UpcycleRecipe, data, source=str(args.recipe or "command line")), args.format or "moekit", \
+        args.dtype or "auto"
+
+
+SPEC_FLAGS = ("model", "method", "experts", "top_k", "granularity", "every", "layers", "target", "shared_expert",
+              "scoring", "router_sharing")
+
+
+def mergekit_recipe(args: argparse.Namespace, data: dict) -> tuple[UpcycleRecipe, str, str]:
+    """A mergekit-moe config as `moekit upcycle CONFIG OUT` takes it (moekit.mergekit): flags that would change the
+    MoE are refused (the config says it all); --format and --dtype replace what `architecture` and `dtype` choose."""
+    from moekit.checkpoint.upcycle import UpcycleRecipe
+    from moekit.mergekit import output_dtype, output_format, read_mergekit, to_spec
+
+    source = str(args.recipe)
+    given = [f"--{f.replace('_', '-')}" for f in SPEC_FLAGS if getattr(args, f) is not None] + ["--set"] * bool(args.set)
+    if given:
+        raise ConfigError(f"{source} is a mergekit-moe config, which says what {', '.join(given)} would set: edit it")
+    outs = [*args.overrides, *([args.out] if args.out else [])]
+    if len(outs) != 1 or "=" in outs[0]:
+        raise ConfigError(f"{source} is a mergekit-moe config: give one output directory, moekit upcycle {source} OUT")
+    cfg = read_mergekit(data, source)
+    spec = to_spec(cfg, source, allow_same_experts=args.allow_same_experts, seed=args.seed or 0)
+    return (UpcycleRecipe(model=cfg.base_model, out=outs[0], spec=spec), args.format or output_format(cfg),
+            args.dtype or output_dtype(cfg))
 
 
 def inputs_of(args: argparse.Namespace, recipe: UpcycleRecipe) -> list[Path]:
     """Everything the command reads: the output may not be, or contain, any of it."""
     from moekit.assets import model_inputs
 
-    branches = getattr(recipe.spec.init, "branches", [])
+    branches = recipe.spec.init.source_models()
     paths = [*model_inputs(recipe.model), *(p for b in branches for p in model_inputs(b))]
     return paths + ([Path(args.recipe)] if args.recipe else [])
 
@@ -160,22 +196,22 @@ def run(args: argparse.Namespace) -> None:
     from moekit.assets import resolve_model
     from moekit.checkpoint.upcycle import upcycle_checkpoint
 
-    recipe = read_recipe(args)
+    recipe, fmt, dtype = read_recipe(args)
     spec, inputs = recipe.spec, inputs_of(args, recipe)
     guard(recipe.out, inputs, args.overwrite)  # before resolving (possibly fetching) any model
     console = err_console()
     with reserve(recipe.out, inputs, args.overwrite) as out:
         model_dir = resolve_model(recipe.model, log=console.print)
-        branches = [resolve_model(b, log=console.print) for b in getattr(spec.init, "branches", [])]
+        branches = [resolve_model(b, log=console.print) for b in spec.init.source_models()]
         if branches:
-            spec = spec.model_copy(update={"init": spec.init.model_copy(update={"branches": list(map(str, branches))})})
+            spec = spec.model_copy(update={"init": spec.init.with_source_models(list(map(str, branches)))})
         with safetensors_of(model_dir, args, out) as source, progress():
-            w = upcycle_checkpoint(source, out, spec, format=args.format, dtype=args.dtype, device=args.device,
+            w = upcycle_checkpoint(source, out, spec, format=fmt, dtype=dtype, device=args.device,
                                    max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                                    trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite,
                                    force=args.force, inputs=inputs, base_model=recipe.model)
     show = out_console().print
-    show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.num_experts} experts, top-{spec.top_k}, "
+    show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.summary}, "
          f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")
     show(f"parameters: total {human(w.params[0])}, active {human(w.params[1])}")
     show(f"format {w.format}: {w.why}")

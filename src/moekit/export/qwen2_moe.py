@@ -44,18 +44,19 @@ class Qwen2Moe(NativeFormat):
                               shared_expert_intermediate_size=p.shared_size or p.intermediate_size, qkv_bias=True)
 
     def layer_items(self, parts: LayerParts, p: MoEPlan) -> Iterator[Item]:
-        """Routed experts and router, then the shared expert. Qwen2-MoE adds sigmoid(shared_expert_gate(x))·S(x);
-        moekit adds S(x) ungated. A zero gate gives sigmoid(0) = 0.5, so down_proj is doubled: 0.5·(2W)h = Wh
-        exactly in floating point (scaling by 2 only shifts exponents). Without a shared expert, all-zero
-        weights make S(x) = 0 exactly."""
+        """Routed experts and router, then the shared expert. Qwen2-MoE adds sigmoid(shared_expert_gate(x))·S(x):
+        moekit's shared gate (MoESpec.shared_gate) is that gate, as is. An ungated moekit shared expert adds S(x):
+        a zero gate gives sigmoid(0) = 0.5, so down_proj is doubled: 0.5·(2W)h = Wh exactly in floating point
+        (scaling by 2 only shifts exponents). Without a shared expert, all-zero weights make S(x) = 0 exactly."""
         yield from routed_items(parts, "experts.gate_up_proj", "experts.down_proj", "gate.weight")
         sh, size, H = parts.shared(), p.shared_size or p.intermediate_size, parts.hidden_size
+        gate = parts.shared_gate()
         if sh is None:
             zeros = torch.zeros(size, H)  # (I_s, H)
             mlp = {"gate_proj": zeros, "up_proj": zeros, "down_proj": torch.zeros(H, size)}
         else:
-            mlp = {"gate_proj": sh.gate, "up_proj": sh.up, "down_proj": sh.down * 2}  # (H, I_s)
-        yield "shared_expert_gate.weight", torch.zeros(1, H), None  # sigmoid(0) = 0.5
+            mlp = {"gate_proj": sh.gate, "up_proj": sh.up, "down_proj": sh.down * 2 if gate is None else sh.down}
+        yield "shared_expert_gate.weight", torch.zeros(1, H) if gate is None else gate, None  # sigmoid(0) = 0.5
         for k, w in mlp.items():
             yield f"shared_expert.{k}.weight", w, None
 

@@ -21,7 +21,7 @@ class InitContext:
     dense: FFNWeights  # the dense FFN being replaced
     spec: MoESpec
     generator: torch.Generator  # seeded per layer from spec.seed and the layer path
-    branches: list[FFNWeights] = field(default_factory=list)  # same FFN in each branch (BTX only)
+    branches: list[FFNWeights] = field(default_factory=list)  # same FFN in each of init.source_models()
     path: str = ""  # module path, for messages
 
 
@@ -34,7 +34,26 @@ class ExpertInitConfig(Config):
     method: str
     default_scoring: ClassVar[str] = "topk_softmax"
     default_router_init: ClassVar[str] = "normal"
-    needs_branches: ClassVar[bool] = False
+    needs_branches: ClassVar[bool] = False  # reads FFNs from source_models() (upcycle's `branches` models)
+    averages_non_ffn: ClassVar[bool] = False  # non-FFN weights = the mean over the branches (btx), else the base's
+    granular: ClassVar[bool] = False  # accepts MoESpec.granularity > 1 (experts i = 0 .. E·G-1 are then shards)
+
+    def source_models(self) -> list[str]:
+        """The checkpoints besides the base model whose FFNs this method reads, in the order of
+        InitContext.branches."""
+        return []
+
+    def with_source_models(self, paths: list[str]) -> ExpertInitConfig:
+        """This config reading `paths` (e.g. resolved locations) in place of source_models()."""
+        return self
+
+    def scoring_default(self, spec: MoESpec) -> str:
+        """The router scoring when the spec names none."""
+        return self.default_scoring
+
+    def router_init_default(self, spec: MoESpec) -> str:
+        """The router init when the spec names none."""
+        return self.default_router_init
 
     def check(self, spec: MoESpec) -> None:
         """Raise ValueError if this method cannot work with `spec` (called during spec validation)."""
@@ -44,8 +63,8 @@ class ExpertInitConfig(Config):
         return None
 
     def expert(self, ctx: InitContext, state: Any, i: int) -> FFNWeights:
-        """Routed expert i (called for i = 0 .. E-1, in order: random draws follow that order). Default: a
-        copy of the dense FFN."""
+        """Routed expert i (called for i = 0 .. spec.routed_experts - 1, in order: random draws follow that
+        order). Default: a copy of the dense FFN."""
         return ctx.dense
 
     def shared(self, ctx: InitContext) -> FFNWeights | None:
@@ -53,9 +72,9 @@ class ExpertInitConfig(Config):
         return ctx.dense if ctx.spec.shared_expert else None
 
     def init_experts(self, ctx: InitContext) -> ExpertWeights:
-        """All E experts stacked, plus the shared expert (the in-memory path)."""
+        """All routed experts stacked, plus the shared expert (the in-memory path)."""
         state = self.prepare(ctx)
-        experts = [self.expert(ctx, state, i) for i in range(ctx.spec.num_experts)]
+        experts = [self.expert(ctx, state, i) for i in range(ctx.spec.routed_experts)]
         shared = self.shared(ctx)
         return ExpertWeights.stack(experts, shared=None if shared is None else shared.clone())
 

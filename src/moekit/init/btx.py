@@ -18,6 +18,13 @@ class BTXInit(ExpertInitConfig):
     branches: list[str]  # paths (or asset names) of the branch checkpoints, one per expert
     include_seed: bool = True
     needs_branches: ClassVar[bool] = True
+    averages_non_ffn: ClassVar[bool] = True
+
+    def source_models(self) -> list[str]:
+        return list(self.branches)
+
+    def with_source_models(self, paths: list[str]) -> BTXInit:
+        return self.model_copy(update={"branches": list(paths)})
 
     def check(self, spec) -> None:
         if len(self.branches) + self.include_seed != spec.num_experts:

@@ -21,8 +21,8 @@ class TrainingMethod:
     tasks: ClassVar[frozenset[str]] = frozenset({"translation", "instruct", "text"})  # recipe tasks it trains
     freezes: ClassVar[bool] = False  # whether it takes a freeze.schedule (moekit.train.freeze)
 
-    def adapt(self, recipe, model: nn.Module) -> nn.Module:
-        """The model the recipe trains, built from the loaded base model."""
+    def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
+        """The model the recipe trains, built from the loaded base model (`tokenizer`: for router prompts)."""
         return model
 
     def callbacks(self, recipe, model: nn.Module) -> list:

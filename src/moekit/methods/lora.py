@@ -13,7 +13,7 @@ class LoRA(TrainingMethod):
     name = "lora"
     section = "lora"
 
-    def adapt(self, recipe, model: nn.Module) -> nn.Module:
+    def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         lc = recipe.lora

@@ -18,15 +18,15 @@ class MoE(TrainingMethod):
     tasks = frozenset({"translation", "instruct", "text", "asr"})
     freezes = True
 
-    def adapt(self, recipe, model: nn.Module) -> nn.Module:
+    def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         from moekit.assets import resolve_model
         from moekit.io import load_dense
         from moekit.upcycling import upcycle
 
         m = recipe.model
         branches = [load_dense(resolve_model(b), m.allow_pickle, m.trust_remote_code, model.dtype)
-                    for b in getattr(recipe.moe.init, "branches", [])]  # BTX: one trained branch per expert
-        return upcycle(model, recipe.moe, branches or None)
+                    for b in recipe.moe.init.source_models()]  # btx, sources: the FFNs' models
+        return upcycle(model, recipe.moe, branches or None, tokenizer=tokenizer)
 
     def callbacks(self, recipe, model: nn.Module) -> list:
         from moekit.train.freeze import FreezeCallback

@@ -16,7 +16,7 @@ class SIMoEMethod(TrainingMethod):
     name = "simoe"
     section = "simoe"
 
-    def adapt(self, recipe, model: nn.Module) -> nn.Module:
+    def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         from moekit.simoe.model import simoe_upcycle
 
         return simoe_upcycle(model, recipe.simoe)

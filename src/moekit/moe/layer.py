@@ -47,16 +47,18 @@ class SharedExpert(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """y = Σ_{i∈topk(x)} g_i(x) E_i(x) [+ S(x)], applied token-wise.
+    """y = Σ_{i∈topk(x)} g_i(x) E_i(x) [+ S(x)], applied token-wise; with `shared_gate` (Qwen2-MoE's
+    shared_expert_gate, a Linear(H, 1)) the shared term is sigmoid(shared_gate(x))·S(x).
 
     `router` may be the same module object in several layers (Omni-router); each layer feeds it
     its own hidden state. After each forward, `last_routing` holds this layer's RoutingInfo
     (read by aux losses and routing capture; not a global list).
     """
 
-    def __init__(self, router: Router, experts: Experts, shared: SharedExpert | None = None, dropout: float = 0.0):
+    def __init__(self, router: Router, experts: Experts, shared: SharedExpert | None = None, dropout: float = 0.0,
+                 shared_gate: nn.Linear | None = None):
         super().__init__()
-        self.router, self.experts, self.shared = router, experts, shared
+        self.router, self.experts, self.shared, self.shared_gate = router, experts, shared, shared_gate
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         self.last_routing: RoutingInfo | None = None
         # optional RoutingInfo -> RoutingInfo applied after the router: routing analysis uses it to
@@ -72,7 +74,8 @@ class MoELayer(nn.Module):
             info = self.reroute(info)
         y = self.experts(x, info.topk_ids, info.topk_weights)  # (T, H)
         if self.shared is not None:
-            y = y + self.shared(x)
+            s = self.shared(x)  # (T, H)
+            y = y + (s if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * s)  # gate (T, 1)
         if self.dropout is not None:
             y = self.dropout(y)
         self.last_routing = info

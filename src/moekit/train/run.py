@@ -58,9 +58,10 @@ def load_base(recipe: TranslationRecipe, path: Path) -> nn.Module:
     return load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)
 
 
-def adapt(recipe, model: nn.Module) -> nn.Module:
-    """The model the recipe trains, built by its training method (moekit.methods) from the base model."""
-    return method(recipe.method).adapt(recipe, model).train()
+def adapt(recipe, model: nn.Module, tokenizer=None) -> nn.Module:
+    """The model the recipe trains, built by its training method (moekit.methods) from the base model
+    (`tokenizer`: for router inits from prompts)."""
+    return method(recipe.method).adapt(recipe, model, tokenizer).train()
 
 
 def build_model(recipe: TranslationRecipe, path: Path) -> nn.Module:
@@ -169,7 +170,8 @@ def recipe_inputs(recipe) -> list[Path]:
     """Every local file or directory a recipe reads (base model, BTX branches, data files, speech corpus):
     the run directory may not be, or contain, any of them."""
     d, init = recipe.data, getattr(getattr(recipe, "moe", None), "init", None)
-    paths = [*model_inputs(recipe.model.path), *(p for b in getattr(init, "branches", []) for p in model_inputs(b))]
+    sources = [] if init is None else init.source_models()
+    paths = [*model_inputs(recipe.model.path), *(p for b in sources for p in model_inputs(b))]
     files = [*getattr(d, "train_files", []), *getattr(d, "test_files", []), getattr(d, "corpus", None)]
     return paths + [Path(f) for f in files if f]
 
@@ -261,7 +263,7 @@ def _train(recipe: TranslationRecipe, last: Path | None, callbacks, final_out: s
         raise ConfigError(f"no training example keeps a target token within data.max_length={d.max_length}")
     model = load_base(recipe, path)
     ref = dense_reference(recipe, model, tok, test, None if last is None else last.parent.parent)  # before adapting
-    model = adapt(recipe, model)
+    model = adapt(recipe, model, tok)
     evaluator = EvalCallback(recipe, tok, test, ref)
     trainer = make_trainer(recipe, model, dataset, TranslationCollator(tok.pad_token_id), [evaluator, *callbacks])
     evaluator.trainer = trainer

@@ -56,7 +56,7 @@ def train_text(recipe: TextRecipe, last: Path | None, callbacks, final_out: str)
     path = resolve_model(recipe.model.path)
     tok = load_tokenizer(path, recipe.model.trust_remote_code)
     train, test = load_text_data(recipe.data, tok)
-    model = adapt(recipe, load_base(recipe, path))
+    model = adapt(recipe, load_base(recipe, path), tok)
     losses = LossCallback(recipe, test)
     trainer = make_trainer(recipe, model, train, TranslationCollator(tok.pad_token_id), [losses, *callbacks])
     losses.trainer = trainer

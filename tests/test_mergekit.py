@@ -1,0 +1,229 @@
+"""mergekit-moe configs run unchanged (`moekit upcycle mergekit.yml OUT`): experts from distinct source models, every
+other weight from base_model, router rows of gate_mode hidden / cheap_embed equal to mergekit's definition
+computed here independently with plain transformers; refusals write nothing."""
+import hashlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers as tf
+import yaml
+
+from moekit.checkpoint.upcycle import upcycle_checkpoint
+from moekit.config import validate
+from moekit.io import load, load_dense
+from moekit.moe.spec import MoESpec
+from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_tokenizer
+from moekit.upcycling import upcycle
+
+PROMPTS = [(["hello world", "good day to you"], []),
+           (["def f(x): return x", "x = 1; y = 2"], ["hello"]),
+           (["2 + 2 = 4", "12 x 3 is 36", "7"], ["def", "world"])]
+SHARED = (["the", "and so on"], [])
+NON_FFN = "mlp"
+PLAIN = ("import sys, transformers; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+         "print(type(m).__name__, 'moekit' in sys.modules)")  # plain transformers, moekit never imported
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A base model and three experts fine-tuned from it (here: other seeds), each with a tokenizer whose BOS token
+    is '<eos>' (so prompts get mergekit's BOS prefix and BOS padding)."""
+    root = tmp_path_factory.mktemp("mergekit")
+    tok = tiny_tokenizer()
+    tok.bos_token = "<eos>"
+    for i in range(4):
+        tiny_llama(seed=i).save_pretrained(root / f"m{i}")
+        tok.save_pretrained(root / f"m{i}")
+    return root
+
+
+def config(models, gate_mode="hidden", **extra) -> dict:
+    return {"base_model": str(models / "m0"), "gate_mode": gate_mode, "dtype": "float32", "experts_per_token": 2,
+            "experts": [{"source_model": str(models / f"m{i + 1}"), "positive_prompts": pos,
+                         **({"negative_prompts": neg} if neg else {})} for i, (pos, neg) in enumerate(PROMPTS)],
+            **extra}
+
+
+def write(path, data):
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def mergekit_tokens(tok, prompts):
+    """mergekit-moe's tokenization: BOS text + prompt, no special tokens, left padding with BOS (else EOS)."""
+    tok.padding_side = "left"
+    tok.pad_token_id = tok.bos_token_id
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok([(tok.bos_token or "") + p for p in prompts], return_tensors="pt", padding=True,
+               add_special_tokens=False)
+
+
+def unit(v):
+    return v / v.norm(dim=-1, keepdim=True).clamp(min=1e-8)
+
+
+def mergekit_rows(base, gate_mode, prompts=PROMPTS) -> torch.Tensor:
+    """(layers, experts, H) router rows by mergekit-moe's definition, with output_hidden_states (in float32)."""
+    model = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    tok = tf.AutoTokenizer.from_pretrained(base)
+    L, emb = model.config.num_hidden_layers, model.get_input_embeddings().weight.detach()
+
+    def hidden(prompts):  # the hidden state entering each layer at the last token, averaged over the prompts
+        with torch.no_grad():
+            states = model(**mergekit_tokens(tok, prompts), output_hidden_states=True).hidden_states[:-1]
+        return torch.stack(states)[:, :, -1, :].mean(1)  # (L, H)
+
+    def cheap(prompts):  # the summed token embeddings of the prompts, normalized, the same for every layer
+        enc = mergekit_tokens(tok, prompts)
+        h = torch.nn.functional.one_hot(enc["input_ids"], emb.shape[0]).float() @ emb  # (B, T, H)
+        return unit((h * enc["attention_mask"].unsqueeze(-1)).sum((0, 1))).expand(L, -1)
+
+    f = hidden if gate_mode == "hidden" else cheap
+    return torch.stack([unit(f(pos) - f(neg) if neg else f(pos)) for pos, neg in prompts], dim=1)
+
+
+def tree(folder) -> dict:
+    return {str(p.relative_to(folder)): p.is_dir() or hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("gate_mode", ["hidden", "cheap_embed"])
+def test_mergekit_config_runs_unchanged_to_mixtral(models, tmp_path, run, gate_mode):
+    out = tmp_path / "moe"
+    rc, stdout, err = run("upcycle", write(tmp_path / "mergekit.yml", config(models, gate_mode)), out)
+    assert rc == 0, err
+    assert "format mixtral" in stdout and "3 experts, top-2, init sources" in stdout
+    res = subprocess.run([sys.executable, "-c", PLAIN, str(out)], capture_output=True, text=True)
+    assert res.stdout.split() == ["MixtralForCausalLM", "False"], res.stderr[-2000:]
+    native = tf.AutoModelForCausalLM.from_pretrained(out)
+    assert type(native) is tf.MixtralForCausalLM and native.config.num_local_experts == 3
+    got = native.state_dict()
+    base = load_dense(models / "m0").state_dict()
+    for key, t in base.items():
+        if f".{NON_FFN}." not in key:
+            assert torch.equal(got[key], t), key  # not averaged: the base model's
+    want = mergekit_rows(models / "m0", gate_mode)
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.mlp"
+        for i in range(3):
+            src = load_dense(models / f"m{i + 1}").model.layers[layer].mlp
+            assert torch.equal(got[f"{prefix}.experts.gate_up_proj"][i],
+                               torch.cat([src.gate_proj.weight, src.up_proj.weight]))
+            assert torch.equal(got[f"{prefix}.experts.down_proj"][i], src.down_proj.weight)
+        torch.testing.assert_close(got[f"{prefix}.gate.weight"], want[layer], rtol=0, atol=1e-5)
+    assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("router", [
+    {"init": "hidden", "pool": "mean", "prompts": [{"positive": p, "negative": n} for p, n in PROMPTS],
+     "shared_prompts": {"positive": SHARED[0]}},
+    {"init": "normal"}])
+def test_pooling_scaling_and_shared_gate_stream_as_in_memory(models, tmp_path, router):
+    """hidden with mean pooling, residual_scale, noise_scale (on the shared expert too) and a prompted shared gate:
+    the streamed moekit and Qwen2-MoE tensors are bit-identical to moekit.upcycle's (and its export's: the formats
+    ask for the shared expert and the router in different orders, the draws keep one); residual_scale multiplies
+    the down projection exactly."""
+    from moekit.export import EXPORTERS
+
+    spec = validate(MoESpec, {
+        "num_experts": 3, "top_k": 2, "shared_expert": True, "shared_gate": True,
+        "router": {"scoring": "topk_softmax", **router},
+        "init": {"method": "sources", "branches": [str(models / f"m{i}") for i in (1, 2, 3)],
+                 "shared_source": str(models / "m3"),
+                 "scaling": [{"residual_scale": 0.5}, {"noise_scale": 0.01}, {}, {"noise_scale": 0.01}]}})
+    upcycle_checkpoint(models / "m0", tmp_path / "moe", spec)
+    upcycle_checkpoint(models / "m0", tmp_path / "q2", spec, format="qwen2_moe")
+    ref = upcycle(load_dense(models / "m0"), spec, [load_dense(models / f"m{i}") for i in (1, 2, 3, 3)],
+                  tokenizer=tf.AutoTokenizer.from_pretrained(models / "m0"))
+    for got, want in ((load(tmp_path / "moe").state_dict(), ref.state_dict()),
+                      (tf.AutoModelForCausalLM.from_pretrained(tmp_path / "q2").state_dict(),
+                       EXPORTERS.get("qwen2_moe")(ref).state_dict())):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    down = ref.model.layers[2].mlp.experts.down
+    assert torch.equal(down[0], load_dense(models / "m1").model.layers[2].mlp.down_proj.weight * 0.5)
+    assert 0 < (down[1] - load_dense(models / "m2").model.layers[2].mlp.down_proj.weight).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("gate_mode", ["hidden", "random"])
+def test_qwen_gates_the_shared_expert(models, tmp_path, run, gate_mode):
+    """architecture qwen: Qwen2-MoE whose shared expert is its source's FFN behind Qwen-MoE's sigmoid gate, the row of
+    the shared expert's prompts (hidden, by mergekit's definition) or a drawn one (random); moekit's own format of
+    the same config gives the same logits."""
+    shared = [{"source_model": str(models / "m3"), "positive_prompts": SHARED[0]}]
+    cfg = write(tmp_path / "qwen.yml", config(models, gate_mode, architecture="qwen", shared_experts=shared))
+    for out, flags in ((tmp_path / "qwen", []), (tmp_path / "moekit", ["--format", "moekit"])):
+        rc, _, err = run("upcycle", cfg, out, *flags)
+        assert rc == 0, err
+    native, moe = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "qwen"), load(tmp_path / "moekit")
+    assert type(native) is tf.Qwen2MoeForCausalLM
+    mlp, src = native.model.layers[1].mlp, load_dense(models / "m3").model.layers[1].mlp
+    assert all(torch.equal(getattr(mlp.shared_expert, n).weight, getattr(src, n).weight)
+               for n in ("gate_proj", "up_proj", "down_proj"))
+    gate = mlp.shared_expert_gate.weight.detach()
+    if gate_mode == "hidden":
+        torch.testing.assert_close(gate[0], mergekit_rows(models / "m0", "hidden", [SHARED])[1, 0], rtol=0, atol=1e-5)
+    else:
+        assert gate.abs().min() > 0
+    assert torch.equal(moe.model.layers[1].mlp.shared_gate.weight, gate)
+    x = tiny_inputs(moe)
+    torch.testing.assert_close(logits(native, x), logits(moe, x), rtol=0, atol=1e-5)
+
+
+def test_deepseek_shared_expert_is_ungated(models, tmp_path, run):
+    """architecture deepseek: moekit's format (transformers has no DeepSeek-MoE class), the shared expert always on,
+    residual_scale on its down projection; Qwen2-MoE holds the same MoE exactly; prompts on it are refused."""
+    shared = [{"source_model": str(models / "m3"), "residual_scale": 0.5}]
+    cfg = write(tmp_path / "ds.yml", config(models, "random", architecture="deepseek", shared_experts=shared))
+    for out, flags in ((tmp_path / "ds", []), (tmp_path / "q2", ["--format", "qwen2_moe"])):
+        rc, _, err = run("upcycle", cfg, out, *flags)
+        assert rc == 0, err
+    moe = load(tmp_path / "ds")
+    mlp = moe.model.layers[1].mlp
+    assert mlp.shared_gate is None
+    assert torch.equal(mlp.shared.down_proj.weight, load_dense(models / "m3").model.layers[1].mlp.down_proj.weight * 0.5)
+    x = tiny_inputs(moe)
+    torch.testing.assert_close(logits(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "q2"), x), logits(moe, x),
+                               rtol=0, atol=1e-5)
+    data = config(models, "random", architecture="deepseek", shared_experts=[{**shared[0], "positive_prompts": ["a"]}])
+    assert "takes no prompts" in refused(run, tmp_path / "refused", data)
+
+
+def refused(run, tmp_path, data, *flags) -> str:
+    """The command fails with one error line and writes nothing (the output's parent is unchanged)."""
+    tmp_path.mkdir(exist_ok=True)
+    cfg = write(tmp_path / "mergekit.yml", data)
+    before = tree(tmp_path)
+    rc, _, err = run("upcycle", cfg, tmp_path / "out", *flags)
+    assert rc != 0 and err.count("error:") == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert tree(tmp_path) == before
+    return err
+
+
+def test_all_same_experts_refused_unless_asked(models, tmp_path, run):
+    data = config(models)
+    for e in data["experts"]:
+        e["source_model"] = str(models / "m1")
+    assert "--allow-same-experts" in refused(run, tmp_path, data)
+    rc, _, err = run("upcycle", tmp_path / "mergekit.yml", tmp_path / "out", "--i-understand-this-is-not-useful-without-training")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"bogus": 1}, "unknown key 'bogus'; the valid keys are base_model, experts, gate_mode, dtype, experts_per_token, "
+                   "shared_experts, architecture"),
+    ({"experts": [{"source_model": "x", "positive_prompt": ["a"]}]},
+     "unknown key experts[0].'positive_prompt'; the valid keys of experts[0] are source_model, positive_prompts, "
+     "negative_prompts, noise_scale, residual_scale"),
+    ({"gate_mode": "sparse"}, "gate_mode"),
+    ({"architecture": "llama"}, "names none of mergekit's output architectures"),
+    ({"experts_per_token": 4}, "top_k (4) cannot exceed num_experts (3)"),
+])
+def test_bad_configs_refused_in_one_line(models, tmp_path, run, data, message):
+    assert message in refused(run, tmp_path, {**config(models), **data})
+
+
+def test_spec_flags_do_not_apply(models, tmp_path, run):
+    assert "--experts" in refused(run, tmp_path, config(models), "--experts", 4)
