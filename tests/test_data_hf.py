@@ -203,3 +203,8 @@ def test_text_recipe_trains_two_steps(fmt, text_assets, tmp_path, run):
     assert row["n"] == len(test) and row["loss"] == pytest.approx(examples_loss(load(out / "model"), test, 2), rel=1e-5)
     assert len(results["usage"]) == 2 and all(sum(u) == pytest.approx(1.0) for u in results["usage"].values())
     assert r.data.format == fmt and r.task == "text"
+    (out / "results.json").unlink()
+    rc, stdout, stderr = run("evaluate", out)  # `moekit evaluate` reproduces the run's own evaluation
+    assert rc == 0, stderr
+    again = json.loads((out / "results.json").read_text())["directions"]["test"]
+    assert again["n"] == row["n"] and again["loss"] == pytest.approx(row["loss"], rel=1e-6)

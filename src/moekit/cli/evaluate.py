@@ -1,4 +1,5 @@
-"""`moekit evaluate RUN_DIR`: re-evaluate a trained run (BLEU/chrF, loss, KL, diversity, usage)."""
+"""`moekit evaluate RUN_DIR`: re-evaluate a finished run of any task (translation and instruct: BLEU/chrF, ROUGE-L,
+loss, KL, diversity, usage; text: held-out loss and perplexity; asr: WER/CER and routing statistics)."""
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,8 @@ def run(args: argparse.Namespace) -> None:
     if not (run_dir / "recipe.yaml").is_file() or not (run_dir / "model").is_dir():
         raise CheckpointError(f"{run_dir} is not a finished run (needs recipe.yaml and model/)")
     recipe = load_recipe(run_dir / "recipe.yaml", [f"out={run_dir}"])
-    if recipe.task == "asr":
-        return run_asr(recipe, run_dir, args.device)
+    if recipe.task in ("asr", "text"):
+        return (run_asr if recipe.task == "asr" else run_text)(recipe, run_dir, args.device)
     tok = load_tokenizer(run_dir / "model", recipe.model.trust_remote_code)
     ref_file = run_dir / "dense_reference.safetensors"
     ref = DenseReference.load(run_dir) if ref_file.is_file() else None
@@ -57,3 +58,19 @@ def run_asr(recipe, run_dir: Path, device: str) -> None:
     with progress():
         results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
     out_console().print(asr_table(results, title=f"{recipe.name} ({run_dir})"))
+
+
+def run_text(recipe, run_dir: Path, device: str) -> None:
+    from moekit.cli.tables import result_rows, results_table
+    from moekit.data.hf import load_text_data
+    from moekit.eval.text import report_text
+    from moekit.methods import method
+    from moekit.train.run import load_tokenizer
+
+    _, test = load_text_data(recipe.data, load_tokenizer(run_dir / "model", recipe.model.trust_remote_code))
+    log = run_dir / "log_history.json"
+    history = json.loads(log.read_text()) if log.is_file() else []
+    model = method(recipe.method).load_trained(recipe, run_dir / "model").to(device)
+    with progress():
+        results = report_text(recipe, model, test, history)
+    out_console().print(results_table(result_rows(results), title=f"{recipe.name} ({run_dir})"))

@@ -1,11 +1,10 @@
 """Text recipes (`task: text`): causal-LM training on local data read through `datasets` (moekit.data.hf:
 raw text packed into blocks, Alpaca instructions, chat conversations, translation records), with any method
 (moe, dense, lora, simoe). Evaluation: held-out loss and perplexity over the labelled tokens of the test split
-(logged as eval_loss every train.eval_every steps, and at the end), expert usage and diversity for MoE models,
-parameter counts."""
+(logged as eval_loss every train.eval_every steps, and at the end; moekit.eval.text), expert usage and diversity
+for MoE models, parameter counts."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -13,11 +12,8 @@ from transformers import TrainerCallback
 from moekit.assets import resolve_model
 from moekit.data.hf import load_text_data
 from moekit.data.parallel import TranslationCollator
-from moekit.eval.translation import examples_loss, write_results
-from moekit.eval.upcycling import diversity, init_diversity, param_counts
-from moekit.eval.usage import model_usage
-from moekit.eval.plots import plot_curves, plot_usage
-from moekit.moe.layer import moe_layers
+from moekit.eval.text import report_text
+from moekit.eval.translation import examples_loss
 from moekit.train.recipe import TextRecipe
 from moekit.train.run import adapt, load_base, load_tokenizer, make_trainer, resume_from, write_run_files
 
@@ -37,19 +33,6 @@ class LossCallback(TrainerCallback):
         control.should_log = should_log
 
 
-def evaluate_text(model, test: list[dict], batch_size: int) -> dict:
-    """Held-out loss and perplexity, expert usage, diversity and parameter counts, in the layout of
-    moekit.eval.translation.evaluate_run (one "direction": test) so results.csv and the CLI table read it."""
-    loss = examples_loss(model, test, batch_size)
-    collate = TranslationCollator(pad_id=0)  # padding is masked out: its id does not matter
-    usage = model_usage(model, (collate(test[i:i + batch_size]) for i in range(0, len(test), batch_size)))
-    total, active = param_counts(model)
-    row = {"n": len(test), "loss": loss, "perplexity": math.exp(loss)}
-    return {"directions": {"test": row}, "avg": {"loss": loss}, "kl": None, "diversity_init": init_diversity(model),
-            "diversity": diversity(model) if moe_layers(model) else None, "usage": usage,
-            "params": {"total": total, "active": active}}
-
-
 def train_text(recipe: TextRecipe, last: Path | None, callbacks, final_out: str):
     """Train a text recipe inside its run directory (moekit.train.run.train) and evaluate it."""
     out = Path(recipe.out)
@@ -66,9 +49,5 @@ def train_text(recipe: TextRecipe, last: Path | None, callbacks, final_out: str)
     if trainer.is_world_process_zero():
         tok.save_pretrained(out / "model")
         write_run_files(recipe, trainer, final_out)
-        trainer.results = evaluate_text(trainer.model, test, recipe.eval.batch_size)
-        write_results(trainer.results, out)
-        plot_curves(trainer.state.log_history, out)
-        if trainer.results["usage"]:
-            plot_usage(trainer.results["usage"], out / "usage.png", title=f"{recipe.name}: expert usage (test)")
+        trainer.results = report_text(recipe, trainer.model, test, trainer.state.log_history)
     return trainer
