@@ -158,6 +158,7 @@ def test_streaming_export_of_tied_embeddings(tmp_path, fmt):
     export_checkpoint(tmp_path / "moe", tmp_path / fmt, fmt)
     native = tf.AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.float32)
     assert native.config.tie_word_embeddings and native.lm_head.weight is native.model.embed_tokens.weight
+    assert native.config.architectures == [type(native).__name__]  # as save_pretrained writes it
     assert_same_state(native.state_dict(), EXPORTERS.get(fmt)(load(tmp_path / "moe")).state_dict())
 
 
