@@ -215,3 +215,24 @@ def test_hub_ids_resolve_from_a_local_hf_cache(tmp_path, monkeypatch, run):
     assert "base_model: org/tiny" in (tmp_path / "moe" / "README.md").read_text()
     rc, _, err = run("upcycle", "--model", "org/tiny", "--out", cache, "--overwrite")
     assert rc == 2 and "contains input" in err  # the cache holding the model is never replaced
+
+
+def test_standins_serve_every_builtin_asset_offline(tmp_path, monkeypatch):
+    """moekit.testing.standins: every built-in name resolves from the stand-in cache without pip, the Bible holds
+    the same verse ids in every translation, and a stand-in Hub repository resolves offline."""
+    from moekit.testing.standins import BOOKS, CHAPTERS, VERSES, standin_cache, standin_hub
+
+    monkeypatch.setenv("MOEKIT_CACHE", str(standin_cache(tmp_path / "cache")))
+    monkeypatch.setenv("HF_HUB_CACHE", str(standin_hub(tmp_path / "hub", ["org/tiny"])))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    for name in assets.MODELS:
+        assert assets.resolve_model(name) == tmp_path / "cache" / "models" / name
+    assert tf.AutoTokenizer.from_pretrained(assets.resolve_model("smollm2-135m")).chat_template
+    english = [tuple(v[:3]) for v in assets.bible_verses("k")]
+    assert len(english) == len(set(english)) == len(BOOKS) * CHAPTERS * VERSES
+    for code in assets.BIBLE_TRANSLATIONS:
+        verses = assets.bible_verses(code)
+        assert [tuple(v[:3]) for v in verses] == english and len({v.text for v in verses}) == len(verses)
+    hub = assets.resolve_model("org/tiny")
+    assert tf.AutoModelForCausalLM.from_pretrained(hub).dtype == torch.bfloat16

@@ -12,12 +12,10 @@ from moekit.data.hf import (ALPACA, ALPACA_NO_INPUT, TextDataConfig, builder_of,
 from moekit.errors import ConfigError
 from moekit.eval.translation import examples_loss
 from moekit.io import load
-from moekit.testing import tiny_llama, tiny_tokenizer
+from moekit.testing import CHATML, tiny_chat_tokenizer, tiny_llama, tiny_tokenizer
 from moekit.train.recipe import load_recipe
 from moekit.train.run import load_tokenizer
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 DOCS = ["the light of the world", "is good and the day was long", "a", "we walk to school at dawn"]
 ALPACA_RECORDS = [{"instruction": "reverse the words", "input": "day long", "output": "long day"},
                   {"instruction": "say hello", "input": "", "output": "hello there"},
@@ -26,14 +24,6 @@ CHATS = [[{"role": "system", "content": "be brief"}, {"role": "user", "content":
           {"role": "assistant", "content": "hello"}, {"role": "user", "content": "what day is it"},
           {"role": "assistant", "content": "a good day"}],
          [{"role": "user", "content": "name a colour"}, {"role": "assistant", "content": "green"}]]
-
-
-def chat_tokenizer():
-    """The tiny character tokenizer with ChatML's turn markers as special tokens and a ChatML template."""
-    tok = tiny_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
-    return tok
 
 
 def cfg(tmp_path, **kw) -> TextDataConfig:
@@ -120,7 +110,7 @@ def test_alpaca_labels_are_the_output_tokens(tmp_path):
 
 
 def test_chat_labels_are_the_assistant_turns(tmp_path):
-    tok = chat_tokenizer()
+    tok = tiny_chat_tokenizer()
     examples = encode_records([{"messages": m} for m in CHATS], tok, cfg(tmp_path, format="chat"))
     for messages, e in zip(CHATS, examples, strict=True):
         assert tok.decode(e["input_ids"]) == tok.apply_chat_template(messages, tokenize=False)
@@ -132,13 +122,13 @@ def test_chat_refusals(tmp_path):
     c = cfg(tmp_path, format="chat")
     with pytest.raises(ConfigError, match="^data.format=chat needs a tokenizer with a chat template"):
         encode_records([{"messages": CHATS[1]}], tiny_tokenizer(), c)
-    tok = chat_tokenizer()
+    tok = tiny_chat_tokenizer()
     tok.chat_template = "{{ messages | length }}" + CHATML  # every prefix renders differently
     with pytest.raises(ConfigError, match="^record 0: the tokenizer's chat template does not render this "
                                           "conversation incrementally"):
         encode_records([{"messages": CHATS[1]}], tok, c)
     with pytest.raises(ConfigError, match="^record 0: expected a column 'messages' holding"):
-        encode_records([{"messages": "hi"}], chat_tokenizer(), c)
+        encode_records([{"messages": "hi"}], tiny_chat_tokenizer(), c)
 
 
 def test_test_fraction_holds_out_records(tmp_path):
@@ -160,7 +150,7 @@ def text_assets(tmp_path_factory):
     """A tiny Llama with the chat tokenizer, and train/test files of every format (each in another file type)."""
     root = tmp_path_factory.mktemp("text")
     tiny_llama().save_pretrained(root / "dense")
-    chat_tokenizer().save_pretrained(root / "dense")
+    tiny_chat_tokenizer().save_pretrained(root / "dense")
     (root / "train.txt").write_text("\n".join(DOCS * 8) + "\n")
     (root / "test.txt").write_text("\n".join(DOCS) + "\n")
     write_csv(root / "alpaca_train.csv", ALPACA_RECORDS * 4)

@@ -149,6 +149,19 @@ def test_streaming_export_equals_in_memory_export(sources, tmp_path):
     assert_same_state(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "q2", dtype=torch.bfloat16).state_dict(), want)
 
 
+@pytest.mark.parametrize("fmt", ["mixtral", "qwen2_moe"])
+def test_streaming_export_of_tied_embeddings(tmp_path, fmt):
+    """A tied head (SmolLM2's) is stored once in the moekit checkpoint and exported as the model ties it."""
+    tiny_llama(tie_word_embeddings=True).save_pretrained(tmp_path / "dense")
+    spec = make_spec(init="spri", shared_expert=True, every=2) if fmt == "qwen2_moe" else make_spec(init="drop")
+    upcycle_checkpoint(tmp_path / "dense", tmp_path / "moe", spec)
+    export_checkpoint(tmp_path / "moe", tmp_path / fmt, fmt)
+    native = tf.AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.float32)
+    assert native.config.tie_word_embeddings and native.lm_head.weight is native.model.embed_tokens.weight
+    assert native.config.architectures == [type(native).__name__]  # as save_pretrained writes it
+    assert_same_state(native.state_dict(), EXPORTERS.get(fmt)(load(tmp_path / "moe")).state_dict())
+
+
 def test_dtype_and_shards(sources, tmp_path):
     spec = make_spec(init="drop")
     w = upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec, dtype="bfloat16", max_shard_size=50_000)

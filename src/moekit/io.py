@@ -310,6 +310,7 @@ def build_from_meta(folder: str | Path) -> tuple[nn.Module, dict]:
     config = load_config(folder)
     with torch.device("meta"):
         model = _build(meta, config, folder)
+    model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint (export copies it once)
     check_headers(model, folder, meta["aliases"])
     if meta["spec"] is not None:
         model_state(model).spec = validate(MoESpec, meta["spec"], source=f"MoE spec in {folder}/moekit.json")

@@ -295,6 +295,7 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
     if fmt is None:
         save_config(config, tmp)  # wrapped: transformers never reads it as the dense model
     else:
+        config.architectures = [fmt.native.__name__]  # as the native model's save_pretrained writes it
         config.save_pretrained(tmp)
     if fmt is None:
         (tmp / "moekit.json").write_text(json.dumps(moekit_meta(moe, aliases), indent=2))

@@ -87,6 +87,18 @@ def tiny_tokenizer():
     return tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_chat_tokenizer():
+    """The tiny character tokenizer with ChatML's turn markers as special tokens and a ChatML template."""
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
 # transformers' own MoE families (v5 fused experts), tiny and random: for routing capture/selection tests
 _MOE = dict(_DECODER, num_hidden_layers=3, intermediate_size=48)
 
@@ -148,25 +160,26 @@ def _whisper_char_tokenizer():
                                       pad_token="<|endoftext|>", additional_special_tokens=list(WHISPER_SPECIALS[1:]))
 
 
-def save_tiny_whisper_asr(folder, multilingual: bool = True, seed: int = 0):
-    """A tiny random Whisper with the real input shape (80 mels, 30 s = 3000 frames -> 1500 positions), a
-    character tokenizer with Whisper's special tokens, the feature extractor and a generation config with
-    language/task tokens: a stand-in for a converted checkpoint in ASR tests. Returns `folder`."""
+def save_tiny_whisper_asr(folder, multilingual: bool = True, seed: int = 0, **config):
+    """A tiny random Whisper with the real input and output lengths (80 mels, 30 s = 3000 frames -> 1500 positions;
+    448 decoder positions), a character tokenizer with Whisper's special tokens, the feature extractor and a
+    generation config (with language/task tokens when `multilingual`): a stand-in for a converted checkpoint in
+    ASR tests. `config` overrides WhisperConfig fields. Returns `folder`."""
     tok = _whisper_char_tokenizer()
     ids = tok.convert_tokens_to_ids
-    cfg = tf.WhisperConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80,
-                           max_source_positions=1500, max_target_positions=96, vocab_size=len(tok),
-                           pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"),
-                           eos_token_id=ids("<|endoftext|>"), decoder_start_token_id=ids("<|startoftranscript|>"))
+    cfg = tf.WhisperConfig(**{**dict(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80, max_source_positions=1500, max_target_positions=448,
+        vocab_size=len(tok), pad_token_id=ids("<|endoftext|>"), bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|endoftext|>"), decoder_start_token_id=ids("<|startoftranscript|>")), **config})
     model = _build(tf.WhisperForConditionalGeneration, cfg, seed)
     langs = [t for t in WHISPER_SPECIALS if len(t) == 6]  # <|xx|>
+    # an English-only model has no lang_to_id at all (as moekit.ct2 writes it): generate would detect a language
+    multi = dict(lang_to_id={t: ids(t) for t in langs}, task_to_id={"transcribe": ids("<|transcribe|>")})
     model.generation_config = tf.GenerationConfig(
         decoder_start_token_id=cfg.decoder_start_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-        no_timestamps_token_id=ids("<|notimestamps|>"), is_multilingual=multilingual, max_length=96,
-        lang_to_id={t: ids(t) for t in langs} if multilingual else None,
-        task_to_id={"transcribe": ids("<|transcribe|>")} if multilingual else None, begin_suppress_tokens=[],
-        suppress_tokens=[])
+        no_timestamps_token_id=ids("<|notimestamps|>"), is_multilingual=multilingual, max_length=448,
+        begin_suppress_tokens=[], suppress_tokens=[], **(multi if multilingual else {}))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     tf.WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)

@@ -1,0 +1,145 @@
+"""README.md as a tested walkthrough, so that it cannot drift from the command line.
+
+Every ```bash and ```python block of README.md runs, in document order, in one temporary working directory that
+holds a copy of recipes/: bash blocks with `bash -euo pipefail -c`, Python blocks with the venv's interpreter.
+The built-in assets are tiny stand-ins (MOEKIT_CACHE = moekit.testing.standins.standin_cache), the Hub ids the
+README names are tiny models in a stand-in Hugging Face cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1), PIP_NO_INDEX=1
+makes any attempt to fetch a real asset fail instead of downloading it, and the venv's bin comes first on PATH
+with this checkout's sources first on PYTHONPATH. A command that exits non-zero fails the test; after each block,
+the checks keyed by a command of that block assert a property of what it printed or wrote.
+
+Skipped: the ```sh blocks, which hold only the set-up commands `make demo` and `make test` (they install into
+.venv from scratch, and `make test` runs this very suite). ```yaml blocks are configuration fragments, no
+commands (they are parsed), and the unlabelled block is the source tree under "Architecture".
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.M | re.S)
+RUN = {"bash": ["bash", "-euo", "pipefail", "-c"], "python": [sys.executable, "-c"]}
+SETUP = "sh"  # skipped: see the module docstring
+HUB_REPOS = ["meta-llama/Llama-3.1-8B", "HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
+def readme_blocks() -> list[tuple[str, str]]:
+    """(language tag, body) of every fenced block of README.md, in order."""
+    return FENCE.findall((ROOT / "README.md").read_text())
+
+
+def test_every_block_is_run_parsed_or_setup():
+    blocks = readme_blocks()
+    assert {lang for lang, _ in blocks} <= {*RUN, SETUP, "yaml", ""}
+    setup = [line.split("#")[0].strip() for lang, body in blocks if lang == SETUP for line in body.splitlines()]
+    assert setup == ["make demo", "make test"]  # only the set-up commands are skipped
+    for lang, body in blocks:
+        if lang == "yaml":
+            assert isinstance(yaml.safe_load(body), dict)
+        if lang == "":
+            assert body.startswith("src/moekit/")  # the source tree, no command
+
+
+def config(work: Path, folder: str) -> dict:
+    return json.loads((work / folder / "config.json").read_text())
+
+
+def spec(work: Path, folder: str) -> dict:
+    return json.loads((work / folder / "moekit.json").read_text())["spec"]
+
+
+def selected(work: Path, name: str) -> int:
+    return sum(len(ids) for ids in json.loads((work / name).read_text())["experts"].values())
+
+
+def steps(work: Path, run: str) -> int:
+    return json.loads((work / run / "log_history.json").read_text())[-1]["step"]
+
+
+# (text of a README command, check of the block holding it: (working directory, the block's output) -> truth)
+CHECKS: list[tuple[str, Callable[[Path, str], bool]]] = [
+    ("moekit --version", lambda w, out: f"from {ROOT / 'src' / 'moekit'}" in out),  # this checkout's sources
+    ("moekit list methods", lambda w, out: all(m in out for m in ("spri", "ume", "scaled_copy", "sources"))),
+    ("--shared-expert --out runs/smollm2-spri\n",  # 8 experts, top-2 in the table of `moekit inspect`
+     lambda w, out: re.search(r"model\.layers\.3\.mlp\s*│\s*8\s*│\s*2\s*│", out) and spec(w, "runs/smollm2-spri")[
+         "init"]["method"] == "spri"),
+    ("--out runs/smollm2-spri-qwen2moe", lambda w, out: config(w, "runs/smollm2-spri-qwen2moe")["model_type"] ==
+     "qwen2_moe" and "Qwen2MoeForCausalLM, native transformers MoE" in out),
+    ("--out runs/llama-spri", lambda w, out: config(w, "runs/llama-spri")["model_type"] == "qwen2_moe"
+     and config(w, "runs/llama-spri")["dtype"] == "bfloat16"  # bf16 in, bf16 out
+     and "base_model: meta-llama/Llama-3.1-8B" in (w / "runs/llama-spri/README.md").read_text()),
+    ("moekit upcycle noise.yaml", lambda w, out: (s := spec(w, "runs/smollm2-noise"))["top_k"] == 1
+     and s["init"] == {**s["init"], "method": "noise", "std": 0.2, "ratio": 0.99}),
+    ("moekit train recipes/spri_two_stage.yaml train.steps=50", lambda w, out: steps(w, "runs/spri_two_stage") == 50
+     and set(json.loads((w / "runs/spri_two_stage/results.json").read_text())["directions"]) >= {"fr", "sw", "tl"}),
+    ("moekit train text.yaml\n", lambda w, out: all(
+        steps(w, f"runs/{r}") == 10 and yaml.safe_load((w / f"runs/{r}/recipe.yaml").read_text())["data"]["format"] == f
+        for r, f in (("text", "text"), ("alpaca", "alpaca"), ("chat", "chat")))),
+    ("runs/py-spri-qwen2moe", lambda w, out: spec(w, "runs/py-spri")["num_experts"] == 8 and all(
+        config(w, f"runs/{d}")["model_type"] == "qwen2_moe" for d in ("py-spri-auto", "py-spri-qwen2moe"))),
+    ("--out runs/smollm2-granular", lambda w, out: (c := config(w, "runs/smollm2-granular"))["model_type"] == "mixtral"
+     and (c["num_local_experts"], c["num_experts_per_tok"], c["intermediate_size"]) == (32, 8, 64 // 4)),
+    ("moekit upcycle mergekit.yml", lambda w, out: (c := config(w, "runs/smollm2-mergekit"))["num_local_experts"] == 2
+     and c["dtype"] == "bfloat16" and c["architectures"] == ["MixtralForCausalLM"]),
+    ("moekit routes report runs/trace.npz --out runs/routes\n", lambda w, out: re.search(
+        r"runs/trace\.npz: \d+ tokens \(en \d+, sw \d+, fr \d+\)", out) and (w / "runs/routes/jaccard.png").is_file()),
+    ("moekit select rise --help", lambda w, out: "--alpha" in out and all(
+        selected(w, f"runs/sel-{m}.json") == 8 for m in ("rise", "esft-gate", "random", "topk"))
+     and (w / "runs/routes-sw/selection.png").is_file()),
+    ("--out runs/smollm2-spri-pruned", lambda w, out: json.loads(
+        (w / "runs/smollm2-spri-pruned/pruned_experts.json").read_text())["experts"] == json.loads(
+        (w / "runs/sel-rise.json").read_text())["experts"] and (w / "runs/smollm2-spri-sw/finetune.json").is_file()),
+    ("--merge book_name", lambda w, out: steps(w, "runs/simoe_instruct") == 25 and (w / "runs/simoe_report/report.json")
+     .is_file() and (w / "runs/simoe_pruned/simoe.json").is_file()
+     and config(w, "runs/simoe_book_name")["model_type"] == "llama"),
+    ("moekit evaluate runs/asr/omni_ctc", lambda w, out: json.loads((w / "corpus/multi/corpus.json").read_text())[
+        "counts"]["sw"]["train"] == 48 and steps(w, "runs/asr/ume_whisper_tiny") == 10
+     and set(json.loads((w / "runs/asr/omni_ctc/results.json").read_text())["languages"]) == {"en", "fr", "de", "sw"}),
+]
+
+
+def run_block(lang: str, body: str, work: Path, env: dict) -> str:
+    """stdout + stderr of one block, which must succeed (its process group is killed if it hangs)."""
+    proc = subprocess.Popen([*RUN[lang], body], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+    assert proc.returncode == 0, f"README block failed (exit {proc.returncode}):\n{body}\n--- output ---\n{out[-4000:]}"
+    return out
+
+
+@pytest.mark.slow
+def test_readme_walkthrough(tmp_path):
+    from moekit.testing.standins import standin_cache, standin_hub
+
+    work = tmp_path / "work"
+    shutil.copytree(ROOT / "recipes", work / "recipes")
+    env = {**os.environ, "MOEKIT_CACHE": str(standin_cache(tmp_path / "cache")),
+           "HF_HUB_CACHE": str(standin_hub(tmp_path / "hub", HUB_REPOS)), "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf_home"), "PIP_NO_INDEX": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    matched = {key: 0 for key, _ in CHECKS}
+    for lang, body in readme_blocks():
+        if lang not in RUN:
+            continue
+        out = run_block(lang, body, work, env)
+        for key, check in CHECKS:
+            if key in body:
+                matched[key] += 1
+                assert check(work, out), f"README check {key!r} failed on this block's results:\n{body}\n{out[-3000:]}"
+    assert all(n == 1 for n in matched.values()), f"each check must match exactly one README block: {matched}"
