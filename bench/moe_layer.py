@@ -1,8 +1,14 @@
-"""MoE FFN speed vs the physical limit (k x dense FFN cost) and vs transformers' own v5 experts.
+"""MoE FFN speed vs the physical limit and vs transformers' own v5 experts (eager and grouped_mm).
 
 For each shape, all implementations get the same weights, the same routing (top_k_index,
 top_k_weights) and the same upstream gradient; outputs and gradients are checked equal before
-timing. Timings are interleaved across implementations, median of --repeats after warm-up.
+timing. Timings are interleaved across implementations, median of --repeats after warm-up; each row
+says how noisy it was (the largest interquartile range / median over its implementations).
+
+Rows: --tokens tokens, fwd+bwd and fwd, limit = k × one dense FFN on the same tokens; decode sizes
+(T = 1, 8, 64), fwd, limit = n_hit × one dense FFN on ⌈T·k / n_hit⌉ tokens, n_hit the distinct experts
+touched (each one's weights must be read once). The router column is moekit's Router (+ load-balance
+and z-loss, forward and backward, in fwd+bwd rows) as a share of the whole MoE layer (router + experts).
 
     .venv/bin/python bench/moe_layer.py --write BENCHMARKS.md
 """
@@ -21,13 +27,16 @@ import transformers
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+from moekit.losses import load_balance, z_loss
 from moekit.moe.experts import Experts
+from moekit.moe.router import Router
 from report import write_section  # bench/report.py
 
 SHAPES = [  # (name, E, k, H, I)
     ("E=8/top-2/H=1024/I=3072", 8, 2, 1024, 3072),
     ("E=64/top-8/H=512/I=384", 64, 8, 512, 384),
 ]
+DECODE = (1, 8, 64)
 MARK = ("<!-- moe_layer -->", "<!-- /moe_layer -->")
 
 
@@ -55,9 +64,27 @@ class Dense(torch.nn.Module):
         return F.linear(F.silu(g) * u, self.down)
 
 
+class RouterAux(torch.nn.Module):
+    """moekit's router with the training losses: what the MoE layer spends besides its experts."""
+
+    def __init__(self, E, k, H):
+        super().__init__()
+        self.router = Router(H, E, k, "topk_softmax")
+        torch.nn.init.normal_(self.router.weight, std=H**-0.5, generator=torch.Generator().manual_seed(2))
+
+    def forward(self, x, ids, w):
+        info = self.router(x)
+        if not torch.is_grad_enabled():
+            return info.topk_weights
+        aux = load_balance(info) + z_loss(info)
+        return x[:, :1] * info.topk_weights.sum(-1, keepdim=True) + aux  # (T, 1): every output gets a gradient
+
+
 def build(name, E, k, H, I, gate_up, down):
     if name == "dense":
         return Dense(gate_up, down)
+    if name == "router":
+        return RouterAux(E, k, H)
     if name == "moekit":
         m = Experts(E, H, I, "silu", gated=True)
         m.gate_up.data.copy_(gate_up)
@@ -75,7 +102,7 @@ def step(m, x, ids, w, grad, backward):
     x = x.detach().requires_grad_(backward)
     y = m(x, ids, w)
     if backward:
-        y.backward(grad)
+        y.backward(grad[:, :y.shape[1]])
     return y, x.grad
 
 
@@ -94,60 +121,95 @@ def check_equal(mods, x, ids, w, grad):
         m.zero_grad(set_to_none=True)
 
 
-def time_all(mods, x, ids, w, grad, backward, repeats):
+def time_all(mods, inputs, backward, repeats):
+    """{name: (median seconds, IQR / median)}; inputs {name: (x, ids, w, grad)}, run interleaved."""
     times = {n: [] for n in mods}
     for n, m in mods.items():  # warm-up
-        step(m, x, ids, w, grad, backward)
+        step(m, *inputs[n], backward)
     for _ in range(repeats):
         for n, m in mods.items():
             m.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            step(m, x, ids, w, grad, backward)
+            step(m, *inputs[n], backward)
             times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) for n, t in times.items()}
+    out = {}
+    for n, t in times.items():
+        q = statistics.quantiles(t, n=4)
+        out[n] = (statistics.median(t), (q[2] - q[0]) / statistics.median(t))
+    return out
+
+
+def dense_tokens(ids, E, decode):
+    """(units, tokens): the limit is units × one dense FFN on `tokens` tokens."""
+    T, k = ids.shape
+    if not decode:
+        return k, T
+    hit = int(torch.unique(ids).numel())
+    return hit, -(-T * k // hit)
+
+
+def timed_row(label, mode, mods, x, ids, w, grad, E, repeats, decode):
+    bwd = mode == "fwd+bwd"
+    units, m = dense_tokens(ids, E, decode)
+    inputs = {n: (x, ids, w, grad) for n in mods}
+    inputs["dense"] = (x[:m], ids[:m], w[:m], grad[:m])
+    with torch.set_grad_enabled(bwd):
+        t = time_all(mods, inputs, bwd, repeats)
+    limit = units * t["dense"][0]
+    router = t["router"][0] / (t["router"][0] + t["moekit"][0])
+    noise = max(v[1] for v in t.values())
+    return (label, x.shape[0], mode, limit, {n: t[n][0] for n in IMPLS}, router, noise)
+
+
+IMPLS = ("moekit", "hf_eager", "hf_grouped_mm")
 
 
 def run_shape(label, E, k, H, I, T, repeats):
     x, ids, w, gate_up, down, grad = make_inputs(E, k, H, I, T)
-    names = ["dense", "moekit", "hf_eager", "hf_grouped_mm"]
-    mods = {n: build(n, E, k, H, I, gate_up, down) for n in names}
+    mods = {n: build(n, E, k, H, I, gate_up, down) for n in ("dense", "router", *IMPLS)}
     check_equal(mods, x, ids, w, grad)
-    rows = []
-    for mode, bwd in (("fwd+bwd", True), ("fwd", False)):
-        with torch.set_grad_enabled(bwd):
-            t = time_all(mods, x, ids, w, grad, bwd, repeats)
-        limit = k * t["dense"]
-        rows.append((label, mode, limit, {n: t[n] / limit for n in names[1:]}, {n: t[n] for n in names[1:]}))
+    rows = [timed_row(label, mode, mods, x, ids, w, grad, E, repeats, False) for mode in ("fwd+bwd", "fwd")]
+    for t in DECODE:
+        xd, idsd, wd, *_, gradd = make_inputs(E, k, H, I, t, seed=t)
+        rows.append(timed_row(label, "fwd", mods, xd, idsd, wd, gradd, E, repeats, True))
     return rows
 
 
-def render(rows, T, repeats, cmd):
+def render(rows, T, repeats, cmd, load):
     out = [MARK[0], "## MoE layer speed (bench/moe_layer.py)", "",
            f"`{cmd}` — {date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
-           f"{torch.__version__}, transformers {transformers.__version__}, fp32, {T} tokens, median of "
-           f"{repeats} interleaved repeats after warm-up. Outputs and gradients of all three "
-           "implementations checked equal (rtol/atol 1e-4) before timing.", "",
-           "Ratio = time / limit, limit = k × the time of one dense FFN of the same shape on the same tokens.", "",
-           "| shape | pass | limit (ms) | moekit | transformers eager | transformers grouped_mm |",
-           "|---|---|---|---|---|---|"]
-    for label, mode, limit, ratio, t in rows:
-        cells = [f"{ratio[n]:.2f}× ({1000 * t[n]:.0f} ms)" for n in ("moekit", "hf_eager", "hf_grouped_mm")]
-        out.append(f"| {label} | {mode} | {1000 * limit:.0f} | " + " | ".join(cells) + " |")
+           f"{torch.__version__}, transformers {transformers.__version__}, fp32, median of "
+           f"{repeats} interleaved repeats after warm-up; load average {load} before → after. Outputs and "
+           "gradients of all three implementations checked equal (rtol/atol 1e-4) before timing.", "",
+           f"Ratio = time / limit. At {T} tokens the limit is k × the time of one dense FFN of the same shape "
+           "on the same tokens; at decode sizes it is n_hit × one dense FFN on ⌈T·k/n_hit⌉ tokens (n_hit = "
+           "distinct experts touched). router = moekit's router (+ load-balance and z-loss in fwd+bwd) as a "
+           "share of router + experts. noise = the largest (p75 − p25) / median of the row's timings.", "",
+           "| shape | T | pass | limit (ms) | moekit | transformers eager | transformers grouped_mm | router | noise |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for label, t, mode, limit, times, router, noise in rows:
+        cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" for n in IMPLS]
+        out.append(f"| {label} | {t} | {mode} | {1000 * limit:.3g} | " + " | ".join(cells)
+                   + f" | {100 * router:.1f} % | {100 * noise:.0f} % |")
     return "\n".join(out + ["", MARK[1]])
+
+
+def loadavg():
+    return Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--write", type=Path, help="update this markdown file's moe_layer section")
     args = ap.parse_args()
-    rows = []
+    load, rows = loadavg(), []
     for label, E, k, H, I in SHAPES:
         rows += run_shape(label, E, k, H, I, args.tokens, args.repeats)
     cmd = f".venv/bin/python bench/moe_layer.py --tokens {args.tokens} --repeats {args.repeats}" + (
         f" --write {args.write}" if args.write else "")
-    section = render(rows, args.tokens, args.repeats, cmd)
+    section = render(rows, args.tokens, args.repeats, cmd, f"{load} → {loadavg()}")
     print(section)
     if args.write:
         write_section(args.write, section, MARK)

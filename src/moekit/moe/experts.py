@@ -3,11 +3,21 @@
 Weights are stored like transformers v5: gated `gate_up` (E, 2I, H) = [gate; up] along dim 1, or
 non-gated `up` (E, I, H); `down` (E, H, I); optional biases (E, 2I | I) and (E, H).
 
-Dispatch sorts the T*k (token, slot) pairs by expert and runs one grouped matmul per projection
-(`torch.nn.functional.grouped_mm`), so the backward writes every expert's weight gradient into one
-tensor instead of materializing a full-size zero gradient per expert (transformers' `eager` loop).
+Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two paths (`Experts.dispatch`):
+
+- "grouped": one grouped matmul per projection (`torch.nn.functional.grouped_mm`), so the backward
+  writes every expert's weight gradient into one tensor instead of materializing a full-size zero
+  gradient per expert (transformers' `eager` loop). Few kernel launches: the path for GPUs and for
+  small groups, where a Python loop's per-expert overhead would dominate.
+- "loop": one plain GEMM pair per expert that got tokens (`ExpertLoop`), on CPU once every hit expert
+  has enough rows. Each expert's temporaries are small and stay in cache, and no (T*k, H) gather/scatter
+  buffers are allocated (fresh buffers over ~32 MB pay page faults on every call here); the backward
+  writes each expert's gradient straight into its row of one buffer. Measured 1.3x faster than grouped
+  in fwd+bwd at E=64/top-8 and 4096 tokens, slower below ~2^24 multiply-adds per hit expert.
 """
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +79,83 @@ class WeightedSwiGLU(torch.autograd.Function):
         return dh, dw
 
 
+# multiply-adds of one hit expert's first projection (rows * H * I) from which the per-expert loop beats
+# grouped_mm on CPU (measured at E=8/H=1024/I=3072 and E=64/H=512/I=384, 1 to 4096 tokens)
+LOOP_WORK = 2**24
+
+
+def _hit_groups(offs: list[int]):
+    """(expert, rows slice) of every expert that got rows; offs (E+1,) cumulative counts from 0."""
+    return [(e, slice(a, b)) for e, (a, b) in enumerate(zip(offs[:-1], offs[1:])) if b > a]
+
+
+def _grad_buffer(weight: Tensor, offs: list[int]) -> Tensor:
+    """A gradient for weight (E, ...): hit experts' rows are written whole by one GEMM each, so only the
+    rows of experts without tokens are zeroed (each page of a fresh buffer is touched once)."""
+    buf = torch.empty_like(weight)
+    for e, (a, b) in enumerate(zip(offs[:-1], offs[1:])):
+        if a == b:
+            buf[e].zero_()
+    return buf
+
+
+def _swiglu_weighted(h: Tensor, w: Tensor) -> Tensor:
+    """silu(g) ⊙ u ⊙ w for h = [g | u] (n, 2I), w (n, 1) -> (n, I), in one fresh buffer."""
+    g, u = h.chunk(2, dim=-1)
+    return F.silu(g).mul_(u).mul_(w)
+
+
+class ExpertLoop(torch.autograd.Function):
+    """Gated-SiLU experts without biases, one GEMM pair per hit expert (see the module docstring).
+
+    x (T, H), w (S, 1) routing weights and token (S,) in expert order, first (E, 2I, H), down (E, H, I),
+    offs (E+1,) list -> y (T, H) = Σ_slots scatter(down_e (silu(g) ⊙ u ⊙ w)). The pre-activations
+    (S, 2I) are the only saved activation; the rest is recomputed per expert in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, first: Tensor, down: Tensor, token: Tensor, offs: list[int]) -> Tensor:
+        h_all = x.new_empty(token.shape[0], first.shape[1])  # (S, 2I)
+        y = x.new_zeros(x.shape)  # (T, H)
+        for e, rows in _hit_groups(offs):
+            tok = token[rows]  # (n,)
+            h = torch.mm(x.index_select(0, tok), first[e].t(), out=h_all[rows])  # (n, 2I)
+            y.index_add_(0, tok, torch.mm(_swiglu_weighted(h, w[rows]), down[e].t()))  # (n, H)
+        ctx.save_for_backward(x, w, first, down, token, h_all)
+        ctx.offs = offs
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w, first, down, token, h_all = ctx.saved_tensors
+        need_x, need_w, need_first, need_down = ctx.needs_input_grad[:4]
+        dx = torch.zeros_like(x) if need_x else None  # (T, H)
+        dw = torch.empty_like(w) if need_w else None  # (S, 1)
+        dfirst = _grad_buffer(first, ctx.offs) if need_first else None  # (E, 2I, H)
+        ddown = _grad_buffer(down, ctx.offs) if need_down else None  # (E, H, I)
+        for e, rows in _hit_groups(ctx.offs):
+            tok, we = token[rows], w[rows]  # (n,), (n, 1)
+            dye = dy.index_select(0, tok)  # (n, H)
+            g, u = h_all[rows].chunk(2, dim=-1)  # (n, I) each
+            sg = F.silu(g)
+            a = sg * u  # (n, I) unweighted activation
+            if need_down:
+                torch.mm(dye.t(), a * we, out=ddown[e])  # (H, I)
+            da = torch.mm(dye, down[e])  # (n, I)
+            if need_w:
+                torch.linalg.vecdot(da, a, out=dw[rows, 0])
+            da.mul_(we)
+            dh = torch.empty_like(h_all[rows])  # (n, 2I)
+            dg, du = dh.chunk(2, dim=-1)
+            torch.mul(da, sg, out=du)
+            torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=dg)
+            if need_first:
+                torch.mm(dh.t(), x.index_select(0, tok), out=dfirst[e])  # (2I, H)
+            if need_x:
+                dx.index_add_(0, tok, torch.mm(dh, first[e]))  # (n, H)
+        return dx, dw, dfirst, ddown, None, None
+
+
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str,
                  gated: bool = True, bias: bool = False):
@@ -77,6 +164,7 @@ class Experts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
         self.act, self.gated = act, gated
         self.act_fn = ACT2FN[act]
+        self.dispatch: Literal["auto", "grouped", "loop"] = "auto"  # "auto": by device and size (_use_loop)
         first = 2 * I if gated else I
         self.register_parameter("gate_up" if gated else "up", nn.Parameter(torch.zeros(E, first, H)))
         self.down = nn.Parameter(torch.zeros(E, H, I))
@@ -128,12 +216,54 @@ class Experts(nn.Module):
         flat = topk_ids.reshape(-1)  # (S,) S = T*k, slot s belongs to token s // k
         order = torch.argsort(flat, stable=True)  # (S,) slots sorted by expert
         counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
-        offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,)
         token = order // k  # (S,)
         weight = topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (S, 1)
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                            or any(p.requires_grad for p in self.parameters()))
+        if self._use_loop(x, counts, grad):
+            offs = [0] + torch.cumsum(counts, 0).tolist()  # (E+1,)
+            if grad:
+                return ExpertLoop.apply(x, weight, self.first, self.down, token, offs)
+            return self._loop(x, weight, token, offs)
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,)
+        return self._grouped(x, weight, token, flat[order], offs)
+
+    def _loop_trainable(self) -> bool:
+        """ExpertLoop's hand-written backward covers gated SiLU experts without biases."""
+        return self.gated and self.act == "silu" and self.first_bias is None and self.down_bias is None
+
+    def _use_loop(self, x: Tensor, counts: Tensor, grad: bool) -> bool:
+        """The per-expert loop: on CPU, when each hit expert has ≥ LOOP_WORK multiply-adds (or forced by
+        `dispatch`); with autograd recording, only where ExpertLoop has a backward."""
+        if self.dispatch != "auto":
+            forced = self.dispatch == "loop"
+        else:
+            hit = int(torch.count_nonzero(counts))
+            rows = int(counts.sum()) / max(hit, 1)  # mean rows per hit expert
+            forced = x.device.type == "cpu" and rows * self.hidden_size * self.intermediate_size >= LOOP_WORK
+        return forced and (self._loop_trainable() or not grad)
+
+    def _loop(self, x: Tensor, weight: Tensor, token: Tensor, offs: list[int]) -> Tensor:
+        """Inference loop over the hit experts, any activation and biases; same arithmetic as ExpertLoop
+        (routing weight on the intermediate unless there is a down bias)."""
+        I, first, down = self.intermediate_size, self.first, self.down
+        y = x.new_zeros(x.shape)  # (T, H)
+        for e, rows in _hit_groups(offs):
+            tok = token[rows]  # (n,)
+            fb = None if self.first_bias is None else self.first_bias[e]
+            h = F.linear(x.index_select(0, tok), first[e], fb)  # (n, 2I | I)
+            a = self.act_fn(h[:, :I]) * h[:, I:] if self.gated else self.act_fn(h)  # (n, I)
+            if self.down_bias is None:
+                y.index_add_(0, tok, F.linear(a * weight[rows], down[e]))  # (n, H)
+            else:
+                y.index_add_(0, tok, F.linear(a, down[e], self.down_bias[e]) * weight[rows])
+        return y
+
+    def _grouped(self, x: Tensor, weight: Tensor, token: Tensor, expert: Tensor, offs: Tensor) -> Tensor:
+        """grouped_mm dispatch; expert (S,) the sorted slots' expert ids, offs (E,) int32 cumulative counts."""
         h = grouped_linear(x.index_select(0, token), self.first, offs)  # (S, 2I | I)
         if self.first_bias is not None:
-            h = h + self.first_bias.index_select(0, flat[order])  # (S, 2I | I)
+            h = h + self.first_bias.index_select(0, expert)  # (S, 2I | I)
         # scale by the routing weight on the narrower side: w·(D h) = D (w·h) when there is no down bias
         early = self.down_bias is None and self.intermediate_size <= self.hidden_size
         if self.gated and self.act == "silu":
@@ -148,10 +278,10 @@ class Experts(nn.Module):
                 h = h * weight  # (S, I)
         y = grouped_linear(h, self.down, offs)  # (S, H)
         if self.down_bias is not None:
-            y = y + self.down_bias.index_select(0, flat[order])  # (S, H)
+            y = y + self.down_bias.index_select(0, expert)  # (S, H)
         if not early:
             y = y * weight  # (S, H)
-        return x.new_zeros(T, x.shape[-1]).index_add(0, token, y)  # (T, H)
+        return x.new_zeros(x.shape).index_add(0, token, y)  # (T, H)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "

@@ -1,0 +1,210 @@
+"""Whole-model throughput: an upcycled SmolLM2-135M-shaped model in moekit's form vs the same weights in
+transformers' native MoE classes (eager and grouped_mm experts). Qwen3-MoE needs a Qwen3 source (q/k
+norms); a Llama source exports to Mixtral (every layer MoE) and to Qwen2-MoE (dense layers kept, zero q/k/v
+biases, and always a shared expert: so the every-4th-layer model gets a gated shared expert in both forms).
+
+The dense model is a LlamaConfig with SmolLM2-135M's sizes and random weights (no download), or --dense DIR
+(e.g. the cached `moekit.assets` smollm2-135m conversion). It is upcycled with E=8/top-2 in every 4th layer
+(vs Qwen2-MoE) and in every layer (vs Mixtral). The native models are built
+from moekit's exporter config and hold *the same Parameter objects* as the moekit model (load_state_dict
+assign=True), so one AdamW and one copy of the weights serve every system: memory stays at one model's, and
+all systems see the same weights. Their logits are checked equal to moekit's before timing.
+
+Measured, interleaved across systems, median of --repeats after one warm-up each: a training step (forward,
+LM loss, backward, AdamW step) on --batch × --seq tokens; prefill (no-grad forward with cache) on the same
+tokens; greedy generation of --new tokens after a 32-token prompt at batch 1 and 8 (prompt included).
+Every cell says how noisy it was ((p75 − p25) / median).
+
+    .venv/bin/python bench/model_throughput.py --write BENCHMARKS.md
+    .venv/bin/python bench/model_throughput.py --quick      # sanity run: 4 layers, small batches
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.initialization import no_init_weights
+
+from moekit.export.base import EXPORTERS
+from moekit.moe.spec import MoESpec
+from moekit.upcycling import upcycle
+from report import write_section  # bench/report.py
+
+MARK = ("<!-- model_throughput -->", "<!-- /model_throughput -->")
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu")
+NATIVE_NAMES = [(r"\.mlp\.router\.weight$", ".mlp.gate.weight"), (r"\.mlp\.experts\.gate_up$", ".mlp.experts.gate_up_proj"),
+                (r"\.mlp\.experts\.down$", ".mlp.experts.down_proj"), (r"\.mlp\.shared\.", ".mlp.shared_expert."),
+                (r"\.mlp\.shared_gate\.weight$", ".mlp.shared_expert_gate.weight")]
+PROMPT = 32
+
+
+def dense_model(layers: int, dense_dir: Path | None):
+    if dense_dir is not None:
+        from moekit.io import load_dense
+
+        return load_dense(dense_dir)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": layers}))
+
+
+def moekit_model(layers: int, every: int | None, dense_dir: Path | None):
+    """Every layer: Mixtral's form. Every 4th: Qwen2-MoE's (a gated shared expert; its only Llama-source
+    native class with dense layers, which always runs a shared expert)."""
+    spec = MoESpec(num_experts=8, top_k=2, every=every, init="noise", shared_expert=every is not None,
+                   shared_gate=every is not None, router={"init": "normal", "scoring": "topk_softmax"})
+    return upcycle(dense_model(layers, dense_dir), spec)
+
+
+def native_model(model, fmt: str):
+    """`fmt`'s native class holding the moekit model's own Parameter objects (no copy of the weights)."""
+    exporter = EXPORTERS.get(fmt)
+    plan = exporter.plan(model)
+    with no_init_weights():
+        native = exporter.native(exporter.config(model, plan))
+    state = exporter.extra_tensors(model, plan)  # e.g. Qwen2-MoE's zero q/k/v biases
+    for name, p in model.named_parameters(remove_duplicate=False):
+        for pattern, repl in NATIVE_NAMES:
+            name = re.sub(pattern, repl, name)
+        state[name] = p
+    native.load_state_dict(state, strict=True, assign=True)
+    native.generation_config = model.generation_config
+    return native
+
+
+def systems(model, every: int | None) -> dict:
+    """{name: (model, experts implementation or None)}; Mixtral only where every layer is MoE."""
+    out = {"moekit": (model, None)}
+    for fmt in ("mixtral",) if every is None else ("qwen2_moe",):
+        native = native_model(model, fmt)
+        for impl in ("eager", "grouped_mm"):
+            out[f"{fmt} {impl}"] = (native, impl)
+    return out
+
+
+def check_equal(syss: dict, ids: torch.Tensor) -> None:
+    with torch.no_grad():
+        ref = None
+        for name, (m, impl) in syss.items():
+            select(m, impl).eval()
+            logits = m(ids).logits
+            if ref is None:
+                ref = logits
+            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4, msg=lambda s: f"{name}: {s}")
+
+
+def select(m, impl: str | None):
+    if impl is not None:
+        m.set_experts_implementation(impl)
+    return m
+
+
+def train_step(m, opt, ids):
+    m.train()
+    m(ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def prefill(m, ids):
+    m.eval()
+    with torch.no_grad():
+        m(ids, use_cache=True)
+
+
+def generate(m, ids, new):
+    m.eval()
+    m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+
+def timed(syss: dict, fn, repeats: int) -> dict:
+    """{system: (median s, IQR / median)}: fn(model) interleaved across systems, one warm-up each."""
+    times = {n: [] for n in syss}
+    for r in range(repeats + 1):
+        for name, (m, impl) in syss.items():
+            t0 = time.perf_counter()
+            fn(select(m, impl))
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    out = {}
+    for n, t in times.items():
+        q = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
+        out[n] = (statistics.median(t), (q[2] - q[0]) / statistics.median(t))
+    return out
+
+
+def measure(label: str, model, every: int | None, args) -> list[tuple]:
+    syss = systems(model, every)
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
+    prompts = {b: torch.randint(0, model.config.vocab_size, (b, PROMPT), generator=g) for b in (1, 8)}
+    check_equal(syss, batch[:2, :32])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    tasks = [("train step", args.batch * args.seq, lambda m: train_step(m, opt, batch)),
+             ("prefill", args.batch * args.seq, lambda m: prefill(m, batch))]
+    tasks += [(f"generate b={b}", b * args.new, lambda m, b=b: generate(m, prompts[b], args.new)) for b in (1, 8)]
+    rows = []
+    for task, tokens, fn in tasks:
+        t = timed(syss, fn, args.repeats)
+        rows.append((label, task, {n: (tokens / s, noise) for n, (s, noise) in t.items()}))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def render(rows: list[tuple], args, cmd: str, load: str) -> str:
+    names = ["moekit", "mixtral eager", "mixtral grouped_mm", "qwen2_moe eager", "qwen2_moe grouped_mm"]
+    out = [MARK[0], "## Whole-model throughput (bench/model_throughput.py)", "",
+           f"`{cmd}` — {date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
+           f"{torch.__version__}, transformers {transformers.__version__}, fp32, {args.layers} layers; load average "
+           f"{load} (start → end). Tokens/s, median of {args.repeats} interleaved repeats after one warm-up "
+           f"(noise = (p75 − p25) / median). Train step and prefill: {args.batch} × {args.seq} tokens; generate: "
+           f"greedy, {PROMPT}-token prompt + {args.new} new tokens, prompt time included. ratio = moekit / the "
+           "faster native system. All systems share one set of weights; logits checked equal before timing.", "",
+           "| model | task | " + " | ".join(names) + " | ratio |", "|---|---|" + "---|" * (len(names) + 1)]
+    for label, task, res in rows:
+        cells = [f"{res[n][0]:.1f} (±{100 * res[n][1]:.0f} %)" if n in res else "—" for n in names]
+        best_native = max(v[0] for n, v in res.items() if n != "moekit")
+        out.append(f"| {label} | {task} | " + " | ".join(cells) + f" | {res['moekit'][0] / best_native:.2f}× |")
+    return "\n".join(out + ["", MARK[1]])
+
+
+def loadavg() -> str:
+    p = Path("/proc/loadavg")
+    return p.read_text().split()[0] if p.exists() else "?"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--new", type=int, default=32, help="generated tokens")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--dense", type=Path, help="a dense SmolLM2-135M directory instead of random weights")
+    ap.add_argument("--quick", action="store_true", help="sanity run: 4 layers, batch 2 × 64, 8 new tokens, 3 repeats")
+    ap.add_argument("--write", type=Path, help="update this markdown file's model_throughput section")
+    args = ap.parse_args()
+    if args.quick:
+        args.layers, args.batch, args.seq, args.new, args.repeats = 4, 2, 64, 8, 3
+    load, rows = loadavg(), []
+    for label, every in (("E=8 top-2 + gated shared, every 4th layer", 4), ("E=8 top-2, every layer", None)):
+        rows += measure(label, moekit_model(args.layers, every, args.dense), every, args)
+    cmd = ".venv/bin/python bench/model_throughput.py" + (" --quick" if args.quick else
+                                                          f" --layers {args.layers} --repeats {args.repeats}")
+    section = render(rows, args, cmd + (f" --write {args.write}" if args.write else ""), f"{load} → {loadavg()}")
+    print(section)
+    if args.write:
+        write_section(args.write, section, MARK)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The per-expert loop dispatch (ExpertLoop, Experts._loop) equals the grouped one: outputs and gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.moe import Experts
+from moekit.moe import experts as experts_mod
+
+E = 5
+
+
+def _experts(H, I, gated=True, act="silu", bias=False, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    m = Experts(E, H, I, act, gated=gated, bias=bias)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return m.to(dtype)
+
+
+def _run(m, dispatch, x, ids, w, proj, backward=True):
+    """Output and (x, w, parameter) gradients of one forward/backward with the given dispatch."""
+    m.dispatch = dispatch
+    m.zero_grad(set_to_none=True)
+    x, w = x.detach().clone().requires_grad_(backward), w.detach().clone().requires_grad_(backward)
+    with torch.set_grad_enabled(backward):
+        y = m(x, ids, w)
+    if not backward:
+        return [y]
+    (y.float() * proj).sum().backward()
+    return [y, x.grad, w.grad, *(p.grad for p in m.parameters())]
+
+
+# expert 4 never routed; token 2 routed to expert 1 twice; expert 0 gets most
+IDS = torch.tensor([[0, 1], [1, 0], [1, 1], [2, 0], [0, 3], [3, 2], [0, 1]])
+
+
+def _inputs(T, H, dtype=torch.float32, ids=IDS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = ids[:T]
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w = torch.rand(ids.shape, generator=g).to(dtype)
+    proj = torch.randn(T, H, generator=g)
+    return x, ids, w, proj
+
+
+@pytest.mark.parametrize("T", [1, 3, 7])
+@pytest.mark.parametrize("H,I", [(32, 64), (64, 32), (30, 50)])
+def test_loop_equals_grouped_fp32(T, H, I):
+    m = _experts(H, I)
+    args = _inputs(T, H)
+    loop, grouped = _run(m, "loop", *args), _run(m, "grouped", *args)
+    for i, (a, b) in enumerate(zip(loop, grouped)):
+        # w's gradient: a dot product over I in the loop, over H in grouped where I > H (its narrower side)
+        tol = 1e-5 if i == 2 and I > H else 1e-6
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    assert torch.count_nonzero(loop[3][4]) == 0 and torch.count_nonzero(loop[4][4]) == 0  # unrouted expert: 0
+
+
+def test_loop_equals_grouped_bf16():
+    m = _experts(32, 64, dtype=torch.bfloat16)
+    args = _inputs(7, 32, torch.bfloat16)
+    loop, grouped = _run(m, "loop", *args), _run(m, "grouped", *args)
+    for a, b in zip(loop, grouped):
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("gated,act,bias", [(True, "silu", False), (True, "silu", True), (False, "gelu_new", True),
+                                            (True, "gelu", False)])
+def test_inference_loop_equals_grouped(gated, act, bias):
+    m = _experts(32, 48, gated, act, bias)
+    args = _inputs(7, 32)
+    loop, grouped = _run(m, "loop", *args, backward=False), _run(m, "grouped", *args, backward=False)
+    torch.testing.assert_close(loop[0], grouped[0], atol=1e-6, rtol=1e-6)
+
+
+def test_loop_inference_equals_loop_training_output():
+    m = _experts(32, 64)
+    args = _inputs(7, 32)
+    assert torch.equal(_run(m, "loop", *args, backward=False)[0], _run(m, "loop", *args)[0])
+
+
+def test_training_without_a_loop_backward_uses_grouped(monkeypatch):
+    calls = []
+    monkeypatch.setattr(experts_mod.ExpertLoop, "apply", lambda *a: calls.append(a))
+    m = _experts(32, 64, gated=False, act="gelu_new")
+    y = _run(m, "loop", *_inputs(7, 32))[0]
+    assert not calls and y.shape == (7, 32)
+
+
+def test_frozen_experts_get_no_weight_gradient_and_x_still_does():
+    m = _experts(32, 64).requires_grad_(False)
+    args = _inputs(7, 32)
+    loop, grouped = _run(m, "loop", *args), _run(m, "grouped", *args)
+    assert loop[3] is None and loop[4] is None
+    torch.testing.assert_close(loop[1], grouped[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("T,expect_loop", [(1, False), (64, False), (4096, True)])
+def test_auto_dispatch_by_work_per_hit_expert(T, expect_loop, monkeypatch):
+    """H*I = 2^18: the loop needs ≥ 64 rows per hit expert (LOOP_WORK = 2^24)."""
+    calls = []
+    monkeypatch.setattr(experts_mod.ExpertLoop, "apply", lambda *a: calls.append(a) or a[0])
+    m = Experts(8, 512, 512, "silu")
+    ids = torch.arange(T * 2).reshape(T, 2) % 8
+    m(torch.zeros(T, 512, requires_grad=True), ids, torch.ones(T, 2))
+    assert bool(calls) is expect_loop
