@@ -12,8 +12,9 @@ Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two path
 - "loop": one plain GEMM pair per expert that got tokens (`ExpertLoop`), on CPU once every hit expert
   has enough rows. Each expert's temporaries are small and stay in cache, and no (T*k, H) gather/scatter
   buffers are allocated (fresh buffers over ~32 MB pay page faults on every call here); the backward
-  writes each expert's gradient straight into its row of one buffer. Measured 1.3x faster than grouped
-  in fwd+bwd at E=64/top-8 and 4096 tokens, slower below ~2^24 multiply-adds per hit expert.
+  writes each expert's gradient straight into its row of one buffer. A sanity run on this 2-core machine
+  under load (not yet the idle-machine figures BENCHMARKS.md needs) gave 1.3x faster than grouped in
+  fwd+bwd at E=64/top-8 and 4096 tokens, slower below ~2^24 multiply-adds per hit expert.
 """
 from __future__ import annotations
 
