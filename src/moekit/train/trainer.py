@@ -6,7 +6,6 @@ import contextlib
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 from transformers import Trainer
 
 from moekit.errors import CheckpointError, MoekitError
