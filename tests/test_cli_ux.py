@@ -18,11 +18,15 @@ from moekit.cli.main import build_parser
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def moekit(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
-    """`python -m moekit ARGS` with stdout and stderr pipes (not terminals), this checkout's sources first."""
+def python(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    """`python ARGS` with stdout and stderr pipes (not terminals), this checkout's sources first."""
     env = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "moekit", *map(str, args)], capture_output=True, text=True, env=env,
-                          **kwargs)
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env, **kwargs)
+
+
+def moekit(*args, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m moekit ARGS` (see `python`)."""
+    return python("-m", "moekit", *args, **kwargs)
 
 
 def parsers(parser: argparse.ArgumentParser, name: str = "moekit"):
@@ -103,8 +107,7 @@ def test_help_imports_neither_torch_nor_transformers():
             "print(json.dumps([heavy(['--help'], ['--version'], ['upcycle', '--help'], ['list', '--help']),\n"
             "                  heavy(*[[*cmd.split(), '--help'] for cmd in ('select rise', 'routes collect', 'train',\n"
             "                          'evaluate', 'inspect', 'export', 'finetune', 'speech corpus', 'demo')])]))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": SRC})
+    res = python("-c", code)
     assert res.returncode == 0, res.stderr
     light, select = json.loads(res.stdout)
     assert light == []  # the top help and most commands' import no numerical module at all
@@ -347,7 +350,6 @@ def test_public_api_is_lazy_and_exports_export_model():
             "assert export_model is moekit.export.export_model and 'export_model' in moekit.__all__\n"
             "assert all(getattr(moekit, name) is not None for name in moekit.__all__)\n"
             "print(light)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": SRC})
+    res = python("-c", code)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[-1] == "True"  # `import moekit` imports neither torch nor transformers

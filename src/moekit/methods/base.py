@@ -3,13 +3,20 @@ parameters train when, its extra losses and callbacks, and its checkpoint format
 the Trainer, `moekit train` and `moekit evaluate` ask the method instead of branching on its name."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
 from moekit.registry import Registry
+
+
+class CheckpointFormat(NamedTuple):
+    meta: str  # the file that marks a checkpoint of this format (moekit.json, simoe.json)
+    write: Callable[[nn.Module, Path, dict | None], None]  # (model, folder, full state dict or None)
+    read_meta: Callable[[Path], dict]
 
 
 class TrainingMethod:
@@ -40,14 +47,28 @@ class TrainingMethod:
         """Added to the task loss in training (`model` unwrapped); logs go to trainer.aux_logs."""
         return None
 
+    def checkpoint_format(self) -> CheckpointFormat | None:
+        """The method's own checkpoint format; None: the Trainer's save_pretrained and loading."""
+        return None
+
     def write_checkpoint(self, model: nn.Module, folder: Path, state_dict: dict | None = None) -> bool:
         """Write the model in the method's own format into `folder` (`state_dict`: the full one gathered from
         FSDP/ZeRO-3 shards, else None); False: the Trainer's save_pretrained."""
-        return False
+        fmt = self.checkpoint_format()
+        if fmt is None:
+            return False
+        fmt.write(model, folder, state_dict)
+        return True
 
     def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:
-        """Load a resumed checkpoint's weights into `model`; False: the Trainer's own loading."""
-        return False
+        """Load a resumed checkpoint of the method's own format into `model`; False: the Trainer's loading."""
+        from moekit.io import load_state
+
+        fmt = self.checkpoint_format()
+        if fmt is None or not (folder / fmt.meta).is_file():
+            return False
+        load_state(model, folder, fmt.read_meta(folder))
+        return True
 
     def load_trained(self, recipe, folder: Path) -> nn.Module:
         """The trained model of a finished run (`moekit evaluate`)."""

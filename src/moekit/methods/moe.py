@@ -2,12 +2,10 @@
 train it with the router auxiliary losses; freeze schedules (SPRI §2.4 two-stage, UME §III-C) apply."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from moekit.methods.base import METHODS, TrainingMethod
+from moekit.methods.base import METHODS, CheckpointFormat, TrainingMethod
 from moekit.moe.layer import moe_layers
 
 
@@ -59,16 +57,7 @@ class MoE(TrainingMethod):
         logs["moe/z"].append(z.item())
         return aux.load_balance * lb + aux.z_loss * z
 
-    def write_checkpoint(self, model: nn.Module, folder: Path, state_dict: dict | None = None) -> bool:
-        from moekit.io import write_checkpoint
+    def checkpoint_format(self) -> CheckpointFormat:
+        from moekit.io import read_meta, write_checkpoint
 
-        write_checkpoint(model, folder, state_dict)
-        return True
-
-    def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:
-        from moekit.io import load_state, read_meta
-
-        if not (folder / "moekit.json").is_file():
-            return False
-        load_state(model, folder, read_meta(folder))
-        return True
+        return CheckpointFormat("moekit.json", write_checkpoint, read_meta)

@@ -3,12 +3,10 @@ orthogonality penalty and the Lagrangian sparsity constraint (moekit.simoe.objec
 the masks' log α in their own AdamW group and λ's ascent step after each optimizer step."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from moekit.methods.base import METHODS, TrainingMethod
+from moekit.methods.base import METHODS, CheckpointFormat, TrainingMethod
 
 
 @METHODS.register("simoe")
@@ -39,17 +37,7 @@ class SIMoEMethod(TrainingMethod):
             trainer.aux_logs[k].append(v)
         return loss
 
-    def write_checkpoint(self, model: nn.Module, folder: Path, state_dict: dict | None = None) -> bool:
-        from moekit.simoe.export import write_checkpoint
+    def checkpoint_format(self) -> CheckpointFormat:
+        from moekit.simoe.export import read_meta, write_checkpoint
 
-        write_checkpoint(model, folder, state_dict)
-        return True
-
-    def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:
-        from moekit.io import load_state
-        from moekit.simoe.export import read_meta
-
-        if not (folder / "simoe.json").is_file():
-            return False
-        load_state(model, folder, read_meta(folder))
-        return True
+        return CheckpointFormat("simoe.json", write_checkpoint, read_meta)
