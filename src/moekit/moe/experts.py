@@ -100,56 +100,55 @@ def _grad_buffer(weight: Tensor, offs: list[int]) -> Tensor:
     return buf
 
 
-def _swiglu_weighted(h: Tensor, w: Tensor) -> Tensor:
-    """silu(g) ⊙ u ⊙ w for h = [g | u] (n, 2I), w (n, 1) -> (n, I), in one fresh buffer."""
-    g, u = h.chunk(2, dim=-1)
-    return F.silu(g).mul_(u).mul_(w)
-
-
 class ExpertLoop(torch.autograd.Function):
     """Gated-SiLU experts without biases, one GEMM pair per hit expert (see the module docstring).
 
     x (T, H), w (S, 1) routing weights and token (S,) in expert order, first (E, 2I, H), down (E, H, I),
-    offs (E+1,) list -> y (T, H) = Σ_slots scatter(down_e (silu(g) ⊙ u ⊙ w)). The pre-activations
-    (S, 2I) are the only saved activation; the rest is recomputed per expert in the backward.
+    offs (E+1,) list -> y (T, H) = Σ_slots scatter(down_e (silu(g) ⊙ u ⊙ w)). Saved per hit expert: the
+    pre-activation [g | u] (n, 2I), silu(g) and silu(g) ⊙ u (n, I) each, what autograd keeps for a dense
+    FFN; per-expert tensors stay under glibc's mmap threshold (32 MB), so their pages are reused from step
+    to step instead of faulted in afresh as one (S, 2I) buffer's are.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, first: Tensor, down: Tensor, token: Tensor, offs: list[int]) -> Tensor:
-        h_all = x.new_empty(token.shape[0], first.shape[1])  # (S, 2I)
         y = x.new_zeros(x.shape)  # (T, H)
+        saved = []
         for e, rows in _hit_groups(offs):
             tok = token[rows]  # (n,)
-            h = torch.mm(x.index_select(0, tok), first[e].t(), out=h_all[rows])  # (n, 2I)
-            y.index_add_(0, tok, torch.mm(_swiglu_weighted(h, w[rows]), down[e].t()))  # (n, H)
-        ctx.save_for_backward(x, w, first, down, token, h_all)
+            h = torch.mm(x.index_select(0, tok), first[e].t())  # (n, 2I)
+            g, u = h.chunk(2, dim=-1)  # (n, I) each
+            sg = F.silu(g)
+            a = sg * u  # (n, I) unweighted activation
+            y.index_add_(0, tok, torch.mm(a * w[rows], down[e].t()))  # (n, H)
+            saved += (h, sg, a)
+        ctx.save_for_backward(x, w, first, down, token, *saved)
         ctx.offs = offs
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, w, first, down, token, h_all = ctx.saved_tensors
+        x, w, first, down, token, *saved = ctx.saved_tensors
         need_x, need_w, need_first, need_down = ctx.needs_input_grad[:4]
         dx = torch.zeros_like(x) if need_x else None  # (T, H)
         dw = torch.empty_like(w) if need_w else None  # (S, 1)
         dfirst = _grad_buffer(first, ctx.offs) if need_first else None  # (E, 2I, H)
         ddown = _grad_buffer(down, ctx.offs) if need_down else None  # (E, H, I)
-        for e, rows in _hit_groups(ctx.offs):
+        for i, (e, rows) in enumerate(_hit_groups(ctx.offs)):
+            h, sg, a = saved[3 * i: 3 * i + 3]  # (n, 2I), (n, I), (n, I)
             tok, we = token[rows], w[rows]  # (n,), (n, 1)
             dye = dy.index_select(0, tok)  # (n, H)
-            g, u = h_all[rows].chunk(2, dim=-1)  # (n, I) each
-            sg = F.silu(g)
-            a = sg * u  # (n, I) unweighted activation
             if need_down:
                 torch.mm(dye.t(), a * we, out=ddown[e])  # (H, I)
             da = torch.mm(dye, down[e])  # (n, I)
             if need_w:
                 torch.linalg.vecdot(da, a, out=dw[rows, 0])
             da.mul_(we)
-            dh = torch.empty_like(h_all[rows])  # (n, 2I)
+            g, u = h.chunk(2, dim=-1)  # (n, I) each
+            dh = torch.empty_like(h)  # (n, 2I)
             dg, du = dh.chunk(2, dim=-1)
             torch.mul(da, sg, out=du)
-            torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=dg)
+            torch.ops.aten.silu_backward.grad_input(da.mul_(u), g, grad_input=dg)
             if need_first:
                 torch.mm(dh.t(), x.index_select(0, tok), out=dfirst[e])  # (2I, H)
             if need_x:

@@ -29,12 +29,21 @@ class RoutingInfo:
         return torch.bincount(ids.reshape(-1), minlength=self.num_experts)  # (E,)
 
 
+def route(logits: Tensor, top_k: int, scoring: Scoring) -> tuple[Tensor, Tensor]:
+    """logits (T, E) -> fp32 weights (T, k), ids (T, k) under `scoring` (see Router)."""
+    if scoring == "topk_softmax":  # softmax is monotone: the top-k logits pick the same experts
+        top, ids = torch.topk(logits, top_k, dim=-1)  # (T, k), (T, k)
+        return torch.softmax(top.float(), dim=-1), ids  # rows sum to 1
+    return torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+
+
 class Router(nn.Module):
     """Linear router, weight (E, H).
 
     scoring="softmax_topk": p = softmax(logits); weights = top-k of p (they sum to < 1), as in
     Switch / Qwen2-MoE with norm_topk_prob=False. scoring="topk_softmax": the top-k probabilities
-    renormalized to sum to 1 (= softmax over the top-k logits), as in Mixtral and UME.
+    renormalized to sum to 1, computed as the softmax over the top-k logits (the same
+    numbers, two fewer (T, E) passes), as in Mixtral and UME.
     `jitter` multiplies the input by U(1-j, 1+j) in training (Switch / Mixtral).
     """
 
@@ -50,10 +59,7 @@ class Router(nn.Module):
         if self.training and self.jitter > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         logits = F.linear(x, self.weight)  # (T, E)
-        probs = torch.softmax(logits.float(), dim=-1)  # (T, E)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (T, k), (T, k)
-        if self.scoring == "topk_softmax":
-            weights = weights / weights.sum(dim=-1, keepdim=True)  # (T, k), rows sum to 1
+        weights, ids = route(logits, self.top_k, self.scoring)  # (T, k), (T, k)
         return RoutingInfo(logits=logits, topk_ids=ids, topk_weights=weights.to(x.dtype))
 
     def extra_repr(self) -> str:

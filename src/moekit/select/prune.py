@@ -3,7 +3,7 @@
 Each layer's own scoring rule is re-applied to its logits with the disabled experts' logits at -inf
 (RouterSite.reroute), so the weights are renormalized over the remaining experts exactly as the
 family does it:
-  moekit Router                      softmax -> top-k (-> renormalize for topk_softmax)
+  moekit Router                      its own rule (moekit.moe.router.route)
   Mixtral                            softmax -> top-k -> renormalize
   Qwen2-MoE, Qwen3-MoE, OLMoE        softmax -> top-k (-> renormalize if norm_topk_prob)
   PhiMoE                             its own sparsemixer on the masked logits
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..moe.router import Router
+from ..moe.router import Router, route
 from ..routing.sites import RerouteFn, RouterSite
 from .common import PRUNED_FILE, resolve, save_model
 from .selection import Selection
@@ -40,7 +40,10 @@ def _softmax_rule(top_k: int, renormalize: bool, mask: Tensor) -> RerouteFn:
 
 
 def _moekit_rule(router: Router, mask: Tensor) -> RerouteFn:
-    return _softmax_rule(router.top_k, router.scoring == "topk_softmax", mask)
+    def fn(logits: Tensor, ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        w, i = route(logits.masked_fill(mask, float("-inf")), router.top_k, router.scoring)  # (T, k)
+        return i, w.to(weights.dtype)
+    return fn
 
 
 def _phimoe_rule(router: nn.Module, mask: Tensor) -> RerouteFn:
