@@ -4,8 +4,10 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from moekit._fs import PARTIAL
 from moekit.config import validate
 from moekit.errors import ConfigError, OutputExistsError
+from moekit.io import load_weights
 from moekit.moe.layer import moe_layers
 from moekit.testing import tiny_llama, tiny_tokenizer
 from moekit.train.recipe import TranslationRecipe
@@ -134,6 +136,30 @@ def test_resume_gives_the_same_losses(assets, tmp_path):
     assert losses[-2:] == pytest.approx(ref[-2:], rel=1e-6, abs=1e-7)
     routers = {id(m.router) for _, m in moe_layers(resumed.model)}
     assert len(routers) == 1  # the shared router survived the checkpoint round trip
+
+
+def test_resume_after_a_stop_during_the_final_evaluation(assets, tmp_path, monkeypatch):
+    """Stopped after the final model was saved (during evaluation): resume replaces that model folder."""
+    import moekit.train.run as run_mod
+
+    over = {"train": {"steps": 2, "batch_size": 4, "save_every": 2}, "moe": {"num_experts": 4, "top_k": 2}}
+    r = recipe(assets, tmp_path / "run", **over)
+    report = run_mod.report
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "report", stop)
+    with pytest.raises(KeyboardInterrupt):
+        train(r)
+    partial = tmp_path / f".run{PARTIAL}"
+    assert (partial / "model" / "moekit.json").is_file() and not (tmp_path / "run").exists()
+    monkeypatch.setattr(run_mod, "report", report)
+    done = train(r, resume=True)
+    assert (tmp_path / "run" / "results.json").is_file() and not partial.exists()
+    saved = load_weights(tmp_path / "run" / "model")
+    state = done.model.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in saved.items() if k in state) and saved
 
 
 def test_examples_without_target_tokens_are_refused(assets, tmp_path):

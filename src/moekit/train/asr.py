@@ -23,7 +23,7 @@ from moekit.eval.asr import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.train.args import check_training_args
 from moekit.train.recipe import ASRRecipe
-from moekit.train.run import adapt, make_trainer, recipe_inputs, resume_from, run_directory, write_run_files
+from moekit.train.run import adapt, make_trainer, recipe_inputs, resume_from, run_directory, save_final, write_run_files
 
 VOCAB_FILE = "ctc_vocab.json"
 
@@ -118,7 +118,7 @@ def _train_asr(recipe: ASRRecipe, last: Path | None, callbacks, final_out: str):
     trainer = make_trainer(recipe, model, train, speech.collator, [losses, *callbacks])
     losses.trainer = trainer
     resume_from(trainer, last)
-    trainer.save_model(str(out / "model"))  # moekit format for MoE models, save_pretrained for dense ones
+    save_final(trainer, out)
     if trainer.is_world_process_zero():
         speech.save(out / "model")
         write_run_files(recipe, trainer, final_out)

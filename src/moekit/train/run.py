@@ -124,7 +124,7 @@ def write_run_files(recipe: TranslationRecipe, trainer, final_out: str) -> None:
 def finish(recipe: TranslationRecipe, trainer, tok, test, ref, final_out: str) -> dict:
     """Save the final model and evaluate it (main process): results.json/csv and PNG plots in `out`."""
     out = Path(recipe.out)
-    trainer.save_model(str(out / "model"))  # moekit format for MoE, adapter for LoRA
+    save_final(trainer, out)
     if not trainer.is_world_process_zero():
         return {}
     tok.save_pretrained(out / "model")
@@ -270,6 +270,15 @@ def _train(recipe: TranslationRecipe, last: Path | None, callbacks, final_out: s
     resume_from(trainer, last)
     trainer.results = finish(recipe, trainer, tok, test, ref, final_out)
     return trainer
+
+
+def save_final(trainer, out: Path) -> None:
+    """The trained model into `out`/model (the method's format: moekit, SIMoE, a LoRA adapter, save_pretrained).
+    `out` is the run's own working directory; a `model` folder already there was left by an attempt stopped
+    after saving it (e.g. during evaluation) and resumed, and is replaced."""
+    if trainer.is_world_process_zero() and (out / "model").exists():
+        remove(out / "model")
+    trainer.save_model(str(out / "model"))
 
 
 def resume_from(trainer, last: Path | None) -> None:

@@ -15,7 +15,7 @@ from moekit.data.parallel import TranslationCollator
 from moekit.eval.text import report_text
 from moekit.eval.translation import examples_loss
 from moekit.train.recipe import TextRecipe
-from moekit.train.run import adapt, load_base, load_tokenizer, make_trainer, resume_from, write_run_files
+from moekit.train.run import adapt, load_base, load_tokenizer, make_trainer, resume_from, save_final, write_run_files
 
 
 class LossCallback(TrainerCallback):
@@ -44,7 +44,7 @@ def train_text(recipe: TextRecipe, last: Path | None, callbacks, final_out: str)
     trainer = make_trainer(recipe, model, train, TranslationCollator(tok.pad_token_id), [losses, *callbacks])
     losses.trainer = trainer
     resume_from(trainer, last)
-    trainer.save_model(str(out / "model"))  # moekit format for MoE, adapter for LoRA
+    save_final(trainer, out)
     trainer.results = {}
     if trainer.is_world_process_zero():
         tok.save_pretrained(out / "model")
