@@ -11,10 +11,10 @@ Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two path
   small groups, where a Python loop's per-expert overhead would dominate.
 - "loop": one plain GEMM pair per expert that got tokens (`ExpertLoop`), on CPU once every hit expert
   has enough rows. Each expert's temporaries are small and stay in cache, and no (T*k, H) gather/scatter
-  buffers are allocated (fresh buffers over ~32 MB pay page faults on every call here); the backward
-  writes each expert's gradient straight into its row of one buffer. A sanity run on this 2-core machine
-  under load (not yet the idle-machine figures BENCHMARKS.md needs) gave 1.3x faster than grouped in
-  fwd+bwd at E=64/top-8 and 4096 tokens, slower below ~2^24 multiply-adds per hit expert.
+  buffers are allocated (fresh buffers over glibc's 32 MB mmap threshold pay page faults on every call);
+  the backward writes each expert's gradient straight into its row of one buffer. Measured at
+  E=64/top-8 and 4096 tokens (BENCHMARKS.md, bench/moe_layer.py): fwd+bwd 1.22x the k x dense limit,
+  grouped 2.13x; slower than grouped below ~2^24 multiply-adds per hit expert.
 """
 from __future__ import annotations
 
