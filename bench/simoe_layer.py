@@ -2,8 +2,9 @@
 of the same shape at equal tokens (target ≤ 2.2×), and training memory of a SIMoE model vs a sparse-
 upcycled one with the same M (target ≤ 0.7×).
 
-Forward: nn.Linear vs SILinear (M = 8, instance routing, train mode: fresh hard-concrete gates each
-call; eval mode: median gates) on B × T tokens, timings interleaved, median of --repeats after warm-up.
+Forward: nn.Linear vs SILinear (M = 8, instance routing) in train mode with median gates (eqs. 6-7, the
+default), in train mode with sampled hard-concrete gates (`simoe.gates: sampled`, fresh draws each call)
+and in eval mode (median gates) on B × T tokens, timings interleaved, median of --repeats after warm-up.
 Memory: a Llama with SmolLM2-135M's widths (hidden 576, FFN 1536, 9/3 heads) and --layers blocks,
 random weights, trained 3 AdamW steps on 4 × 128 tokens in a fresh process per system; reported are the
 bytes of parameters + gradients + AdamW state from the tensors themselves, and the process's peak RSS
@@ -36,16 +37,19 @@ M = 8
 
 
 def forward_times(d_in: int, d_out: int, tokens: tuple[int, int], repeats: int) -> dict[str, float]:
-    from moekit.simoe.layer import Routing, SILinear
+    from moekit.simoe.layer import MaskInit, Routing, SILinear
 
     torch.manual_seed(0)
     plain = nn.Linear(d_in, d_out)
     routing = Routing()
-    si = SILinear(nn.Linear(d_in, d_out), M, 0.05, routing)
-    si.delta.data.normal_(std=0.01)
+    si = {sampled: SILinear(nn.Linear(d_in, d_out), M, MaskInit(0.05, 0.01, torch.Generator().manual_seed(0),
+                                                                sampled), routing) for sampled in (False, True)}
+    for layer in si.values():
+        layer.delta.data.normal_(std=0.01)
     routing.weights = torch.softmax(torch.randn(tokens[0], M), -1)  # (B, M)
     x = torch.randn(*tokens, d_in)
-    fns = {"plain": lambda: plain(x), "simoe_train": lambda: si.train()(x), "simoe_eval": lambda: si.eval()(x)}
+    fns = {"plain": lambda: plain(x), "simoe_train": lambda: si[False].train()(x),
+           "simoe_sampled": lambda: si[True].train()(x), "simoe_eval": lambda: si[False].eval()(x)}
     times = {k: [] for k in fns}
     with torch.no_grad():
         for _ in range(3):
@@ -118,9 +122,8 @@ def main() -> None:
     rows = []
     for d_in, d_out in SHAPES:
         t = forward_times(d_in, d_out, tuple(args.tokens), args.repeats)
-        rows.append(f"| {d_in}→{d_out} | {1e3 * t['plain']:.2f} | {1e3 * t['simoe_train']:.2f} | "
-                    f"{t['simoe_train'] / t['plain']:.2f}× | {1e3 * t['simoe_eval']:.2f} | "
-                    f"{t['simoe_eval'] / t['plain']:.2f}× |")
+        rows.append(f"| {d_in}→{d_out} | {1e3 * t['plain']:.2f} | " + " | ".join(
+            f"{1e3 * t[k]:.2f} | {t[k] / t['plain']:.2f}×" for k in ("simoe_train", "simoe_sampled", "simoe_eval")) + " |")
     mem = {s: memory(s, args.layers) for s in ("dense", "simoe", "upcycle")}
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     mrows = [f"| {s} | {m['params']:,} | {m['trainable']:,} | {gib(m['state_bytes'])} | {gib(m['peak_rss_growth'])} | "
@@ -132,7 +135,8 @@ def main() -> None:
         f"`{cmd}` — {date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, fp32. "
         f"Forward: {args.tokens[0]}×{args.tokens[1]} tokens, M = {M}, instance routing, median of {args.repeats} "
         "interleaved repeats. Target: SIMoE ≤ 2.2× plain.", "",
-        "| shape | plain (ms) | SIMoE train (ms) | ratio | SIMoE eval (ms) | ratio |", "|---|---|---|---|---|---|",
+        "| shape | plain (ms) | SIMoE train, median gates (ms) | ratio | SIMoE train, sampled gates (ms) | ratio "
+        "| SIMoE eval (ms) | ratio |", "|---" * 8 + "|",
         *rows, "",
         f"Training memory, Llama with SmolLM2-135M widths and {args.layers} blocks, 3 AdamW steps on 4×128 tokens, "
         "one process per system. Target: SIMoE ≤ 0.7× sparse upcycling (M = 8).", "",
