@@ -1,0 +1,26 @@
+"""The layer benchmarks' own code paths on tiny shapes, so an API change cannot silently break them."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+def test_moe_layer_bench_implementations_agree():
+    import moe_layer
+
+    rows = moe_layer.run_shape("tiny", 4, 2, 16, 32, 96, repeats=2)  # checks outputs and gradients equal first
+    assert [(r[1], r[2]) for r in rows] == [(96, "fwd+bwd"), (96, "fwd"), (1, "fwd"), (8, "fwd"), (64, "fwd")]
+    for _, _, _, limit, times, router, _ in rows:
+        assert limit > 0 and set(times) == set(moe_layer.IMPLS) and 0 < router < 1
+
+
+@pytest.mark.parametrize("shape", [(16, 24), (24, 16)])
+def test_simoe_layer_bench_times_every_mode(shape):
+    import simoe_layer
+
+    t = simoe_layer.forward_times(*shape, (2, 8), repeats=2)
+    assert set(t) == {"plain", "simoe_train", "simoe_sampled", "simoe_eval"} and min(t.values()) > 0
