@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import platform
 import re
-import statistics
 import time
 from datetime import date
 from pathlib import Path
@@ -36,7 +35,7 @@ from transformers.initialization import no_init_weights
 from moekit.export.base import EXPORTERS
 from moekit.moe.spec import MoESpec
 from moekit.upcycling import upcycle
-from report import write_section  # bench/report.py
+from report import spread, write_section  # bench/report.py
 
 MARK = ("<!-- model_throughput -->", "<!-- /model_throughput -->")
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -135,11 +134,7 @@ def timed(syss: dict, fn, repeats: int) -> dict:
             fn(select(m, impl))
             if r:
                 times[name].append(time.perf_counter() - t0)
-    out = {}
-    for n, t in times.items():
-        q = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
-        out[n] = (statistics.median(t), (q[2] - q[0]) / statistics.median(t))
-    return out
+    return {n: spread(t) for n, t in times.items()}
 
 
 def measure(label: str, model, every: int | None, args) -> list[tuple]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 from datetime import date
 from pathlib import Path
@@ -30,7 +29,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from moekit.losses import load_balance, z_loss
 from moekit.moe.experts import Experts
 from moekit.moe.router import Router
-from report import write_section  # bench/report.py
+from report import spread, write_section  # bench/report.py
 
 SHAPES = [  # (name, E, k, H, I)
     ("E=8/top-2/H=1024/I=3072", 8, 2, 1024, 3072),
@@ -132,11 +131,7 @@ def time_all(mods, inputs, backward, repeats):
             t0 = time.perf_counter()
             step(m, *inputs[n], backward)
             times[n].append(time.perf_counter() - t0)
-    out = {}
-    for n, t in times.items():
-        q = statistics.quantiles(t, n=4)
-        out[n] = (statistics.median(t), (q[2] - q[0]) / statistics.median(t))
-    return out
+    return {n: spread(t) for n, t in times.items()}
 
 
 def dense_tokens(ids, E, decode):

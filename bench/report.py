@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: replace one marked section of BENCHMARKS.md."""
+"""Shared by the benchmarks: replace one marked section of BENCHMARKS.md, summarize timings, cache runs."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +13,15 @@ def write_section(path: Path, section: str, mark: tuple[str, str]) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def spread(times: list[float]) -> tuple[float, float]:
+    """(median, (p75 - p25) / median) of repeated timings: the value a table reports and how noisy it was."""
+    import statistics
+
+    med = statistics.median(times)
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return med, (q[2] - q[0]) / med
 
 
 def cached(folder: Path, run) -> dict:

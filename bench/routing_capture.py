@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 from datetime import date
 from pathlib import Path
@@ -22,7 +21,7 @@ from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.testing import tiny_llama, tiny_olmoe, tiny_qwen3_moe
 from moekit.upcycling import upcycle
-from report import write_section  # bench/report.py
+from report import spread, write_section  # bench/report.py
 
 MARK = ("<!-- routing_capture -->", "<!-- /routing_capture -->")
 DIMS = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, vocab_size=4096,
@@ -47,7 +46,8 @@ def batch(B: int, S: int, vocab: int):
 
 
 @torch.no_grad()
-def measure(model, ids, mask, repeats: int) -> tuple[float, float]:
+def measure(model, ids, mask, repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((median s, noise) plain, (median s, noise) captured); noise = (p75 - p25) / median."""
     def plain():
         model(input_ids=ids, attention_mask=mask)
 
@@ -63,7 +63,7 @@ def measure(model, ids, mask, repeats: int) -> tuple[float, float]:
             t0 = time.perf_counter()
             fn()
             times[fn].append(time.perf_counter() - t0)
-    return statistics.median(times[plain]), statistics.median(times[captured])
+    return spread(times[plain]), spread(times[captured])
 
 
 def main() -> None:
@@ -78,8 +78,9 @@ def main() -> None:
     for name, build in MODELS.items():
         model = build()
         ids, mask = batch(args.batch, args.seq, DIMS["vocab_size"])
-        plain, captured = measure(model, ids, mask, args.repeats)
-        rows.append(f"| {name} | {plain * 1e3:.1f} | {captured * 1e3:.1f} | {captured / plain:.3f} |")
+        (plain, n_plain), (captured, n_captured) = measure(model, ids, mask, args.repeats)
+        rows.append(f"| {name} | {plain * 1e3:.1f} | {captured * 1e3:.1f} | {captured / plain:.3f} | "
+                    f"{100 * max(n_plain, n_captured):.0f} % |")
         print(rows[-1], flush=True)
     cmd = f".venv/bin/python bench/routing_capture.py --batch {args.batch} --seq {args.seq} --repeats {args.repeats}"
     section = "\n".join([
@@ -87,8 +88,10 @@ def main() -> None:
         f"`{cmd} --write BENCHMARKS.md` — {date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, fp32, batch {args.batch}×{args.seq} "
         f"tokens (every other row 1/4 padding), {DIMS['num_hidden_layers']} MoE layers, H={DIMS['hidden_size']}. "
-        f"Median of {args.repeats} interleaved repeats after warm-up. Target: captured ≤ 1.05× plain.", "",
-        "| model | plain forward (ms) | captured forward (ms) | ratio |", "|---|---|---|---|", *rows, "", MARK[1]])
+        f"Median of {args.repeats} interleaved repeats after warm-up (noise = the larger (p75 − p25) / median of "
+        "the two). Target: captured ≤ 1.05× plain.", "",
+        "| model | plain forward (ms) | captured forward (ms) | ratio | noise |", "|---|---|---|---|---|", *rows, "",
+        MARK[1]])
     if args.write:
         write_section(args.write, section, MARK)
     print(section)

@@ -19,7 +19,6 @@ import argparse
 import json
 import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from report import write_section  # bench/report.py
+from report import spread, write_section  # bench/report.py
 
 MARK = ("<!-- simoe_layer -->", "<!-- /simoe_layer -->")
 SHAPES = [(576, 1536), (1536, 576), (576, 576)]
@@ -60,7 +59,7 @@ def forward_times(d_in: int, d_out: int, tokens: tuple[int, int], repeats: int) 
                 t0 = time.perf_counter()
                 f()
                 times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: spread(v) for k, v in times.items()}  # (median s, noise)
 
 
 def memory_child(system: str, layers: int) -> dict:
@@ -122,8 +121,9 @@ def main() -> None:
     rows = []
     for d_in, d_out in SHAPES:
         t = forward_times(d_in, d_out, tuple(args.tokens), args.repeats)
-        rows.append(f"| {d_in}→{d_out} | {1e3 * t['plain']:.2f} | " + " | ".join(
-            f"{1e3 * t[k]:.2f} | {t[k] / t['plain']:.2f}×" for k in ("simoe_train", "simoe_sampled", "simoe_eval")) + " |")
+        rows.append(f"| {d_in}→{d_out} | {1e3 * t['plain'][0]:.2f} | " + " | ".join(
+            f"{1e3 * t[k][0]:.2f} | {t[k][0] / t['plain'][0]:.2f}×" for k in ("simoe_train", "simoe_sampled", "simoe_eval"))
+            + f" | {100 * max(n for _, n in t.values()):.0f} % |")
     mem = {s: memory(s, args.layers) for s in ("dense", "simoe", "upcycle")}
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     mrows = [f"| {s} | {m['params']:,} | {m['trainable']:,} | {gib(m['state_bytes'])} | {gib(m['peak_rss_growth'])} | "
@@ -134,9 +134,9 @@ def main() -> None:
         MARK[0], "## SIMoE layer cost (bench/simoe_layer.py)", "",
         f"`{cmd}` — {date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, fp32. "
         f"Forward: {args.tokens[0]}×{args.tokens[1]} tokens, M = {M}, instance routing, median of {args.repeats} "
-        "interleaved repeats. Target: SIMoE ≤ 2.2× plain.", "",
+        "interleaved repeats (noise = the largest (p75 − p25) / median of the row). Target: SIMoE ≤ 2.2× plain.", "",
         "| shape | plain (ms) | SIMoE train, median gates (ms) | ratio | SIMoE train, sampled gates (ms) | ratio "
-        "| SIMoE eval (ms) | ratio |", "|---" * 8 + "|",
+        "| SIMoE eval (ms) | ratio | noise |", "|---" * 9 + "|",
         *rows, "",
         f"Training memory, Llama with SmolLM2-135M widths and {args.layers} blocks, 3 AdamW steps on 4×128 tokens, "
         "one process per system. Target: SIMoE ≤ 0.7× sparse upcycling (M = 8).", "",
