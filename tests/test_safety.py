@@ -19,7 +19,7 @@ from moekit.errors import OutputBusyError, OutputExistsError, UnsafeOutputError,
 from moekit.testing import tiny_llama, tiny_tokenizer
 
 # the CLI with the streaming writer slowed down: it writes the weights into the temporary directory, signals
-# READY (a file) and sleeps, so that a test can act while a save is half-way
+# READY (a file) and waits (until the file RELEASE exists, at most SLEEP s), so that a test can act while a save is half-way
 SLOW_SAVE = textwrap.dedent('''
     import os, sys, time
     from pathlib import Path
@@ -31,7 +31,9 @@ SLOW_SAVE = textwrap.dedent('''
     def slow(folder, *args, **kwargs):
         n = write(folder, *args, **kwargs)
         Path(os.environ["READY"]).write_text(str(folder))
-        time.sleep(float(os.environ.get("SLEEP", "60")))
+        release, deadline = os.environ.get("RELEASE"), time.monotonic() + float(os.environ.get("SLEEP", "60"))
+        while time.monotonic() < deadline and not (release and Path(release).exists()):
+            time.sleep(0.05)
         return n
 
     up.write_units = slow
@@ -129,17 +131,19 @@ def test_size_limit_is_one_line_and_leaves_nothing(dense, tmp_path):
 def test_second_writer_fails_at_once_and_the_first_finishes(dense, tmp_path):
     out = tmp_path / "moe"
     ready = tmp_path / "ready"
-    first = cli(tmp_path, *upcycle_args(dense, out), probe=SLOW_SAVE, env={"READY": str(ready), "SLEEP": "20"})
+    release = tmp_path / "release"  # the first writer stays mid-save until the second has returned
+    first = cli(tmp_path, *upcycle_args(dense, out), probe=SLOW_SAVE,
+                env={"READY": str(ready), "RELEASE": str(release), "SLEEP": "300"})
     wait_for(ready, first)
-    t0 = time.monotonic()
     second = cli(tmp_path, *upcycle_args(dense, out, "--overwrite"))
-    _, err = second.communicate(timeout=60)
+    _, err = second.communicate(timeout=240)
     assert second.returncode == 2 and "being written by another moekit process" in last_line(err)
-    assert time.monotonic() - t0 < 30  # at once: it does not wait for the first writer's work
-    _, err = first.communicate(timeout=60)
+    assert first.poll() is None  # at once: it did not wait for the first writer, still mid-save
+    release.write_text("")
+    _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     assert (out / "moekit.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "probe.py", "ready"]  # no lock, no temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moe", "probe.py", "ready", "release"]  # no lock, no temporary
 
 
 def test_temporaries_of_dead_processes_are_removed_live_ones_kept(dense, tmp_path):
