@@ -23,7 +23,8 @@ from moekit.eval.asr import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.train.args import check_training_args
 from moekit.train.recipe import ASRRecipe
-from moekit.train.run import adapt, make_trainer, recipe_inputs, resume_from, run_directory, save_final, write_run_files
+from moekit.train.run import (adapt, make_trainer, recipe_inputs, resume_from, run_directory, save_final,
+                              write_run_files)
 
 VOCAB_FILE = "ctc_vocab.json"
 
