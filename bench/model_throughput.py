@@ -13,7 +13,8 @@ all systems see the same weights. Their logits are checked equal to moekit's bef
 Measured, interleaved across systems, median of --repeats after one warm-up each: a training step (forward,
 LM loss, backward, AdamW step) on --batch × --seq tokens; prefill (no-grad forward with cache) on the same
 tokens; greedy generation of --new tokens after a 32-token prompt at batch 1 and 8 (prompt included).
-Every cell says how noisy it was ((p75 − p25) / median).
+Every cell says how noisy it was ((p75 − p25) / median). Each finished row is kept in --out, one file per
+configuration, so an interrupted run (the full table takes over an hour on 2 cores) resumes where it stopped.
 
     .venv/bin/python bench/model_throughput.py --write BENCHMARKS.md
     .venv/bin/python bench/model_throughput.py --quick      # sanity run: 4 layers, small batches
@@ -21,6 +22,7 @@ Every cell says how noisy it was ((p75 − p25) / median).
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import re
 import time
@@ -137,7 +139,12 @@ def timed(syss: dict, fn, repeats: int) -> dict:
     return {n: spread(t) for n, t in times.items()}
 
 
-def measure(label: str, model, every: int | None, args) -> list[tuple]:
+TASKS = ("train step", "prefill", "generate b=1", "generate b=8")
+
+
+def measure(label: str, model, every: int | None, args, done: dict, save) -> None:
+    """Time every task of TASKS not yet in `done` ({task: row}, rows of an earlier interrupted run), adding
+    each row to it and calling save() as soon as it is measured."""
     syss = systems(model, every)
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
@@ -147,12 +154,12 @@ def measure(label: str, model, every: int | None, args) -> list[tuple]:
     tasks = [("train step", args.batch * args.seq, lambda m: train_step(m, opt, batch)),
              ("prefill", args.batch * args.seq, lambda m: prefill(m, batch))]
     tasks += [(f"generate b={b}", b * args.new, lambda m, b=b: generate(m, prompts[b], args.new)) for b in (1, 8)]
-    rows = []
     for task, tokens, fn in tasks:
-        t = timed(syss, fn, args.repeats)
-        rows.append((label, task, {n: (tokens / s, noise) for n, (s, noise) in t.items()}))
-        print(rows[-1], flush=True)
-    return rows
+        if task not in done:
+            t = timed(syss, fn, args.repeats)
+            done[task] = (label, task, {n: (tokens / s, noise) for n, (s, noise) in t.items()})
+            print(done[task], flush=True)
+            save()
 
 
 def render(rows: list[tuple], args, cmd: str, load: str) -> str:
@@ -187,12 +194,25 @@ def main():
     ap.add_argument("--dense", type=Path, help="a dense SmolLM2-135M directory instead of random weights")
     ap.add_argument("--quick", action="store_true", help="sanity run: 4 layers, batch 2 × 64, 8 new tokens, 3 repeats")
     ap.add_argument("--write", type=Path, help="update this markdown file's model_throughput section")
+    ap.add_argument("--out", type=Path, default=Path("runs/model_throughput"), help="finished rows, for resuming")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.batch, args.seq, args.new, args.repeats = 4, 2, 64, 8, 3
+    # finished rows are kept in --out (one file per configuration), so an interrupted run resumes
+    config = f"layers{args.layers}-b{args.batch}-s{args.seq}-new{args.new}-r{args.repeats}-{args.dense or 'random'}"
+    cache = args.out / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', config)}.json"
+    done = json.loads(cache.read_text()) if cache.is_file() else {}
+
+    def save():
+        args.out.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(done))
+
     load, rows = loadavg(), []
     for label, every in (("E=8 top-2 + gated shared, every 4th layer", 4), ("E=8 top-2, every layer", None)):
-        rows += measure(label, moekit_model(args.layers, every, args.dense), every, args)
+        rows_of = done.setdefault(label, {})
+        if any(t not in rows_of for t in TASKS):
+            measure(label, moekit_model(args.layers, every, args.dense), every, args, rows_of, save)
+        rows += [rows_of[t] for t in TASKS]
     cmd = ".venv/bin/python bench/model_throughput.py" + (" --quick" if args.quick else
                                                           f" --layers {args.layers} --repeats {args.repeats}")
     section = render(rows, args, cmd + (f" --write {args.write}" if args.write else ""), f"{load} → {loadavg()}")
