@@ -35,7 +35,7 @@ SHAPES = [(576, 1536), (1536, 576), (576, 576)]
 M = 8
 
 
-def forward_times(d_in: int, d_out: int, tokens: tuple[int, int], repeats: int) -> dict[str, float]:
+def forward_times(d_in: int, d_out: int, tokens: tuple[int, int], repeats: int) -> dict[str, tuple[float, float]]:
     from moekit.simoe.layer import MaskInit, Routing, SILinear
 
     torch.manual_seed(0)
@@ -121,9 +121,10 @@ def main() -> None:
     rows = []
     for d_in, d_out in SHAPES:
         t = forward_times(d_in, d_out, tuple(args.tokens), args.repeats)
-        rows.append(f"| {d_in}→{d_out} | {1e3 * t['plain'][0]:.2f} | " + " | ".join(
-            f"{1e3 * t[k][0]:.2f} | {t[k][0] / t['plain'][0]:.2f}×" for k in ("simoe_train", "simoe_sampled", "simoe_eval"))
-            + f" | {100 * max(n for _, n in t.values()):.0f} % |")
+        cells = [f"{1e3 * t[k][0]:.2f} | {t[k][0] / t['plain'][0]:.2f}×"
+                 for k in ("simoe_train", "simoe_sampled", "simoe_eval")]
+        rows.append(f"| {d_in}→{d_out} | {1e3 * t['plain'][0]:.2f} | " + " | ".join(cells)
+                    + f" | {100 * max(n for _, n in t.values()):.0f} % |")
     mem = {s: memory(s, args.layers) for s in ("dense", "simoe", "upcycle")}
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     mrows = [f"| {s} | {m['params']:,} | {m['trainable']:,} | {gib(m['state_bytes'])} | {gib(m['peak_rss_growth'])} | "
@@ -134,7 +135,8 @@ def main() -> None:
         MARK[0], "## SIMoE layer cost (bench/simoe_layer.py)", "",
         f"`{cmd}` — {date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, fp32. "
         f"Forward: {args.tokens[0]}×{args.tokens[1]} tokens, M = {M}, instance routing, median of {args.repeats} "
-        "interleaved repeats (noise = the largest (p75 − p25) / median of the row). Target: SIMoE ≤ 2.2× plain.", "",
+        "interleaved repeats (noise = the largest (p75 − p25) / median of the row). Target: SIMoE ≤ 2.2× plain.",
+        "",
         "| shape | plain (ms) | SIMoE train, median gates (ms) | ratio | SIMoE train, sampled gates (ms) | ratio "
         "| SIMoE eval (ms) | ratio | noise |", "|---" * 9 + "|",
         *rows, "",

@@ -116,9 +116,11 @@ def main() -> None:
     ap.add_argument("--write", type=Path)
     ap.add_argument("--report-only", action="store_true", help="report the systems finished so far, run nothing")
     ap.add_argument("--ablations", action="store_true",
-                    help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section (paired against spri_two_stage)")
+                    help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section "
+                         "(paired against spri_two_stage)")
     args = ap.parse_args()
-    systems, mark, base = (ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations else (SYSTEMS, MARK, "dense_ft")
+    systems, mark, base = ((ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations
+                           else (SYSTEMS, MARK, "dense_ft"))
     if args.report_only:
         done = [n for n in systems if (args.out / n / "summary.json").is_file()]
         summaries = {n: json.loads((args.out / n / "summary.json").read_text()) for n in done}
