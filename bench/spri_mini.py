@@ -118,9 +118,18 @@ def main() -> None:
     ap.add_argument("--ablations", action="store_true",
                     help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section "
                          "(paired against spri_two_stage)")
+    ap.add_argument("--only", nargs="+", metavar="SYSTEM",
+                    help="train only these systems (e.g. in a second process beside a running one); report all")
     args = ap.parse_args()
     systems, mark, base = ((ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations
                            else (SYSTEMS, MARK, "dense_ft"))
+    if args.only:
+        unknown = set(args.only) - set(systems)
+        if unknown:
+            ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(systems)}")
+        for name in args.only:
+            run_system(name, *systems[name], args.out)
+        args.report_only = True
     if args.report_only:
         done = [n for n in systems if (args.out / n / "summary.json").is_file()]
         summaries = {n: json.loads((args.out / n / "summary.json").read_text()) for n in done}
