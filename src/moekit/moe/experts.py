@@ -18,6 +18,7 @@ Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two path
 """
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 import torch
@@ -221,7 +222,7 @@ class Experts(nn.Module):
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                             or any(p.requires_grad for p in self.parameters()))
         if self._use_loop(x, counts, grad):
-            offs = [0] + torch.cumsum(counts, 0).tolist()  # (E+1,)
+            offs = [0, *itertools.accumulate(counts.tolist())]  # (E+1,)
             if grad:
                 return ExpertLoop.apply(x, weight, self.first, self.down, token, offs)
             return self._loop(x, weight, token, offs)
@@ -237,10 +238,12 @@ class Experts(nn.Module):
         `dispatch`); with autograd recording, only where ExpertLoop has a backward."""
         if self.dispatch != "auto":
             forced = self.dispatch == "loop"
+        elif x.device.type != "cpu":
+            forced = False  # grouped_mm, without reading the routing back to the host
         else:
-            hit = int(torch.count_nonzero(counts))
-            rows = int(counts.sum()) / max(hit, 1)  # mean rows per hit expert
-            forced = x.device.type == "cpu" and rows * self.hidden_size * self.intermediate_size >= LOOP_WORK
+            n = counts.tolist()  # (E,)
+            rows = sum(n) / max(sum(map(bool, n)), 1)  # mean rows per hit expert
+            forced = rows * self.hidden_size * self.intermediate_size >= LOOP_WORK
         return forced and (self._loop_trainable() or not grad)
 
     def _loop(self, x: Tensor, weight: Tensor, token: Tensor, offs: list[int]) -> Tensor:
