@@ -6,7 +6,7 @@ from transformers import TrainerCallback
 
 from moekit._fs import PARTIAL
 from moekit.config import validate
-from moekit.errors import ConfigError, OutputExistsError
+from moekit.errors import CheckpointError, ConfigError, OutputExistsError
 from moekit.io import load_weights
 from moekit.moe.layer import moe_layers
 from moekit.testing import tiny_llama, tiny_tokenizer
@@ -160,6 +160,21 @@ def test_resume_after_a_stop_during_the_final_evaluation(assets, tmp_path, monke
     saved = load_weights(tmp_path / "run" / "model")
     state = done.model.state_dict()
     assert all(torch.equal(v, state[k]) for k, v in saved.items() if k in state) and saved
+
+
+def test_resume_with_overwrite_starts_over_when_stopped_before_the_first_checkpoint(assets, tmp_path):
+    """A run killed before its first save leaves a partial directory without a checkpoint: resume alone
+    refuses it; resume + overwrite trains from scratch, as a fresh run would."""
+    over = {"train": {"steps": 2, "batch_size": 4, "logging_steps": 1, "save_every": 2},
+            "moe": {"num_experts": 4, "top_k": 2}}
+    ref = [h["loss"] for h in train(recipe(assets, tmp_path / "a", **over)).state.log_history if "loss" in h]
+    partial = tmp_path / f".b{PARTIAL}"
+    (partial / "checkpoints" / "checkpoint-1").mkdir(parents=True)  # no trainer_state.json: incomplete
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        train(recipe(assets, tmp_path / "b", **over), resume=True)
+    again = train(recipe(assets, tmp_path / "b", **over), resume=True, overwrite=True)
+    assert [h["loss"] for h in again.state.log_history if "loss" in h] == pytest.approx(ref, rel=1e-6, abs=1e-7)
+    assert (tmp_path / "b" / "results.json").is_file() and not partial.exists()
 
 
 def test_examples_without_target_tokens_are_refused(assets, tmp_path):

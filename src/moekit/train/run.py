@@ -194,14 +194,17 @@ def check_checkpoint(last: Path) -> None:
         raise CheckpointError(f"cannot resume from {last}: trainer_state.json is unreadable ({e})") from None
 
 
-def resume_point(out: Path, partial: Path, overwrite: bool) -> Path:
+def resume_point(out: Path, partial: Path, overwrite: bool) -> Path | None:
     """The checkpoint `--resume` continues from: the interrupted run's newest, else the finished run's;
-    checked before any work."""
+    checked before any work. None (start over) when there is none and `overwrite` allows it, e.g. a run
+    stopped before its first checkpoint."""
     last = last_checkpoint(partial) or last_checkpoint(out)
     if last is None:
+        if overwrite:
+            return None
         where = partial if partial.exists() else out
         raise CheckpointError(f"nothing to resume: {where} has no complete checkpoint (train.save_every saves "
-                              f"them){'' if overwrite else '; overwrite=True starts the run over'}")
+                              "them); overwrite=True starts the run over")
     check_checkpoint(last)
     return last
 
