@@ -13,8 +13,8 @@ Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two path
   has enough rows. Each expert's temporaries are small and stay in cache, and no (T*k, H) gather/scatter
   buffers are allocated (fresh buffers over glibc's 32 MB mmap threshold pay page faults on every call);
   the backward writes each expert's gradient straight into its row of one buffer. Measured at
-  E=64/top-8 and 4096 tokens (BENCHMARKS.md, bench/moe_layer.py): fwd+bwd 1.22x the k x dense limit,
-  grouped 2.13x; slower than grouped below ~2^24 multiply-adds per hit expert.
+  E=64/top-8 and 4096 tokens (BENCHMARKS.md, bench/moe_layer.py): fwd+bwd 1.23x the k x dense limit,
+  grouped 2.09x; slower than grouped below ~2^24 multiply-adds per hit expert.
 """
 from __future__ import annotations
 
