@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
         if name == "train":
             p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-            p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in `out`; with --overwrite, start over if there is none")
+            p.add_argument("--resume", action="store_true",
+                           help="continue from the last checkpoint in `out` (with --overwrite: start over if there is none)")
         p.set_defaults(run=run_train if name == "train" else run_validate)
 
 
