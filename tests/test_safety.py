@@ -58,14 +58,22 @@ def dense(tmp_path_factory):
     return folder
 
 
-def cli(tmp_path, *args, probe: str | None = None, env=None, **kw) -> subprocess.Popen:
+def cli(tmp_path, *args, probe: str | None = None, env=None, preexec_fn=None, **kw) -> subprocess.Popen:
     script = None
     if probe is not None:
         script = tmp_path / "probe.py"
         script.write_text(probe)
     cmd = [sys.executable, *([str(script)] if script else ["-m", "moekit"]), *map(str, args)]
+
+    def child_setup():
+        # SIGINT at its default, as from a terminal: a shell running the tests in the background
+        # (`make test &`) ignores it, and Python then never raises KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if preexec_fn is not None:
+            preexec_fn()
+
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, **kw)
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, preexec_fn=child_setup, **kw)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
