@@ -14,7 +14,7 @@ Measured, interleaved across systems, median of --repeats after one warm-up each
 LM loss, backward, AdamW step) on --batch × --seq tokens; prefill (no-grad forward with cache) on the same
 tokens; greedy generation of --new tokens after a 32-token prompt at batch 1 and 8 (prompt included).
 Every cell says how noisy it was ((p75 − p25) / median). Each finished row is kept in --out, one file per
-configuration, so an interrupted run (the full table takes over an hour on 2 cores) resumes where it stopped.
+configuration, so an interrupted run (the full table took 32 minutes on 2 idle cores) resumes where it stopped.
 
     .venv/bin/python bench/model_throughput.py --write BENCHMARKS.md
     .venv/bin/python bench/model_throughput.py --quick      # sanity run: 4 layers, small batches
