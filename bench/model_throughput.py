@@ -34,6 +34,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 
+from moekit._fs import write_text_atomic
 from moekit.export.base import EXPORTERS
 from moekit.moe.spec import MoESpec
 from moekit.upcycling import upcycle
@@ -205,7 +206,7 @@ def main():
 
     def save():
         args.out.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(done))
+        write_text_atomic(cache, json.dumps(done))
 
     load, rows = loadavg(), []
     for label, every in (("E=8 top-2 + gated shared, every 4th layer", 4), ("E=8 top-2, every layer", None)):

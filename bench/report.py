@@ -1,7 +1,12 @@
 """Shared by the benchmarks: replace one marked section of BENCHMARKS.md, summarize timings, cache runs."""
 from __future__ import annotations
 
+import json
+import statistics
+import time
 from pathlib import Path
+
+from moekit._fs import write_text_atomic
 
 
 def write_section(path: Path, section: str, mark: tuple[str, str]) -> None:
@@ -17,8 +22,6 @@ def write_section(path: Path, section: str, mark: tuple[str, str]) -> None:
 
 def spread(times: list[float]) -> tuple[float, float]:
     """(median, (p75 - p25) / median) of repeated timings: the value a table reports and how noisy it was."""
-    import statistics
-
     med = statistics.median(times)
     q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     return med, (q[2] - q[0]) / med
@@ -26,17 +29,15 @@ def spread(times: list[float]) -> tuple[float, float]:
 
 def cached(folder: Path, run) -> dict:
     """`run()`'s summary dict (its wall time added as "seconds"), kept in folder/summary.json: a bench that
-    is interrupted resumes with the systems it has not finished."""
-    import json
-    import time
-
+    is interrupted resumes with the systems it has not finished (written atomically: a kill mid-write
+    leaves no half file to trip over)."""
     path = folder / "summary.json"
     if path.is_file():
         return json.loads(path.read_text())
     t0 = time.perf_counter()
     summary = {**run(), "seconds": time.perf_counter() - t0}
     folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary))
+    write_text_atomic(path, json.dumps(summary))
     return summary
 
 
