@@ -2,7 +2,8 @@
 
 For each shape, all implementations get the same weights, the same routing (top_k_index,
 top_k_weights) and the same upstream gradient; outputs and gradients are checked equal before
-timing. Timings are interleaved across implementations, median of --repeats after warm-up; each row
+timing. Timings are interleaved across implementations, median of --repeats after warm-up (of
+--decode-repeats at the decode sizes, which take milliseconds and are noisier); each row
 says how noisy it was (the largest interquartile range / median over its implementations).
 
 Rows: --tokens tokens, fwd+bwd and fwd, limit = k × one dense FFN on the same tokens; decode sizes
@@ -63,16 +64,15 @@ class Dense(torch.nn.Module):
         return F.linear(F.silu(g) * u, self.down)
 
 
-class RouterAux(torch.nn.Module):
+class RouterAux(Router):
     """moekit's router with the training losses: what the MoE layer spends besides its experts."""
 
     def __init__(self, E, k, H):
-        super().__init__()
-        self.router = Router(H, E, k, "topk_softmax")
-        torch.nn.init.normal_(self.router.weight, std=H**-0.5, generator=torch.Generator().manual_seed(2))
+        super().__init__(H, E, k, "topk_softmax")
+        torch.nn.init.normal_(self.weight, std=H**-0.5, generator=torch.Generator().manual_seed(2))
 
     def forward(self, x, ids, w):
-        info = self.router(x)
+        info = super().forward(x)
         if not torch.is_grad_enabled():
             return info.topk_weights
         aux = load_balance(info) + z_loss(info)
@@ -98,10 +98,11 @@ def build(name, E, k, H, I, gate_up, down):
 
 
 def step(m, x, ids, w, grad, backward):
-    x = x.detach().requires_grad_(backward)
+    if not backward:
+        return m(x, ids, w), None
+    x = x.detach().requires_grad_()
     y = m(x, ids, w)
-    if backward:
-        y.backward(grad[:, :y.shape[1]])
+    y.backward(grad[:, :y.shape[1]])
     return y, x.grad
 
 
@@ -159,22 +160,23 @@ def timed_row(label, mode, mods, x, ids, w, grad, E, repeats, decode):
 IMPLS = ("moekit", "hf_eager", "hf_grouped_mm")
 
 
-def run_shape(label, E, k, H, I, T, repeats):
+def run_shape(label, E, k, H, I, T, repeats, decode_repeats):
     x, ids, w, gate_up, down, grad = make_inputs(E, k, H, I, T)
     mods = {n: build(n, E, k, H, I, gate_up, down) for n in ("dense", "router", *IMPLS)}
     check_equal(mods, x, ids, w, grad)
     rows = [timed_row(label, mode, mods, x, ids, w, grad, E, repeats, False) for mode in ("fwd+bwd", "fwd")]
     for t in DECODE:
         xd, idsd, wd, *_, gradd = make_inputs(E, k, H, I, t, seed=t)
-        rows.append(timed_row(label, "fwd", mods, xd, idsd, wd, gradd, E, repeats, True))
+        rows.append(timed_row(label, "fwd", mods, xd, idsd, wd, gradd, E, decode_repeats, True))
     return rows
 
 
-def render(rows, T, repeats, cmd, load):
+def render(rows, T, repeats, decode_repeats, cmd, load):
     out = [MARK[0], "## MoE layer speed (bench/moe_layer.py)", "",
            f"`{cmd}` — {date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
            f"{torch.__version__}, transformers {transformers.__version__}, fp32, median of "
-           f"{repeats} interleaved repeats after warm-up; load average {load} before → after. Outputs and "
+           f"{repeats} interleaved repeats after warm-up ({decode_repeats} at decode sizes); load average {load} "
+           "before → after. Outputs and "
            "gradients of all three implementations checked equal (rtol/atol 1e-4) before timing.", "",
            f"Ratio = time / limit. At {T} tokens the limit is k × the time of one dense FFN of the same shape "
            "on the same tokens; at decode sizes it is n_hit × one dense FFN on ⌈T·k/n_hit⌉ tokens (n_hit = "
@@ -197,14 +199,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--decode-repeats", type=int, default=200, help="repeats of the decode rows (milliseconds each)")
     ap.add_argument("--write", type=Path, help="update this markdown file's moe_layer section")
     args = ap.parse_args()
     load, rows = loadavg(), []
     for label, E, k, H, I in SHAPES:
-        rows += run_shape(label, E, k, H, I, args.tokens, args.repeats)
-    cmd = f".venv/bin/python bench/moe_layer.py --tokens {args.tokens} --repeats {args.repeats}" + (
+        rows += run_shape(label, E, k, H, I, args.tokens, args.repeats, args.decode_repeats)
+    cmd = (f".venv/bin/python bench/moe_layer.py --tokens {args.tokens} --repeats {args.repeats} "
+           f"--decode-repeats {args.decode_repeats}") + (
         f" --write {args.write}" if args.write else "")
-    section = render(rows, args.tokens, args.repeats, cmd, f"{load} → {loadavg()}")
+    section = render(rows, args.tokens, args.repeats, args.decode_repeats, cmd, f"{load} → {loadavg()}")
     print(section)
     if args.write:
         write_section(args.write, section, MARK)

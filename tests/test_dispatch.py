@@ -1,6 +1,8 @@
 """The per-expert loop dispatch (ExpertLoop, Experts._loop) equals the grouped one: outputs and gradients."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -107,3 +109,74 @@ def test_auto_dispatch_by_work_per_hit_expert(T, expect_loop, monkeypatch):
     ids = torch.arange(T * 2).reshape(T, 2) % 8
     m(torch.zeros(T, 512, requires_grad=True), ids, torch.ones(T, 2))
     assert bool(calls) is expect_loop
+
+
+def _loop_grads(m, seed):
+    """The expert weight gradients of one loop forward/backward on inputs drawn from `seed`."""
+    _run(m, "loop", *_inputs(7, 32, seed=seed))
+    return m.gate_up.grad, m.down.grad
+
+
+def test_loop_reuses_a_dropped_gradient_memory_and_its_values_are_exact():
+    m, fresh = _experts(32, 64), _experts(32, 64)
+    first = _loop_grads(m, seed=1)
+    storages = [g.untyped_storage() for g in first]
+    refs, cdata = [s._weak_ref() for s in storages], [s._cdata for s in storages]
+    del first, storages
+    second = _loop_grads(m, seed=2)  # zero_grad(set_to_none=True) in _run dropped the first gradients
+    expired = [torch.UntypedStorage._expired(r) for r in refs]
+    for r in refs:
+        torch.UntypedStorage._free_weak_ref(r)
+    assert not any(expired)  # kept alive only by the gradient memory cache ...
+    assert [g.untyped_storage()._cdata for g in second] == cdata  # ... and reused, not faulted in afresh
+    for a, b in zip(second, _loop_grads(fresh, seed=2)):
+        assert torch.equal(a, b)
+    assert torch.count_nonzero(second[0][4]) == 0  # the unrouted expert's rows were zeroed, not left over
+
+
+def test_loop_never_writes_into_a_gradient_someone_still_holds():
+    m = _experts(32, 64)
+    kept = _loop_grads(m, seed=1)
+    copies = [g.clone() for g in kept]
+    kept_view = kept[1][2]  # a view holds the memory as well
+    second = _loop_grads(m, seed=2)
+    for g, c in zip(kept, copies):
+        assert torch.equal(g, c)
+    assert torch.equal(kept_view, copies[1][2])
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(second, kept))
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_loop_gradients_accumulate_across_backwards(set_to_none):
+    m = _experts(32, 64)
+    proj = _inputs(7, 32, seed=1)[3]
+    single = [g.clone() for g in _loop_grads(m, seed=1)]
+    m.zero_grad(set_to_none=set_to_none)
+    for _ in range(2):
+        (m(*_inputs(7, 32, seed=1)[:3]) * proj).sum().backward()
+    for p, g in zip((m.gate_up, m.down), single):
+        torch.testing.assert_close(p.grad, 2 * g, atol=1e-6, rtol=1e-6)
+        kept = experts_mod._GRAD_MEMORY.get(p)  # no second gradient's worth of memory kept alive
+        assert kept is None or kept._cdata == p.grad.untyped_storage()._cdata
+
+
+def test_loop_backward_through_a_parametrized_weight_warns_nothing():
+    """Selective training parametrizes the expert weights (non-leaf in the forward): no .grad access."""
+    from torch.nn.utils import parametrize
+
+    class Scale(torch.nn.Module):
+        def forward(self, t):
+            return 2 * t
+
+    m, ref = _experts(32, 64), _experts(32, 64)
+    parametrize.register_parametrization(m, "gate_up", Scale())
+    with torch.no_grad():
+        ref.gate_up.mul_(2)
+    x, ids, w, proj = _inputs(7, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):  # the second step would find cached memory if a non-leaf were cached
+            got = _run(m, "loop", x, ids, w, proj)
+    want = _run(ref, "loop", x, ids, w, proj)
+    torch.testing.assert_close(m.parametrizations.gate_up.original.grad, 2 * want[3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 from transformers.activations import ACT2FN
 
 from moekit.ffn import ExpertWeights
@@ -91,10 +92,27 @@ def _hit_groups(offs: list[int]):
     return [(e, slice(a, b)) for e, (a, b) in enumerate(zip(offs[:-1], offs[1:])) if b > a]
 
 
+# the memory of each expert weight's last gradient from ExpertLoop, reused once nothing else holds it
+_GRAD_MEMORY = WeakIdKeyDictionary()
+
+
 def _grad_buffer(weight: Tensor, offs: list[int]) -> Tensor:
     """A gradient for weight (E, ...): hit experts' rows are written whole by one GEMM each, so only the
-    rows of experts without tokens are zeroed (each page of a fresh buffer is touched once)."""
-    buf = torch.empty_like(weight)
+    rows of experts without tokens are zeroed.
+
+    For a leaf weight whose .grad is None (the buffer becomes .grad), the last such buffer's memory is
+    reused when no tensor refers to it any more: after zero_grad(set_to_none=True) a fresh buffer over
+    glibc's 32 MB mmap threshold would be page-faulted in again on every step. Between steps that memory
+    stays allocated, as zero_grad(set_to_none=False) would keep it."""
+    reuse = weight.is_leaf and weight.grad is None
+    memory = _GRAD_MEMORY.get(weight) if reuse else None
+    if (memory is not None and memory.device == weight.device and memory.nbytes() == weight.nbytes
+            and torch._C._storage_Use_Count(memory._cdata) == 1):  # only this cache refers to it
+        buf = weight.new_empty(0).set_(memory, 0, weight.shape)
+    else:
+        buf = weight.new_empty(weight.shape)
+        if reuse:
+            _GRAD_MEMORY[weight] = buf.untyped_storage()
     for e, (a, b) in enumerate(zip(offs[:-1], offs[1:])):
         if a == b:
             buf[e].zero_()
@@ -135,8 +153,8 @@ class ExpertLoop(torch.autograd.Function):
         dw = torch.empty_like(w) if need_w else None  # (S, 1)
         dfirst = _grad_buffer(first, ctx.offs) if need_first else None  # (E, 2I, H)
         ddown = _grad_buffer(down, ctx.offs) if need_down else None  # (E, H, I)
-        for i, (e, rows) in enumerate(_hit_groups(ctx.offs)):
-            h, sg, a = saved[3 * i: 3 * i + 3]  # (n, 2I), (n, I), (n, I)
+        for e, rows in reversed(_hit_groups(ctx.offs)):  # the forward's last experts first: still in cache
+            a, sg, h = saved.pop(), saved.pop(), saved.pop()  # (n, I), (n, I), (n, 2I)
             tok, we = token[rows], w[rows]  # (n,), (n, 1)
             dye = dy.index_select(0, tok)  # (n, H)
             if need_down:

@@ -33,8 +33,8 @@ def route(logits: Tensor, top_k: int, scoring: Scoring) -> tuple[Tensor, Tensor]
     """logits (T, E) -> fp32 weights (T, k), ids (T, k) under `scoring` (see Router)."""
     if scoring == "topk_softmax":  # softmax is monotone: the top-k logits pick the same experts
         top, ids = torch.topk(logits, top_k, dim=-1)  # (T, k), (T, k)
-        return torch.softmax(top.float(), dim=-1), ids  # rows sum to 1
-    return torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=torch.float32), ids  # rows sum to 1
+    return torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
 
 
 class Router(nn.Module):
@@ -55,7 +55,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
 
     def forward(self, x: Tensor) -> RoutingInfo:
-        x = x.reshape(-1, x.shape[-1])  # (T, H)
+        """x (T, H) -> RoutingInfo over the T tokens."""
         if self.training and self.jitter > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         logits = F.linear(x, self.weight)  # (T, E)
