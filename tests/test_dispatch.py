@@ -1,6 +1,7 @@
 """The per-expert loop dispatch (ExpertLoop, Experts._loop) equals the grouped one: outputs and gradients."""
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -180,3 +181,94 @@ def test_loop_backward_through_a_parametrized_weight_warns_nothing():
     want = _run(ref, "loop", x, ids, w, proj)
     torch.testing.assert_close(m.parametrizations.gate_up.original.grad, 2 * want[3], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- experts side by side on CPU threads
+
+def _many_experts(E=40, T=64, H=32, I=64, seed=0):
+    """E experts, every one hit (≥ PARALLEL_EXPERTS · 2), and inputs for _run."""
+    g = torch.Generator().manual_seed(seed)
+    m = Experts(E, H, I, "silu")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    ids = torch.stack([torch.arange(T) % E, (torch.arange(T) * 7 + 3) % E], dim=1)  # (T, 2) distinct per row
+    x, w, proj = torch.randn(T, H, generator=g), torch.rand(T, 2, generator=g), torch.randn(T, H, generator=g)
+    return m, (x, ids, w, proj)
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_expert_threads_equal_one_expert_after_another(two_threads, monkeypatch):
+    m, args = _many_experts()
+    side_by_side = _run(m, "loop", *args), _run(m, "loop", *args, backward=False)
+    monkeypatch.setattr(experts_mod, "PARALLEL_EXPERTS", 10**6)
+    one_by_one = _run(m, "loop", *args), _run(m, "loop", *args, backward=False)
+    for a, b in zip([*side_by_side[0], *side_by_side[1]], [*one_by_one[0], *one_by_one[1]]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)  # only the order of the partial sums differs
+    grouped = _run(m, "grouped", *args)
+    for a, b in zip(side_by_side[0], grouped):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _record_silu(monkeypatch, fail=False):
+    seen, silu = [], torch.nn.functional.silu
+
+    def recording(t, *a, **k):
+        seen.append((threading.get_ident(), torch.get_num_threads(), torch.is_grad_enabled()))
+        if fail:
+            raise RuntimeError("boom")
+        return silu(t, *a, **k)
+
+    monkeypatch.setattr(experts_mod.F, "silu", recording)
+    return seen
+
+
+def test_expert_threads_are_single_threaded_without_grad_and_the_count_comes_back(two_threads, monkeypatch):
+    m, args = _many_experts()
+    seen = _record_silu(monkeypatch)
+    _run(m, "loop", *args)
+    assert seen and threading.get_ident() not in {t for t, _, _ in seen}  # on worker threads only
+    assert {(n, grad) for _, n, grad in seen} == {(1, False)}
+    assert torch.get_num_threads() == 2
+
+
+def test_expert_threads_give_the_thread_count_back_when_a_worker_raises(two_threads, monkeypatch):
+    m, args = _many_experts()
+    _record_silu(monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        _run(m, "loop", *args)
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("threads,E", [(1, 40), (2, 8)])
+def test_experts_stay_on_the_calling_thread_with_one_thread_or_few_experts(threads, E, monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m, args = _many_experts(E=E)
+        seen = _record_silu(monkeypatch)
+        _run(m, "loop", *args)
+        assert {t for t, _, _ in seen} == {threading.get_ident()}
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("E", [5, 40])  # on the calling thread, and side by side on two
+def test_loop_under_autocast_computes_in_the_weights_dtype_like_grouped(E, two_threads):
+    """CPU bf16 autocast (train.precision=bf16) around an fp32 model: the loop ran bf16 GEMMs into fp32
+    buffers and failed; now it computes in fp32, as grouped_mm does (autocast does not cover it)."""
+    m, args = _many_experts(E=E)
+    plain = _run(m, "loop", *args)
+    for backward in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loop, grouped = _run(m, "loop", *args, backward=backward), _run(m, "grouped", *args, backward=backward)
+        for a, b, c in zip(loop, grouped, plain):
+            assert a.dtype == torch.float32 and torch.equal(a, c)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

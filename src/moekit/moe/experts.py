@@ -12,13 +12,16 @@ Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two path
 - "loop": one plain GEMM pair per expert that got tokens (`ExpertLoop`), on CPU once every hit expert
   has enough rows. Each expert's temporaries are small and stay in cache, and no (T*k, H) gather/scatter
   buffers are allocated (fresh buffers over glibc's 32 MB mmap threshold pay page faults on every call);
-  the backward writes each expert's gradient straight into its row of one buffer. Measured at
-  E=64/top-8 and 4096 tokens (BENCHMARKS.md, bench/moe_layer.py): fwd+bwd 1.23x the k x dense limit,
-  grouped 2.09x; slower than grouped below ~2^24 multiply-adds per hit expert.
+  the backward writes each expert's gradient straight into its row of one buffer, reusing the memory of
+  the weight's dropped last gradient (`_grad_buffer`). Measured at E=64/top-8 and 4096 tokens
+  (BENCHMARKS.md, bench/moe_layer.py): fwd+bwd 1.23x the k x dense limit, grouped 2.12x; slower than
+  grouped below ~2^24 multiply-adds per hit expert.
 """
 from __future__ import annotations
 
+import functools
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import torch
@@ -92,6 +95,38 @@ def _hit_groups(offs: list[int]):
     return [(e, slice(a, b)) for e, (a, b) in enumerate(zip(offs[:-1], offs[1:])) if b > a]
 
 
+# hit experts per intra-op thread from which _by_expert_threads runs experts side by side (2 threads, fwd+bwd:
+# 8 hit experts 12-19 % slower than one expert after another, 32 a tie, 64 5-10 % faster; bench/moe_layer.py)
+PARALLEL_EXPERTS = 16
+
+
+def _by_expert_threads(fn, groups: list, x: Tensor) -> list:
+    """[fn(part) for each part of `groups`]: on CPU with n ≥ 2 intra-op threads and ≥ PARALLEL_EXPERTS·n
+    groups, the groups are dealt round-robin into n parts, each run on its own Python thread with one
+    intra-op thread (one expert's small GEMMs per core, no barrier between the cores). torch's thread count
+    is process-wide: it is set back afterwards. The workers record no autograd graph and keep the caller's
+    inference mode. Otherwise [fn(groups)] on the calling thread."""
+    n = torch.get_num_threads()
+    if x.device.type != "cpu" or n < 2 or len(groups) < PARALLEL_EXPERTS * n:
+        return [fn(groups)]
+    inference = torch.is_inference_mode_enabled()
+
+    def work(part):
+        with torch.inference_mode(inference), torch.no_grad():
+            return fn(part)
+
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(work, [groups[i::n] for i in range(n)]))
+    finally:
+        torch.set_num_threads(n)
+
+
+def _sum(parts: list[Tensor]) -> Tensor:
+    return functools.reduce(lambda a, b: a.add_(b), parts)
+
+
 # the memory of each expert weight's last gradient from ExpertLoop, reused once nothing else holds it
 _GRAD_MEMORY = WeakIdKeyDictionary()
 
@@ -131,48 +166,62 @@ class ExpertLoop(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, first: Tensor, down: Tensor, token: Tensor, offs: list[int]) -> Tensor:
-        y = x.new_zeros(x.shape)  # (T, H)
-        saved = []
-        for e, rows in _hit_groups(offs):
-            tok = token[rows]  # (n,)
-            h = torch.mm(x.index_select(0, tok), first[e].t())  # (n, 2I)
-            g, u = h.chunk(2, dim=-1)  # (n, I) each
-            sg = F.silu(g)
-            a = sg * u  # (n, I) unweighted activation
-            y.index_add_(0, tok, torch.mm(a * w[rows], down[e].t()))  # (n, H)
-            saved += (h, sg, a)
-        ctx.save_for_backward(x, w, first, down, token, *saved)
+        groups = _hit_groups(offs)
+
+        def run(part):  # -> partial y (T, H), {expert: saved tensors}
+            y, saved = x.new_zeros(x.shape), {}
+            for e, rows in part:
+                tok = token[rows]  # (n,)
+                h = torch.mm(x.index_select(0, tok), first[e].t())  # (n, 2I)
+                g, u = h.chunk(2, dim=-1)  # (n, I) each
+                sg = F.silu(g)
+                a = sg * u  # (n, I) unweighted activation
+                y.index_add_(0, tok, torch.mm(a * w[rows], down[e].t()))  # (n, H)
+                saved[e] = (h, sg, a)
+            return y, saved
+
+        parts = _by_expert_threads(run, groups, x)
+        saved = {e: t for _, part in parts for e, t in part.items()}
+        ctx.save_for_backward(x, w, first, down, token, *(t for e, _ in groups for t in saved[e]))
         ctx.offs = offs
-        return y
+        return _sum([y for y, _ in parts])
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, w, first, down, token, *saved = ctx.saved_tensors
+        x, w, first, down, token, *flat = ctx.saved_tensors
         need_x, need_w, need_first, need_down = ctx.needs_input_grad[:4]
-        dx = torch.zeros_like(x) if need_x else None  # (T, H)
+        groups = _hit_groups(ctx.offs)
+        saved = {e: flat[3 * i: 3 * i + 3] for i, (e, _) in enumerate(groups)}  # (n, 2I), (n, I), (n, I)
         dw = torch.empty_like(w) if need_w else None  # (S, 1)
         dfirst = _grad_buffer(first, ctx.offs) if need_first else None  # (E, 2I, H)
         ddown = _grad_buffer(down, ctx.offs) if need_down else None  # (E, H, I)
-        for e, rows in reversed(_hit_groups(ctx.offs)):  # the forward's last experts first: still in cache
-            a, sg, h = saved.pop(), saved.pop(), saved.pop()  # (n, I), (n, I), (n, 2I)
-            tok, we = token[rows], w[rows]  # (n,), (n, 1)
-            dye = dy.index_select(0, tok)  # (n, H)
-            if need_down:
-                torch.mm(dye.t(), a * we, out=ddown[e])  # (H, I)
-            da = torch.mm(dye, down[e])  # (n, I)
-            if need_w:
-                torch.linalg.vecdot(da, a, out=dw[rows, 0])
-            da.mul_(we)
-            g, u = h.chunk(2, dim=-1)  # (n, I) each
-            dh = torch.empty_like(h)  # (n, 2I)
-            dg, du = dh.chunk(2, dim=-1)
-            torch.mul(da, sg, out=du)
-            torch.ops.aten.silu_backward.grad_input(da.mul_(u), g, grad_input=dg)
-            if need_first:
-                torch.mm(dh.t(), x.index_select(0, tok), out=dfirst[e])  # (2I, H)
-            if need_x:
-                dx.index_add_(0, tok, torch.mm(dh, first[e]))  # (n, H)
-        return dx, dw, dfirst, ddown, None, None
+
+        def run(part):  # -> partial dx (T, H); writes the part's rows of dw, dfirst, ddown
+            dx = torch.zeros_like(x) if need_x else None
+            for e, rows in reversed(part):  # the forward's last experts first: still in cache
+                h, sg, a = saved[e]
+                tok, we = token[rows], w[rows]  # (n,), (n, 1)
+                dye = dy.index_select(0, tok)  # (n, H)
+                if need_down:
+                    torch.mm(dye.t(), a * we, out=ddown[e])  # (H, I)
+                da = torch.mm(dye, down[e])  # (n, I)
+                if need_w:
+                    torch.linalg.vecdot(da, a, out=dw[rows, 0])
+                da.mul_(we)
+                g, u = h.chunk(2, dim=-1)  # (n, I) each
+                dh = torch.empty_like(h)  # (n, 2I)
+                dg, du = dh.chunk(2, dim=-1)
+                torch.mul(da, sg, out=du)
+                torch.ops.aten.silu_backward.grad_input(da.mul_(u), g, grad_input=dg)
+                if need_first:
+                    torch.mm(dh.t(), x.index_select(0, tok), out=dfirst[e])  # (2I, H)
+                if need_x:
+                    dx.index_add_(0, tok, torch.mm(dh, first[e]))  # (n, H)
+            return dx
+
+        with torch.autocast(dy.device.type, enabled=False):  # a backward called under autocast: as the forward
+            dxs = _by_expert_threads(run, groups, x)
+        return _sum(dxs) if need_x else None, dw, dfirst, ddown, None, None
 
 
 class Experts(nn.Module):
@@ -241,9 +290,10 @@ class Experts(nn.Module):
                                             or any(p.requires_grad for p in self.parameters()))
         if self._use_loop(x, counts, grad):
             offs = [0, *itertools.accumulate(counts.tolist())]  # (E+1,)
-            if grad:
-                return ExpertLoop.apply(x, weight, self.first, self.down, token, offs)
-            return self._loop(x, weight, token, offs)
+            with torch.autocast(x.device.type, enabled=False):  # in x's dtype, as grouped_mm (autocast skips it)
+                if grad:
+                    return ExpertLoop.apply(x, weight, self.first, self.down, token, offs)
+                return self._loop(x, weight, token, offs)
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,)
         return self._grouped(x, weight, token, flat[order], offs)
 
@@ -268,17 +318,21 @@ class Experts(nn.Module):
         """Inference loop over the hit experts, any activation and biases; same arithmetic as ExpertLoop
         (routing weight on the intermediate unless there is a down bias)."""
         I, first, down = self.intermediate_size, self.first, self.down
-        y = x.new_zeros(x.shape)  # (T, H)
-        for e, rows in _hit_groups(offs):
-            tok = token[rows]  # (n,)
-            fb = None if self.first_bias is None else self.first_bias[e]
-            h = F.linear(x.index_select(0, tok), first[e], fb)  # (n, 2I | I)
-            a = self.act_fn(h[:, :I]) * h[:, I:] if self.gated else self.act_fn(h)  # (n, I)
-            if self.down_bias is None:
-                y.index_add_(0, tok, F.linear(a * weight[rows], down[e]))  # (n, H)
-            else:
-                y.index_add_(0, tok, F.linear(a, down[e], self.down_bias[e]) * weight[rows])
-        return y
+
+        def run(part):  # -> partial y (T, H)
+            y = x.new_zeros(x.shape)
+            for e, rows in part:
+                tok = token[rows]  # (n,)
+                fb = None if self.first_bias is None else self.first_bias[e]
+                h = F.linear(x.index_select(0, tok), first[e], fb)  # (n, 2I | I)
+                a = self.act_fn(h[:, :I]) * h[:, I:] if self.gated else self.act_fn(h)  # (n, I)
+                if self.down_bias is None:
+                    y.index_add_(0, tok, F.linear(a * weight[rows], down[e]))  # (n, H)
+                else:
+                    y.index_add_(0, tok, F.linear(a, down[e], self.down_bias[e]) * weight[rows])
+            return y
+
+        return _sum(_by_expert_threads(run, _hit_groups(offs), x))
 
     def _grouped(self, x: Tensor, weight: Tensor, token: Tensor, expert: Tensor, offs: Tensor) -> Tensor:
         """grouped_mm dispatch; expert (S,) the sorted slots' expert ids, offs (E,) int32 cumulative counts."""
