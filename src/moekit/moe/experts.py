@@ -115,12 +115,17 @@ def _by_expert_threads(fn, groups: list, x: Tensor) -> list:
         with torch.inference_mode(inference), torch.no_grad():
             return fn(part)
 
+    global _POOL
+    if _POOL is None or _POOL._max_workers != n:
+        _POOL = ThreadPoolExecutor(n, thread_name_prefix="moekit-experts")
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(n) as pool:
-            return list(pool.map(work, [groups[i::n] for i in range(n)]))
+        return list(_POOL.map(work, [groups[i::n] for i in range(n)]))
     finally:
         torch.set_num_threads(n)
+
+
+_POOL: ThreadPoolExecutor | None = None
 
 
 def _sum(parts: list[Tensor]) -> Tensor:

@@ -60,7 +60,8 @@ class Router(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         logits = F.linear(x, self.weight)  # (T, E)
         weights, ids = route(logits, self.top_k, self.scoring)  # (T, k), (T, k)
-        return RoutingInfo(logits=logits, topk_ids=ids, topk_weights=weights.to(x.dtype))
+        weights = weights if weights.dtype == x.dtype else weights.to(x.dtype)  # a no-op .to() costs ~4 µs cold
+        return RoutingInfo(logits=logits, topk_ids=ids, topk_weights=weights)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}, jitter={self.jitter}"
