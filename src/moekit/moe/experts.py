@@ -13,9 +13,10 @@ Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two path
   has enough rows. Each expert's temporaries are small and stay in cache, and no (T*k, H) gather/scatter
   buffers are allocated (fresh buffers over glibc's 32 MB mmap threshold pay page faults on every call);
   the backward writes each expert's gradient straight into its row of one buffer, reusing the memory of
-  the weight's dropped last gradient (`_grad_buffer`). Measured at E=64/top-8 and 4096 tokens
-  (BENCHMARKS.md, bench/moe_layer.py): fwd+bwd 1.23x the k x dense limit, grouped 2.12x; slower than
-  grouped below ~2^24 multiply-adds per hit expert.
+  the weight's dropped last gradient (`_grad_buffer`). With many hit experts they run side by side on one
+  thread per core (`_by_expert_threads`). Measured at E=64/top-8 and 4096 tokens (BENCHMARKS.md,
+  bench/moe_layer.py): fwd+bwd 1.12x the k x dense limit, grouped 2.05x; slower than grouped below ~2^24
+  multiply-adds per hit expert.
 """
 from __future__ import annotations
 
@@ -95,8 +96,8 @@ def _hit_groups(offs: list[int]):
     return [(e, slice(a, b)) for e, (a, b) in enumerate(zip(offs[:-1], offs[1:])) if b > a]
 
 
-# hit experts per intra-op thread from which _by_expert_threads runs experts side by side (2 threads, fwd+bwd:
-# 8 hit experts 12-19 % slower than one expert after another, 32 a tie, 64 5-10 % faster; bench/moe_layer.py)
+# hit experts per intra-op thread from which _by_expert_threads runs experts side by side (2 threads, fwd+bwd
+# against one expert after another: 8 hit experts 6-19 % slower, 32 a tie to 5 % faster, 64 5-9 % faster)
 PARALLEL_EXPERTS = 16
 
 
