@@ -1,6 +1,8 @@
 """The per-expert loop dispatch (ExpertLoop, Experts._loop) equals the grouped one: outputs and gradients."""
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 import warnings
 
@@ -272,3 +274,19 @@ def test_loop_under_autocast_computes_in_the_weights_dtype_like_grouped(E, two_t
         for a, b, c in zip(loop, grouped, plain):
             assert a.dtype == torch.float32 and torch.equal(a, c)
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_threads_work_in_a_forked_child(two_threads):
+    """The pool's threads do not survive fork(): a child gets its own pool instead of waiting forever."""
+    m, args = _many_experts()
+    want = _run(m, "loop", *args, backward=False)[0]  # the parent's pool exists now
+
+    def child():
+        os._exit(0 if torch.equal(_run(m, "loop", *args, backward=False)[0], want) else 1)
+
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+    assert p.exitcode == 0

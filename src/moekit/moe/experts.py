@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -116,17 +117,17 @@ def _by_expert_threads(fn, groups: list, x: Tensor) -> list:
         with torch.inference_mode(inference), torch.no_grad():
             return fn(part)
 
-    global _POOL
-    if _POOL is None or _POOL._max_workers != n:
-        _POOL = ThreadPoolExecutor(n, thread_name_prefix="moekit-experts")
+    key = (os.getpid(), n)  # a forked child inherits the pool object but none of its threads
+    if key not in _POOLS:  # persistent: a new thread's malloc arena would be unmapped and faulted in again
+        _POOLS[key] = ThreadPoolExecutor(n, thread_name_prefix="moekit-experts")
     torch.set_num_threads(1)
     try:
-        return list(_POOL.map(work, [groups[i::n] for i in range(n)]))
+        return list(_POOLS[key].map(work, [groups[i::n] for i in range(n)]))
     finally:
         torch.set_num_threads(n)
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
 
 def _sum(parts: list[Tensor]) -> Tensor:
