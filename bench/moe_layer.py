@@ -2,9 +2,10 @@
 
 For each shape, all implementations get the same weights, the same routing (top_k_index,
 top_k_weights) and the same upstream gradient; outputs and gradients are checked equal before
-timing. Timings are interleaved across implementations, median of --repeats after warm-up (of
---decode-repeats at the decode sizes, which take milliseconds and are noisier); each row
-says how noisy it was (the largest interquartile range / median over its implementations).
+timing. Timings are interleaved across implementations in an order rotated every repeat, median of
+--repeats after warm-up (of --decode-repeats at the decode sizes, which take milliseconds and are
+noisier); each row says how noisy it was (the largest interquartile range / median over its
+implementations).
 
 Rows: --tokens tokens, fwd+bwd and fwd, limit = k × one dense FFN on the same tokens; decode sizes
 (T = 1, 8, 64), fwd, limit = n_hit × one dense FFN on ⌈T·k / n_hit⌉ tokens, n_hit the distinct experts
@@ -122,12 +123,15 @@ def check_equal(mods, x, ids, w, grad):
 
 
 def time_all(mods, inputs, backward, repeats):
-    """{name: (median seconds, IQR / median)}; inputs {name: (x, ids, w, grad)}, run interleaved."""
-    times = {n: [] for n in mods}
+    """{name: (median seconds, IQR / median)}; inputs {name: (x, ids, w, grad)}, run interleaved, the order
+    rotated every repeat: in a fixed order, moekit and transformers' grouped_mm (the same CPU kernel at E=8
+    decode sizes) read 3-5 % apart in three runs but equal when timed by themselves."""
+    times, names = {n: [] for n in mods}, list(mods)
     for n, m in mods.items():  # warm-up
         step(m, *inputs[n], backward)
-    for _ in range(repeats):
-        for n, m in mods.items():
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            m = mods[n]
             m.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             step(m, *inputs[n], backward)

@@ -15,7 +15,7 @@ Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two path
   the backward writes each expert's gradient straight into its row of one buffer, reusing the memory of
   the weight's dropped last gradient (`_grad_buffer`). With many hit experts they run side by side on one
   thread per core (`_by_expert_threads`). Measured at E=64/top-8 and 4096 tokens (BENCHMARKS.md,
-  bench/moe_layer.py): fwd+bwd 1.12x the k x dense limit, grouped 2.05x; slower than grouped below ~2^24
+  bench/moe_layer.py): fwd+bwd 1.14x the k x dense limit, grouped 2.21x; slower than grouped below ~2^24
   multiply-adds per hit expert.
 """
 from __future__ import annotations
