@@ -1,9 +1,11 @@
 """The per-expert loop dispatch (ExpertLoop, Experts._loop) equals the grouped one: outputs and gradients."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
+import time
 import warnings
 
 import pytest
@@ -15,9 +17,9 @@ from moekit.moe import experts as experts_mod
 E = 5
 
 
-def _experts(H, I, gated=True, act="silu", bias=False, dtype=torch.float32, seed=0):
+def _experts(H, I, gated=True, act="silu", bias=False, dtype=torch.float32, seed=0, num_experts=E):
     g = torch.Generator().manual_seed(seed)
-    m = Experts(E, H, I, act, gated=gated, bias=bias)
+    m = Experts(num_experts, H, I, act, gated=gated, bias=bias)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
@@ -189,22 +191,27 @@ def test_loop_backward_through_a_parametrized_weight_warns_nothing():
 
 def _many_experts(E=40, T=64, H=32, I=64, seed=0):
     """E experts, every one hit (≥ PARALLEL_EXPERTS · 2), and inputs for _run."""
-    g = torch.Generator().manual_seed(seed)
-    m = Experts(E, H, I, "silu")
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    ids = torch.stack([torch.arange(T) % E, (torch.arange(T) * 7 + 3) % E], dim=1)  # (T, 2) distinct per row
+    m = _experts(H, I, seed=seed, num_experts=E)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.stack([torch.arange(T) % E, (torch.arange(T) * 7 + 3) % E], dim=1)  # (T, 2)
     x, w, proj = torch.randn(T, H, generator=g), torch.rand(T, 2, generator=g), torch.randn(T, H, generator=g)
     return m, (x, ids, w, proj)
 
 
+@contextlib.contextmanager
+def _num_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with _num_threads(2):
+        yield
 
 
 def test_expert_threads_equal_one_expert_after_another(two_threads, monkeypatch):
@@ -249,17 +256,29 @@ def test_expert_threads_give_the_thread_count_back_when_a_worker_raises(two_thre
     assert torch.get_num_threads() == 2
 
 
+def test_expert_threads_finish_every_part_before_an_error_comes_out(two_threads):
+    """No worker may still write into the gradient buffers once the call has raised."""
+    finished = []
+
+    def part(groups):
+        if 0 in groups:  # the first part fails at once
+            raise RuntimeError("boom")
+        time.sleep(0.2)
+        finished.append(groups)
+
+    groups = list(range(2 * experts_mod.PARALLEL_EXPERTS))
+    with pytest.raises(RuntimeError, match="boom"):
+        experts_mod._by_expert_threads(part, groups, torch.zeros(1))
+    assert finished == [groups[1::2]]
+
+
 @pytest.mark.parametrize("threads,E", [(1, 40), (2, 8)])
 def test_experts_stay_on_the_calling_thread_with_one_thread_or_few_experts(threads, E, monkeypatch):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        m, args = _many_experts(E=E)
-        seen = _record_silu(monkeypatch)
+    m, args = _many_experts(E=E)
+    seen = _record_silu(monkeypatch)
+    with _num_threads(threads):
         _run(m, "loop", *args)
-        assert {t for t, _, _ in seen} == {threading.get_ident()}
-    finally:
-        torch.set_num_threads(before)
+    assert {t for t, _, _ in seen} == {threading.get_ident()}
 
 
 @pytest.mark.parametrize("E", [5, 40])  # on the calling thread, and side by side on two

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Literal
 
 import torch
@@ -122,7 +122,9 @@ def _by_expert_threads(fn, groups: list, x: Tensor) -> list:
         _POOLS[key] = ThreadPoolExecutor(n, thread_name_prefix="moekit-experts")
     torch.set_num_threads(1)
     try:
-        return list(_POOLS[key].map(work, [groups[i::n] for i in range(n)]))
+        futures = [_POOLS[key].submit(work, groups[i::n]) for i in range(n)]
+        wait(futures)  # every part finished, also when one raised: no worker runs on after this returns
+        return [f.result() for f in futures]
     finally:
         torch.set_num_threads(n)
 
