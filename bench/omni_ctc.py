@@ -5,6 +5,12 @@ per-token routing entropy (Fig. 5) and the expert-permutation test (Fig. 6: rela
 with the overrides below; finished systems are cached (summary.json), so an interrupted run resumes.
 
     .venv/bin/python bench/omni_ctc.py --out runs/omni_ctc --write BENCHMARKS.md [--systems dense switch-4 omni-4]
+
+Seeds (`--seeds 0 1 2`): seed n sets `train.seed=n` (the CTC model's initialization and the Trainer's seed),
+`data.seed=n` (training order and SpecAugment draws) and, for MoE systems, `moe.seed=n` (expert and router
+initialization); seed 0 adds no override (today's configuration). The corpus and its test utterances are
+the same for every seed. Each (system, seed) is its own cached, resumable run (report.seed_folder); the
+report gives each claim of CLAIMS a paired bootstrap over seeds × test utterances and a verdict.
 """
 from __future__ import annotations
 
@@ -16,41 +22,50 @@ from pathlib import Path
 
 import numpy as np
 
-from report import cached, corpus, write_section  # bench/report.py
+from report import VERDICT_RULE, cached, claims_table, corpus, paired_bootstrap, seed_folder, write_section  # bench/report.py
 
 LANGS = ["en", "fr", "de", "sw"]
 CORPUS = dict(langs=LANGS, voices=4, test_voices=1, train_per_lang=500, test_per_lang=40, max_chars=120, seed=0)
 SYSTEMS = {"dense": ("dense_ctc", None), **{f"switch-{e}": ("switch_ctc", e) for e in (2, 4, 8)},
            **{f"omni-{e}": ("omni_ctc", e) for e in (2, 4, 8)}}
+# Omni-router's headline claims (Tables 1-2: lower WER than Switch and than dense), as paired comparisons of
+# CER (WER is near 100 % for every system at this scale) and WER: (A, B, claim); the paper reports A < B.
+CLAIMS = [("omni-{e}", "switch-{e}", "Omni-router beats Switch"), ("omni-{e}", "dense", "Omni-router beats dense")]
 MARK = ("<!-- omni_ctc -->", "<!-- /omni_ctc -->")
 
 
-def overrides(out: Path, corpus_dir: Path, experts: int | None, steps: int) -> list[str]:
+def overrides(out: Path, corpus_dir: Path, experts: int | None, steps: int, seed: int = 0) -> list[str]:
     keys = {"out": str(out), "data.corpus": str(corpus_dir), "data.langs": LANGS, "train.steps": steps,
             "train.eval_every": steps // 5, "train.logging_steps": max(1, min(10, steps // 10)), "train.save_every": steps // 2,
             "eval.routing_batches": 2}
     if experts is not None:
         keys["moe.num_experts"] = experts
+    if seed != 0:  # seed 0: the recipes as they are
+        keys.update({"train.seed": seed, "data.seed": seed, **({"moe.seed": seed} if experts is not None else {})})
     return [f"{k}={json.dumps(v)}" for k, v in keys.items()]
 
 
-def run_system(name: str, out: Path, corpus_dir: Path, steps: int) -> dict:
+def run_system(name: str, out: Path, corpus_dir: Path, steps: int, seed: int = 0) -> dict:
     from moekit.train.asr import train_asr
     from moekit.train.recipe import load_recipe
 
     recipe_name, experts = SYSTEMS[name]
-    folder = out / name
+    folder = seed_folder(out, name, seed)
 
     def go() -> dict:
-        recipe = load_recipe(Path("recipes/asr") / f"{recipe_name}.yaml", overrides(folder, corpus_dir, experts, steps))
+        recipe = load_recipe(Path("recipes/asr") / f"{recipe_name}.yaml", overrides(folder, corpus_dir, experts, steps, seed))
         trainer = train_asr(recipe, overwrite=True, resume=True)  # from the last checkpoint if any
         return {"loss": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]}
 
     return cached(folder, go)
 
 
-def row(name: str, out: Path, s: dict) -> str:
-    r = json.loads((out / name / "results.json").read_text())
+def label(name: str, seed: int) -> str:
+    return name if seed == 0 else f"{name} (seed {seed})"
+
+
+def row(name: str, seed: int, out: Path, s: dict) -> str:
+    r = json.loads((seed_folder(out, name, seed) / "results.json").read_text())
     langs = " / ".join(f"{lang} {100 * v['wer']:.1f}" for lang, v in r["languages"].items())
     cer = " / ".join(f"{lang} {100 * v['cer']:.1f}" for lang, v in r["languages"].items())
     last = np.mean([v for _, v in s["loss"][-3:]])
@@ -60,7 +75,7 @@ def row(name: str, out: Path, s: dict) -> str:
         f"{rt['wer_change']['0.1']:+.1f} | {rt['wer_change']['0.5']:+.1f} | "
         f"{rt['permutation']['deltas']['0.1']:+.3f} | {rt['permutation']['deltas']['0.5']:+.3f}")
     p = r["params"]
-    return (f"| {name} | {100 * r['avg']['wer']:.1f} | {langs} | {100 * r['avg']['cer']:.1f} | {cer} | {last:.3f} | "
+    return (f"| {label(name, seed)} | {100 * r['avg']['wer']:.1f} | {langs} | {100 * r['avg']['cer']:.1f} | {cer} | {last:.3f} | "
             f"{routing} | {p['total'] / 1e6:.2f}M | {p['active'] / 1e6:.2f}M | {s['seconds'] / 60:.1f} |")
 
 
@@ -70,11 +85,53 @@ def curves(out: Path, summaries: dict) -> list[str]:
     edges = np.linspace(0, steps, 6)
     head = " | ".join(f"≤{int(e)}" for e in edges[1:])
     lines = [f"| system | {head} |", "|---" * 6 + "|"]
-    for name, s in summaries.items():
+    for (name, seed), s in summaries.items():
         loss = np.array(s["loss"])
         means = [loss[(loss[:, 0] > a) & (loss[:, 0] <= b), 1].mean() for a, b in zip(edges[:-1], edges[1:])]
-        lines.append(f"| {name} | " + " | ".join(f"{m:.3f}" for m in means) + " |")
+        lines.append(f"| {label(name, seed)} | " + " | ".join(f"{m:.3f}" for m in means) + " |")
     return lines
+
+
+def utterance_errors(folder: Path) -> dict[str, np.ndarray]:
+    """Per test utterance (languages in order): 'wer', 'cer' and, as weights that make the weighted mean the
+    unweighted mean over languages of each language's corpus rate (the table's "avg"), 'w_words', 'w_chars'."""
+    from moekit.speech.text import error_rates
+
+    r = json.loads((folder / "results.json").read_text())
+    rows = {k: [] for k in ("wer", "cer", "w_words", "w_chars")}
+    for lang, items in r["transcripts"].items():
+        er = [error_rates([t["ref"]], [t["hyp"]], lang) for t in items]
+        words, chars = sum(max(e["words"], 1) for e in er), sum(max(e["chars"], 1) for e in er)
+        for e in er:
+            rows["wer"].append(e["wer"])
+            rows["cer"].append(e["cer"])
+            rows["w_words"].append(max(e["words"], 1) / words)
+            rows["w_chars"].append(max(e["chars"], 1) / chars)
+    return {k: np.array(v) for k, v in rows.items()}
+
+
+def claims(out: Path, done: set[tuple[str, int]], experts: int = 4, resamples: int = 2000) -> list[str]:
+    """CLAIMS at `experts` experts over the seeds where both systems finished: CER and WER, paired bootstrap
+    over seeds × test utterances (report.paired_bootstrap), verdict by VERDICT_RULE."""
+    rows = []
+    for a, b, claim in CLAIMS:
+        a, b = a.format(e=experts), b.format(e=experts)
+        seeds = sorted(s for n, s in done if n == a and (b, s) in done)
+        if not seeds:
+            continue
+        A = [utterance_errors(seed_folder(out, a, s)) for s in seeds]
+        B = [utterance_errors(seed_folder(out, b, s)) for s in seeds]
+        for metric, key, w in (("CER %", "cer", "w_chars"), ("WER %", "wer", "w_words")):
+            stat = paired_bootstrap(100 * np.stack([x[key] for x in A]), 100 * np.stack([x[key] for x in B]),
+                                    weights=np.stack([x[w] for x in A]), resamples=resamples)
+            rows.append({"claim": claim, "a": a, "b": b, "metric": metric, "direction": -1, "seeds": seeds, "stat": stat})
+    if not rows:
+        return []
+    return ["Headline claims over seeds (Omni-router Tables 1-2: the paper reports lower WER for A). Metrics: CER "
+            "(the usable one here: WER is near 100 % for every system) and WER, each the mean over languages of the "
+            "language's corpus rate; Δ = A − B in points, mean over seeds × test utterances, 95 % interval by a paired "
+            f"bootstrap resampling seeds and, within each, test utterances ({resamples} resamples; bench/report.py "
+            "paired_bootstrap). " + VERDICT_RULE, "", *claims_table(rows, nd=1)]
 
 
 def main() -> None:
@@ -83,11 +140,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--write", type=Path)
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
+    ap.add_argument("--claims-experts", type=int, default=4, choices=(2, 4, 8),
+                    help="expert count of the Switch/Omni-router pair the claims compare (default 4)")
+    ap.add_argument("--report-only", action="store_true", help="report the (system, seed) runs finished so far, run nothing")
     args = ap.parse_args()
     corpus_dir = corpus(args.out / "corpus", **CORPUS)
-    summaries = {name: run_system(name, args.out, corpus_dir, args.steps) for name in args.systems}
+    if args.report_only:
+        summaries = {(n, s): json.loads((seed_folder(args.out, n, s) / "summary.json").read_text())
+                     for s in args.seeds for n in args.systems if (seed_folder(args.out, n, s) / "summary.json").is_file()}
+    else:  # every system of one seed before the next seed
+        summaries = {(n, s): run_system(n, args.out, corpus_dir, args.steps, s) for s in args.seeds for n in args.systems}
+    missing = [label(n, s) for s in args.seeds for n in args.systems if (n, s) not in summaries]
+    status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
     info = json.loads((corpus_dir / "corpus.json").read_text())
     cmd = (f".venv/bin/python bench/omni_ctc.py --out {args.out} --steps {args.steps} --systems {' '.join(args.systems)}"
+           + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + (f" --write {args.write}" if args.write else ""))
     lines = [MARK[0], "## Omni-router in miniature: dense vs Switch vs Omni-router CTC (bench/omni_ctc.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Corpus: espeak-ng, {', '.join(LANGS)}; "
@@ -99,13 +168,14 @@ def main() -> None:
              f"eqs. 3.3-3.5 summed over layers (weight 0.09 for our per-character CTC mean). Fig. 5 entropy: mean over "
              f"layers of the per-token routing entropy of the 100 most frequent tokens (frames labelled by the best "
              f"path, blanks out); Fig. 6: relative WER change (%) with each frame's expert replaced at random with "
-             f"probability p, on the first 2 eval batches (32 utterances) per language.", "",
+             f"probability p, on the first 2 eval batches (32 utterances) per language. Seed n > 0 adds "
+             f"`train.seed=n data.seed=n moe.seed=n` (same corpus and test utterances).{status}", "",
              "| system | WER avg | WER per language | CER avg | CER per language | final train loss | Cramér's V "
              "(adjacent, mean) | usage entropy (mean) | token entropy (Fig. 5) | ΔWER % p=0.1 (Fig. 6) | ΔWER % p=0.5 | "
              "Δloss perm p=0.1 | Δloss perm p=0.5 | params | active | wall (min) |",
-             "|---" * 16 + "|", *[row(n, args.out, s) for n, s in summaries.items()], "",
+             "|---" * 16 + "|", *[row(n, seed, args.out, s) for (n, seed), s in summaries.items()], "",
              "Training loss (CTC per target character, mean of the logged values) by fifth of training:", "",
-             *curves(args.out, summaries), "", MARK[1]]
+             *curves(args.out, summaries), "", *claims(args.out, set(summaries), args.claims_experts), "", MARK[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:

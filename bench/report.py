@@ -48,3 +48,75 @@ def corpus(out: Path, **cfg) -> Path:
     if not (out / "manifest.jsonl").is_file():
         build_corpus(CorpusConfig(**cfg), out)
     return out
+
+
+# --- seeds: paired bootstrap over seeds × test items, and the verdict rule shared by the benchmarks ---
+
+VERDICT_RULE = ("Verdict rule (the same for every claim): **reproduced** if the 95 % interval of the difference "
+                "lies entirely on the side of 0 the paper reports, **contradicted** if it lies entirely on the other "
+                "side, **not reproduced at this scale** otherwise (the interval contains 0).")
+VERDICTS = ("reproduced", "not reproduced at this scale", "contradicted")
+
+
+def seed_folder(out: Path, name: str, seed: int) -> Path:
+    """Where one (system, seed) run lives: seed 0 where the single-seed benchmarks always kept it (so their
+    cached runs stay valid), other seeds under out/seed{n}/."""
+    return out / name if seed == 0 else out / f"seed{seed}" / name
+
+
+def paired_bootstrap(a, b, weights=None, resamples: int = 2000, seed: int = 0) -> dict:
+    """The mean difference a − b over seeds × test items and its 95 % interval, by a two-level paired
+    bootstrap: each resample draws the seeds with replacement and, within each drawn seed, its test items
+    with replacement; both systems take the same draw (paired: same seeds, same items).
+
+    a, b: (seeds, items) per-item scores of two systems, row s from the runs with seed s, column i the same
+    test item in every row. weights: (seeds, items) or (items,), default equal; the statistic is the
+    weighted mean Σ w·(a − b) / Σ w over the drawn (seed, item) cells (weights = reference lengths make it
+    the difference of corpus-level error rates). Returns {"mean", "lo", "hi", "per_seed" (the statistic
+    of each seed alone), "a", "b" (each system's weighted mean per seed), "seeds", "items", "resamples"}."""
+    import numpy as np
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if a.ndim != 2 or a.shape != b.shape or a.size == 0:
+        raise ValueError(f"a and b must be (seeds, items) arrays of one shape, got {a.shape} and {b.shape}")
+    S, N = a.shape
+    w = np.ones_like(a) if weights is None else np.broadcast_to(np.asarray(weights, float), a.shape)
+    if (w < 0).any() or (w.sum(1) <= 0).any():
+        raise ValueError("weights must be non-negative with a positive sum in every seed")
+    d = a - b
+    rng = np.random.default_rng(seed)
+    seeds = rng.integers(0, S, (resamples, S))  # (R, S) drawn seeds
+    items = rng.integers(0, N, (resamples, S, N))  # (R, S, N) items drawn within each drawn seed
+    dw, ww = (d * w)[seeds[..., None], items], w[seeds[..., None], items]  # (R, S, N)
+    boot = dw.sum((1, 2)) / ww.sum((1, 2))  # (R,)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    wsum = w.sum(1)
+    return {"mean": float((d * w).sum() / w.sum()), "lo": float(lo), "hi": float(hi),
+            "per_seed": ((d * w).sum(1) / wsum).tolist(), "a": ((a * w).sum(1) / wsum).tolist(),
+            "b": ((b * w).sum(1) / wsum).tolist(), "seeds": S, "items": N, "resamples": resamples}
+
+
+def verdict(lo: float, hi: float, direction: int) -> str:
+    """VERDICT_RULE for an interval [lo, hi] of a difference the paper reports as > 0 (direction +1) or < 0 (−1)."""
+    if direction not in (1, -1):
+        raise ValueError("direction must be +1 or -1")
+    lo, hi = sorted((direction * lo, direction * hi))
+    return VERDICTS[0] if lo > 0 else VERDICTS[2] if hi < 0 else VERDICTS[1]
+
+
+def claims_table(rows: list[dict], nd: int = 2) -> list[str]:
+    """Markdown table of claims: each row {"claim", "a", "b", "metric", "direction", "stat" (a
+    paired_bootstrap result), "seeds" (the seed numbers)}; with the verdict of VERDICT_RULE."""
+    head = ["| claim (paper's direction) | A − B | metric | seeds | A mean (per seed) | B mean (per seed) "
+            "| Δ mean [95 % CI] | Δ per seed | verdict |", "|---" * 9 + "|"]
+    out = []
+    for r in rows:
+        s = r["stat"]
+        per = lambda xs: " / ".join(f"{x:.{nd}f}" for x in xs)  # noqa: E731
+        sign = "A > B" if r["direction"] > 0 else "A < B"
+        out.append(f"| {r['claim']} ({sign}) | {r['a']} − {r['b']} | {r['metric']} | {', '.join(map(str, r['seeds']))} "
+                   f"| {sum(s['a']) / len(s['a']):.{nd}f} ({per(s['a'])}) | {sum(s['b']) / len(s['b']):.{nd}f} "
+                   f"({per(s['b'])}) | {s['mean']:+.{nd}f} [{s['lo']:+.{nd}f}, {s['hi']:+.{nd}f}] | "
+                   f"{' / '.join(f'{x:+.{nd}f}' for x in s['per_seed'])} | "
+                   f"{verdict(s['lo'], s['hi'], r['direction'])} |")
+    return [*head, *out]

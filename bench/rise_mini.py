@@ -6,9 +6,18 @@ How the MoE model is made (stage 1, cached in OUT/base): SmolLM2-135M (moekit.as
 Drop-Upcycling, re-initialization ratio 0.2 (E=8, top-2, every 3rd block: 10 MoE layers, 80 experts), then only the MoE layers
 (experts + routers, UME-style) trained as a causal LM for STAGE1_STEPS steps on 4 high-resource
 languages (HIGH_N verses each) and 4 low-resource ones (LOW_N verses each), λ_lb = 1e-2, λ_z = 1e-3.
-Stages 2-5 are cheap and re-run each time from the cached model.
+Stages 2-5 start from the cached model; the trace, the losses before fine-tuning and each selection's
+fine-tuning and pruning are cached too (OUT/trace.npz, OUT/before.json, OUT/method_<name>/summary.json), so
+an interrupted run resumes with what it has not finished.
 
     .venv/bin/python bench/rise_mini.py --out runs/rise_mini --write BENCHMARKS.md
+
+Seeds (`--seeds 0 1 2`): seed n repeats the whole pipeline in OUT/seed{n} (seed 0 in OUT itself): the
+upcycling seed (Drop-Upcycling's re-initialized neurons, routers), stage 1's Trainer seed and data order,
+the random selection's draw and each selection's fine-tuning seed (data order); seed 0 is today's
+configuration. The corpus split is the same for every seed, so every seed is scored on the same held-out
+verses, and the report gives each claim of CLAIMS a paired bootstrap over seeds × held-out verses and a
+verdict (report.VERDICT_RULE).
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ from moekit.train.recipe import AuxConfig, FreezeConfig
 from moekit.train.run import load_tokenizer
 from moekit.train.trainer import MoETrainer
 from moekit.upcycling import upcycle
-from report import write_section  # bench/report.py
+from report import VERDICT_RULE, cached, claims_table, paired_bootstrap, write_section  # bench/report.py
 
 LANGS = {"en": "k", "fr": "l", "de": "e", "es": "v", "sw": "h", "tl": "f", "id": "6", "vi": "7"}
 HIGH, LOW, TARGET = ["en", "fr", "de", "es"], ["sw", "tl", "id", "vi"], "sw"
@@ -46,8 +55,22 @@ HIGH_N, LOW_N = 400, 40  # 10:1 imbalance in the stage-1 mix
 TRACE_N, EVAL_N, TARGET_N = 48, 32, 160  # held-out verses: traces, loss evaluation; target fine-tuning set
 STAGE1_STEPS, FT_STEPS, BATCH, MAX_LEN = 120, 30, 8, 64
 BUDGET, METHODS = 16, ["rise", "esft", "topk", "random"]
-SPEC = MoESpec(num_experts=8, top_k=2, every=3, init={"method": "drop", "ratio": 0.2}, seed=0)
 MARK = ("<!-- rise_mini -->", "<!-- /rise_mini -->")
+# RISE's headline claims (abstract, Table 3, Obs. 1-2), as paired comparisons of held-out mean token NLL
+# after fine-tuning (lower is better): (A, B, languages, claim), "base" = the stage-1 model before any
+# fine-tuning; the paper reports A < B (for the last: no increase over the base model).
+CLAIMS = [("rise", "random", "target", "RISE adapts the target more than random experts"),
+          ("rise", "esft", "target", "RISE adapts the target more than ESFT"),
+          ("rise", "base", "others", "RISE leaves the other languages' loss unchanged or lower (minimal cross-lingual degradation)")]
+
+
+def spec(seed: int = 0) -> MoESpec:
+    return MoESpec(num_experts=8, top_k=2, every=3, init={"method": "drop", "ratio": 0.2}, seed=seed)
+
+
+def seed_dir(out: Path, seed: int) -> Path:
+    """Seed 0's pipeline in OUT itself (where the single-seed benchmark kept it), seed n's in OUT/seed{n}."""
+    return out if seed == 0 else out / f"seed{seed}"
 
 
 def corpus() -> dict[str, dict[str, list[str]]]:
@@ -66,19 +89,20 @@ def corpus() -> dict[str, dict[str, list[str]]]:
     return out
 
 
-def stage1(out: Path, data, tok) -> float:
+def stage1(out: Path, data, tok, seed: int = 0) -> float:
     """Upcycle and train the MoE layers on the imbalanced mix; cached as a moekit checkpoint."""
-    if (out / "base" / "moekit.json").is_file():
+    if (out / "base" / "moekit.json").is_file() and (out / "stage1.json").is_file():
         return json.loads((out / "stage1.json").read_text())["seconds"]
     from transformers import TrainingArguments
 
     t0 = time.perf_counter()
-    model = upcycle(load_dense(resolve_model("smollm2-135m")), SPEC)
+    torch.manual_seed(seed)
+    model = upcycle(load_dense(resolve_model("smollm2-135m")), spec(seed))
     lines = [line for lang in LANGS for line in data[lang]["train"]]
-    random.Random(0).shuffle(lines)
+    random.Random(seed).shuffle(lines)
     args = TrainingArguments(output_dir=str(out / "stage1_tmp"), max_steps=STAGE1_STEPS, per_device_train_batch_size=BATCH,
                              learning_rate=2e-4, warmup_steps=0.1, lr_scheduler_type="linear", weight_decay=0.01,
-                             logging_steps=10, save_strategy="no", report_to=[], seed=0, data_seed=0,
+                             logging_steps=10, save_strategy="no", report_to=[], seed=seed, data_seed=seed,
                              remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True)
     trainer = MoETrainer(model=model, args=args, train_dataset=encode_lines(lines, tok, MAX_LEN),
                          data_collator=TranslationCollator(tok.pad_token_id), aux=AuxConfig(),
@@ -97,18 +121,24 @@ def batches(tok, lines: list[str], batch: int = 16) -> list[dict]:
 
 
 @torch.no_grad()
-def losses(model, tok, data) -> dict[str, float]:
-    """Mean token NLL per language on the held-out eval verses."""
+def item_losses(model, tok, data) -> dict[str, dict[str, list[float]]]:
+    """Per language, per held-out eval verse: summed token NLL ('nll') and its token count ('tokens')."""
     out = {}
     for lang in LANGS:
-        tot = n = 0.0
+        nlls, counts = [], []
         for b in batches(tok, data[lang]["eval"]):
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
             labels = b["labels"][:, 1:]
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum")
-            tot, n = tot + float(nll), n + int((labels != -100).sum())
-        out[lang] = tot / n
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+            nlls += nll.sum(1).tolist()  # ignored positions give 0
+            counts += (labels != -100).sum(1).tolist()
+        out[lang] = {"nll": nlls, "tokens": counts}
     return out
+
+
+def mean_losses(items: dict) -> dict[str, float]:
+    """Mean token NLL per language on the held-out eval verses (from item_losses)."""
+    return {lang: sum(v["nll"]) / sum(v["tokens"]) for lang, v in items.items()}
 
 
 def collect(model, tok, data):
@@ -126,41 +156,89 @@ def delta(after: dict, before: dict) -> tuple[float, float]:
     return after[TARGET] - before[TARGET], float(np.mean(others))
 
 
-def run(out: Path) -> dict:
+def run(out: Path, seed: int = 0, methods: list[str] = METHODS) -> dict:
+    """The whole pipeline of one seed in `out` (seed_dir), every stage cached."""
+    from moekit.routing.trace import RoutingTrace
+
     out.mkdir(parents=True, exist_ok=True)
     data = corpus()
     tok = load_tokenizer(resolve_model("smollm2-135m"))
-    s1 = stage1(out, data, tok)
+    s1 = stage1(out, data, tok, seed)
     base = load(out / "base")
-    trace = collect(base, tok, data)
-    trace.save(out / "trace.npz")
-    write_report(trace, out / "report", reference="en", overwrite=True)
+    if (out / "trace.npz").is_file():
+        trace = RoutingTrace.load(out / "trace.npz")
+    else:
+        trace = collect(base, tok, data)
+        trace.save(out / "trace.npz")
+    if not (out / "report" / "metrics.json").is_file():
+        write_report(trace, out / "report", reference="en", overwrite=True)
     metrics = json.loads((out / "report" / "metrics.json").read_text())
-    before = losses(base, tok, data)
+    before_items = cached(out / "before", lambda: {"items": item_losses(base, tok, data)})["items"]
+    before = mean_losses(before_items)
+    del base
     a = activation_frequency(trace)  # (Λ, L, E)
     rows = {}
-    for method in METHODS:
-        sel = select(trace, method, TARGET, BUDGET)
-        sel.save(out / f"selection_{method}.json")
-        omega = overlap_share(a, trace.layers, sel.experts)  # (Λ,) share of assignments (normalized eq. 12)
-        t0 = time.perf_counter()
-        model = load(out / "base")
-        train_selected(model, sel, tok, data[TARGET]["target"], steps=FT_STEPS, lr=5e-4, batch_size=BATCH,
-                       max_length=MAX_LEN)
-        ft = losses(model, tok, data)
-        ft_s = time.perf_counter() - t0
-        pruned = load(out / "base")
-        prune(pruned, sel)
-        pr = losses(pruned, tok, data)
-        rows[method] = {"count": sel.count, "omega": dict(zip(trace.languages, map(float, omega))),
-                        "ft": delta(ft, before), "prune": delta(pr, before), "ft_seconds": ft_s,
-                        "per_layer": {k: len(v) for k, v in sel.experts.items()}}
-    result = {"stage1_seconds": s1, "before": before, "methods": rows, "metrics": metrics}
+    for method in methods:
+        def go(method=method) -> dict:
+            torch.manual_seed(seed)
+            sel = select(trace, method, TARGET, BUDGET, **({"seed": seed} if method == "random" else {}))
+            sel.save(out / f"selection_{method}.json", overwrite=True)
+            omega = overlap_share(a, trace.layers, sel.experts)  # (Λ,) share of assignments (normalized eq. 12)
+            t0 = time.perf_counter()
+            model = load(out / "base")
+            train_selected(model, sel, tok, data[TARGET]["target"], steps=FT_STEPS, lr=5e-4, batch_size=BATCH,
+                           max_length=MAX_LEN, seed=seed)
+            ft = item_losses(model, tok, data)
+            ft_s = time.perf_counter() - t0
+            pruned = load(out / "base")
+            prune(pruned, sel)
+            pr = item_losses(pruned, tok, data)
+            return {"count": sel.count, "omega": dict(zip(trace.languages, map(float, omega))),
+                    "ft": delta(mean_losses(ft), before), "prune": delta(mean_losses(pr), before), "ft_seconds": ft_s,
+                    "per_layer": {k: len(v) for k, v in sel.experts.items()}, "ft_items": ft, "prune_items": pr}
+        rows[method] = cached(out / f"method_{method}", go)
+    result = {"seed": seed, "stage1_seconds": s1, "before": before, "before_items": before_items, "methods": rows,
+              "metrics": metrics}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def render(r: dict, cmd: str) -> str:
+def verse_losses(items: dict, langs: list[str]):
+    """(mean token NLL per held-out verse pooled over `langs`, its token count): the token-weighted mean is
+    the corpus loss over those languages."""
+    nll = np.sum([items[lang]["nll"] for lang in langs], 0)
+    tokens = np.sum([items[lang]["tokens"] for lang in langs], 0).astype(float)
+    return nll / np.maximum(tokens, 1), tokens
+
+
+def claims(results: dict[int, dict], resamples: int = 2000) -> list[str]:
+    """CLAIMS over the seeds whose runs have both systems: held-out loss after fine-tuning, paired bootstrap
+    over seeds × verses (report.paired_bootstrap), verdict by VERDICT_RULE."""
+    groups = {"target": [TARGET], "others": [lang for lang in LANGS if lang != TARGET]}
+    items = lambda r, name: r["before_items"] if name == "base" else r["methods"][name]["ft_items"]  # noqa: E731
+    rows = []
+    for a, b, group, claim in CLAIMS:
+        seeds = [s for s, r in sorted(results.items()) if all(n == "base" or n in r["methods"] for n in (a, b))]
+        if not seeds:
+            continue
+        A = [verse_losses(items(results[s], a), groups[group]) for s in seeds]
+        B = [verse_losses(items(results[s], b), groups[group]) for s in seeds]
+        stat = paired_bootstrap(np.stack([x[0] for x in A]), np.stack([x[0] for x in B]),
+                                weights=np.stack([x[1] for x in A]), resamples=resamples)
+        metric = f"loss {TARGET}" if group == "target" else "loss, other 7 languages"
+        rows.append({"claim": claim, "a": a, "b": b, "metric": metric, "direction": -1, "seeds": seeds, "stat": stat})
+    if not rows:
+        return []
+    return [f"Headline claims over seeds (RISE abstract, Table 3, Obs. 1-2: the paper reports A < B). Metric: held-out "
+            f"mean token NLL after fine-tuning (base: the stage-1 model before it), pooled over the tokens of {TARGET} "
+            "or of the 7 other languages; Δ = A − B in nats, mean over seeds × held-out verses, 95 % interval by a paired "
+            f"bootstrap resampling seeds and, within each, verses ({resamples} resamples; bench/report.py "
+            "paired_bootstrap). " + VERDICT_RULE, "", *claims_table(rows, nd=3)]
+
+
+def render(results: dict[int, dict], cmd: str) -> str:
+    """Seed 0's (else the first seed's) routing analysis, every seed's method rows, and the claims."""
+    r = results[min(results)]
     m = r["metrics"]
     langs = list(LANGS)
     jac = m["jaccard"]
@@ -171,7 +249,10 @@ def render(r: dict, cmd: str) -> str:
              f"({r['stage1_seconds'] / 60:.1f} min). Traces: {TRACE_N} held-out verses per language, identical content. "
              f"Target {TARGET}, budget K={BUDGET} experts; each selection fine-tuned alone for {FT_STEPS} steps of "
              f"{BATCH} on {TARGET_N} other {TARGET} verses (AdamW, lr 5e-4); loss = mean token NLL on {EVAL_N} "
-             "further held-out verses per language.", "",
+             "further held-out verses per language." + (
+                 f" Seeds {', '.join(map(str, sorted(results)))}: seed n > 0 repeats the whole pipeline (upcycling seed, "
+                 "stage-1 Trainer seed and data order, random selection, fine-tuning seed); the routing tables below "
+                 f"are seed {min(results)}'s." if len(results) > 1 else ""), "",
              "Global top-K Jaccard between languages (RISE eqs. 1–2):", "",
              "| | " + " | ".join(langs) + " |", "|---" * (len(langs) + 1) + "|"]
     order = list(m["tokens_per_language"])
@@ -188,17 +269,21 @@ def render(r: dict, cmd: str) -> str:
             continue
         reg = m["region_jaccard"][la]
         lines.append(f"| {la} | " + " | ".join(f"{reg[region]:.2f}" for region in ("shallow", "middle", "deep")) + " |")
-    b = r["before"]
-    lines += ["", f"Loss before fine-tuning: {TARGET} {b[TARGET]:.3f}, others mean "
-              f"{np.mean([v for k, v in b.items() if k != TARGET]):.3f}.", "",
-              f"| method | experts | Ω_{TARGET} | Ω others (mean) | FT Δloss {TARGET} | FT Δloss others | "
+    lines.append("")
+    for seed, res in sorted(results.items()):
+        b = res["before"]
+        lines.append(f"Loss before fine-tuning{'' if len(results) == 1 else f' (seed {seed})'}: {TARGET} "
+                     f"{b[TARGET]:.3f}, others mean {np.mean([v for k, v in b.items() if k != TARGET]):.3f}.")
+    lines += ["", f"| method | experts | Ω_{TARGET} | Ω others (mean) | FT Δloss {TARGET} | FT Δloss others | "
               f"prune Δloss {TARGET} | prune Δloss others |", "|---|---|---|---|---|---|---|---|"]
-    for name, row in r["methods"].items():
-        om = row["omega"]
-        others = np.mean([v for k, v in om.items() if k != TARGET])
-        lines.append(f"| {name} | {row['count']} | {om[TARGET]:.3f} | {others:.3f} | {row['ft'][0]:+.4f} | "
-                     f"{row['ft'][1]:+.4f} | {row['prune'][0]:+.4f} | {row['prune'][1]:+.4f} |")
-    lines += ["", MARK[1]]
+    for seed, res in sorted(results.items()):
+        for name, row in res["methods"].items():
+            om = row["omega"]
+            others = np.mean([v for k, v in om.items() if k != TARGET])
+            lines.append(f"| {name if seed == 0 else f'{name} (seed {seed})'} | {row['count']} | {om[TARGET]:.3f} | "
+                         f"{others:.3f} | {row['ft'][0]:+.4f} | {row['ft'][1]:+.4f} | {row['prune'][0]:+.4f} | "
+                         f"{row['prune'][1]:+.4f} |")
+    lines += ["", *claims(results), "", MARK[1]]
     return "\n".join(lines)
 
 
@@ -206,11 +291,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/rise_mini"))
     ap.add_argument("--write", type=Path)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="seeds to run, each the whole pipeline (0: today's configuration, in OUT itself); default 0")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="selections to fine-tune and prune")
+    ap.add_argument("--report-only", action="store_true", help="report the seeds finished so far, run nothing")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    r = run(args.out)
-    cmd = f".venv/bin/python bench/rise_mini.py --out {args.out}" + (f" --write {args.write}" if args.write else "")
-    section = render(r, cmd)
+    if args.report_only:
+        results = {s: json.loads((seed_dir(args.out, s) / "results.json").read_text()) for s in args.seeds
+                   if (seed_dir(args.out, s) / "results.json").is_file()}
+    else:
+        results = {s: run(seed_dir(args.out, s), s, args.methods) for s in args.seeds}
+    if not results:
+        ap.exit(1, f"no seed of {args.seeds} has finished in {args.out}\n")
+    cmd = (f".venv/bin/python bench/rise_mini.py --out {args.out}"
+           + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
+           + ("" if args.methods == METHODS else f" --methods {' '.join(args.methods)}")
+           + (f" --write {args.write}" if args.write else ""))
+    section = render(results, cmd)
     if args.write:
         write_section(args.write, section, MARK)
     print(section)

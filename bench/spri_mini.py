@@ -4,6 +4,14 @@ parameters, wall time). Each system is one recipe from recipes/ with the shared 
 finished systems are cached (their summary.json), so an interrupted run resumes where it stopped.
 
     .venv/bin/python bench/spri_mini.py --out runs/spri_mini --write BENCHMARKS.md
+
+Seeds (`--seeds 0 1 2`): seed n sets `train.seed=n` (the Trainer's seed and data order) and, for MoE recipes,
+`moe.seed=n` (expert noise and router initialization); seed 0 adds no override (today's configuration).
+The data split (`data.seed`) stays fixed, so every seed is scored on the same test verses. Each (system,
+seed) is its own cached, resumable run (report.seed_folder), and the report gives each headline claim of
+CLAIMS a paired bootstrap over seeds × test verses and a verdict (report.VERDICT_RULE):
+
+    .venv/bin/python bench/spri_mini.py --out runs/spri_mini --seeds 0 1 2 --only dense_ft naive spri spri_two_stage
 """
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ import statistics
 import time
 from datetime import date
 from pathlib import Path
-from report import write_section  # bench/report.py
+from report import VERDICT_RULE, claims_table, paired_bootstrap, seed_folder, write_section  # bench/report.py
 
 SYSTEMS = {name: (name, []) for name in
            ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]}  # name: (recipe, overrides)
@@ -35,19 +43,38 @@ OVERRIDES = [
     "train.logging_steps=5", "train.eval_every=40", "train.save_every=40", "eval.kl_examples=32",
     "eval.max_new_tokens=48", "eval.batch_size=8",
 ]
+# SPRI's headline claims (§4, Table 2), each a paired comparison of sentence chrF (higher is better):
+# (A, B, claim); the paper reports A > B for each
+CLAIMS = [("spri_two_stage", "dense_ft", "SPRI (two-stage) beats dense fine-tuning"),
+          ("spri", "dense_ft", "SPRI one-stage beats dense fine-tuning"),
+          ("spri_two_stage", "naive", "SPRI (two-stage) beats naive upcycling"),
+          ("spri", "naive", "SPRI one-stage beats naive upcycling"),
+          ("spri_two_stage", "spri", "two-stage training beats one-stage")]
 MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
 ABLATION_MARK = ("<!-- spri_mini_ablations -->", "<!-- /spri_mini_ablations -->")
 
 
-def run_system(name: str, recipe_name: str, extra: list[str], out: Path) -> dict:
+def seed_overrides(recipe_name: str, seed: int) -> list[str]:
+    """Seed n: the Trainer's seed (initialization of anything drawn in training, data order) and, where the
+    recipe has an MoE section, the upcycling seed; seed 0 leaves the recipe as it is."""
+    if seed == 0:
+        return []
+    import yaml
+
+    has_moe = "moe" in yaml.safe_load((Path("recipes") / f"{recipe_name}.yaml").read_text())
+    return [f"train.seed={seed}", *([f"moe.seed={seed}"] if has_moe else [])]
+
+
+def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: int = 0) -> dict:
     from moekit.config import load_yaml
     from moekit.train.recipe import TranslationRecipe
     from moekit.train.run import train
 
-    folder = out / name
+    folder = seed_folder(out, name, seed)
     if (folder / "summary.json").is_file():  # cached (written after results.json)
         return json.loads((folder / "summary.json").read_text())
-    recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe, [*OVERRIDES, *extra, f"out={folder}"])
+    recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe,
+                       [*OVERRIDES, *extra, *seed_overrides(recipe_name, seed), f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
@@ -60,28 +87,67 @@ def fmt(x, nd=2) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
 
+def label(name: str, seed: int) -> str:
+    return name if seed == 0 else f"{name} (seed {seed})"
+
+
 def table(out: Path, summaries: dict) -> list[str]:
+    """One row per finished (system, seed); `summaries` maps (name, seed) to its summary."""
     rows = []
-    for name in summaries:
-        r = json.loads((out / name / "results.json").read_text())
+    for (name, seed), summary in summaries.items():
+        r = json.loads((seed_folder(out, name, seed) / "results.json").read_text())
         per_dir = {key: " / ".join(f"{lang} {fmt(v[key], 1)}" for lang, v in r["directions"].items())
                    for key in ("bleu", "chrf")}
         p = r["params"]
-        rows.append(f"| {name} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {per_dir['bleu']} | "
+        rows.append(f"| {label(name, seed)} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {per_dir['bleu']} | "
                     f"{per_dir['chrf']} | {fmt(r['avg']['loss'], 3)} | {fmt(r['kl'], 4)} | "
-                    f"{fmt(summaries[name]['mean_kl'], 4)} | {fmt(r.get('diversity_init'), 3)} → {fmt(r['diversity'], 3)} | {p['total']:,} | "
-                    f"{p['active']:,} | {summaries[name]['seconds'] / 60:.1f} |")
+                    f"{fmt(summary['mean_kl'], 4)} | {fmt(r.get('diversity_init'), 3)} → {fmt(r['diversity'], 3)} | {p['total']:,} | "
+                    f"{p['active']:,} | {summary['seconds'] / 60:.1f} |")
     return ["| system | BLEU avg | chrF avg | BLEU per direction | chrF per direction | target loss avg | final KL "
             "| mean KL | diversity init → trained | total params | active params | wall (min) |", "|---" * 12 + "|", *rows]
 
 
-def references(name: str, out: Path) -> dict[str, list[str]]:
-    """The test references of a system's run (same verses for every system)."""
+def references(name: str, out: Path, seed: int = 0) -> dict[str, list[str]]:
+    """The test references of a system's run (same verses for every system and seed)."""
     from moekit.data.parallel import load_pairs
     from moekit.train.recipe import load_recipe
 
-    recipe = load_recipe(out / name / "recipe.yaml")
+    recipe = load_recipe(seed_folder(out, name, seed) / "recipe.yaml")
     return {lang: [p.tgt for p in pairs] for lang, pairs in load_pairs(recipe.data)[1].items()}
+
+
+def sentence_chrf(out: Path, name: str, seed: int, refs: dict[str, list[str]]):
+    """(verses, directions) sentence chrF of one run's test translations."""
+    import numpy as np
+    from sacrebleu.metrics import CHRF
+
+    chrf = CHRF()
+    hyps = json.loads((seed_folder(out, name, seed) / "results.json").read_text())["translations"]
+    return np.array([[chrf.sentence_score(h, [r]).score for h, r in zip(hyps[lang], refs[lang])]
+                     for lang in refs]).T
+
+
+def claims(out: Path, done: set[tuple[str, int]], resamples: int = 2000) -> list[str]:
+    """CLAIMS over the seeds where both systems finished: sentence chrF per test verse (mean over the
+    directions), paired bootstrap over seeds × verses (report.paired_bootstrap), verdict by VERDICT_RULE."""
+    import numpy as np
+
+    rows = []
+    for a, b, claim in CLAIMS:
+        seeds = sorted(s for n, s in done if n == a and (b, s) in done)
+        if not seeds:
+            continue
+        refs = references(b, out, seeds[0])
+        A = np.stack([sentence_chrf(out, a, s, refs).mean(1) for s in seeds])  # (seeds, verses)
+        B = np.stack([sentence_chrf(out, b, s, refs).mean(1) for s in seeds])
+        rows.append({"claim": claim, "a": a, "b": b, "metric": "sentence chrF", "direction": 1, "seeds": seeds,
+                     "stat": paired_bootstrap(A, B, resamples=resamples)})
+    if not rows:
+        return []
+    return ["Headline claims over seeds (SPRI §4 / Table 2: the paper reports A > B in each). Metric: sentence "
+            "chrF per test verse, averaged over the directions; Δ = A − B, mean over seeds × verses, 95 % interval "
+            f"by a paired bootstrap resampling seeds and, within each, test verses ({resamples} resamples; "
+            "bench/report.py paired_bootstrap). " + VERDICT_RULE, "", *claims_table(rows)]
 
 
 def paired(out: Path, names: list[str], base: str = "dense_ft", resamples: int = 2000) -> list[str]:
@@ -120,6 +186,8 @@ def main() -> None:
                          "(paired against spri_two_stage)")
     ap.add_argument("--only", nargs="+", metavar="SYSTEM",
                     help="train only these systems (e.g. in a second process beside a running one); report all")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
     args = ap.parse_args()
     systems, mark, base = ((ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations
                            else (SYSTEMS, MARK, "dense_ft"))
@@ -127,24 +195,30 @@ def main() -> None:
         unknown = set(args.only) - set(systems)
         if unknown:
             ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(systems)}")
-        for name in args.only:
-            run_system(name, *systems[name], args.out)
+        for seed in args.seeds:  # every system of one seed before the next seed
+            for name in args.only:
+                run_system(name, *systems[name], args.out, seed)
         args.report_only = True
     if args.report_only:
-        done = [n for n in systems if (args.out / n / "summary.json").is_file()]
-        summaries = {n: json.loads((args.out / n / "summary.json").read_text()) for n in done}
+        summaries = {(n, s): json.loads((seed_folder(args.out, n, s) / "summary.json").read_text())
+                     for s in args.seeds for n in systems if (seed_folder(args.out, n, s) / "summary.json").is_file()}
     else:
-        summaries = {name: run_system(name, *systems[name], args.out) for name in systems}
-    missing = [n for n in systems if n not in summaries]
+        summaries = {(name, s): run_system(name, *systems[name], args.out, s) for s in args.seeds for name in systems}
+    wanted = [(n, s) for s in args.seeds for n in (args.only or systems)]
+    missing = [label(n, s) for n, s in wanted if (n, s) not in summaries]
+    seeds = "" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}"
+    only = f" --only {' '.join(args.only)}" if args.only else ""
     cmd = (f".venv/bin/python bench/spri_mini.py --out {args.out}" + (" --ablations" if args.ablations else "")
-           + (f" --write {args.write}" if args.write else ""))
+           + seeds + only + (f" --write {args.write}" if args.write else ""))
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
     title = "SPRI Tables 1 and 3 rows in miniature" if args.ablations else "SPRI Table 2 in miniature"
     lines = [mark[0], f"## {title} (bench/spri_mini.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Overrides on every recipe: "
              f"`{' '.join(OVERRIDES)}`" + (" and `aux.layer_reduction=mean`" if args.ablations else "")
-             + f"; per-row overrides in the script.{status}", "", *table(args.out, summaries), "",
-             *(paired(args.out, list(summaries), base) if base in summaries else []), "", mark[1]]
+             + f"; per-row overrides in the script; seed n > 0 adds `train.seed=n` and `moe.seed=n` (test "
+             f"verses fixed).{status}", "", *table(args.out, summaries), "",
+             *(paired(args.out, [n for n, s in summaries if s == 0], base) if (base, 0) in summaries else []), "",
+             *([] if args.ablations else claims(args.out, set(summaries))), "", mark[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:

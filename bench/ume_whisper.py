@@ -6,6 +6,15 @@ voices, a family never used in training (forgetting check); parameters and real-
 a recipe of recipes/asr/ with the overrides below; finished systems are cached (summary.json).
 
     .venv/bin/python bench/ume_whisper.py --out runs/ume_whisper --write BENCHMARKS.md
+
+Seeds (`--seeds 0 1 2`): seed n sets `train.seed=n` (the Trainer's seed), `data.seed=n` (training order and
+SpecAugment draws) and, for UME, `moe.seed=n` (router initialization); seed 0 adds no override (today's
+configuration); the pretrained model is evaluated once (seed 0), being the same for every seed. The corpus
+and its test utterances are the same for every seed. Each (system, seed) is its own cached, resumable run
+(report.seed_folder); the report gives each claim of CLAIMS a paired bootstrap over seeds × test utterances
+and a verdict (report.VERDICT_RULE):
+
+    .venv/bin/python bench/ume_whisper.py --out runs/ume_whisper --seeds 0 1 2 --systems pretrained fmft ume
 """
 from __future__ import annotations
 
@@ -15,30 +24,45 @@ import platform
 from datetime import date
 from pathlib import Path
 
-from report import cached, corpus, write_section  # bench/report.py
+from report import VERDICT_RULE, cached, claims_table, corpus, paired_bootstrap, seed_folder, write_section  # bench/report.py
 
 CORPUS = dict(langs=["en"], voices=4, test_voices=2, train_per_lang=640, test_per_lang=48, max_chars=120,
               flite_test=True, seed=0)
 SYSTEMS = {"pretrained": None, "fmft": "fmft_whisper_tiny", "ume": "ume_whisper_tiny",
            "ume w/o freezing": "ume_whisper_tiny_nofreeze", "ume w/o balancing": "ume_whisper_tiny_nobalance"}
+# UME's headline claims (Table I-II: lower error rates than FMFT; §IV-D / Table III: less forgetting), as
+# paired WER comparisons on the in-domain and the unseen voice family: (A, B, family, claim); the paper
+# reports A < B.
+CLAIMS = [("ume", "fmft", "espeak-ng", "UME beats full fine-tuning (in-domain voices)"),
+          ("ume", "fmft", "flite", "UME forgets less than full fine-tuning (unseen voice family)")]
 MARK = ("<!-- ume_whisper -->", "<!-- /ume_whisper -->")
 
 
-def recipe_for(name: str, folder: Path, corpus_dir: Path, steps: int):
+def recipe_for(name: str, folder: Path, corpus_dir: Path, steps: int, seed: int = 0):
     from moekit.train.recipe import load_recipe
 
     keys = {"out": str(folder), "data.corpus": str(corpus_dir), "train.steps": steps, "train.eval_every": steps // 4,
             "train.logging_steps": max(1, min(5, steps // 10)), "train.save_every": steps // 2, "eval.routing_batches": 2}
+    if seed != 0:  # seed 0: the recipes as they are
+        keys.update({"train.seed": seed, "data.seed": seed, **({"moe.seed": seed} if is_moe(name) else {})})
     return load_recipe(Path("recipes/asr") / f"{SYSTEMS[name] or 'fmft_whisper_tiny'}.yaml",
                        [f"{k}={json.dumps(v)}" for k, v in keys.items()])
 
 
-def run_system(name: str, out: Path, corpus_dir: Path, steps: int) -> dict:
+def is_moe(name: str) -> bool:
+    return (SYSTEMS[name] or "").startswith("ume")
+
+
+def folder_of(out: Path, name: str, seed: int = 0) -> Path:
+    return seed_folder(out, name.replace(" ", "_").replace("/", ""), seed)
+
+
+def run_system(name: str, out: Path, corpus_dir: Path, steps: int, seed: int = 0) -> dict:
     from moekit.speech.data import load_split
     from moekit.train.asr import build, report, train_asr
 
-    folder = out / name.replace(" ", "_").replace("/", "")
-    recipe = recipe_for(name, folder, corpus_dir, steps)
+    folder = folder_of(out, name, seed)
+    recipe = recipe_for(name, folder, corpus_dir, steps, seed)
 
     def go() -> dict:
         if SYSTEMS[name] is None:  # the pretrained model, evaluated as it is
@@ -53,11 +77,53 @@ def run_system(name: str, out: Path, corpus_dir: Path, steps: int) -> dict:
     return {**cached(folder, go), "folder": str(folder)}
 
 
-def row(name: str, s: dict) -> str:
+def utterance_wer(folder: Path, family: dict[str, str], name: str):
+    """(per-utterance WER, reference words) of one run's test utterances by voices of the family `name`
+    (`family`: utterance id -> voice family); the words-weighted mean is the family's corpus WER (the
+    table's column)."""
+    import numpy as np
+
+    from moekit.speech.text import error_rates
+
+    r = json.loads((folder / "results.json").read_text())
+    er = [error_rates([t["ref"]], [t["hyp"]], lang) for lang, items in r["transcripts"].items() for t in items
+          if family[t["id"]] == name]
+    return np.array([e["wer"] for e in er]), np.array([max(e["words"], 1) for e in er], float)
+
+
+def claims(out: Path, corpus_dir: Path, done: set[tuple[str, int]], resamples: int = 2000) -> list[str]:
+    """CLAIMS over the seeds where both systems finished: WER, paired bootstrap over seeds × test utterances
+    (report.paired_bootstrap), verdict by VERDICT_RULE."""
+    import numpy as np
+
+    from moekit.speech.corpus import read_manifest
+
+    family = {u.id: u.family for u in read_manifest(corpus_dir)}
+    rows = []
+    for a, b, fam, claim in CLAIMS:
+        seeds = sorted(s for n, s in done if n == a and (b, s) in done)
+        if not seeds:
+            continue
+        A = [utterance_wer(folder_of(out, a, s), family, fam) for s in seeds]
+        B = [utterance_wer(folder_of(out, b, s), family, fam) for s in seeds]
+        stat = paired_bootstrap(100 * np.stack([x[0] for x in A]), 100 * np.stack([x[0] for x in B]),
+                                weights=np.stack([x[1] for x in A]), resamples=resamples)
+        rows.append({"claim": claim, "a": a, "b": b, "metric": f"WER % ({fam})", "direction": -1, "seeds": seeds,
+                     "stat": stat})
+    if not rows:
+        return []
+    return ["Headline claims over seeds (UME Tables I-III: the paper reports lower error rates for A). Metric: WER "
+            "of the voice family (corpus rate: per-utterance WER weighted by reference words); Δ = A − B in points, "
+            "mean over seeds × test utterances, 95 % interval by a paired bootstrap resampling seeds and, within "
+            f"each, test utterances ({resamples} resamples; bench/report.py paired_bootstrap). " + VERDICT_RULE, "",
+            *claims_table(rows, nd=1)]
+
+
+def row(name: str, seed: int, s: dict) -> str:
     r = json.loads((Path(s["folder"]) / "results.json").read_text())
     fam, p = r["families"], r["params"]
     loss = f"{s['loss'][-1][1]:.3f}" if s["loss"] else "–"
-    return (f"| {name} | {100 * fam['espeak-ng']['wer']:.1f} | {100 * fam['flite']['wer']:.1f} | "
+    return (f"| {name if seed == 0 else f'{name} (seed {seed})'} | {100 * fam['espeak-ng']['wer']:.1f} | {100 * fam['flite']['wer']:.1f} | "
             f"{100 * fam['espeak-ng']['cer']:.1f} | {100 * fam['flite']['cer']:.1f} | {loss} | {p['total'] / 1e6:.1f}M | "
             f"{p['active'] / 1e6:.1f}M | {r['rtf']:.3f} | {s['seconds'] / 60:.1f} |")
 
@@ -67,12 +133,27 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/ume_whisper"))
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--write", type=Path)
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="seeds to run, each one cached run per trained system (0: the recipes as they are); default 0")
+    ap.add_argument("--report-only", action="store_true", help="report the (system, seed) runs finished so far, run nothing")
     args = ap.parse_args()
     corpus_dir = corpus(args.out / "corpus", **CORPUS)
-    summaries = {name: run_system(name, args.out, corpus_dir, args.steps) for name in SYSTEMS}
+    # every system of one seed before the next seed; the pretrained model is the same for every seed
+    wanted = [(n, s) for s in args.seeds for n in args.systems if s == 0 or SYSTEMS[n] is not None]
+    if args.report_only:
+        summaries = {(n, s): {**json.loads((folder_of(args.out, n, s) / "summary.json").read_text()),
+                              "folder": str(folder_of(args.out, n, s))}
+                     for n, s in wanted if (folder_of(args.out, n, s) / "summary.json").is_file()}
+    else:
+        summaries = {(n, s): run_system(n, args.out, corpus_dir, args.steps, s) for n, s in wanted}
+    missing = [n if s == 0 else f"{n} (seed {s})" for n, s in wanted if (n, s) not in summaries]
+    status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
     info = json.loads((corpus_dir / "corpus.json").read_text())
-    cmd = f".venv/bin/python bench/ume_whisper.py --out {args.out} --steps {args.steps}" + (
-        f" --write {args.write}" if args.write else "")
+    cmd = (f".venv/bin/python bench/ume_whisper.py --out {args.out} --steps {args.steps}"
+           + ("" if args.systems == list(SYSTEMS) else f" --systems {' '.join(args.systems)}")
+           + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
+           + (f" --write {args.write}" if args.write else ""))
     lines = [MARK[0], "## UME on Whisper tiny.en in miniature (bench/ume_whisper.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Whisper tiny.en (real, converted from its "
              f"CTranslate2 package). Training: {CORPUS['train_per_lang']} English utterances (Bible verses of ≤ "
@@ -80,10 +161,11 @@ def main() -> None:
              f"AdamW 1e-4, linear schedule, 10 % warm-up. Test: {CORPUS['test_per_lang']} held-out verses spoken by "
              f"{CORPUS['test_voices']} held-out espeak-ng voice{'s' if CORPUS['test_voices'] > 1 else ''} (in-domain) and by the 4 flite voices (never seen "
              f"in training: the forgetting check); {info['hours']:.2f} h of audio in all. WER/CER after Whisper's "
-             "English normalizer; RTF = decoding time / audio time (greedy, batch 8, 2 cores).", "",
+             "English normalizer; RTF = decoding time / audio time (greedy, batch 8, 2 cores). Seed n > 0 adds "
+             f"`train.seed=n data.seed=n` and, for UME, `moe.seed=n` (same corpus and test utterances).{status}", "",
              "| system | WER espeak (in-domain) | WER flite (unseen family) | CER espeak | CER flite | final train loss "
-             "| params | active | RTF | wall (min) |", "|---" * 10 + "|", *[row(n, s) for n, s in summaries.items()],
-             "", MARK[1]]
+             "| params | active | RTF | wall (min) |", "|---" * 10 + "|",
+             *[row(n, seed, s) for (n, seed), s in summaries.items()], "", *claims(args.out, corpus_dir, set(summaries)), "", MARK[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:
