@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from report import VERDICT_RULE, cached, claims_table, corpus, paired_bootstrap, seed_folder, write_section  # bench/report.py
+from report import VERDICT_RULE, log_progress, cached, claims_table, corpus, paired_bootstrap, seed_folder, write_section  # bench/report.py
 
 LANGS = ["en", "fr", "de", "sw"]
 CORPUS = dict(langs=LANGS, voices=4, test_voices=1, train_per_lang=500, test_per_lang=40, max_chars=120, seed=0)
@@ -146,6 +146,7 @@ def main() -> None:
                     help="expert count of the Switch/Omni-router pair the claims compare (default 4)")
     ap.add_argument("--report-only", action="store_true", help="report the (system, seed) runs finished so far, run nothing")
     args = ap.parse_args()
+    log_progress()
     corpus_dir = corpus(args.out / "corpus", **CORPUS)
     if args.report_only:
         summaries = {(n, s): json.loads((seed_folder(args.out, n, s) / "summary.json").read_text())

@@ -9,6 +9,20 @@ from pathlib import Path
 from moekit._fs import write_text_atomic
 
 
+def log_progress() -> None:
+    """Print moekit's progress records (each training step with its loss, generation, transcription, upcycling)
+    with a timestamp on stderr, so that a long benchmark's log shows where it is and how fast it goes."""
+    import logging
+
+    logger = logging.getLogger("moekit.progress")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def write_section(path: Path, section: str, mark: tuple[str, str]) -> None:
     """Put `section` (which starts with mark[0] and ends with mark[1]) in place of the old one, or append it."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"

@@ -47,7 +47,7 @@ from moekit.train.recipe import AuxConfig, FreezeConfig
 from moekit.train.run import load_tokenizer
 from moekit.train.trainer import MoETrainer
 from moekit.upcycling import upcycle
-from report import VERDICT_RULE, cached, claims_table, paired_bootstrap, write_section  # bench/report.py
+from report import VERDICT_RULE, log_progress, cached, claims_table, paired_bootstrap, write_section  # bench/report.py
 
 LANGS = {"en": "k", "fr": "l", "de": "e", "es": "v", "sw": "h", "tl": "f", "id": "6", "vi": "7"}
 HIGH, LOW, TARGET = ["en", "fr", "de", "es"], ["sw", "tl", "id", "vi"], "sw"
@@ -296,6 +296,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="selections to fine-tune and prune")
     ap.add_argument("--report-only", action="store_true", help="report the seeds finished so far, run nothing")
     args = ap.parse_args()
+    log_progress()
     if args.report_only:
         results = {s: json.loads((seed_dir(args.out, s) / "results.json").read_text()) for s in args.seeds
                    if (seed_dir(args.out, s) / "results.json").is_file()}

@@ -22,7 +22,7 @@ import statistics
 import time
 from datetime import date
 from pathlib import Path
-from report import VERDICT_RULE, claims_table, paired_bootstrap, seed_folder, write_section  # bench/report.py
+from report import VERDICT_RULE, log_progress, claims_table, paired_bootstrap, seed_folder, write_section  # bench/report.py
 
 SYSTEMS = {name: (name, []) for name in
            ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]}  # name: (recipe, overrides)
@@ -189,6 +189,7 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
     args = ap.parse_args()
+    log_progress()
     systems, mark, base = ((ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations
                            else (SYSTEMS, MARK, "dense_ft"))
     if args.only:

@@ -24,7 +24,7 @@ import platform
 from datetime import date
 from pathlib import Path
 
-from report import VERDICT_RULE, cached, claims_table, corpus, paired_bootstrap, seed_folder, write_section  # bench/report.py
+from report import VERDICT_RULE, log_progress, cached, claims_table, corpus, paired_bootstrap, seed_folder, write_section  # bench/report.py
 
 CORPUS = dict(langs=["en"], voices=4, test_voices=2, train_per_lang=640, test_per_lang=48, max_chars=120,
               flite_test=True, seed=0)
@@ -138,6 +138,7 @@ def main() -> None:
                     help="seeds to run, each one cached run per trained system (0: the recipes as they are); default 0")
     ap.add_argument("--report-only", action="store_true", help="report the (system, seed) runs finished so far, run nothing")
     args = ap.parse_args()
+    log_progress()
     corpus_dir = corpus(args.out / "corpus", **CORPUS)
     # every system of one seed before the next seed; the pretrained model is the same for every seed
     wanted = [(n, s) for s in args.seeds for n in args.systems if s == 0 or SYSTEMS[n] is not None]
