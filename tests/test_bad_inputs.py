@@ -11,7 +11,9 @@ Rows that show a bug would be marked xfail(strict=True) with the reason; none ar
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -48,6 +50,19 @@ class Fx:
         self.trace, self.sel, self.recipe = root / "trace.npz", root / "sel.json", root / "recipe.yaml"
         self.layers = ["model.layers.1.mlp", "model.layers.3.mlp"]
         self.train_jsonl, self.test_jsonl = data_root / "train.jsonl", data_root / "test.jsonl"
+
+    @property
+    def finished_run(self) -> Path:
+        """A finished tiny training run with checkpoints at steps 1 and 2 (trained on first use)."""
+        run = self.root / "finished"
+        if not run.is_dir():
+            from moekit.cli.main import main
+
+            shown = io.StringIO()  # not in the output of the row that happens to train it
+            with contextlib.redirect_stdout(shown), contextlib.redirect_stderr(shown):
+                rc = main(["train", str(self.recipe), f"out={run}", "train.save_every=1", "train.save_total_limit=2"])
+            assert rc == 0, shown.getvalue()
+        return run
 
     def copy(self, src: Path, dst: Path) -> Path:
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -578,12 +593,13 @@ CHECKPOINT_FILES = [
     # dense model (upcycle): shard names and files from model.safetensors.index.json
     Case("dense-index-shard-dotdot",
          lambda t, f: upc(dense_with(t, f, lambda d: index(d, "../outside/x.safetensors")), t / "moe"),
-         r"shard name '\.\./outside/x\.safetensors' is not a plain file name inside the checkpoint"),
+         r"shard name '\.\./outside/x\.safetensors' is not a plain file name; the index must name files inside the "
+         r"checkpoint directory"),
     Case("dense-index-shard-absolute",
          lambda t, f: upc(dense_with(t, f, lambda d: index(d, str(d / "model.safetensors"))), t / "moe"),
-         r"shard name '/.*model\.safetensors' is not a plain file name"),
+         r"shard name '/.*model\.safetensors' is an absolute path"),
     Case("dense-index-shard-dev-zero", lambda t, f: upc(dense_with(t, f, lambda d: index(d, "/dev/zero")), t / "moe"),
-         r"shard name '/dev/zero' is not a plain file name"),
+         r"shard name '/dev/zero' is an absolute path"),
     Case("dense-index-shard-dot", lambda t, f: upc(dense_with(t, f, lambda d: index(d, "..")), t / "moe"),
          r"shard name '\.\.' is not a plain file name"),
     Case("dense-index-shard-not-a-string", lambda t, f: upc(dense_with(t, f, lambda d: index(d, 7)), t / "moe"),
@@ -622,7 +638,7 @@ CHECKPOINT_FILES = [
          r"model\.safetensors\.index\.json has no weight_map"),
     Case("dense-index-symlink-dev-zero",
          lambda t, f: upc(dense_with(t, f, lambda d: symlink(d / "model.safetensors.index.json", "/dev/zero")),
-                          t / "moe"), r"index .*model\.safetensors\.index\.json is not a regular file"),
+                          t / "moe"), r"model\.safetensors\.index\.json leads outside the checkpoint directory"),
     Case("dense-index-lists-absent-tensor",
          lambda t, f: upc(dense_with(t, f, lambda d: index(d, "model.safetensors",
                                                            {"ghost.weight": "model.safetensors"})),
@@ -690,7 +706,7 @@ CHECKPOINT_FILES = [
     Case("meta-symlink-dev-zero",
          lambda t, f: ["inspect", moe_with(t, f, lambda d: ((d / "moekit.json").unlink(),
                                                             symlink(d / "moekit.json", "/dev/zero")))],
-         r"moekit\.json is not a regular file"),
+         r"moekit\.json leads outside the checkpoint directory"),
     Case("meta-too-large",
          lambda t, f: ["inspect", moe_with(t, f, lambda d: os.truncate(d / "moekit.json", 65 << 20))],
          r"moekit\.json is 65 MiB; more than 64 MiB is refused"),
@@ -1167,7 +1183,207 @@ MORE = [
          r"en: only 3 distinct texts of at most 200 characters, need 6"),
 ]
 
-CASES = [*GUARDS, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE]
+def lock_named(out: Path, kind: str) -> None:
+    """A user's entry with the output's lock name beside it: a file, a symbolic link or a directory."""
+    lock = out.parent / f".{out.name}.moekit-lock"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "file":
+        write(lock, "precious\n")
+    elif kind == "link":
+        symlink(lock, write(out.parent / "precious.txt", "precious\n"))
+    else:
+        existing_dir(lock)
+        write(lock / "inside.txt", "precious\n")
+
+
+def text_recipe(t: Path, f: Fx, files: list, fmt: str = "text", **data) -> Path:
+    """A `task: text` recipe on the tiny dense model reading `files` as `fmt`."""
+    return write(t / "text.yaml", yaml.safe_dump({
+        "task": "text", "name": "text", "out": str(t / "run"), "model": {"path": str(dense(t, f))}, "method": "moe",
+        "moe": {"num_experts": 4, "top_k": 2, "every": 2},
+        "data": {"format": fmt, "train_files": [str(x) for x in files], "test_fraction": 0.25, "max_length": 32, **data},
+        "train": {"steps": 1, "batch_size": 2}}))
+
+
+def wider_dense(path: Path) -> Path:
+    """A tiny dense model like the fixture's but with a wider FFN (other weight shapes)."""
+    from moekit.testing import tiny_llama, tiny_tokenizer
+
+    tiny_llama(intermediate_size=96).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def evil_pickle(path: Path) -> None:
+    """A torch.save file whose unpickling would call os.system (torch.load(weights_only=True) refuses it)."""
+    import torch
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"state": Evil()}, path)
+
+
+def interrupted_run(t: Path, f: Fx, finished: Path, damage: Callable[[Path], object]) -> Path:
+    """`.run.moekit-partial` holding a copy of a finished tiny run stopped after its first checkpoint (the second
+    removed), with `damage` applied to that checkpoint."""
+    partial = f.copy(finished, t / ".run.moekit-partial")
+    shutil.rmtree(partial / "checkpoints" / "checkpoint-2")
+    damage(partial / "checkpoints" / "checkpoint-1")
+    return partial
+
+
+LOCK_NOT_OURS = r"\.moekit-lock exists and is not a moekit lock; moekit does not touch it: move it away"
+LOCK_OUTPUTS = {  # command: (argv builder, output) for each command that writes an output
+    "upcycle": lambda t, f: upc(dense(t, f), t / "o"),
+    "export": lambda t, f: ["export", moe(t, f), "--format", "mixtral", "--out", t / "o"],
+    "collect": lambda t, f: collect(moe(t, f), t / "o", *texts(("en", text(t, f)))),
+    "report": lambda t, f: ["routes", "report", f.copy(f.trace, t / "t.npz"), "--out", t / "o"],
+    "select": lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en", "--budget", 2,
+                            "--out", t / "o"],
+    "prune": lambda t, f: ["prune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"), "--out", t / "o"],
+    "finetune": lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                              "--data", f"en={text(t, f)}", "--steps", 1, "--out", t / "o"],
+    "train": lambda t, f: ["train", recipe(t, f), f"out={t / 'o'}"],
+}
+
+LOCKS_AND_KINDS = [
+    *(Case(f"lock-name-user-file-{cmd}", lambda t, f, b=build: also(b(t, f), lock_named(t / "o", "file")),
+           LOCK_NOT_OURS) for cmd, build in LOCK_OUTPUTS.items()),
+    *(Case(f"lock-name-user-{kind}-{cmd}", lambda t, f, b=LOCK_OUTPUTS[cmd], k=kind: also(b(t, f), lock_named(t / "o", k)),
+           LOCK_NOT_OURS) for kind in ("link", "dir") for cmd in ("upcycle", "select", "train")),
+    # --overwrite replaces an output by one of the same kind only
+    Case("upcycle-overwrite-replaces-a-file", lambda t, f: upc(dense(t, f), write(t / "o", "a file"), "--overwrite"),
+         r"o exists and is not a directory, and the output is a directory; overwrite replaces an output of the "
+         r"same kind only"),
+    Case("select-overwrite-replaces-a-directory",
+         lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en", "--budget", 2,
+                       "--out", also(existing_dir(t / "d"), write(t / "d" / "mine.txt", "x")), "--overwrite"],
+         r"d exists and is a directory, and the selection is a file; overwrite replaces"),
+    Case("select-overwrite-replaces-an-empty-directory",
+         lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en", "--budget", 2,
+                       "--out", existing_dir(t / "d"), "--overwrite"], r"d exists and is a directory"),
+    Case("collect-overwrite-replaces-a-directory",
+         lambda t, f: collect(moe(t, f), also(existing_dir(t / "d"), write(t / "d" / "mine.txt", "x")),
+                              *texts(("en", text(t, f))), extra=["--overwrite"]),
+         r"d exists and is a directory, and the trace is a file"),
+    Case("report-overwrite-replaces-a-file",
+         lambda t, f: ["routes", "report", f.copy(f.trace, t / "t.npz"), "--out", write(t / "r", "mine"),
+                       "--overwrite"], r"r exists and is not a directory, and the output is a directory"),
+    Case("train-overwrite-replaces-a-file", lambda t, f: ["train", recipe(t, f), f"out={write(t / 'o', 'x')}",
+                                                          "--overwrite"],
+         r"o exists and is not a directory, and the run directory is a directory"),
+    Case("select-overwrite-replaces-a-fifo",
+         lambda t, f: ["select", "topk", f.copy(f.trace, t / "t.npz"), "--target", "en", "--budget", 2,
+                       "--out", fifo(t / "s.json"), "--overwrite"], r"s\.json exists and is not a regular file"),
+    Case("upcycle-layers-repeated", lambda t, f: ["upcycle", "--model", dense(t, f), "--layers", "0,0",
+                                                  "--experts", 2, "--out", t / "moe"],
+         r"layers lists block 0 more than once"),
+]
+
+LINKS_OUT = r"leads outside the checkpoint directory"
+CONTAINMENT = [  # every file read from a checkpoint lies inside it, symbolic links included
+    Case("meta-symlink-outside-export",
+         lambda t, f: ["export", moe_with(t, f, lambda d: (shutil.move(d / "moekit.json", t / "outside.json"),
+                                                           symlink(d / "moekit.json", t / "outside.json"))),
+                       "--format", "mixtral", "--out", t / "o"], r"moekit\.json " + LINKS_OUT),
+    Case("meta-symlink-outside-inspect",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: (shutil.move(d / "moekit.json", t / "outside.json"),
+                                                            symlink(d / "moekit.json", t / "outside.json")))],
+         r"moekit\.json " + LINKS_OUT),
+    Case("config-symlink-outside-upcycle",
+         lambda t, f: upc(dense_with(t, f, lambda d: (shutil.move(d / "config.json", t / "outside.json"),
+                                                      symlink(d / "config.json", t / "outside.json"))), t / "o"),
+         r"config\.json " + LINKS_OUT),
+    Case("config-symlink-outside-inspect",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: (shutil.move(d / "config.json", t / "outside.json"),
+                                                            symlink(d / "config.json", t / "outside.json")))],
+         r"config\.json " + LINKS_OUT),
+    Case("tokenizer-symlink-outside-collect",
+         lambda t, f: collect(moe_with(t, f, lambda d: (shutil.move(d / "tokenizer.json", t / "tok.json"),
+                                                        symlink(d / "tokenizer.json", t / "tok.json"))),
+                              t / "t.npz", *texts(("en", text(t, f)))), r"tokenizer\.json " + LINKS_OUT),
+    Case("generation-config-symlink-outside-train",
+         lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}", "model.path=" + str(dense_with(t, f, lambda d: (
+             (d / "generation_config.json").unlink(missing_ok=True),
+             symlink(d / "generation_config.json", write(t / "g.json", "{}")))))],
+         r"generation_config\.json " + LINKS_OUT),
+    Case("index-symlink-outside-upcycle",
+         lambda t, f: upc(dense_with(t, f, lambda d: (index(d, "model.safetensors"),
+                                                      shutil.move(d / "model.safetensors.index.json", t / "i.json"),
+                                                      symlink(d / "model.safetensors.index.json", t / "i.json"))),
+                          t / "o"), r"model\.safetensors\.index\.json " + LINKS_OUT),
+    Case("dangling-symlink-upcycle",
+         lambda t, f: upc(dense_with(t, f, lambda d: symlink(d / "special_tokens_map.json", t / "gone.json")), t / "o"),
+         r"special_tokens_map\.json " + LINKS_OUT),
+    Case("dangling-symlink-inside-upcycle",
+         lambda t, f: upc(dense_with(t, f, lambda d: symlink(d / "vocab.json", d / "gone.json")), t / "o"),
+         r"file vocab\.json is missing \(a dangling symbolic link\)"),
+    Case("subfolder-symlink-outside-inspect",
+         lambda t, f: ["inspect", moe_with(t, f, lambda d: symlink(d / "sub", existing_dir(t / "elsewhere")))],
+         r"sub " + LINKS_OUT),
+    Case("fifo-in-checkpoint-inspect", lambda t, f: ["inspect", moe_with(t, f, lambda d: fifo(d / "tokenizer.model"))],
+         r"tokenizer\.model is not a regular file"),
+]
+
+UNEXPECTED_BEFORE = [  # each of these ended in "unexpected ... please report it" before
+    Case("collect-layers-bad-regex", lambda t, f: collect(moe(t, f), t / "t.npz", *texts(("en", text(t, f))),
+                                                          extra=["--layers", "["]),
+         r"layers '\[' is not a valid regular expression"),
+    Case("upcycle-recipe-model-nul-byte",
+         lambda t, f: (["upcycle", write(t / "up.yaml", yaml.safe_dump({"model": "acme/ti\x00ny", "out": str(t / "o"),
+                                                                        "spec": {"num_experts": 2}}))], t / "o"),
+         r"model: contains a NUL byte"),
+    Case("train-recipe-nul-byte-in-data-file",
+         lambda t, f: ["train", recipe(t, f, **{"data.train_files": ["tr\x00ain.jsonl"]}), f"out={t / 'run'}"],
+         r"data\.train_files\.0: contains a NUL byte"),
+]
+
+PICKLED = r"cannot resume from .*checkpoint-1: .*{} holds pickled Python objects other than tensors \(it names " \
+          r"posix\.system\); it is refused and nothing in it ran$"
+MESSAGES = [  # the outcome was right, the words misled
+    *(Case(f"train-resume-pickle-{name.split('.')[0]}",
+           lambda t, f, n=name: also(["train", recipe(t, f), f"out={t / 'run'}", "--resume"],
+                                     interrupted_run(t, f, f.finished_run, lambda c: evil_pickle(c / n))),
+           PICKLED.format(re.escape(name))) for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth")),
+    Case("btx-branch-shape-differs",
+         lambda t, f: also(btx(t, f, t / "moe"), shutil.rmtree(t / "b1"), wider_dense(t / "b1")),
+         r"b1: model\.layers\.\d+\.mlp\.\w+\.weight is \[.*\] in the weights but \[.*\] by the config\.json of "
+         r"the base model .*dense$"),
+    Case("dense-index-absolute-shard-not-pickle",
+         lambda t, f: upc(dense_with(t, f, lambda d: (index(d, str(t / "w.safetensors")),
+                                                      shutil.move(d / "model.safetensors", t / "w.safetensors"))),
+                          t / "o"),
+         r"shard name '/.*w\.safetensors' is an absolute path; the index must name files inside the checkpoint"),
+    Case("trace-ids-minus-two",
+         lambda t, f: ["select", "topk", trace_with(t, f, ids=set_item((0, 0, 0), -2)), "--target", "en",
+                       "--budget", 2, "--out", t / "s.json"],
+         r"outside \[0, 4\) \(-1, which pads a smaller top-k, is the only other id allowed\)"),
+    *(Case(f"text-data-{name}", lambda t, f, b=build: ["train", text_recipe(t, f, [b(t)])], msg) for name, build, msg in [
+        ("directory", lambda t: existing_dir(t / "docs.txt"), r"data file .*docs\.txt is not a regular file"),
+        ("fifo", lambda t: fifo(t / "docs.txt"), r"data file .*docs\.txt is not a regular file"),
+        ("dev-zero", lambda t: Path("/dev/zero"), r"data file /dev/zero is not a regular file"),
+        ("symlink-to-dev-zero", lambda t: symlink(t / "z.txt", "/dev/zero"), r"data file .*z\.txt is not a regular file"),
+        ("corrupt-jsonl", lambda t: write(t / "d.jsonl", '{"text": "a"}\n{"text": oops}\n'),
+         r"cannot read .*d\.jsonl as json: line 2 is not valid JSON"),
+        ("corrupt-csv", lambda t: write(t / "d.csv", 'text,x\n"a",1\n"b",2,3\n'),
+         r"cannot read .*d\.csv as csv: .*Expected 2 fields in line 3, saw 3"),
+        ("missing-column", lambda t: write(t / "d.jsonl", '{"body": "a"}\n' * 4),
+         r"d\.jsonl: record \d: has no column 'text' \(its columns: body\)"),
+        ("number-in-text-column", lambda t: write(t / "d.jsonl", '{"text": 0}\n' + '{"text": "abc"}\n' * 4),
+         r"d\.jsonl: record 0: column 'text' must hold text, got int '0'"),
+        ("null-in-text-column", lambda t: write(t / "d.jsonl", '{"text": "abc"}\n' * 4 + '{"text": null}\n'),
+         r"d\.jsonl: record 4: column 'text' must hold text, got null"),
+    ]),
+    Case("text-data-alpaca-missing-output",
+         lambda t, f: ["train", text_recipe(t, f, [write(t / "a.jsonl", (json.dumps({"instruction": "x"}) + "\n") * 4)],
+                                            "alpaca")], r"a\.jsonl: record \d: has no column 'output'"),
+]
+
+
+CASES = [*GUARDS, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE, *LOCKS_AND_KINDS, *CONTAINMENT,
+         *UNEXPECTED_BEFORE, *MESSAGES]
 
 
 def params(cases: list[Case]) -> list:
@@ -1211,3 +1427,30 @@ def test_overwrite_of_an_earlier_output_still_works(fx, tmp_path, run, monkeypat
     assert rc == 0, err
     assert json.loads(out.read_text())["method"] == "topk"
     assert os.listdir(tmp_path) == ["s.json"]  # no lock or temporary left
+
+
+def test_report_and_selection_read_padding_slots(fx, tmp_path, run, monkeypatch):
+    """Expert id -1 pads a slot (a smaller top-k): `routes report` and `select` leave such slots out, also when a
+    padding slot carries the largest weight or a token has no expert at a layer (np.bincount on -1 crashed)."""
+    monkeypatch.chdir(tmp_path)
+
+    def pad(ids):
+        ids[0, 0, 0] = -1  # one slot of token 0 at layer 0
+        ids[1, 1, :] = -1  # every slot of token 1 at layer 1
+        return ids
+
+    trace = trace_with(tmp_path, fx, ids=pad, weights=lambda w: set_item((0, 0, 0), 9.0)(w))
+    rc, _, err = run("routes", "report", trace, "--out", tmp_path / "r")
+    assert rc == 0, err
+    metrics = json.loads((tmp_path / "r" / "metrics.json").read_text())
+    assert metrics and (tmp_path / "r" / "report.md").is_file()
+    from moekit.routing.trace import RoutingTrace
+    from moekit.routing import stats
+
+    t = RoutingTrace.load(trace)
+    choice = stats.top1(t)
+    assert choice[0, 0] == t.ids[0, 0, 1] and choice[1, 1] == -1  # the padding slot never wins
+    table = stats.contingency(choice[0], choice[1], 4, 4)
+    assert table.sum() == (choice[0] >= 0).sum() - 1  # token 1 has no expert at layer 1: left out
+    rc, _, err = run("select", "topk", trace, "--target", "en", "--budget", 2, "--out", tmp_path / "s.json")
+    assert rc == 0, err

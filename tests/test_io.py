@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 import moekit.io as mio
 from moekit.config import validate
-from moekit.errors import CheckpointError, OutputExistsError
+from moekit.errors import CheckpointError, OutputExistsError, UnsafeOutputError
 from moekit.eval.upcycling import kl_dense_moe, param_counts
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_gpt2, tiny_inputs, tiny_llama
@@ -134,10 +134,11 @@ def test_overwrite_replaces(tmp_path):
     assert _siblings(out) == []
     inputs = tiny_inputs(model)
     assert torch.equal(logits(mio.load(out), inputs), logits(model, inputs))
-    # a file in the way is replaced too, leaving nothing beside the checkpoint
+    # a file in the way is another kind of output: refused even with overwrite, and left as it was
     (tmp_path / "file").write_text("x")
-    mio.save(model, tmp_path / "file", overwrite=True)
-    assert (tmp_path / "file" / "moekit.json").is_file() and _siblings(tmp_path / "file") == ["out"]
+    with pytest.raises(UnsafeOutputError, match="exists and is not a directory, and the output is a directory"):
+        mio.save(model, tmp_path / "file", overwrite=True)
+    assert (tmp_path / "file").read_text() == "x" and _siblings(tmp_path / "file") == ["out"]
 
 
 @pytest.mark.parametrize("existing", [False, True])

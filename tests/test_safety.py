@@ -136,6 +136,48 @@ def test_size_limit_is_one_line_and_leaves_nothing(dense, tmp_path):
     assert list((tmp_path / "work").iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["upcycle", "export", "select"])
+def test_a_full_disk_before_the_lock_is_written_leaves_no_lock(dense, tmp_path, command):
+    """No room for the lock's few bytes (RLIMIT_FSIZE 8 bytes in the child, room for Python's own start-up: EFBIG
+    in the lock's write): one line, exit 2, no lock file (an empty one was left before), the inputs unchanged."""
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = {"upcycle": upcycle_args(dense, work / "o"),
+            "export": ["export", dense, "--format", "mixtral", "--out", work / "o"],
+            "select": ["select", "topk", dense / "config.json", "--target", "en", "--budget", 1, "--out", work / "o"]}
+    before = snapshot(dense)
+
+    def no_room():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8, 8))
+
+    proc = cli(tmp_path, *argv[command], preexec_fn=no_room)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert last_line(err).startswith(f"moekit: error: cannot write {work / 'o'}: File too large"), err
+    assert list(work.iterdir()) == [] and snapshot(dense) == before
+
+
+def test_a_lock_is_never_taken_from_what_moekit_did_not_create(tmp_path):
+    """An entry with the lock's name that moekit did not write (a file, a link, a directory) is refused and left
+    as it was; a dead moekit process's lock is replaced; a live one's is busy."""
+    out = tmp_path / "out"
+    lock = tmp_path / f".out{_fs.LOCK}"
+    for make in (lambda: lock.write_text("12345"), lambda: lock.symlink_to(tmp_path / "t"), lock.mkdir):
+        make()
+        before = sorted(p.name for p in tmp_path.iterdir())
+        with pytest.raises(UnsafeOutputError, match="is not a moekit lock; moekit does not touch it"):
+            with _fs.output(out):
+                pass
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+        _fs.remove(lock)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(f"moekit-lock pid {dead.pid}\n")  # left by a moekit killed with SIGKILL
+    with _fs.output(out) as tmp:
+        (tmp / "x").write_text("1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_second_writer_fails_at_once_and_the_first_finishes(dense, tmp_path):
     out = tmp_path / "moe"
     ready = tmp_path / "ready"

@@ -7,9 +7,10 @@ What it guarantees (README "Safety"):
   output that is a symbolic link, an existing output without `overwrite`, an unwritable parent and a
   disk without room for the expected bytes.
 * **One writer per output.** An exclusive `flock` on `.NAME.moekit-lock` beside the output is held
-  from the first check to the final rename; a second writer fails at once. (The `filelock` package
-  leaves its lock files behind; this lock file is unlinked by its holder, and acquirers check that the
-  inode they locked is still the one at the path, so the unlink cannot let two holders in.)
+  from the first check to the final rename; a second writer fails at once. The lock file is created
+  complete and locked under a unique name and then linked into place, so an existing entry of that name
+  (a user's file, a symbolic link, a directory) is never opened for writing, truncated or removed: it is
+  refused unless it is a moekit lock, and a dead holder's lock is replaced (`_Lock`).
 * **Complete or nothing.** The output is built in a temporary sibling `.NAME.moekit-tmp-PID-XXXX` and
   renamed into place only when complete; an existing output (with `overwrite`) is swapped out
   atomically (`renameat2(RENAME_EXCHANGE)` where the kernel has it). A failure, Ctrl-C, SIGTERM or
@@ -101,11 +102,13 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def guard(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
-          need_bytes: int = 0, what: str = "output") -> Path:
+          need_bytes: int = 0, what: str = "output", kind: str = "dir") -> Path:
     """Check, before any work, that `out` may be written (see the module docstring); returns its real path.
 
     `inputs` are every file or directory the command reads (model, data, recipe, trace, selection, ...). An
     output may lie inside an input directory only while it does not exist (a new file there loses nothing).
+    `kind` ("dir" or "file") is what the output will be: `overwrite` replaces a directory by a directory and a
+    regular file by a regular file, never one kind by another.
     """
     given = Path(out)
     if given.is_symlink():
@@ -119,6 +122,12 @@ def guard(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), over
             raise UnsafeOutputError(f"the {what} {given} {holds} {name}; choose another {what} path")
     if exists and not overwrite and (not real.is_dir() or any(real.iterdir())):
         raise OutputExistsError(real, f"{given} exists{' and is not empty' if real.is_dir() else ''}")
+    if exists and (real.is_dir() if kind == "file" else not real.is_dir() if kind == "dir" else False):
+        has, wants = ("a directory", "a file") if kind == "file" else ("not a directory", "a directory")
+        raise UnsafeOutputError(f"{given} exists and is {has}, and the {what} is {wants}; overwrite replaces an "
+                                f"output of the same kind only: choose another {what} path or remove {given}")
+    if exists and kind == "file" and not stat.S_ISREG(os.stat(real).st_mode):
+        raise UnsafeOutputError(f"{given} exists and is not a regular file; choose another {what} path")
     anchor = _existing_ancestor(real.parent)
     if not anchor.is_dir():
         raise UnsafeOutputError(f"cannot create {given}: {anchor} is not a directory")
@@ -133,8 +142,17 @@ def check_space(out: str | os.PathLike, need_bytes: int) -> None:
     anchor = _existing_ancestor(_real(out).parent)
     free = shutil.disk_usage(anchor).free
     if need_bytes > free:
-        raise WriteError(f"not enough disk space for {out}: it needs about {need_bytes / 1e9:.2f} GB, "
-                         f"{free / 1e9:.2f} GB are free on the file system of {anchor}")
+        raise WriteError(f"not enough disk space for {out}: it needs about {size_text(need_bytes)}, "
+                         f"{size_text(free)} are free on the file system of {anchor} "
+                         f"({size_text(need_bytes - free)} short)")
+
+
+def size_text(n: int) -> str:
+    """Bytes for people, three significant digits: 950 bytes, 12.3 MB, 1.02 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
 
 
 def peak_memory() -> int:
@@ -197,44 +215,95 @@ def remove(path: Path) -> None:
 
 
 def _remove_stale(parent: Path, name: str) -> None:
-    """Temporaries of `name` left by processes that died (e.g. SIGKILL, power loss)."""
-    pattern = re.compile(re.escape(f".{name}{TMP}") + r"(\d+)-")
+    """Temporaries and lock temporaries of `name` left by processes that died (e.g. SIGKILL, power loss)."""
+    pattern = re.compile(f"{re.escape(f'.{name}{TMP}')}(\\d+)-|{re.escape(f'.{name}{LOCK}')}-(\\d+)-")
     for entry in parent.iterdir():
         m = pattern.match(entry.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        pid = m and int(m.group(1) or m.group(2))
+        if pid and pid != os.getpid() and not _pid_alive(pid):
             remove(entry)
 
 
 class _Lock:
-    """flock on `.NAME.moekit-lock`, unlinked on release (see the module docstring)."""
+    """An exclusive flock on `.NAME.moekit-lock` beside the output, held from the first check to the final
+    rename (see the module docstring).
+
+    The lock file is written in full (`moekit-lock pid N`) and flocked under a unique temporary name, then
+    linked to the lock name, which fails if anything holds that name: so the name only ever shows a complete,
+    locked moekit lock, and nothing that was there before is opened for writing, truncated or removed. An
+    existing entry of that name is a moekit lock whose holder is alive (busy), a moekit lock whose holder died
+    (no flock: removed, then acquired), or something else, which is refused untouched. The holder removes the
+    lock on release, and only while the name still holds the file it created.
+    """
+
+    _CONTENT = re.compile(rb"moekit-lock pid (\d+)\n")
 
     def __init__(self, out: Path):
         self.path, self.out, self.fd = out.parent / f".{out.name}{LOCK}", out, None
 
     def acquire(self) -> None:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = self._locked_temporary()
+        try:
+            while True:
+                try:
+                    os.link(self._tmp, self.path, follow_symlinks=False)
+                    break
+                except FileExistsError:
+                    self._clear_stale()
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp)
+        self.fd = fd
+
+    def _locked_temporary(self) -> int:
+        self._tmp = self.path.with_name(f"{self.path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            content = memoryview(f"moekit-lock pid {os.getpid()}\n".encode())
+            while content:  # a short write (a file size limit) is followed by one that raises
+                content = content[os.write(fd, content):]
+        except BaseException:
+            os.close(fd)
+            os.unlink(self._tmp)
+            raise
+        return fd
+
+    def _clear_stale(self) -> None:
+        """The lock name is taken: busy if a live process holds it, removed if it is a dead moekit process's
+        lock, refused untouched if it is anything else."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return  # its holder released it meanwhile: try again
+        except OSError:  # a symbolic link (ELOOP), ...
+            fd = None
+        try:
+            st = os.fstat(fd) if fd is not None else None
+            content = os.pread(fd, 64, 0) if st is not None and stat.S_ISREG(st.st_mode) else b""
+            match = self._CONTENT.fullmatch(content)
+            if match is None:
+                raise UnsafeOutputError(f"{self.path} exists and is not a moekit lock; moekit does not touch it: "
+                                        f"move it away to write {self.out}")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                raise OutputBusyError(f"{self.out} is being written by another moekit process (pid "
+                                      f"{match.group(1).decode()}); wait for it to finish or choose another output")
+            with contextlib.suppress(FileNotFoundError):  # a dead holder's lock: remove it if it is still the one
+                if os.stat(self.path, follow_symlinks=False).st_ino == st.st_ino:
+                    os.unlink(self.path)
+        finally:
+            if fd is not None:
                 os.close(fd)
-                raise OutputBusyError(f"{self.out} is being written by another moekit process (pid {holder}); "
-                                      "wait for it to finish or choose another output") from None
-            try:
-                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:  # else the previous holder unlinked it between our open and flock: try again
-                os.ftruncate(fd, 0)
-                os.write(fd, str(os.getpid()).encode())
-                self.fd = fd
-                return
-            os.close(fd)
 
     def release(self) -> None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            if os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
         os.close(self.fd)
 
 
@@ -286,11 +355,11 @@ def _reserved() -> dict[Path, tuple[list, bool]]:
 
 @contextlib.contextmanager
 def reserve(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
-            need_bytes: int = 0, what: str = "output") -> Iterator[Path]:
+            need_bytes: int = 0, what: str = "output", kind: str = "dir") -> Iterator[Path]:
     """Check `out` (`guard`) and lock it for this process, before the work that produces it; yields its real
     path. `output(out)` inside the block (e.g. in a library call such as `moekit.save`) then writes it under
     this lock, with these inputs and `overwrite`. The CLI reserves each command's output first thing."""
-    real = guard(out, inputs, overwrite, need_bytes, what)
+    real = guard(out, inputs, overwrite, need_bytes, what, kind)
     if real in _reserved():
         yield real
         return
@@ -307,7 +376,7 @@ def reserve(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), ov
             raise
         _reserved()[real] = (list(inputs), overwrite)
         try:
-            guard(out, inputs, overwrite, 0, what)  # again, under the lock
+            guard(out, inputs, overwrite, 0, what, kind)  # again, under the lock
             _remove_stale(real.parent, real.name)
             yield real
         finally:
@@ -335,7 +404,7 @@ def output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), ove
     if real in _reserved():  # the caller holds the lock: its inputs and overwrite apply
         held_inputs, held_overwrite = _reserved()[real]
         inputs, overwrite = [*held_inputs, *inputs], overwrite or held_overwrite
-    with reserve(out, inputs, overwrite, need_bytes, what):
+    with reserve(out, inputs, overwrite, need_bytes, what, kind):
         tmp = real.parent / (f".{real.name}{PARTIAL}" if partial else
                              f".{real.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -363,7 +432,8 @@ def _rmdirs(created: list[Path]) -> None:
 def _as_write_error(e: BaseException, out: Path) -> WriteError:
     code = write_errno(e)
     if code is None:
-        return WriteError(f"cannot write {out}: {e}")
+        detail = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e)
+        return WriteError(f"cannot write {out}: {detail}")
     hint = {errno.ENOSPC: "; free some space or choose another output",
             errno.EDQUOT: "; free some space or choose another output",
             errno.EFBIG: " (the file system's or the process's file size limit)"}.get(code, "")

@@ -21,11 +21,28 @@ def validate(cls: type[C] | TypeAdapter, data: Any, source: str = "config") -> C
     """`cls.model_validate(data)` (a model class) or `cls.validate_python(data)` (a TypeAdapter of a tagged
     union, whose tag is left out of the error locations) with pydantic's errors turned into one ConfigError."""
     union = isinstance(cls, TypeAdapter)
+    where = _nul_at(data)
+    if where is not None:
+        raise ConfigError(f"invalid {source}: {where or '<root>'}: contains a NUL byte, which no path or name may hold")
     try:
         return cls.validate_python(data) if union else cls.model_validate(data)
     except ValidationError as e:
         problems = [f"{'.'.join(map(str, err['loc'][union:])) or '<root>'}: {err['msg']}" for err in e.errors()]
         raise ConfigError(f"invalid {source}: " + "; ".join(problems)) from None
+
+
+def _nul_at(data: Any, at: str = "") -> str | None:
+    """The dotted key of the first string (key or value) in `data` that holds a NUL byte, else None."""
+    if isinstance(data, str):
+        return at if "\x00" in data else None
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, (list, tuple)) else ()
+    for k, v in items:
+        key = f"{at}.{k}" if at else str(k)
+        if isinstance(k, str) and "\x00" in k:
+            return key
+        if (found := _nul_at(v, key)) is not None:
+            return found
+    return None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

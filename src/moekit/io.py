@@ -20,16 +20,15 @@ from pathlib import Path
 import torch
 import transformers
 from pydantic import BaseModel, ValidationError
-from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers.initialization import no_init_weights
 
-from moekit._fs import output, read_small
+from moekit._fs import output
 from moekit.checkpoint.auto import adopt
 from moekit.checkpoint.card import write_model_card
-from moekit.checkpoint.files import read_headers, weight_files
+from moekit.checkpoint.files import ShardReader, check_dir, read_headers, read_text
 from moekit.checkpoint.meta import MoekitMeta
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
@@ -78,14 +77,10 @@ def save_weights(tensors: dict[str, torch.Tensor], folder: Path, shard_bytes: in
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint's validated safetensors files (moekit.checkpoint.files)."""
-    out = {}
-    for f in weight_files(folder):
-        try:
-            out.update(load_file(f))
-        except Exception as e:  # noqa: BLE001  (SafetensorError, OSError of a damaged file)
-            raise CheckpointError(f"{f} is not a readable safetensors file ({e})") from None
-    return out
+    """All tensors of a checkpoint's validated safetensors files, read from their checked descriptors
+    (moekit.checkpoint.files)."""
+    with ShardReader(folder) as reader:
+        return {k: reader.get(k) for k in reader.keys()}
 
 
 def save_configs(model: nn.Module, folder: Path) -> None:
@@ -158,7 +153,7 @@ NATIVE_MODULES = {"moekit_ctc": "moekit.speech.ctc"}
 def _config_json(folder: Path) -> dict:
     """config.json as a dict ({} if unreadable: the loaders report that)."""
     try:
-        data = json.loads(read_small(folder / "config.json", "config", CheckpointError))
+        data = json.loads(read_text(folder, "config.json", "config"))
     except (CheckpointError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -188,8 +183,9 @@ def read_meta(folder: str | Path, file: str = "moekit.json", schema: type[BaseMo
     f = Path(folder) / file
     if not (f.exists() or f.is_symlink()):
         raise CheckpointError(f"{folder} is not a {kind} checkpoint (no {file})")
+    check_dir(folder)
     try:
-        data = json.loads(read_small(f, f"{kind} metadata", CheckpointError))
+        data = json.loads(read_text(folder, file, f"{kind} metadata"))
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{f} is not valid JSON ({e})") from None
     if not isinstance(data, dict) or data.get("format") not in schema.FORMATS:
@@ -208,6 +204,7 @@ def load_config(folder: Path, trust_remote_code: bool = False):
     `trust_remote_code` (never a prompt)."""
     from moekit.checkpoint.auto import MODEL_TYPE, base_config
 
+    check_dir(folder)
     check_remote_code(folder, trust_remote_code)
     _native_module(folder)
     data = _config_json(folder)
@@ -229,6 +226,7 @@ def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
     folder = Path(folder)
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         return None
+    check_dir(folder)
     check_remote_code(folder, trust_remote_code)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
@@ -243,10 +241,9 @@ def check_remote_code(folder: Path, trust_remote_code: bool) -> None:
     if trust_remote_code:
         return
     for name in REMOTE_CODE_FILES:
-        f = folder / name
-        if f.is_file():
+        if (folder / name).is_file():
             try:
-                data = json.loads(read_small(f, "config", CheckpointError))
+                data = json.loads(read_text(folder, name, "config"))
             except (ValueError, RecursionError):
                 continue  # not ours to judge here: the loader reports a broken file
             if isinstance(data, dict) and data.get("auto_map"):
@@ -362,6 +359,8 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
 def check_dense_dir(path: str | Path) -> Path:
     """A HF model directory that is not one of moekit's MoE formats (those have their own commands)."""
     path = Path(path)
+    if path.is_dir():
+        check_dir(path)
     for file, kind, hint in (("moekit.json", "a moekit MoE checkpoint", "moekit inspect / moekit export"),
                              ("simoe.json", "a SIMoE checkpoint", "moekit simoe export --merge TASK")):
         if (path / file).is_file():
@@ -396,8 +395,8 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
 
 def has_safetensors(path: Path, allow_pickle: bool) -> bool:
     """Whether `path` holds safetensors weights; without them, pickle weights only with `allow_pickle`."""
-    if any(path.glob("*.safetensors")):
-        return True
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        return True  # the index is checked when it is read: a shard it names outside the directory is refused
     if not allow_pickle:
         found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}))
         raise CheckpointError(f"{path} has no safetensors weights{f' (found {found})' if found else ''}; pickle "

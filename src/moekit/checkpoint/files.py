@@ -1,12 +1,16 @@
-"""Safetensors checkpoints as untrusted input: which files hold the weights, what their headers say, and
-reading one tensor (or one expert's slice of it) at a time.
+"""Checkpoints as untrusted input: which files a checkpoint directory may hold, which hold the weights, what
+their headers say, and reading one tensor (or one expert's slice of it) at a time.
 
-Nothing here maps a file or allocates more than the tensor asked for. A shard name must be a plain file name
-that resolves inside the checkpoint directory (no `..`, no absolute path, no symbolic link leading out, no
-device or FIFO); every header is parsed and checked as safetensors itself does (size, JSON, dtypes, shapes,
-data offsets that cover the data exactly), and the index must agree with the headers. Anything else is one
-CheckpointError naming the file. Tensors are read with pread into their own buffer (no mmap), so the
-resident memory of a streaming pass is what it holds, not what it has read.
+Every file moekit or transformers reads from a checkpoint (configs, metadata, tokenizer files, shards, indexes)
+must be a regular file whose real path lies inside the checkpoint directory (`check_dir`, `contained`): no
+`..`, no absolute shard path, no symbolic link leading out or dangling, no device or FIFO. The one exception is
+the Hugging Face cache, whose snapshot files are links into the repository's `blobs/`: there the repository's
+cache folder is the boundary (`root_of`). Files moekit reads itself are opened once and the opened descriptor
+is checked (`open_file`), so nothing swapped in after the check is read. Every safetensors header is parsed and
+checked as safetensors itself does (size, JSON, dtypes, shapes, data offsets that cover the data exactly), and
+the index must agree with the headers. Anything else is one CheckpointError naming the file. Tensors are read
+with pread into their own buffer (no mmap), so the resident memory of a streaming pass is what it holds, not
+what it has read.
 """
 from __future__ import annotations
 
@@ -19,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from moekit._fs import read_small
 from moekit.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -46,37 +49,117 @@ class TensorInfo:
         return DTYPES[self.dtype]
 
 
-def _shard(folder: Path, name: object) -> Path:
-    """`folder/name`, refused unless it is a regular file inside `folder`."""
-    if not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", ".."):
-        raise CheckpointError(f"{folder / INDEX}: shard name {name!r} is not a plain file name inside the checkpoint")
+def root_of(folder: str | Path) -> Path:
+    """The directory a checkpoint's files must lie in: the checkpoint directory itself, or for a snapshot of the
+    Hugging Face cache (`models--ORG--NAME/snapshots/REV`, whose files are symbolic links into `../../blobs/`),
+    that repository's cache folder `models--ORG--NAME`."""
+    real = Path(os.path.realpath(folder))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
+def contained(folder: str | Path, name: str, what: str = "file") -> Path:
+    """`folder/name`, refused unless it is a regular file whose real path lies inside the checkpoint (root_of)."""
+    folder = Path(folder)
     path = folder / name
-    real, root = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-    if real.parent != root:
-        raise CheckpointError(f"{path} leads outside the checkpoint directory {folder}")
+    real, root = Path(os.path.realpath(path)), root_of(folder)
+    if root not in real.parents:
+        where = f"the checkpoint directory {folder}" if root == Path(os.path.realpath(folder)) else \
+            f"its Hugging Face cache folder {root}"
+        raise CheckpointError(f"{path} leads outside {where}; copy the file into the checkpoint instead of linking it")
     try:
         mode = os.stat(real).st_mode
     except OSError:
-        raise CheckpointError(f"{folder}: weight file {name} is missing") from None
+        broken = " (a dangling symbolic link)" if os.path.islink(path) else ""
+        raise CheckpointError(f"{folder}: {what} {name} is missing{broken}") from None
     if not stat.S_ISREG(mode):
         raise CheckpointError(f"{path} is not a regular file")
     return path
 
 
+def check_dir(folder: str | Path) -> Path:
+    """A checkpoint directory whose top-level files (what moekit and transformers read: configs, metadata,
+    tokenizer files, weights) are all regular files inside it (symbolic links included: `contained`); subfolders
+    must lie inside it too. Raises CheckpointError naming the first that is not."""
+    folder = Path(folder)
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as e:
+        raise CheckpointError(f"cannot read the checkpoint directory {folder}: {os.strerror(e.errno or 0)}") from None
+    root = root_of(folder)
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            continue
+        if e.is_symlink() and e.is_dir():
+            if root not in Path(os.path.realpath(e.path)).parents:
+                raise CheckpointError(f"{e.path} leads outside the checkpoint directory {folder}")
+            continue
+        contained(folder, e.name)
+    return folder
+
+
+def open_file(folder: str | Path, name: str, what: str = "file") -> int:
+    """A read-only descriptor of `folder/name`, checked after opening: the file it opened is a regular file, and
+    it is the one at a real path inside the checkpoint (so nothing swapped in after the check is read)."""
+    path = contained(folder, name, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {os.strerror(e.errno or 0)}") from None
+    st = os.fstat(fd)
+    try:
+        real = Path(os.path.realpath(path))
+        here = os.stat(real)
+        ok = stat.S_ISREG(st.st_mode) and (here.st_dev, here.st_ino) == (st.st_dev, st.st_ino) \
+            and root_of(folder) in real.parents
+    except OSError:
+        ok = False
+    if not ok:
+        os.close(fd)
+        raise CheckpointError(f"{path} changed while it was being opened; it is not read")
+    return fd
+
+
+def read_text(folder: str | Path, name: str, what: str, limit: int = 64 << 20) -> str:
+    """The UTF-8 text of a small checkpoint file (config, metadata, index), read through `open_file`."""
+    fd = open_file(folder, name, what)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointError(f"{what} {Path(folder) / name} is {size / 2**20:.0f} MiB; more than "
+                                  f"{limit >> 20} MiB is refused")
+        data = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"cannot read {what} {Path(folder) / name}: {e}") from None
+
+
+def _plain_name(folder: Path, name: object) -> str:
+    if not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", ".."):
+        where = "an absolute path" if isinstance(name, str) and os.path.isabs(name) else "not a plain file name"
+        raise CheckpointError(f"{folder / INDEX}: shard name {name!r} is {where}; the index must name files "
+                              "inside the checkpoint directory")
+    return name
+
+
 def weight_map(folder: str | Path) -> dict[str, Path] | None:
     """{tensor name: shard} from model.safetensors.index.json (None without an index), shard names checked."""
     folder = Path(folder)
-    if not (folder / INDEX).exists():
+    if not ((folder / INDEX).exists() or (folder / INDEX).is_symlink()):
         return None
     try:
-        index = json.loads(read_small(folder / INDEX, "index", CheckpointError))
+        index = json.loads(read_text(folder, INDEX, "index"))
     except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{folder / INDEX} is not valid JSON ({e})") from None
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError(f"{folder / INDEX} has no weight_map")
-    shards = {name: _shard(folder, name) for name in set(wmap.values()) if isinstance(name, str)}
-    return {key: shards.get(name) or _shard(folder, name) for key, name in wmap.items()}
+    shards = {name: contained(folder, _plain_name(folder, name), "weight file") for name in set(wmap.values())}
+    return {key: shards[name] for key, name in wmap.items()}
 
 
 def weight_files(folder: str | Path) -> list[Path]:
@@ -86,19 +169,18 @@ def weight_files(folder: str | Path) -> list[Path]:
     if wmap is not None:
         return sorted(set(wmap.values()))
     if (folder / SINGLE).exists() or (folder / SINGLE).is_symlink():
-        return [_shard(folder, SINGLE)]
+        return [contained(folder, SINGLE, "weight file")]
     raise CheckpointError(f"no safetensors weights in {folder}")
 
 
-def read_header(f: Path) -> dict[str, TensorInfo]:
-    """The tensors of one safetensors file, validated as safetensors does (no tensor data is read)."""
+def read_header(f: Path, fd: int) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file (open as `fd`), validated as safetensors does (no tensor data is read)."""
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if size < 8 or n > min(MAX_HEADER, size - 8):
-                raise ValueError("invalid header length")
-            header = json.loads(fh.read(n))
+        size = os.fstat(fd).st_size
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if size < 8 or n > min(MAX_HEADER, size - 8):
+            raise ValueError("invalid header length")
+        header = json.loads(os.pread(fd, n, 8))
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{f} is not a readable safetensors file ({e})") from None
     if not isinstance(header, dict):
@@ -129,16 +211,24 @@ def read_header(f: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def read_headers(folder: str | Path) -> dict[str, TensorInfo]:
-    """Every tensor's dtype, shape, file and offset, from the shard headers (no tensor data is read)."""
+def read_headers(folder: str | Path, fds: dict[Path, int] | None = None) -> dict[str, TensorInfo]:
+    """Every tensor's dtype, shape, file and offset, from the shard headers (no tensor data is read). Each shard
+    is opened once (`open_file`); with `fds`, the descriptors are kept there for reading, else closed."""
     folder = Path(folder)
     wmap = weight_map(folder)
     out: dict[str, TensorInfo] = {}
-    for f in weight_files(folder):
-        for key, info in read_header(f).items():
-            if key in out:
-                raise CheckpointError(f"{folder}: tensor {key} is stored twice ({out[key].file.name}, {f.name})")
-            out[key] = info
+    opened = {} if fds is None else fds
+    try:
+        for f in weight_files(folder):
+            opened[f] = open_file(folder, f.name, "weight file")
+            for key, info in read_header(f, opened[f]).items():
+                if key in out:
+                    raise CheckpointError(f"{folder}: tensor {key} is stored twice ({out[key].file.name}, {f.name})")
+                out[key] = info
+    finally:
+        if fds is None:
+            for fd in opened.values():
+                os.close(fd)
     if wmap is not None:
         wrong = [k for k, f in wmap.items() if k not in out or out[k].file != f]
         if wrong:
@@ -147,12 +237,17 @@ def read_headers(folder: str | Path) -> dict[str, TensorInfo]:
 
 
 class ShardReader:
-    """Reads a validated checkpoint one tensor (or one slice along dim 0) at a time with pread."""
+    """Reads a validated checkpoint one tensor (or one slice along dim 0) at a time with pread, from the
+    descriptors its headers were read from."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.headers = read_headers(self.folder)
         self._fds: dict[Path, int] = {}
+        try:
+            self.headers = read_headers(self.folder, self._fds)
+        except BaseException:
+            self.close()
+            raise
 
     def __contains__(self, name: str) -> bool:
         return name in self.headers
@@ -173,18 +268,13 @@ class ShardReader:
             start, shape = start + index * nbytes, shape[1:]
         buf = torch.empty(nbytes, dtype=torch.uint8)
         view, done = memoryview(buf.numpy()), 0
-        fd = self._fd(info.file)
+        fd = self._fds[info.file]
         while done < nbytes:
             n = os.preadv(fd, [view[done:]], start + done)
             if n <= 0:
                 raise CheckpointError(f"{info.file} ended while reading {name} (truncated while in use?)")
             done += n
         return buf.view(info.torch_dtype).reshape(shape)
-
-    def _fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
 
     def close(self) -> None:
         for fd in self._fds.values():

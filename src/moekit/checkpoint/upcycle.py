@@ -152,7 +152,7 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     dt = output_dtype(dtype, reader)
     slots = selected_slots(dense, spec)
     for r in (reader, *branches):
-        check_shapes(dense, r)
+        check_shapes(dense, r, src)
     tokenizer = load_tokenizer(src, trust_remote_code)  # its files are copied: they must load
     moe, _ = meta_moe_model(dense, slots, router_groups(slots, spec), spec, dt)
     fmt, plan, why = choose_format(format, moe)
@@ -240,16 +240,19 @@ def check_memory(dense: nn.Module, slots, spec: MoESpec, force: bool) -> None:
                             "available; pass force=True to try anyway")
 
 
-def check_shapes(model: nn.Module, reader: ShardReader) -> None:
-    """Every tensor of the model its config describes is in the checkpoint with that shape (a config that
-    disagrees with its weights, or a BTX branch of another architecture, is refused before any work)."""
+def check_shapes(model: nn.Module, reader: ShardReader, config_dir: Path) -> None:
+    """Every tensor of the model that `config_dir`'s config.json describes is in the checkpoint with that shape
+    (a config that disagrees with its weights, or a BTX branch of another architecture, is refused before any
+    work)."""
     kept, aliases = unique_tensors(model)
     for key, t in kept.items():
         name = source_key(key, aliases, reader)
         shape = reader.headers[name].shape
         if shape != tuple(t.shape):
+            whose = "its config.json" if Path(reader.folder) == Path(config_dir) else \
+                f"the config.json of the base model {config_dir}"
             raise CheckpointError(f"{reader.folder}: {name} is {list(shape)} in the weights but "
-                                  f"{list(t.shape)} by its config.json")
+                                  f"{list(t.shape)} by {whose}")
 
 
 def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list[ShardReader], device,

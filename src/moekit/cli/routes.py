@@ -76,7 +76,7 @@ def run_collect(args: argparse.Namespace) -> None:
     if args.max_length < 1 or args.batch_size < 1 or (args.max_texts is not None and args.max_texts < 1):
         raise ConfigError("--max-length, --batch-size and --max-texts must be ≥ 1")
     files = lang_files(args.texts, "--texts")
-    with reserve(args.out, [args.model, *files.values()], args.overwrite, what="trace"):
+    with reserve(args.out, [args.model, *files.values()], args.overwrite, what="trace", kind="file"):
         texts = {lang: read_texts(path, args.max_texts) for lang, path in files.items()}
         tok = load_tokenizer(args.model, args.trust_remote_code)
         if tok is None:

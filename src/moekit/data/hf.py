@@ -14,7 +14,11 @@ Only local files are read, with datasets' packaged builders (no dataset scripts,
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
+import os
 import random
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,9 +76,13 @@ def builder_of(files: list[str], builder: str | None) -> str:
     for f in files:
         if "://" in f:
             raise ConfigError(f"data file {f!r} is a URL: data.source=datasets reads local files only")
-        if not Path(f).is_file():
+        try:
+            mode = os.stat(f).st_mode
+        except OSError:
             raise ConfigError(f"data file not found: {f} (data.source=datasets reads local files only, "
-                              "never a dataset from the Hub)")
+                              "never a dataset from the Hub)") from None
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"data file {f} is not a regular file (a directory, FIFO or device)")
     if builder is not None:
         return builder
     kinds = {BUILDERS.get(Path(f).suffix.lower()) for f in files}
@@ -86,46 +94,78 @@ def builder_of(files: list[str], builder: str | None) -> str:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """No progress bars from `datasets` (only moekit.cli draws them)."""
+    """No progress bars or error log lines from `datasets` (only moekit.cli draws and prints)."""
     import datasets
 
     enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    log = logging.getLogger("datasets")
+    level, log.level = log.level, logging.CRITICAL
     try:
         yield
     finally:
+        log.setLevel(level)
         if enabled:
             datasets.enable_progress_bars()
 
 
 def read_records(files: list[str], builder: str | None) -> list[dict]:
-    """The rows of local `files` as dicts, through datasets.load_dataset with a packaged builder; its Arrow
-    cache lives in a temporary folder (nothing is kept under ~/.cache)."""
+    """The rows of local `files` as dicts (see read_located)."""
+    return [r for _, r in read_located(files, builder)]
+
+
+def read_located(files: list[str], builder: str | None) -> list[tuple[str, dict]]:
+    """(where, row) for every row of local `files`, where = "FILE: record N" (N from 0 in each file), read
+    through datasets.load_dataset with a packaged builder; its Arrow cache lives in a temporary folder (nothing
+    is kept under ~/.cache). A malformed file is one ConfigError naming the file and, where it can be found,
+    the line."""
     import datasets
 
     name = builder_of(files, builder)
-    with tempfile.TemporaryDirectory(prefix="moekit-datasets-") as cache, _quiet():
-        try:
-            ds = datasets.load_dataset(name, data_files=[str(Path(f).resolve()) for f in files], split="train",
-                                       cache_dir=cache, keep_in_memory=True)
-        except Exception as e:  # noqa: BLE001  (pyarrow and datasets raise many types for a malformed file)
-            raise ConfigError(f"cannot read {files} as {name}: {type(e).__name__}: {e}") from None
-        return ds.to_list()
+    out = []
+    for f in files:
+        with tempfile.TemporaryDirectory(prefix="moekit-datasets-") as cache, _quiet():
+            try:
+                ds = datasets.load_dataset(name, data_files=[str(Path(f).resolve())], split="train",
+                                           cache_dir=cache, keep_in_memory=True)
+            except Exception as e:  # noqa: BLE001  (pyarrow and datasets raise many types for a malformed file)
+                raise ConfigError(f"cannot read {f} as {name}: {_malformed(f, name, e)}") from None
+        out += [(f"{f}: record {n}", r) for n, r in enumerate(ds.to_list())]
+    return out
+
+
+def _malformed(f: str, builder: str, e: BaseException) -> str:
+    """What is wrong with a file datasets could not read: the first line that is not JSON (JSON Lines), else
+    the innermost error's message (pyarrow / pandas name the row or line)."""
+    if builder == "json" and Path(f).suffix.lower() == ".jsonl":
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
+                try:
+                    line.strip() and json.loads(line)
+                except ValueError as err:
+                    return f"line {n} is not valid JSON ({err})"
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def field(record: dict, key: str, where: str, kind: type = str):
-    value = record.get(key)
+    """record[key] if it is a `kind`; else one ConfigError naming the record and the column."""
+    if key not in record:
+        raise ConfigError(f"{where}: has no column {key!r} (its columns: {', '.join(map(str, record)) or 'none'})")
+    value = record[key]
     if not isinstance(value, kind):
-        raise ConfigError(f"{where}: expected a {kind.__name__} column {key!r}, got {type(value).__name__}")
+        got = "null" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
+        raise ConfigError(f"{where}: column {key!r} must hold {'text' if kind is str else kind.__name__}, got {got}")
     return value
 
 
-def pack_text(records: list[dict], tok, cfg: TextDataConfig) -> list[Example]:
+def pack_text(records: list[dict], tok, cfg: TextDataConfig, where: list[str]) -> list[Example]:
     """Documents tokenized (with the tokenizer's special tokens) + eos, concatenated, cut into max_length
     blocks; labels = input_ids."""
     stream: list[int] = []
-    for n, r in enumerate(records):
-        stream += tok(field(r, cfg.text_field, f"record {n}"))["input_ids"] + [tok.eos_token_id]
+    for r, at in zip(records, where):
+        stream += tok(field(r, cfg.text_field, at))["input_ids"] + [tok.eos_token_id]
     L = cfg.max_length
     return [{"input_ids": stream[i:i + L], "labels": stream[i:i + L]} for i in range(0, len(stream), L)]
 
@@ -153,31 +193,34 @@ def encode_translation(record: dict, tok, cfg: TextDataConfig, where: str) -> Ex
     return encode_pair(pair, tok, cfg.prompt, cfg.max_length)
 
 
-def encode_records(records: list[dict], tok, cfg: TextDataConfig) -> list[Example]:
-    """The records in `cfg.format`, encoded; examples left with no label within max_length dropped."""
+def encode_records(records: list[dict], tok, cfg: TextDataConfig, where: list[str] | None = None) -> list[Example]:
+    """The records in `cfg.format`, encoded; examples left with no label within max_length dropped. `where`
+    names each record in errors (default: "record N")."""
+    where = where or [f"record {n}" for n in range(len(records))]
     if cfg.format == "text":
-        return pack_text(records, tok, cfg)
+        return pack_text(records, tok, cfg, where)
     if cfg.format == "chat":
         from moekit.data.chat import encode_chat as encode
     else:
         encode = encode_alpaca if cfg.format == "alpaca" else encode_translation
-    examples = [encode(r, tok, cfg, f"record {n}") for n, r in enumerate(records)]
+    examples = [encode(r, tok, cfg, at) for r, at in zip(records, where)]
     return [e for e in examples if any(label != -100 for label in e["labels"])]
 
 
 def load_text_data(cfg: TextDataConfig, tok) -> tuple[list[Example], list[Example]]:
     """(train examples, test examples): test_files, or a `test_fraction` of the train records drawn with
     `seed` (the split is over records, before packing)."""
-    records = read_records(cfg.train_files, cfg.builder)
+    records = read_located(cfg.train_files, cfg.builder)
     if cfg.test_files:
-        test_records = read_records(cfg.test_files, cfg.builder)
+        test_records = read_located(cfg.test_files, cfg.builder)
     else:
         random.Random(cfg.seed).shuffle(records)
         n = max(1, round(len(records) * cfg.test_fraction))
         if n >= len(records):
             raise ConfigError(f"data.test_fraction={cfg.test_fraction} leaves no training record of {len(records)}")
         test_records, records = records[:n], records[n:]
-    train, test = encode_records(records, tok, cfg), encode_records(test_records, tok, cfg)
+    train, test = (encode_records([r for _, r in split], tok, cfg, [w for w, _ in split])
+                   for split in (records, test_records))
     for split, examples in (("training", train), ("test", test)):
         if not examples:
             raise ConfigError(f"no {split} example keeps a label token within data.max_length={cfg.max_length}")

@@ -131,6 +131,9 @@ class MoESpec(Config):
             raise ValueError("give either every or layers, not both")
         if self.layers is not None and any(i < 0 for i in self.layers):
             raise ValueError("layers must be non-negative block indices")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            twice = sorted({i for i in self.layers if self.layers.count(i) > 1})
+            raise ValueError(f"layers lists block {', '.join(map(str, twice))} more than once")
         if self.granularity > 1 and not self.init.granular:
             from moekit.init import EXPERT_INITS
 

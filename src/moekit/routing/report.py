@@ -118,7 +118,7 @@ def _bars_cramers_v(m: dict, path: Path) -> str:
     ax = fig.subplots()
     ax.bar(range(len(V)), V)
     ax.set(xticks=range(len(V)), xticklabels=[f"{i}→{i + 1}" for i in range(len(V))], ylim=(0, 1),
-           xlabel="adjacent MoE layers", ylabel="Cramér's V", title="top-1 association (Omni-router Fig. 3)")
+           xlabel="adjacent MoE layers", ylabel="Cramér's V", title="top-1 association (Omni-router Fig. 4)")
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)
 
@@ -163,7 +163,7 @@ def _markdown(m: dict, figures: dict[str, str]) -> str:
     lines += [f"![layer-wise similarity]({figures['layerwise']})", "", "## Per layer", "",
               "Usage entropy in nats (max log E = {:.3f}); token entropy: mean over the {} most frequent tokens "
               "of the entropy of their top-1 expert (Omni-router Fig. 5); V: Cramér's V of top-1 choices with "
-              "the next layer (Omni-router Fig. 3).".format(max(m["max_usage_entropy"]),
+              "the next layer (Omni-router Fig. 4).".format(max(m["max_usage_entropy"]),
                                                            len(m["token_routing_entropy"]["tokens"])), ""]
     V = m["cramers_v"] + [None]
     lines += _table(["layer", "region", "usage entropy", "token entropy", "V (→ next)"],

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
 from ..moe.layer import MoELayer, moe_layers
 from ..moe.router import RoutingInfo
 
@@ -131,7 +131,11 @@ def find_sites(model: nn.Module, layers: str | None = None) -> list[RouterSite]:
             "transformers v5 MoE block (router child returning (logits, weights, indices) + fused 3-D experts), "
             "as in Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3, Llama 4")
     if layers is not None:
-        sites = [s for s in sites if re.search(layers, s.name)]
+        try:
+            pattern = re.compile(layers)
+        except re.error as e:
+            raise ConfigError(f"layers {layers!r} is not a valid regular expression: {e}") from None
+        sites = [s for s in sites if pattern.search(s.name)]
         if not sites:
             raise UnsupportedModelError(f"no MoE layer path matches {layers!r}")
     return sites

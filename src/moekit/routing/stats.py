@@ -130,21 +130,24 @@ def _selection_mask(a: np.ndarray, layers: list[str], selection: dict[str, list[
 # --- Omni-router: cross-layer association and routing entropy --------------------------------------
 
 def top1(trace: RoutingTrace) -> np.ndarray:
-    """(L, N) the expert with the largest combine weight of every token at every layer."""
-    best = trace.weights.argmax(-1)[..., None]  # (L, N, 1)
+    """(L, N) the expert with the largest combine weight of every token at every layer; padding slots (id -1)
+    never win, and a token with no expert at a layer gets -1."""
+    weights = np.where(trace.ids >= 0, trace.weights, -np.inf)  # (L, N, k)
+    best = weights.argmax(-1)[..., None]  # (L, N, 1)
     return np.take_along_axis(trace.ids, best, -1)[..., 0].astype(np.int64)  # (L, N)
 
 
 def contingency(x: np.ndarray, y: np.ndarray, ex: int, ey: int) -> np.ndarray:
     """(ex, ey) counts of tokens routed to expert x at one layer and y at another; x, y (N,)."""
     table = np.zeros((ex, ey), dtype=np.int64)
-    np.add.at(table, (x, y), 1)
+    both = (x >= 0) & (y >= 0)  # (N,) tokens routed at both layers
+    np.add.at(table, (x[both], y[both]), 1)
     return table
 
 
 def cramers_v(table: np.ndarray) -> float:
     """Cramér's V = sqrt(χ² / (n · (min(r, c) − 1))) of a contingency table over its non-empty rows
-    and columns: 0 for independent choices, 1 when one determines the other (Omni-router Fig. 3).
+    and columns: 0 for independent choices, 1 when one determines the other (Omni-router Fig. 4).
     NaN when either side uses a single expert (no variation to associate)."""
     table = table[table.sum(1) > 0][:, table.sum(0) > 0].astype(float)  # (r, c)
     n, m = table.sum(), min(table.shape) - 1
@@ -157,7 +160,7 @@ def cramers_v(table: np.ndarray) -> float:
 
 def align_experts(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Reorder the columns of a contingency table so that the diagonal holds the largest total count
-    (optimal assignment, scipy's linear_sum_assignment), as in Omni-router Fig. 4.
+    (optimal assignment, scipy's linear_sum_assignment), as in Omni-router Fig. 3.
 
     Returns (aligned table, column order): aligned = table[:, order]; unmatched columns go last."""
     from scipy.optimize import linear_sum_assignment
@@ -168,8 +171,8 @@ def align_experts(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def adjacent_association(trace: RoutingTrace) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Cramér's V between the top-1 choices of MoE layers l and l+1 (Omni-router Fig. 3), and the
-    contingency tables with expert ids aligned by optimal assignment (Fig. 4).
+    """Cramér's V between the top-1 choices of MoE layers l and l+1 (Omni-router Fig. 4), and the
+    contingency tables with expert ids aligned by optimal assignment (Fig. 3).
     Returns ((L-1,) V, L-1 aligned tables)."""
     choice = top1(trace)  # (L, N)
     values, tables = [], []
@@ -213,5 +216,5 @@ def token_routing_entropy(trace: RoutingTrace, num_tokens: int = 100,
     out = np.zeros((trace.num_layers, len(tokens)))  # (L, n)
     for j, tok in enumerate(tokens):
         hits = choice[:, trace.token == tok]  # (L, N_tok)
-        out[:, j] = entropy(np.stack([np.bincount(h, minlength=E) for h in hits]))
+        out[:, j] = entropy(np.stack([np.bincount(h[h >= 0], minlength=E)[:E] for h in hits]))
     return tokens, out

@@ -108,7 +108,8 @@ class RoutingTrace:
         bad = (self.ids < -1) | (self.ids >= self.num_experts.reshape(L, 1, 1))
         if bad.any():
             li = int(np.argwhere(bad)[0][0])
-            raise TraceError(f"{name}: expert ids of layer {self.layers[li]} outside [0, {int(self.num_experts[li])})")
+            raise TraceError(f"{name}: expert ids of layer {self.layers[li]} outside [0, {int(self.num_experts[li])}) "
+                             "(-1, which pads a smaller top-k, is the only other id allowed)")
         if n and (self.lang.min() < 0 or self.lang.max() >= len(self.languages)):
             raise TraceError(f"{name}: language indices outside the {len(self.languages)} languages")
         if not np.isfinite(self.weights).all():

@@ -3,9 +3,12 @@ routing logs and checkpoint formats."""
 from __future__ import annotations
 
 import contextlib
+import pickle
+import re
 from collections import defaultdict
 from pathlib import Path
 
+import torch
 from transformers import Trainer
 
 from moekit.errors import CheckpointError, MoekitError
@@ -15,13 +18,29 @@ from moekit.train.recipe import AuxConfig
 
 @contextlib.contextmanager
 def checkpoint_errors(folder):
-    """A checkpoint that does not load (truncated, corrupt, of another model) is one CheckpointError."""
+    """A checkpoint that does not load (truncated, corrupt, of another model) is one CheckpointError; a file that
+    torch.load (weights_only, as the Trainer calls it) refuses for its pickled objects is named, without torch's
+    advice to load it unsafely."""
+    load = torch.load
+
+    def named_load(f, *args, **kwargs):
+        try:
+            return load(f, *args, **kwargs)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"unsupported GLOBAL (\S+)", str(e))
+            what = f" (it names {found.group(1)})" if found else ""
+            raise CheckpointError(f"cannot resume from {folder}: {f} holds pickled Python objects other than tensors"
+                                  f"{what}; it is refused and nothing in it ran") from None
+
+    torch.load = named_load
     try:
         yield
     except MoekitError:
         raise
     except Exception as e:  # noqa: BLE001  (torch/safetensors raise many types for a bad file)
         raise CheckpointError(f"cannot resume from {folder}: {type(e).__name__}: {e}") from e
+    finally:
+        torch.load = load
 
 
 class MoETrainer(Trainer):
