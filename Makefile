@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps test demo bench clean
+.PHONY: install sysdeps clients test demo bench clean
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SYSDEPS := espeak-ng flite sox
 
@@ -23,7 +23,12 @@ sysdeps:
 	@command -v espeak-ng >/dev/null && command -v flite >/dev/null && command -v sox >/dev/null || \
 	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(SYSDEPS); }
 
-test: $(STAMP) sysdeps
+# the other readers tests/test_clients.py runs (transformers 4.57.6, llama.cpp's converter): a venv and the
+# llama-cpp-python sdist from the package registries, built once (about 2-3 minutes) and cached under ~/.cache
+clients: $(STAMP)
+	$(BIN)/python tests/clients_env.py
+
+test: $(STAMP) sysdeps clients
 	$(BIN)/python -m pytest -n 2 -q tests
 
 demo: $(STAMP) sysdeps

@@ -278,7 +278,7 @@ def test_init_diversity_recorded_from_the_stored_experts(sources, tmp_path, fmt)
     written, accumulated over row chunks) equal to the in-memory upcycle's, in moekit.json or moekit_spec.json
     and the model card; SPRI E=4, k=2 gives 1 − same-group pairs / all pairs = 1 − 2/6."""
     from moekit.checkpoint.files import ShardReader
-    from moekit.checkpoint.stream import ROUTED_DOWN
+    from moekit.checkpoint.stream import routed_down
     from moekit.eval.upcycling import expert_diversity, init_diversity
     from moekit.moe.layer import moe_layers
 
@@ -293,9 +293,10 @@ def test_init_diversity_recorded_from_the_stored_experts(sources, tmp_path, fmt)
     else:
         got = json.loads((tmp_path / "moe" / "moekit_spec.json").read_text())["init_diversity"]
         with ShardReader(tmp_path / "moe") as r:  # and equal to the diversity of the stored tensors
-            for p in want:
-                name = next(f"{p}.{n}" for n in ROUTED_DOWN if f"{p}.{n}" in r)
-                assert got[p] == pytest.approx(expert_diversity(r.get(name)), abs=1e-12)
+            for p in want:  # Mixtral's classic layout: model.layers.N.block_sparse_moe.experts.E.w2.weight
+                name, separate = routed_down(r.headers, p.replace(".mlp", ".block_sparse_moe."))
+                down = torch.stack([r.get(name.format(e)) for e in range(4)]) if separate else r.get(name)
+                assert separate and got[p] == pytest.approx(expert_diversity(down), abs=1e-12)
     assert got.keys() == want.keys() and all(got[p] == pytest.approx(want[p], abs=1e-9) for p in want)
     assert "expert diversity at init" in (tmp_path / "moe" / "README.md").read_text()
 

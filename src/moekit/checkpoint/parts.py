@@ -18,8 +18,14 @@ from moekit.ffn import FFNWeights
 from moekit.moe.layer import MoELayer
 
 # (name relative to the MoE layer, tensor or tensors concatenated along dim 0, index along dim 0 of the stacked
-# tensor or None for a whole tensor)
+# tensor or None for a whole tensor). A name holding "{}" is one tensor per expert (the classic per-expert layout of
+# the Hub's MoE checkpoints): the index is the expert's, written as the whole tensor `name.format(index)`.
 Item = tuple[str, Tensor | list[Tensor], int | None]
+
+
+def per_expert(name: str) -> bool:
+    """Whether an item's name stands for one tensor per expert ("experts.{}.w1.weight")."""
+    return "{}" in name
 
 
 class LayerParts:
@@ -66,6 +72,17 @@ def routed_items(parts: LayerParts, first: str, down: str, router: str | None) -
         yield router, parts.router(), None
 
 
+def classic_items(parts: LayerParts, gate: str, up: str, down: str, router: str) -> Iterator[Item]:
+    """Routed experts one tensor per projection and expert ("experts.{}.<gate>.weight", ...), then the router: the
+    layout of the Hub's MoE checkpoints (Mixtral's w1/w3/w2, Qwen-MoE's gate_proj/up_proj/down_proj)."""
+    for i in range(parts.num_experts):
+        e = parts.expert(i)
+        yield f"experts.{{}}.{gate}.weight", e.gate, i
+        yield f"experts.{{}}.{up}.weight", e.up, i
+        yield f"experts.{{}}.{down}.weight", e.down, i
+    yield router, parts.router(), None
+
+
 def _or_zeros(b: Tensor | None, n: int, like: Tensor) -> Tensor:
     return like.new_zeros(n) if b is None else b
 
@@ -104,7 +121,9 @@ def assemble(items: Iterator[Item]) -> dict[str, Tensor]:
     whole, slices = {}, {}
     for name, t, i in items:
         t = torch.cat(t) if isinstance(t, list) else t
-        if i is None:
+        if per_expert(name):
+            whole[name.format(i)] = t
+        elif i is None:
             whole[name] = t
         else:
             slices.setdefault(name, []).append(t)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit.checkpoint.files import ShardReader
-from moekit.checkpoint.parts import Item, LayerParts, item_shape, moekit_items
+from moekit.checkpoint.parts import Item, LayerParts, item_shape, moekit_items, per_expert
 from moekit.checkpoint.writer import Planned, ShardWriter
 from moekit.errors import CheckpointError, NumericsError
 from moekit.ffn import FFNWeights
@@ -83,23 +83,38 @@ class Const:
 
 @dataclass
 class Layer:
-    """One MoE layer at `prefix`: `parts()` makes its weights when written, `meta` gives the shapes."""
+    """One MoE layer at `prefix`: `parts()` makes its weights when written, `meta` gives the shapes; `path` is the
+    layer's module path (the prefix without its dot unless a format names the MoE block otherwise, e.g. Mixtral's
+    block_sparse_moe)."""
 
     prefix: str
     parts: Callable[[], LayerParts]
     meta: MetaParts
     naming: Callable[[LayerParts], Iterator[Item]]
+    path: str = ""
+
+    def __post_init__(self):
+        self.path = self.path or self.prefix.removesuffix(".")
 
     def plan(self, dtype: torch.dtype) -> list[Planned]:
-        """Names and shapes from the naming of one meta expert (stacked tensors get the layer's E rows)."""
+        """Names and shapes from the naming of one meta expert (stacked tensors get the layer's E rows, per-expert
+        names one tensor per expert)."""
         shapes: dict[str, tuple[int, ...]] = {}
+        E = self.meta.num_experts
         for name, t, i in self.naming(self.meta.one()):
-            shapes.setdefault(name, item_shape(t) if i is None else (self.meta.num_experts, *item_shape(t)))
+            if per_expert(name):
+                for e in range(E):
+                    shapes.setdefault(name.format(e), item_shape(t))
+            else:
+                shapes.setdefault(name, item_shape(t) if i is None else (E, *item_shape(t)))
         return [Planned(self.prefix + name, shape, dtype) for name, shape in shapes.items()]
 
     def items(self) -> Iterator[Item]:
         for name, t, i in self.naming(self.parts()):
-            yield self.prefix + name, t, i
+            if per_expert(name):
+                yield self.prefix + name.format(i), t, None
+            else:
+                yield self.prefix + name, t, i
 
 
 def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: int, task: str = "writing",
@@ -115,7 +130,7 @@ def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: 
                 writer.write(name, t, i)
             if isinstance(u, Layer):
                 if diversities is not None:
-                    diversities[u.prefix.removesuffix(".")] = written_diversity(writer, u)
+                    diversities[u.path] = written_diversity(writer, u)
                 release_freed_memory()  # hand this layer's temporaries back before the next (see there)
                 done += 1
                 report(task, done, layers, u.prefix.rstrip("."))
@@ -126,13 +141,24 @@ def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: 
     return writer.total
 
 
-ROUTED_DOWN = ("experts.down", "experts.down_proj")  # the routed down-projections (E, H, I), in every format written
+# the routed down-projections in every format written: stacked (E, H, I), or one (H, I) tensor per expert
+ROUTED_DOWN = ("experts.down", "experts.down_proj", "experts.{}.down_proj.weight", "experts.{}.w2.weight")
+
+
+def routed_down(names, prefix: str) -> tuple[str, bool]:
+    """(name, per expert) of the routed down-projections of the MoE layer at `prefix` among `names`."""
+    return next((prefix + n, per_expert(n)) for n in ROUTED_DOWN if prefix + n.format(0) in names)
 
 
 def written_diversity(writer: ShardWriter, layer: Layer, chunk_bytes: int = 1 << 27) -> float:
     """The diversity (moekit.eval.upcycling.expert_diversity) of the routed experts of `layer` as just written, read
     back from the page cache in row chunks of about `chunk_bytes`."""
-    name = next(layer.prefix + n for n in ROUTED_DOWN if layer.prefix + n in writer.slots)
+    name, separate = routed_down(writer.slots, layer.prefix)
+    E = layer.meta.num_experts
+    if separate:
+        shape = (E, *writer.slots[name.format(0)].planned.shape)  # (E, H, I)
+        return diversity_by_rows(shape, lambda a, b: torch.stack([writer.read(name.format(e), None, (a, b))
+                                                                  for e in range(E)]), chunk_bytes)
     shape = writer.slots[name].planned.shape  # (E, H, I)
     return diversity_by_rows(shape, lambda a, b: torch.stack([writer.read(name, e, (a, b)) for e in range(shape[0])]),
                              chunk_bytes)
@@ -324,14 +350,16 @@ def router_owners(model: nn.Module) -> dict[str, str]:
 
 
 def moe_units(model: nn.Module, make_parts: Callable[[str, MoELayer], LayerParts],
-              naming: Callable[[str, LayerParts], Iterator[Item]]) -> dict[str, Layer]:
-    """{layer path: Layer unit} of the model's MoE layers (the model on the meta device)."""
+              naming: Callable[[str, LayerParts], Iterator[Item]],
+              prefix: Callable[[str], str] | None = None) -> dict[str, Layer]:
+    """{layer path: Layer unit} of the model's MoE layers (the model on the meta device); `prefix(path)` names a
+    layer's tensors (default: its path and a dot)."""
     units = {}
     with torch.device("meta"):
         for path, moe in moe_layers(model):
             meta = MetaParts(layout(moe))
-            units[path] = Layer(f"{path}.", lambda p=path, m=moe: make_parts(p, m), meta,
-                                lambda parts, p=path: naming(p, parts))
+            units[path] = Layer(prefix(path) if prefix else f"{path}.", lambda p=path, m=moe: make_parts(p, m), meta,
+                                lambda parts, p=path: naming(p, parts), path)
     return units
 
 

@@ -18,10 +18,11 @@ from moekit.config import Config
 from moekit.checkpoint.auto import save_config
 from moekit.checkpoint.card import diversity_fact, write_card
 from moekit.checkpoint.files import ShardReader, read_headers
-from moekit.checkpoint.stream import (Const, Copy, Layer, StoredParts, UpcycledParts, draw_router,
+from moekit.checkpoint.stream import (Copy, Layer, StoredParts, UpcycledParts, draw_router,
                                       meta_moe_model, moe_units, moekit_naming, planned_bytes, read_ffn,
                                       write_units)
 from moekit.checkpoint.writer import DEFAULT_SHARD
+from moekit.export.write import native_units
 from moekit.errors import CheckpointError, ConfigError, ExportError, ResourceError
 from moekit.init.base import InitContext
 from moekit.io import check_dense_dir, load_tokenizer, meta_model, moekit_meta, unique_tensors
@@ -63,6 +64,12 @@ class Written:
     peak_rss: int
     params: tuple[int, int]
     layers: int  # MoE layers
+    readers: str = ""  # native formats: which readers compute it as moekit does (moekit.export.write.readers_note)
+
+    @property
+    def note(self) -> str:
+        """The final line's remark: said only where a reader computes the export differently."""
+        return f"; {self.readers}" if self.readers.startswith("only") else ""
 
 
 def stored_dtype(reader: ShardReader) -> torch.dtype:
@@ -82,25 +89,42 @@ def output_dtype(name: str, reader: ShardReader) -> torch.dtype:
     return DTYPES[name]
 
 
-def choose_format(name: str, model: nn.Module):
+def choose_format(name: str, model: nn.Module, layout: str | None = None, dtype: torch.dtype | None = None):
     """(NativeFormat or None for moekit's format, plan or None, why). `auto`: the first native format that
-    represents the spec exactly for this source, else moekit's."""
+    represents the spec exactly for this source and that every known reader (transformers 5 and 4.57, llama.cpp)
+    computes the same, else the first that transformers computes exactly, else moekit's. `layout` (classic when
+    None) applies to the native formats; moekit's format has none to choose."""
     from moekit.export import EXPORTERS
+    from moekit.export.base import check_layout
 
     if name not in FORMATS:
         raise ConfigError(f"unknown format {name!r}; choose one of: {', '.join(FORMATS)}")
+    if layout is not None:
+        check_layout(layout)
     if name == "moekit":
+        if layout is not None:
+            raise ConfigError("the moekit format has no expert layout to choose; a layout applies to the native "
+                              f"formats ({', '.join(AUTO_ORDER)}, or auto)")
         return None, None, "moekit format requested"
     if name != "auto":
         fmt = EXPORTERS.get(name)
-        return fmt, fmt.plan(model), f"{name} requested"
-    reasons = []
+        return fmt, fmt.plan(model, layout or "classic", dtype), f"{name} requested"
+    reasons, exact = [], []
     for candidate in AUTO_ORDER:
         fmt = EXPORTERS.get(candidate)
         try:
-            return fmt, fmt.plan(model), f"{candidate} represents this MoE exactly"
+            plan = fmt.plan(model, layout or "classic", dtype)
         except ExportError as e:
             reasons.append(str(e).removeprefix("cannot export to "))
+            continue
+        gaps = {r: g for r, g in fmt.reader_gaps(model, plan).items() if g}
+        if not gaps:
+            return fmt, plan, f"{candidate} represents this MoE exactly"
+        exact.append((fmt, plan, gaps))
+    if exact:
+        fmt, plan, gaps = exact[0]
+        return fmt, plan, f"{fmt.name} represents this MoE exactly, for transformers (no native format represents " \
+                          f"it for every reader: {'; '.join(f'{r}: {g[0]}' for r, g in gaps.items())})"
     return None, None, "no native format represents this MoE exactly, so moekit's: " + "; ".join(reasons)
 
 
@@ -128,21 +152,26 @@ def source_key(key: str, aliases: dict[str, str], reader: ShardReader) -> str:
 
 
 def copy_files(src: Path, dst: Path) -> None:
-    """Generation config, tokenizer and processor files of the source (regular files only)."""
+    """Generation config, tokenizer and processor files of the source (regular files only), the tokenizer class
+    readable by transformers 4.x (moekit.export.write.legacy_tokenizer)."""
+    from moekit.export.write import legacy_tokenizer
+
     for name in KEEP_FILES:
         f = src / name
         if f.is_file() and not f.is_symlink():
             shutil.copyfile(f, dst / name)
+    legacy_tokenizer(dst)
 
 
 def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, format: str = "moekit",
                        dtype: str = "auto", device: str | torch.device = "cpu",
                        max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, trust_remote_code: bool = False,
                        allow_nonfinite: bool = False, force: bool = False, inputs=(),
-                       base_model: str | None = None) -> Written:
+                       base_model: str | None = None, layout: str | None = None) -> Written:
     """Upcycle the dense checkpoint directory `src` into `out` (atomically; see moekit._fs.output), layer by
     layer: init math in float32 (or wider) on `device`, tensors written in `dtype` ("auto": the checkpoint's
-    own) as `format` ("auto": a native format when one represents the spec exactly). Memory and disk needs
+    own) as `format` ("auto": a native format when one represents the spec exactly), a native format's experts in
+    `layout` (classic when None, or fused; moekit.export.base). Memory and disk needs
     are checked first (`force` skips the memory check); `base_model` names the source in the model card.
     Progress: "upcycling" per MoE layer (moekit.progress)."""
     start, src = time.perf_counter(), check_dense_dir(src)
@@ -155,19 +184,18 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
         check_shapes(dense, r, src)
     tokenizer = load_tokenizer(src, trust_remote_code)  # its files are copied: they must load
     moe, _ = meta_moe_model(dense, slots, router_groups(slots, spec), spec, dt)
-    fmt, plan, why = choose_format(format, moe)
+    fmt, plan, why = choose_format(format, moe, layout, dt)
     rows: dict[str, torch.Tensor] = {}  # router rows from prompts, computed below once all checks passed
-    layers = moe_units(moe, _parts_maker(spec, {s.path: s for s in slots}, reader, branches, device, allow_nonfinite,
-                                         rows),
-                       moekit_naming(moe) if fmt is None else (lambda path, parts: fmt.layer_items(parts, plan)))
+    make_parts = _parts_maker(spec, {s.path: s for s in slots}, reader, branches, device, allow_nonfinite, rows)
     copies = [*branches, *([reader] if spec.init.include_seed else [])] if spec.init.averages_non_ffn else [reader]
 
     def copy_of(key, aliases):
         return Copy(key, source_key(key, aliases, reader), copies, finite=not allow_nonfinite)
 
-    units, aliases = ordered_units(moe, layers, copy_of)
-    if fmt is not None:
-        units += [Const(k, v) for k, v in fmt.extra_tensors(moe, plan).items()]
+    if fmt is None:
+        units, aliases = ordered_units(moe, moe_units(moe, make_parts, moekit_naming(moe)), copy_of)
+    else:
+        units, aliases = native_units(moe, fmt, plan, make_parts, copy_of, ordered_units), unique_tensors(moe)[1]
     need = planned_bytes(units, dt)
     check_space(out, need)
     check_memory(dense, slots, spec, force)
@@ -180,50 +208,53 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
         for path, m in moe_layers(moe):  # recorded in moekit.json / moekit_spec.json and the card
             m.init_diversity = diversities[path]
         title = f"{src.name} upcycled to an MoE ({spec.summary}, {spec.init.method})"
-        _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model or src.name, title)
+        readers = _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model or src.name, title)
         read_headers(tmp)  # the written shards parse and cover their files exactly
     for r in (reader, *branches):
         r.close()
     rss = peak_memory()
     return Written(Path(out), "moekit" if fmt is None else fmt.name, why, str(dt).removeprefix("torch."), nbytes,
-                   time.perf_counter() - start, rss, param_counts(moe), len(layers))
+                   time.perf_counter() - start, rss, param_counts(moe), len(moe_layers(moe)), readers)
 
 
 def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype: str = "auto",
-                      max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, inputs=()) -> Written:
+                      max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, inputs=(),
+                      layout: str = "classic") -> Written:
     """A moekit checkpoint -> a native transformers MoE checkpoint, streamed like `upcycle_checkpoint`: the
     model is built on the meta device from moekit.json (validated against the shard headers), each MoE layer
-    is read expert by expert (moekit.checkpoint.stream.StoredParts) and renamed to the native layout. Progress:
-    "exporting" per MoE layer (moekit.progress)."""
+    is read expert by expert (moekit.checkpoint.stream.StoredParts) and renamed to the native layout (`layout`:
+    classic or fused, moekit.export.base). Progress: "exporting" per MoE layer (moekit.progress)."""
     from moekit.export import EXPORTERS
     from moekit.io import build_from_meta
 
+    from moekit.export.base import check_layout
+
     start, src = time.perf_counter(), Path(src)
     fmt = EXPORTERS.get(fmt_name)
+    check_layout(layout)
     model, meta = build_from_meta(src)
-    plan = fmt.plan(model)
     reader = ShardReader(src)
     dt = output_dtype(dtype, reader)
+    plan = fmt.plan(model, layout, dt)
     owners = {e["path"]: e["router_of"] for e in meta["layers"]}
     lays = {e["path"]: e["layout"] for e in meta["layers"]}
-    layers = moe_units(model, lambda path, moe: StoredParts(reader, path, lays[path], owners[path]),
-                       lambda path, parts: fmt.layer_items(parts, plan))
 
     def copy_of(key, aliases):
         return Copy(key, source_key(key, aliases, reader), [reader], finite=False)
 
-    units, aliases = ordered_units(model, layers, copy_of)
-    units += [Const(k, v) for k, v in fmt.extra_tensors(model, plan).items()]
+    units = native_units(model, fmt, plan, lambda path, moe: StoredParts(reader, path, lays[path], owners[path]),
+                         copy_of, ordered_units)
+    aliases = unique_tensors(model)[1]
     need = planned_bytes(units, dt)
     with output(out, [src, *inputs], overwrite, need) as tmp:
         nbytes = write_units(tmp, units, dt, max_shard_size, "exporting")
-        _write_metadata(tmp, src, model, aliases, fmt, plan, dt, f"{fmt.name} requested", src.name,
-                        f"{src.name} exported to {fmt.name}")
+        readers = _write_metadata(tmp, src, model, aliases, fmt, plan, dt, f"{fmt.name} requested", src.name,
+                                  f"{src.name} exported to {fmt.name}")
         read_headers(tmp)
     reader.close()
     rss = peak_memory()
     return Written(Path(out), fmt.name, f"{fmt.name} requested", str(dt).removeprefix("torch."), nbytes,
-                   time.perf_counter() - start, rss, param_counts(model), len(layers))
+                   time.perf_counter() - start, rss, param_counts(model), len(moe_layers(model)), readers)
 
 
 def check_memory(dense: nn.Module, slots, spec: MoESpec, force: bool) -> None:
@@ -286,31 +317,35 @@ def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list
 
 
 def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, plan, dt: torch.dtype,
-                    why: str, base_model: str, title: str) -> None:
+                    why: str, base_model: str, title: str) -> str:
     """config.json, moekit.json (or, for a native format, moekit_spec.json beside the native config), the
-    source's tokenizer/generation files and the model card."""
+    source's tokenizer/generation files and the model card; returns which readers compute a native export as
+    moekit does (moekit.export.write.readers_note; "" for moekit's format)."""
     import json
+
+    from moekit.export.write import readers_note
 
     dtype = str(dt).removeprefix("torch.")
     spec = spec_of(moe).model_dump(mode="json")
-    config = moe.config if fmt is None else fmt.config(moe, plan)
-    config.dtype = dtype
+    readers = ""
     if fmt is None:
+        config = moe.config
+        config.dtype = dtype
         save_config(config, tmp)  # wrapped: transformers never reads it as the dense model
-    else:
-        config.architectures = [fmt.native.__name__]  # as the native model's save_pretrained writes it
-        config.save_pretrained(tmp)
-    if fmt is None:
         (tmp / "moekit.json").write_text(json.dumps(moekit_meta(moe, aliases), indent=2))
     else:
+        fmt.write_config(moe, plan, tmp)
         diversities = {path: m.init_diversity for path, m in moe_layers(moe)}
         (tmp / "moekit_spec.json").write_text(json.dumps({"spec": spec, "source": str(src), "format": fmt.name,
-                                                          "init_diversity": diversities}, indent=2))
+                                                          "layout": plan.layout, "init_diversity": diversities},
+                                                         indent=2))
+        readers = readers_note(fmt.reader_gaps(moe, plan))
     copy_files(src, tmp)
-    name = "moekit" if fmt is None else fmt.name
+    name = "moekit" if fmt is None else f"{fmt.name}, {plan.layout} expert layout"
     write_card(tmp, title=title,
                base_model=base_model, method=spec["init"]["method"],
                spec=spec, fmt=f"{name} ({why})", dtype=dtype, params=param_counts(moe),
-               extra=diversity_fact(init_diversity(moe)),
+               extra={**diversity_fact(init_diversity(moe)), **({"readers": readers} if readers else {})},
                checked=["every planned tensor written exactly once, and the shard headers re-read and validated",
                         "dense weights and every initialized expert finite (unless --allow-nonfinite)"])
+    return readers

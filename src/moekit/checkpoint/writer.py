@@ -122,13 +122,15 @@ class ShardWriter:
             _pwrite(self._fd_of[slot.file], memoryview(data.numpy()), start)
             start += data.numel()
 
-    def read(self, name: str, index: int, rows: tuple[int, int]) -> torch.Tensor:
-        """Rows [a, b) of slice `index` of tensor `name` as written (in its planned dtype): a layer just
-        written is read back from the page cache, e.g. to measure it (moekit.checkpoint.stream)."""
+    def read(self, name: str, index: int | None, rows: tuple[int, int]) -> torch.Tensor:
+        """Rows [a, b) of slice `index` of tensor `name` (of the tensor itself when `index` is None) as written (in
+        its planned dtype): a layer just written is read back from the page cache, e.g. to measure it
+        (moekit.checkpoint.stream)."""
         slot = self.slots[name]
         p = slot.planned
-        row = math.prod(p.shape[2:]) * p.dtype.itemsize
-        start = slot.start + index * (p.nbytes // p.shape[0]) + rows[0] * row
+        inner = p.shape if index is None else p.shape[1:]  # the (rows, ...) tensor read from
+        row = math.prod(inner[1:]) * p.dtype.itemsize
+        start = slot.start + (0 if index is None else index * (p.nbytes // p.shape[0])) + rows[0] * row
         size = (rows[1] - rows[0]) * row
         if slot.file not in self._read_fd:
             self._read_fd[slot.file] = os.open(slot.file, os.O_RDONLY)
@@ -136,7 +138,7 @@ class ShardWriter:
         view, done = memoryview(buf.numpy()), 0
         while done < size:
             done += os.preadv(self._read_fd[slot.file], [view[done:]], start + done)
-        return buf.view(p.dtype).reshape(rows[1] - rows[0], *p.shape[2:])
+        return buf.view(p.dtype).reshape(rows[1] - rows[0], *inner[1:])
 
     def abort(self) -> None:
         """Close the files after a failure (the caller removes the directory)."""

@@ -5,7 +5,7 @@ import argparse
 
 from moekit.cli.common import out_console
 from moekit.cli.progress import progress
-from moekit.cli.upcycle import DTYPES, FORMATS, size_arg
+from moekit.cli.upcycle import DTYPES, FORMATS, LAYOUT_HELP, LAYOUTS, size_arg
 
 
 def add_parser(sub) -> None:
@@ -16,6 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("--format", required=True, choices=[f for f in FORMATS if f not in ("auto", "moekit")],
                    help="native transformers format")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--layout", default="classic", choices=LAYOUTS, help=LAYOUT_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="output dtype (auto: the checkpoint's own)")
     p.add_argument("--max-shard-size", default="5GB", type=size_arg, help="largest output shard")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
@@ -30,6 +31,6 @@ def run(args: argparse.Namespace) -> None:
     EXPORTERS.get(args.format)  # unknown format: ConfigError before any loading
     with reserve(args.out, [args.dir], args.overwrite) as out, progress():
         w = export_checkpoint(args.dir, out, args.format, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                              overwrite=args.overwrite)
-    out_console().print(f"exported {args.dir} as {w.format} to {args.out}: {w.dtype}, {w.bytes / 1e9:.2f} GB in "
-                        f"{w.seconds:.1f} s, peak RSS {w.peak_rss / 2**30:.2f} GiB")
+                              overwrite=args.overwrite, layout=args.layout)
+    out_console().print(f"exported {args.dir} as {w.format} ({args.layout} layout) to {args.out}: {w.dtype}, "
+                        f"{w.bytes / 1e9:.2f} GB in {w.seconds:.1f} s, peak RSS {w.peak_rss / 2**30:.2f} GiB{w.note}")

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 FORMATS = ("auto", "moekit", *declared("moekit.export", "EXPORTERS"))
 DTYPES = ("float32", "bfloat16", "float16")
+LAYOUTS = ("classic", "fused")  # moekit.export.base.LAYOUTS, without importing torch for --help
+LAYOUT_HELP = ("how a native format stores the routed experts: classic = one tensor per expert, the Hub's own "
+               "names, read by transformers 4 and 5, llama.cpp and vLLM; fused = transformers 5's stacked tensors, "
+               "read by transformers >= 5 only (default: classic)")
 
 
 def size_arg(text: str) -> int:
@@ -78,6 +82,7 @@ def add_parser(sub) -> None:
     p.add_argument("--format", choices=FORMATS,
                    help="output format (default: moekit; for a mergekit-moe config, its architecture's); "
                         "auto: a native transformers format when one represents the MoE exactly, else moekit")
+    p.add_argument("--layout", choices=LAYOUTS, help=LAYOUT_HELP)
     p.add_argument("--dtype", choices=["auto", *DTYPES],
                    help="output dtype (default: the mergekit-moe config's dtype, else auto = the checkpoint's own); "
                         "init math runs in float32")
@@ -197,6 +202,9 @@ def run(args: argparse.Namespace) -> None:
     from moekit.checkpoint.upcycle import upcycle_checkpoint
 
     recipe, fmt, dtype = read_recipe(args)
+    if args.layout is not None and fmt == "moekit":
+        raise ConfigError(f"--layout {args.layout}: the moekit format has no expert layout to choose; --layout applies "
+                          "to --format mixtral, qwen2_moe, qwen3_moe or auto")
     spec, inputs = recipe.spec, inputs_of(args, recipe)
     guard(recipe.out, inputs, args.overwrite)  # before resolving (possibly fetching) any model
     console = err_console()
@@ -209,11 +217,11 @@ def run(args: argparse.Namespace) -> None:
             w = upcycle_checkpoint(source, out, spec, format=fmt, dtype=dtype, device=args.device,
                                    max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                                    trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite,
-                                   force=args.force, inputs=inputs, base_model=recipe.model)
+                                   force=args.force, inputs=inputs, base_model=recipe.model, layout=args.layout)
     show = out_console().print
     show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.summary}, "
          f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")
     show(f"parameters: total {human(w.params[0])}, active {human(w.params[1])}")
     show(f"format {w.format}: {w.why}")
     show(f"wrote {recipe.out}: {w.format}, {w.dtype}, {w.bytes / 1e9:.2f} GB in {w.seconds:.1f} s, "
-         f"peak RSS {w.peak_rss / 2**30:.2f} GiB")
+         f"peak RSS {w.peak_rss / 2**30:.2f} GiB{w.note}")

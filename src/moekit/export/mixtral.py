@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import LlamaForCausalLM, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from moekit.export.base import EXPORTERS, MoEPlan, NativeFormat, copied_config, refuse
+from moekit.export.base import LLAMA_CPP, EXPORTERS, MoEPlan, NativeFormat, copied_config, refuse, rope_gap, window_gap
 
 
 class Mixtral(NativeFormat):
@@ -13,11 +13,14 @@ class Mixtral(NativeFormat):
 
     The router jitter becomes router_jitter_noise. Training-time difference: Mixtral multiplies the
     input of both router and experts by the noise, moekit only the router's (inference is the same).
+    Classic layout: model.layers.N.block_sparse_moe.gate.weight, ...experts.E.w1|w3|w2.weight (gate, up, down).
     """
 
     name = "mixtral"
     native = MixtralForCausalLM
     sources = (LlamaForCausalLM, MistralForCausalLM)
+    classic_block = "block_sparse_moe"
+    classic_experts = ("w1", "w3", "w2")
 
     def check(self, model: nn.Module, p: MoEPlan) -> None:
         cfg = model.config
@@ -34,6 +37,13 @@ class Mixtral(NativeFormat):
                          "weights (scoring='topk_softmax'); qwen2_moe / qwen3_moe support it (norm_topk_prob=false)")
         if p.shared_size is not None:
             raise refuse(self.name, "the MoE layers have a shared expert, which Mixtral lacks; qwen2_moe has one")
+
+    def gaps(self, model: nn.Module, p: MoEPlan, gaps: dict[str, list[str]]) -> None:
+        """llama.cpp reads Mixtral as its Llama architecture: no sliding window; its converter maps only the classic
+        expert names ("Can not map tensor ...experts.gate_up_proj")."""
+        if p.layout == "fused":
+            gaps[LLAMA_CPP].append("the fused expert layout (its converter maps only the classic names)")
+        gaps[LLAMA_CPP] += window_gap(model.config) + rope_gap(model.config, ("default", "linear", "yarn", "llama3"))
 
     def config(self, model: nn.Module, p: MoEPlan) -> MixtralConfig:
         return MixtralConfig(**copied_config(model, "sliding_window"), intermediate_size=p.intermediate_size,

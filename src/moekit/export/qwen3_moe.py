@@ -4,7 +4,8 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moekit.export.base import EXPORTERS, MoEPlan, NativeFormat, copied_config, qwen_moe_fields, refuse
+from moekit.export.base import (LLAMA_CPP, EXPORTERS, MoEPlan, NativeFormat, copied_config, dense_gap, qwen_moe_fields,
+                                refuse, rope_gap)
 
 
 class Qwen3Moe(NativeFormat):
@@ -22,6 +23,17 @@ class Qwen3Moe(NativeFormat):
                          "(from a Qwen2, Llama or Mistral source)")
         p.require_no_jitter()
         self._attention(model.config)
+
+    def gaps(self, model: nn.Module, p: MoEPlan, gaps: dict[str, list[str]]) -> None:
+        """llama.cpp's Qwen3-MoE: every layer MoE, top-k weights always renormalized, no sliding window."""
+        cfg = model.config
+        out = gaps[LLAMA_CPP]
+        out += dense_gap(p, cfg.num_hidden_layers)
+        if p.scoring != "topk_softmax":
+            out.append("top-k weights that are not renormalized (norm_topk_prob false; it always renormalizes)")
+        if self._attention(cfg)["use_sliding_window"]:
+            out.append(f"a sliding window of {cfg.sliding_window} (llama.cpp attends to the whole context)")
+        out += rope_gap(cfg, ("default", "linear", "yarn"))
 
     def _attention(self, src: PretrainedConfig) -> dict:
         """Qwen3-MoE uses one sliding window for every layer or none; Qwen3 may choose per layer (layer_types)."""
