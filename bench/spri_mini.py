@@ -180,29 +180,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/spri_mini"))
     ap.add_argument("--write", type=Path)
-    ap.add_argument("--report-only", action="store_true", help="report the systems finished so far, run nothing")
+    ap.add_argument("--report-only", action="store_true",
+                    help="report the systems finished so far (with --only: of those systems), run nothing")
     ap.add_argument("--ablations", action="store_true",
                     help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section "
                          "(paired against spri_two_stage)")
     ap.add_argument("--only", nargs="+", metavar="SYSTEM",
-                    help="train only these systems (e.g. in a second process beside a running one); report all")
+                    help="train only these systems (e.g. in a second process beside a running one); report all "
+                         "(with --report-only: report only these, train nothing)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
     args = ap.parse_args()
     log_progress()
     systems, mark, base = ((ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations
                            else (SYSTEMS, MARK, "dense_ft"))
+    names = list(systems)  # the systems reported
     if args.only:
         unknown = set(args.only) - set(systems)
         if unknown:
             ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(systems)}")
-        for seed in args.seeds:  # every system of one seed before the next seed
-            for name in args.only:
-                run_system(name, *systems[name], args.out, seed)
+        if args.report_only:  # report these systems only, train nothing
+            names = args.only
+        else:
+            for seed in args.seeds:  # every system of one seed before the next seed
+                for name in args.only:
+                    run_system(name, *systems[name], args.out, seed)
         args.report_only = True
     if args.report_only:
         summaries = {(n, s): json.loads((seed_folder(args.out, n, s) / "summary.json").read_text())
-                     for s in args.seeds for n in systems if (seed_folder(args.out, n, s) / "summary.json").is_file()}
+                     for s in args.seeds for n in names if (seed_folder(args.out, n, s) / "summary.json").is_file()}
     else:
         summaries = {(name, s): run_system(name, *systems[name], args.out, s) for s in args.seeds for name in systems}
     wanted = [(n, s) for s in args.seeds for n in (args.only or systems)]
