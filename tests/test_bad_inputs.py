@@ -998,6 +998,17 @@ NUMBERS_AND_WRONG_INPUT = [
          r"invalid choice: 'gpt5' \(choose from 'mixtral', 'qwen2_moe', 'qwen3_moe'\)"),
     Case("export-dense-input", lambda t, f: ["export", dense(t, f), "--format", "mixtral", "--out", t / "hf"],
          r"is not a moekit checkpoint \(no moekit\.json\)"),
+    # --layout: the native formats' expert layout (classic | fused); moekit's own format has none
+    Case("upcycle-layout-on-moekit-format", lambda t, f: upc(dense(t, f), t / "moe", "--format", "moekit", "--layout",
+                                                            "classic"),
+         r"--layout classic: the moekit format has no expert layout to choose; --layout applies to --format mixtral"),
+    Case("upcycle-layout-without-format", lambda t, f: upc(dense(t, f), t / "moe", "--layout", "fused"),
+         r"--layout fused: the moekit format has no expert layout"),
+    Case("upcycle-unknown-layout", lambda t, f: upc(dense(t, f), t / "moe", "--format", "mixtral", "--layout", "flat"),
+         r"argument --layout: invalid choice: 'flat' \(choose from 'classic', 'fused'\)"),
+    Case("export-unknown-layout", lambda t, f: ["export", moe(t, f), "--format", "qwen2_moe", "--layout", "stacked",
+                                                "--out", t / "hf"],
+         r"argument --layout: invalid choice: 'stacked' \(choose from 'classic', 'fused'\)"),
     Case("inspect-dense-dir", lambda t, f: ["inspect", dense(t, f)], r"is not a moekit checkpoint \(no moekit\.json\)"),
     Case("inspect-missing-dir", lambda t, f: ["inspect", t / "nowhere"], r"nowhere is not a moekit checkpoint"),
     # train / validate
