@@ -6,6 +6,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+import yaml
 import transformers as tf
 
 from moekit import assets
@@ -191,28 +192,44 @@ def test_clean_verse_strips_native_numbering_and_normalizes():
     assert clean_verse("God`s word (1:2) stays") == "God's word (1:2) stays"  # only a leading number goes
 
 
-def test_hub_ids_resolve_from_a_local_hf_cache(tmp_path, monkeypatch, run):
-    """org/name[@revision] through huggingface_hub, offline, from a fake cache laid out as the Hub's."""
+def test_hub_ids_resolve_from_a_real_hf_cache(tmp_path, monkeypatch, run):
+    """org/name[@revision] through huggingface_hub, offline, from a cache that huggingface_hub itself filled (from a
+    fake Hub on 127.0.0.1): snapshot files are relative links into blobs/, which moekit follows inside the
+    repository's cache folder only. The flag, a YAML recipe and a mergekit config all take Hub ids."""
     from moekit.assets import model_inputs, resolve_model
     from moekit.errors import AssetError
-    from moekit.testing import tiny_llama
+    from moekit.testing.fake_hub import commit_of
+    from moekit.testing.standins import standin_hub
 
-    cache = tmp_path / "hf"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    snap = cache / "models--org--tiny" / "snapshots" / commit
-    tiny_llama().save_pretrained(snap)
-    (cache / "models--org--tiny" / "refs").mkdir()
-    (cache / "models--org--tiny" / "refs" / "main").write_text(commit)
+    cache = standin_hub(tmp_path / "hf", ["org/tiny", "org/tiny-b"], dtype=torch.float32)
+    snap = cache / "models--org--tiny" / "snapshots" / commit_of("org/tiny")
+    assert (cache / "models--org--tiny" / "refs" / "main").read_text() == commit_of("org/tiny")
+    links = {p.name: os.readlink(p) for p in snap.iterdir()}
+    assert links and all(t.startswith("../../blobs/") for t in links.values())  # the real layout, not copies
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert resolve_model("org/tiny") == snap
-    assert resolve_model(f"org/tiny@{commit}") == snap
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("org/tiny") == snap == resolve_model(f"org/tiny@{commit_of('org/tiny')}")
     assert model_inputs("org/tiny") == [cache / "models--org--tiny"]
     with pytest.raises(AssetError, match="not in the Hugging Face cache .* HF_HUB_OFFLINE"):
         resolve_model("org/missing")
     rc, out, err = run("upcycle", "--model", "org/tiny", "--experts", 2, "--top-k", 1, "--out", tmp_path / "moe")
     assert rc == 0, err
     assert "base_model: org/tiny" in (tmp_path / "moe" / "README.md").read_text()
+    rc, _, err = run("upcycle", "--model", snap, "--experts", 2, "--top-k", 1, "--out", tmp_path / "local")
+    assert rc == 0, err  # the same snapshot named by its path: the same weights
+    assert (tmp_path / "moe" / "model.safetensors").read_bytes() == (tmp_path / "local" / "model.safetensors").read_bytes()
+    (tmp_path / "up.yaml").write_text(yaml.safe_dump({"model": f"org/tiny@{commit_of('org/tiny')}",
+                                                      "out": str(tmp_path / "yaml"), "spec": {"num_experts": 2}}))
+    rc, _, err = run("upcycle", tmp_path / "up.yaml")
+    assert rc == 0, err
+    (tmp_path / "mk.yml").write_text(yaml.safe_dump({
+        "base_model": "org/tiny", "gate_mode": "random", "experts_per_token": 1,
+        "experts": [{"source_model": "org/tiny"}, {"source_model": "org/tiny-b"}]}))
+    rc, _, err = run("upcycle", tmp_path / "mk.yml", tmp_path / "merged")
+    assert rc == 0, err
+    card = yaml.safe_load((tmp_path / "merged" / "README.md").read_text().split("---")[1])
+    assert card["base_model"] == ["org/tiny", "org/tiny-b"]  # every source of the merge, once each
     rc, _, err = run("upcycle", "--model", "org/tiny", "--out", cache, "--overwrite")
     assert rc == 2 and "contains input" in err  # the cache holding the model is never replaced
 

@@ -227,3 +227,79 @@ def test_bad_configs_refused_in_one_line(models, tmp_path, run, data, message):
 
 def test_spec_flags_do_not_apply(models, tmp_path, run):
     assert "--experts" in refused(run, tmp_path, config(models), "--experts", 4)
+
+
+def test_mergekit_command_lines_run_as_written(models, tmp_path, run):
+    """A command as mergekit's docs and issues write it runs; --out-shard-size counts parameters, as in mergekit
+    (a 10K-parameter limit in float32 gives shards of at most 40 kB, several of them here); --random-seed is --seed."""
+    import json
+
+    from moekit.cli.mergekit_flags import MERGEKIT_FLAGS, parse_kmb
+    from moekit.checkpoint.files import ShardReader
+
+    write(tmp_path / "mergekit.yml", config(models, "random"))
+    rc, _, err = run("upcycle", tmp_path / "mergekit.yml", tmp_path / "out", "--copy-tokenizer", "--allow-crimes",
+                     "--lazy-unpickle", "--low-cpu-memory", "--out-shard-size", "10K", "--random-seed", 3, "-v",
+                     "--no-cuda", "--clone-tensors", "--write-model-card", "--safe-serialization", "--quiet", "-j", 1)
+    assert rc == 0, err
+    assert err == ""  # --quiet: no progress lines
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all((tmp_path / "out" / s).stat().st_size <= 10_000 * 4 + 8192 for s in shards)
+    rc, _, err = run("upcycle", tmp_path / "mergekit.yml", tmp_path / "seeded", "--seed", 3)
+    assert rc == 0, err
+    with ShardReader(tmp_path / "out") as a, ShardReader(tmp_path / "seeded") as b:  # --random-seed 3 = --seed 3
+        assert a.keys() and sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.get(k), b.get(k)) for k in a.keys())
+    assert parse_kmb("5B") == 5 * 10**9 and parse_kmb("500M") == 5 * 10**8 and parse_kmb("1000") == 1000
+    assert {k for k, (kind, _, _) in MERGEKIT_FLAGS.items() if kind == "refused"} == {
+        "--multi-gpu", "--load-in-4bit", "--load-in-8bit", "--lora-merge-cache", "--lora-merge-dtype",
+        "--unsafe-truncate-embeddings"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--load-in-4bit"], "--load-in-4bit (mergekit-moe) has no equivalent in moekit: the hidden states"),
+    (["--load-in-8bit"], "--load-in-8bit (mergekit-moe) has no equivalent"),
+    (["--multi-gpu"], "--multi-gpu (mergekit-moe) has no equivalent in moekit: moekit's init math runs on one device"),
+    (["--no-copy-tokenizer"], "--no-copy-tokenizer (mergekit-moe) has no equivalent"),
+    (["--lora-merge-cache", "x"], "LoRA references (model+lora) are not supported"),
+    (["--out-shard-size", "5X"], "'5X' is not a count such as 1000, 500M or 5B"),
+    (["--out-shard-size", "0"], "'0' is not a count"),
+    (["--num-threads", "0"], "--num-threads takes a whole number of at least 1, not '0'"),
+    (["--random-seed", "x"], "--random-seed takes a whole number of at least 0, not 'x'"),
+    (["--random-seed", "1", "--seed", "2"], "--seed 2 and --random-seed 1 disagree"),
+])
+def test_mergekit_flags_without_an_equivalent_are_refused(models, tmp_path, run, flags, message):
+    assert message in refused(run, tmp_path, config(models, "random"), *flags)
+
+
+def test_mixed_architectures_refused_unless_allow_crimes(models, tmp_path, run):
+    """A Llama base with Qwen3 and Qwen2 experts of the same FFN shapes: mergekit-moe refuses mixed architectures,
+    so does moekit (naming each model's type), unless --allow-crimes."""
+    from moekit.testing import tiny_qwen2, tiny_qwen3
+
+    for name, build in (("qwen3", tiny_qwen3), ("qwen2", tiny_qwen2)):
+        build().save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    data = config(models, "random")
+    data["experts"] = [{"source_model": str(models / "m1")}, {"source_model": str(tmp_path / "qwen3")},
+                       {"source_model": str(tmp_path / "qwen2")}]
+    err = refused(run, tmp_path, data)
+    assert "the models mix architectures (llama, qwen2, qwen3)" in err and "unless --allow-crimes" in err
+    rc, _, err = run("upcycle", tmp_path / "mergekit.yml", tmp_path / "out", "--allow-crimes")
+    assert rc == 0, err
+
+
+def test_readme_tables_every_mergekit_flag_and_key():
+    """README's tables name every flag of the flag table and every config key moekit reads."""
+    from pathlib import Path
+
+    from moekit.cli.mergekit_flags import MERGEKIT_FLAGS, MERGEKIT_REFUSED_NEGATIONS
+    from moekit.mergekit import MergekitExpert, MergekitMoE
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for flag in [*MERGEKIT_FLAGS, *MERGEKIT_REFUSED_NEGATIONS]:
+        assert f"| `{flag}`" in readme, flag
+    keys = [k for k in MergekitMoE.model_fields if k != "experts"]
+    for key in [*keys, *(f"experts[i].{k}" for k in MergekitExpert.model_fields)]:
+        assert f"`{key}`" in readme, key

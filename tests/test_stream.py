@@ -257,19 +257,46 @@ def front_matter(folder) -> dict:
     return yaml.safe_load(text.split("---\n")[1])
 
 
+def hub_valid(folder) -> dict:
+    """The card's metadata as huggingface_hub reads it (ModelCard raises on metadata it cannot take), checked for
+    what the Hub's validation asks offline: base_model repository ids, a library name, a pipeline tag."""
+    from huggingface_hub import ModelCard
+    from huggingface_hub.utils import validate_repo_id
+
+    data = ModelCard.load(folder / "README.md", ignore_metadata_errors=False).data.to_dict()
+    base = data.get("base_model")
+    for repo in [base] if isinstance(base, str) else base or []:
+        validate_repo_id(repo)  # raises on a local path ("/", "..", "--", ...)
+    assert data["library_name"] in ("transformers", "moekit") and data["pipeline_tag"] == "text-generation"
+    return data
+
+
 def test_model_cards(sources, tmp_path, tiny_recipe_overrides, run):
+    """Hub-ready cards: base_model the Hub id (never a local path; omitted without one), every source of a merge,
+    library_name transformers on native exports, a pipeline tag, tags [moe, upcycling, METHOD], the diversity
+    explained."""
     spec = make_spec(init="spri", shared_expert=True, seed=7)
     upcycle_checkpoint(sources["llama"], tmp_path / "moe", spec, base_model="org/llama-tiny")
-    header = front_matter(tmp_path / "moe")
-    assert header == {"library_name": "moekit", "tags": ["moe", "upcycling", "spri"], "base_model": "org/llama-tiny"}
+    header = hub_valid(tmp_path / "moe")
+    assert header == {"library_name": "moekit", "pipeline_tag": "text-generation",
+                      "tags": ["moe", "upcycling", "spri"], "base_model": "org/llama-tiny"}
     body = (tmp_path / "moe" / "README.md").read_text()
     assert "Shan et al. 2026" in body and "**seed**: 7" in body and "**dtype**: float32" in body
     assert '"rho": 0.001' in body and "active per token" in body and "moekit version" in body
+    assert "above 1 when pairs point partly opposite" in body  # what the diversity figure means
     export_checkpoint(tmp_path / "moe", tmp_path / "q2", "qwen2_moe")
-    assert front_matter(tmp_path / "q2")["tags"] == ["moe", "upcycling", "spri"]
+    assert hub_valid(tmp_path / "q2") == {**header, "library_name": "transformers"}  # base_model kept from the source
+    upcycle_checkpoint(sources["llama"], tmp_path / "local", spec)  # a local directory: no base_model at all
+    assert "base_model" not in hub_valid(tmp_path / "local") and str(sources["llama"]) not in \
+        (tmp_path / "local" / "README.md").read_text().split("---")[1]
+    merged = make_spec(init={"method": "sources", "branches": [str(sources["llama"])] * 4, "allow_same": True})
+    upcycle_checkpoint(sources["llama"], tmp_path / "merge", merged, format="mixtral",
+                       base_model=["org/base", "org/a", None, "org/b", "org/a"])
+    assert hub_valid(tmp_path / "merge")["base_model"] == ["org/base", "org/a", "org/b"]
     rc, _, err = run("train", "recipes/dense_ft.yaml", *tiny_recipe_overrides(tmp_path / "run"))
     assert rc == 0, err
-    assert front_matter(tmp_path / "run")["library_name"] == "moekit"
+    run_card = front_matter(tmp_path / "run")  # a dense fine-tune of a local model: a transformers model, no base
+    assert run_card["library_name"] == "transformers" and "base_model" not in run_card
 
 
 @pytest.mark.parametrize("fmt", ["moekit", "mixtral"])

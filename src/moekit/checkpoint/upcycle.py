@@ -17,7 +17,7 @@ from moekit._fs import available_memory, check_space, output, peak_memory
 from moekit.config import Config
 from moekit.checkpoint.auto import save_config
 from moekit.checkpoint.card import diversity_fact, write_card
-from moekit.checkpoint.files import ShardReader, read_headers
+from moekit.checkpoint.files import ShardReader, copy_file, read_headers
 from moekit.checkpoint.stream import (Copy, Layer, StoredParts, UpcycledParts, draw_router,
                                       meta_moe_model, moe_units, moekit_naming, planned_bytes, read_ffn,
                                       write_units)
@@ -152,14 +152,14 @@ def source_key(key: str, aliases: dict[str, str], reader: ShardReader) -> str:
 
 
 def copy_files(src: Path, dst: Path) -> None:
-    """Generation config, tokenizer and processor files of the source (regular files only), the tokenizer class
-    readable by transformers 4.x (moekit.export.write.legacy_tokenizer)."""
+    """Generation config, tokenizer and processor files of the source (regular files inside it, or links inside
+    its Hugging Face cache folder: moekit.checkpoint.files.copy_file), the tokenizer class readable by
+    transformers 4.x (moekit.export.write.legacy_tokenizer)."""
     from moekit.export.write import legacy_tokenizer
 
     for name in KEEP_FILES:
-        f = src / name
-        if f.is_file() and not f.is_symlink():
-            shutil.copyfile(f, dst / name)
+        if (src / name).is_file():
+            copy_file(src, name, dst / name)
     legacy_tokenizer(dst)
 
 
@@ -167,12 +167,13 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
                        dtype: str = "auto", device: str | torch.device = "cpu",
                        max_shard_size: int = DEFAULT_SHARD, overwrite: bool = False, trust_remote_code: bool = False,
                        allow_nonfinite: bool = False, force: bool = False, inputs=(),
-                       base_model: str | None = None, layout: str | None = None) -> Written:
+                       base_model: list | str | None = None, layout: str | None = None) -> Written:
     """Upcycle the dense checkpoint directory `src` into `out` (atomically; see moekit._fs.output), layer by
     layer: init math in float32 (or wider) on `device`, tensors written in `dtype` ("auto": the checkpoint's
     own) as `format` ("auto": a native format when one represents the spec exactly), a native format's experts in
     `layout` (classic when None, or fused; moekit.export.base). Memory and disk needs
-    are checked first (`force` skips the memory check); `base_model` names the source in the model card.
+    are checked first (`force` skips the memory check); `base_model`: the Hub id(s) the model card names (by default
+    moekit.assets.hub_id of `src`; None entries and local paths are never written).
     Progress: "upcycling" per MoE layer (moekit.progress)."""
     start, src = time.perf_counter(), check_dense_dir(src)
     dense = meta_model(src, trust_remote_code)
@@ -208,7 +209,7 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
         for path, m in moe_layers(moe):  # recorded in moekit.json / moekit_spec.json and the card
             m.init_diversity = diversities[path]
         title = f"{src.name} upcycled to an MoE ({spec.summary}, {spec.init.method})"
-        readers = _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model or src.name, title)
+        readers = _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model, title)
         read_headers(tmp)  # the written shards parse and cover their files exactly
     for r in (reader, *branches):
         r.close()
@@ -248,7 +249,7 @@ def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype:
     need = planned_bytes(units, dt)
     with output(out, [src, *inputs], overwrite, need) as tmp:
         nbytes = write_units(tmp, units, dt, max_shard_size, "exporting")
-        readers = _write_metadata(tmp, src, model, aliases, fmt, plan, dt, f"{fmt.name} requested", src.name,
+        readers = _write_metadata(tmp, src, model, aliases, fmt, plan, dt, f"{fmt.name} requested", None,
                                   f"{src.name} exported to {fmt.name}")
         read_headers(tmp)
     reader.close()
@@ -317,7 +318,7 @@ def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list
 
 
 def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, plan, dt: torch.dtype,
-                    why: str, base_model: str, title: str) -> str:
+                    why: str, base_model: list | str | None, title: str) -> str:
     """config.json, moekit.json (or, for a native format, moekit_spec.json beside the native config), the
     source's tokenizer/generation files and the model card; returns which readers compute a native export as
     moekit does (moekit.export.write.readers_note; "" for moekit's format)."""
@@ -342,8 +343,12 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
         readers = readers_note(fmt.reader_gaps(moe, plan))
     copy_files(src, tmp)
     name = "moekit" if fmt is None else f"{fmt.name}, {plan.layout} expert layout"
-    write_card(tmp, title=title,
-               base_model=base_model, method=spec["init"]["method"],
+    from moekit.assets import hub_id
+
+    ids = [base_model] if isinstance(base_model, str) else base_model if base_model is not None else [hub_id(src)]
+    ids = [i for x in ids for i in ([x] if isinstance(x, str) else x or [])]  # a card's base_model may be a list
+    write_card(tmp, title=title, architecture=type(moe).__name__,
+               base_model=ids, method=spec["init"]["method"],
                spec=spec, fmt=f"{name} ({why})", dtype=dtype, params=param_counts(moe),
                extra={**diversity_fact(init_diversity(moe)), **({"readers": readers} if readers else {})},
                checked=["every planned tensor written exactly once, and the shard headers re-read and validated",

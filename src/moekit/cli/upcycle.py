@@ -98,8 +98,77 @@ def add_parser(sub) -> None:
                    help="proceed although the dense weights or the initialized experts hold NaN or Inf")
     p.add_argument("--force", action="store_true",
                    help="proceed although the estimated memory exceeds what this machine has available")
+    add_mergekit_flags(p)
     p.epilog = "The checkpoint is read and written tensor by tensor (safetensors only)."
     p.set_defaults(run=run)
+
+
+LABELS = {"same": "as in mergekit", "no-op": "accepted, nothing to do", "refused": "refused"}
+
+
+def add_mergekit_flags(p: argparse.ArgumentParser) -> None:
+    """mergekit-moe's own flags, with mergekit's meaning where moekit has one (moekit.cli.mergekit_flags). Their
+    --no- forms ask for mergekit's defaults, which moekit keeps, except the few it cannot do without."""
+    from moekit.cli.mergekit_flags import MERGEKIT_FLAGS
+
+    g = p.add_argument_group("mergekit-moe's flags", "accepted as mergekit-moe 0.1.5 spells them; README \"From a "
+                             "mergekit-moe config\" has the table")
+    taken = {o for a in p._actions for o in a.option_strings}
+    for flag, (kind, takes_value, what) in MERGEKIT_FLAGS.items():
+        if flag in taken:
+            continue
+        names = [flag, *{"--num-threads": ["-j"], "--verbose": ["-v"]}.get(flag, [])]
+        dest = "mergekit_" + flag[2:].replace("-", "_")
+        if takes_value:
+            g.add_argument(*names, dest=dest, metavar="N" if flag != "--transformers-cache" else "DIR",
+                           help=f"{LABELS[kind]}: {what}")
+        else:
+            g.add_argument(*names, dest=dest, action="count" if flag == "--verbose" else "store_true",
+                           help=f"{LABELS[kind]}: {what}")
+            no = f"--no-{flag[2:]}"
+            if no not in taken:
+                g.add_argument(no, dest="mergekit_refused_negation", action="append_const", const=no,
+                               help=argparse.SUPPRESS)
+
+
+def apply_mergekit_flags(args: argparse.Namespace) -> None:
+    """mergekit-moe's flags turned into moekit's options, or one ConfigError for a flag moekit has no equivalent
+    for (before any work)."""
+    from moekit.cli.mergekit_flags import MERGEKIT_FLAGS, MERGEKIT_REFUSED_NEGATIONS, parse_kmb
+
+    given = {flag: getattr(args, "mergekit_" + flag[2:].replace("-", "_"), None) for flag in MERGEKIT_FLAGS}
+    given = {f: v for f, v in given.items() if v not in (None, False, 0)}
+    refused = [f for f in given if MERGEKIT_FLAGS[f][0] == "refused"]
+    refused += [n for n in getattr(args, "mergekit_refused_negation", None) or [] if n in MERGEKIT_REFUSED_NEGATIONS]
+    if refused:
+        f = refused[0]
+        why = MERGEKIT_FLAGS[f][2] if f in MERGEKIT_FLAGS else MERGEKIT_REFUSED_NEGATIONS[f]
+        raise ConfigError(f"{f} (mergekit-moe) has no equivalent in moekit: {why}")
+    if "--cuda" in given or "--gpu-rich" in given:
+        args.device = device_arg("cuda")
+    if "--random-seed" in given:
+        seed = _count(given["--random-seed"], "--random-seed", minimum=0)
+        if args.seed is not None and args.seed != seed:
+            raise ConfigError(f"--seed {args.seed} and --random-seed {seed} disagree; give one")
+        args.seed = seed
+    if "--num-threads" in given:
+        import torch
+
+        torch.set_num_threads(_count(given["--num-threads"], "--num-threads"))
+    if "--transformers-cache" in given:
+        os.environ["HF_HUB_CACHE"] = str(given["--transformers-cache"])
+    args.shard_parameters = parse_kmb(given["--out-shard-size"]) if "--out-shard-size" in given else None
+    args.quiet = "--quiet" in given
+
+
+def _count(text: str, flag: str, minimum: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise ConfigError(f"{flag} takes a whole number of at least {minimum}, not {text!r}")
+    return value
 
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:
@@ -163,8 +232,35 @@ def mergekit_recipe(args: argparse.Namespace, data: dict) -> tuple[UpcycleRecipe
         raise ConfigError(f"{source} is a mergekit-moe config: give one output directory, moekit upcycle {source} OUT")
     cfg = read_mergekit(data, source)
     spec = to_spec(cfg, source, allow_same_experts=args.allow_same_experts, seed=args.seed or 0)
+    args.from_mergekit = True
     return (UpcycleRecipe(model=cfg.base_model, out=outs[0], spec=spec), args.format or output_format(cfg),
             args.dtype or output_dtype(cfg))
+
+
+def check_mergekit_architectures(args: argparse.Namespace, model_dir: Path, branches: list[Path]) -> None:
+    """A mergekit-moe config's models share one architecture (config.json's model_type), as mergekit-moe requires,
+    unless --allow-crimes."""
+    if not (args.recipe and branches and getattr(args, "from_mergekit", False)):
+        return
+    from moekit.io import load_config
+    from moekit.mergekit import check_architectures
+
+    kinds = {str(m): load_config(m, args.trust_remote_code).model_type for m in (model_dir, *branches)}
+    check_architectures(kinds, args.mergekit_allow_crimes)
+
+
+def shard_bytes(args: argparse.Namespace, source: Path, dtype: str) -> int:
+    """--max-shard-size, or mergekit's --out-shard-size (parameters) in bytes of the output dtype."""
+    if args.shard_parameters is None:
+        return args.max_shard_size
+    import torch
+
+    from moekit.checkpoint.files import ShardReader
+    from moekit.checkpoint.upcycle import output_dtype
+
+    with ShardReader(source) as reader:
+        return args.shard_parameters * output_dtype(dtype, reader).itemsize if dtype == "auto" else \
+            args.shard_parameters * getattr(torch, dtype).itemsize
 
 
 def inputs_of(args: argparse.Namespace, recipe: UpcycleRecipe) -> list[Path]:
@@ -198,9 +294,10 @@ def safetensors_of(model_dir: Path, args: argparse.Namespace, out: Path):
 
 def run(args: argparse.Namespace) -> None:
     from moekit._fs import guard, reserve
-    from moekit.assets import resolve_model
+    from moekit.assets import hub_id, resolve_model
     from moekit.checkpoint.upcycle import upcycle_checkpoint
 
+    apply_mergekit_flags(args)
     recipe, fmt, dtype = read_recipe(args)
     if args.layout is not None and fmt == "moekit":
         raise ConfigError(f"--layout {args.layout}: the moekit format has no expert layout to choose; --layout applies "
@@ -213,11 +310,13 @@ def run(args: argparse.Namespace) -> None:
         branches = [resolve_model(b, log=console.print) for b in spec.init.source_models()]
         if branches:
             spec = spec.model_copy(update={"init": spec.init.with_source_models(list(map(str, branches)))})
-        with safetensors_of(model_dir, args, out) as source, progress():
+        check_mergekit_architectures(args, model_dir, branches)
+        with safetensors_of(model_dir, args, out) as source, progress() if not args.quiet else contextlib.nullcontext():
             w = upcycle_checkpoint(source, out, spec, format=fmt, dtype=dtype, device=args.device,
-                                   max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                                   max_shard_size=shard_bytes(args, source, dtype), overwrite=args.overwrite,
                                    trust_remote_code=args.trust_remote_code, allow_nonfinite=args.allow_nonfinite,
-                                   force=args.force, inputs=inputs, base_model=recipe.model, layout=args.layout)
+                                   force=args.force, inputs=inputs, layout=args.layout,
+                                   base_model=[hub_id(m) for m in (recipe.model, *recipe.spec.init.source_models())])
     show = out_console().print
     show(f"upcycled {w.layers} FFNs of {model_dir} into MoE layers: {spec.summary}, "
          f"init {spec.init.method}{', shared expert' if spec.shared_expert else ''}")

@@ -3,7 +3,7 @@
 `standin_cache(root)` fills a moekit asset cache with tiny random models under every built-in model name and a
 small synthetic Bible database; with MOEKIT_CACHE=root every command that names `smollm2-135m`,
 `whisper-tiny.en`, `whisper-base` or reads the Bible runs in seconds, offline (tests/test_readme.py runs the
-README's commands this way). `standin_hub(root, repos)` lays out tiny models as a Hugging Face cache, so that
+README's commands this way). `standin_hub(root, repos)` fills a Hugging Face cache with tiny models, so that
 with HF_HUB_CACHE=root and HF_HUB_OFFLINE=1 Hub ids such as `meta-llama/Llama-3.1-8B` resolve without a
 network. The stand-ins have the real models' kinds and interfaces (tokenizer, eos, chat template, Whisper's
 special tokens and generation config), never their weights or sizes: no result obtained with them means
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sqlite3
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,7 +29,6 @@ WHISPER = dict(encoder_attention_heads=1)
 # Bible books (1 = Genesis, 19 = Psalms, 40-43 = the Gospels) x chapters x verses: 480 verses per translation,
 # enough for every recipe in recipes/ (256 + 32 verse pairs per direction, 200 + 32 examples per task) and the demo
 BOOKS, CHAPTERS, VERSES = (1, 19, 40, 41, 42, 43), 4, 20
-COMMIT = "0" * 40  # the revision every stand-in Hub repository is cached at
 
 
 def save_tiny_chat_llama(folder, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
@@ -91,11 +91,11 @@ def standin_cache(root) -> Path:
 
 def standin_hub(root, repos: list[str], dtype: torch.dtype = torch.bfloat16) -> Path:
     """A Hugging Face cache (use as HF_HUB_CACHE, with HF_HUB_OFFLINE=1) in which each repository id `org/name`
-    holds a tiny chat Llama in `dtype` (seeded by its position in `repos`, so the models differ); returns `root`."""
-    root = Path(root)
-    for seed, repo in enumerate(repos):
-        entry = root / f"models--{repo.replace('/', '--')}"
-        save_tiny_chat_llama(entry / "snapshots" / COMMIT, seed, dtype)
-        (entry / "refs").mkdir()
-        (entry / "refs" / "main").write_text(COMMIT)
-    return root
+    holds a tiny chat Llama in `dtype` (seeded by its position in `repos`, so the models differ); returns `root`.
+    huggingface_hub itself downloads them from a fake Hub on 127.0.0.1 (moekit.testing.fake_hub), so the cache has
+    its real layout: blobs, snapshot files as relative symbolic links into them, refs/main."""
+    from moekit.testing.fake_hub import download
+
+    with tempfile.TemporaryDirectory(prefix="moekit-hub-") as tmp:
+        served = {repo: save_tiny_chat_llama(Path(tmp) / str(seed), seed, dtype) for seed, repo in enumerate(repos)}
+        return download(Path(root), served)
