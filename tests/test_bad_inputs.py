@@ -2,7 +2,7 @@
 
 1. exit code 2,
 2. stderr ends with exactly one line `moekit: error: ...` that names the problem (a regex per row); only progress
-   lines may precede it,
+   lines (and the line saying where a Hub id is looked up) may precede it,
 3. nothing new in the output's parent directory (no `.NAME.moekit-tmp-*`, `-lock`, `-partial`, no output),
 4. every file that existed under the test's directory (and the shared fixtures) is still there, byte for byte.
 
@@ -31,7 +31,8 @@ import pytest
 import yaml
 
 ERR = "moekit: error: "
-PROGRESS = re.compile(r"^[a-z]+ \d+/(\d+|\?) \S* ?\(\d+ s(, ETA \d+ s)?\)$")
+PROGRESS = re.compile(r"^[a-z]+ \d+/(\d+|\?) \S* ?\(\d+ s(, ETA \d+ s)?\)$"
+                      r"|^(looking up|fetching) \S+ in the Hugging Face cache \S+$")  # or where a Hub id is looked up
 LEFTOVER = re.compile(r"\.moekit-(tmp-|lock|partial)")
 CASE_SECONDS = 120  # a row that hangs (e.g. reading a FIFO or /dev/zero) fails instead of blocking the run
 MAX_RSS_GROWTH = 1 << 30  # bytes; a row that allocates what a hostile file asks for shows up here
@@ -50,6 +51,16 @@ class Fx:
         self.trace, self.sel, self.recipe = root / "trace.npz", root / "sel.json", root / "recipe.yaml"
         self.layers = ["model.layers.1.mlp", "model.layers.3.mlp"]
         self.train_jsonl, self.test_jsonl = data_root / "train.jsonl", data_root / "test.jsonl"
+
+    @property
+    def hub(self) -> Path:
+        """A Hugging Face cache holding org/tiny (the dense fixture), filled by huggingface_hub (first use)."""
+        cache = self.root / "hub"
+        if not cache.is_dir():
+            from moekit.testing.fake_hub import download
+
+            download(cache, {"org/tiny": self.dense})
+        return cache
 
     @property
     def finished_run(self) -> Path:
@@ -138,6 +149,7 @@ class Case:
     cwd: str | None = None  # directory under tmp_path to run in (default: tmp_path)
     bug: str | None = None  # xfail(strict=True) reason for a row that shows a bug
     seconds: int = CASE_SECONDS  # the command must give up within this time (fail fast on hostile input)
+    env: Callable[[Path], dict] | None = None  # environment variables for the row, from its tmp_path
 
 
 def output_of(argv: list[str]) -> str | None:
@@ -162,6 +174,8 @@ def check(run, case: Case, t: Path, fx: Fx, monkeypatch) -> str:
     cwd = t / case.cwd if case.cwd else t
     cwd.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(cwd)
+    for key, value in (case.env(t) if case.env else {}).items():
+        monkeypatch.setenv(key, str(value))
     built = case.build(t, fx)
     argv, out = built if isinstance(built, tuple) else (built, output_of([str(a) for a in built]))
     argv = [str(a) for a in argv]
@@ -1351,6 +1365,68 @@ UNEXPECTED_BEFORE = [  # each of these ended in "unexpected ... please report it
          r"data\.train_files\.0: contains a NUL byte"),
 ]
 
+def hub_copy(t: Path, f: Fx, damage: Callable[[Path], object] = lambda snap: None) -> Path:
+    """A copy of the fixture's Hugging Face cache (links kept as links), `damage` applied to org/tiny's snapshot."""
+    from moekit.testing.fake_hub import commit_of
+
+    shutil.copytree(f.hub, t / "hub", symlinks=True)
+    damage(t / "hub" / "models--org--tiny" / "snapshots" / commit_of("org/tiny"))
+    return t / "hub"
+
+
+def relink(link: Path, target: Path) -> None:
+    link.unlink()
+    link.symlink_to(target)
+
+
+def mixed_mergekit(t: Path, f: Fx) -> Path:
+    """A mergekit-moe config with a Llama base and a Qwen3 expert of the same FFN shapes."""
+    from moekit.testing import tiny_qwen3, tiny_tokenizer
+
+    tiny_qwen3().save_pretrained(t / "qwen3")
+    tiny_tokenizer().save_pretrained(t / "qwen3")
+    return write(t / "mk.yml", yaml.safe_dump({"base_model": str(dense(t, f)), "gate_mode": "random",
+                                                "experts": [{"source_model": str(t / "dense")},
+                                                            {"source_model": str(t / "qwen3")}]}))
+
+
+HUB_ENV = lambda t: {"HF_HUB_CACHE": t / "hub", "HF_HUB_OFFLINE": 1}  # noqa: E731
+HUB_AND_MERGEKIT = [
+    Case("hub-link-outside-the-repository",
+         lambda t, f: also(upc("org/tiny", t / "o"), hub_copy(t, f, lambda s: relink(s / "config.json",
+                                                                                    write(t / "x.json", "{}")))),
+         r"config\.json leads outside its Hugging Face cache folder .*models--org--tiny", env=HUB_ENV),
+    Case("hub-link-to-another-repository",
+         lambda t, f: also(upc("org/tiny", t / "o"), hub_copy(t, f, lambda s: (
+             shutil.copytree(s.parent.parent, s.parents[2] / "models--org--other", symlinks=True),
+             relink(s / "config.json", s.parents[2] / "models--org--other" / "snapshots" / s.name / "config.json")))),
+         r"config\.json leads outside its Hugging Face cache folder", env=HUB_ENV),
+    Case("hub-link-dangling",
+         lambda t, f: also(upc("org/tiny", t / "o"), hub_copy(t, f, lambda s: (s / "config.json").resolve().unlink())),
+         r"links config\.json to blobs that are missing; download the repository again", env=HUB_ENV),
+    Case("hub-refs-main-names-a-missing-snapshot",
+         lambda t, f: also(upc("org/tiny", t / "o"), hub_copy(t, f, lambda s: write(s.parents[1] / "refs" / "main",
+                                                                                  "1" * 40))),
+         r"refs/main names commit '1{40}', whose snapshot .* is missing", env=HUB_ENV),
+    Case("hub-revision-dotdot", lambda t, f: also(upc("org/tiny@../x", t / "o"), hub_copy(t, f)),
+         r"'\.\./x' in org/tiny@\.\./x is not a revision name", env=HUB_ENV),
+    Case("hub-revision-empty-part", lambda t, f: also(upc("org/tiny@refs//main", t / "o"), hub_copy(t, f)),
+         r"is not a revision name", env=HUB_ENV),
+    Case("mergekit-mixed-architectures", lambda t, f: (["upcycle", mixed_mergekit(t, f), t / "o"], t / "o"),
+         r"the models mix architectures \(llama, qwen3\): .*mergekit-moe refuses this and so does moekit, unless "
+         r"--allow-crimes"),
+    Case("mergekit-out-shard-size-not-a-count",
+         lambda t, f: (["upcycle", mixed_mergekit(t, f), t / "o", "--allow-crimes", "--out-shard-size", "5GB"],
+                       t / "o"), r"'5GB' is not a count such as 1000, 500M or 5B"),
+    Case("mergekit-load-in-4bit", lambda t, f: (["upcycle", mixed_mergekit(t, f), t / "o", "--load-in-4bit"], t / "o"),
+         r"--load-in-4bit \(mergekit-moe\) has no equivalent in moekit"),
+    Case("mergekit-num-threads-zero", lambda t, f: (["upcycle", mixed_mergekit(t, f), t / "o", "-j", "0"], t / "o"),
+         r"--num-threads takes a whole number of at least 1"),
+    Case("mergekit-seeds-disagree",
+         lambda t, f: (["upcycle", mixed_mergekit(t, f), t / "o", "--random-seed", 1, "--seed", 2], t / "o"),
+         r"--seed 2 and --random-seed 1 disagree"),
+]
+
 PICKLED = r"cannot resume from .*checkpoint-1: .*{} holds pickled Python objects other than tensors \(it names " \
           r"posix\.system\); it is refused and nothing in it ran$"
 MESSAGES = [  # the outcome was right, the words misled
@@ -1394,7 +1470,7 @@ MESSAGES = [  # the outcome was right, the words misled
 
 
 CASES = [*GUARDS, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE, *LOCKS_AND_KINDS, *CONTAINMENT,
-         *UNEXPECTED_BEFORE, *MESSAGES]
+         *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT]
 
 
 def params(cases: list[Case]) -> list:
