@@ -133,7 +133,7 @@ def write_units(folder: Path, units: list, dtype: torch.dtype, max_shard_bytes: 
                     diversities[u.path] = written_diversity(writer, u)
                 release_freed_memory()  # hand this layer's temporaries back before the next (see there)
                 done += 1
-                report(task, done, layers, u.prefix.rstrip("."))
+                report(task, done, layers, u.path)
     except BaseException:
         writer.abort()
         raise
