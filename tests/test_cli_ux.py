@@ -104,13 +104,14 @@ def test_help_imports_neither_torch_nor_transformers():
             "            assert main(argv) == 0, argv\n"
             "    return [m for m in ('torch', 'transformers', 'numpy', 'pydantic') if m in sys.modules]\n"
             "build_parser()\n"
-            "print(json.dumps([heavy(['--help'], ['--version'], ['upcycle', '--help'], ['list', '--help']),\n"
+            "print(json.dumps([heavy(['--help'], ['--version'], ['upcycle', '--help'], ['list', '--help'],\n"
+            "                        ['list', 'methods'], ['list', 'formats']),\n"
             "                  heavy(*[[*cmd.split(), '--help'] for cmd in ('select rise', 'routes collect', 'train',\n"
             "                          'evaluate', 'inspect', 'export', 'finetune', 'speech corpus', 'demo')])]))")
     res = python("-c", code)
     assert res.returncode == 0, res.stderr
     light, select = json.loads(res.stdout)
-    assert light == []  # the top help and most commands' import no numerical module at all
+    assert light == []  # the top help, `list` and most commands' import no numerical module at all
     assert select == ["numpy", "pydantic"]  # `select METHOD --help` reads the method's pydantic settings
 
 
@@ -160,6 +161,16 @@ def test_list_methods_shows_each_parameter_default_and_paper():
             if field != "method":
                 want = f"{field}" if info.is_required() else f"{field}={info.get_default(call_default_factory=True)}"
                 assert want in cells, (name, field, cells)
+
+
+def test_list_formats_reads_the_registry_without_importing_it():
+    from moekit.cli.common import summary
+    from moekit.export import EXPORTERS
+
+    res = moekit("list", "formats")
+    assert res.returncode == 0, res.stderr
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in res.stdout.splitlines()[1:]}
+    assert rows == {name: summary(type(EXPORTERS.get(name)).__doc__) for name in EXPORTERS.names()}
 
 
 def test_piped_tables_are_as_wide_as_their_content():

@@ -118,6 +118,29 @@ def test_chat_labels_are_the_assistant_turns(tmp_path):
         assert [tok.decode(s) for s in spans(e)] == answers
 
 
+def sharegpt(messages: list[dict]) -> dict:
+    """The same conversation in ShareGPT's form, as LLaMA-Factory writes it (system prompt as its own column)."""
+    role = {"user": "human", "assistant": "gpt"}
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    turns = [{"from": role[m["role"]], "value": m["content"]} for m in messages if m["role"] != "system"]
+    return {"conversations": turns, **({"system": system[0]} if system else {})}
+
+
+def test_sharegpt_conversations_encode_as_their_messages(tmp_path):
+    """ShareGPT records ({conversations: [{from, value}]}, system) give exactly the examples of the same
+    conversations as messages, read from a JSON Lines file through `datasets` too."""
+    tok, c = tiny_chat_tokenizer(), cfg(tmp_path, format="chat")
+    want = encode_records([{"messages": m} for m in CHATS], tok, c)
+    assert encode_records([sharegpt(m) for m in CHATS], tok, c) == want
+    path = write_jsonl(tmp_path / "sharegpt.jsonl", [sharegpt(m) for m in CHATS])
+    assert encode_records(read_records([path], None), tok, c) == want
+    with pytest.raises(ConfigError, match="^record 0: ShareGPT turns from 'function_call' .* are not supported"):
+        encode_records([{"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{}"}]}],
+                       tok, c)
+    with pytest.raises(ConfigError, match="^record 0: expected a column 'conversations' holding"):
+        encode_records([{"conversations": [{"from": "human"}]}], tok, c)
+
+
 def test_chat_refusals(tmp_path):
     c = cfg(tmp_path, format="chat")
     with pytest.raises(ConfigError, match="^data.format=chat needs a tokenizer with a chat template"):

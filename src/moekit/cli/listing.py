@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import typing
 
 from moekit.cli.common import out_console, summary
 
@@ -16,34 +15,30 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def parameter(name: str, field) -> str:
+def parameter(name: str, default: str | None, choices: list[str] | None) -> str:
     """`name=default`, `name (required)`, with a Literal's choices: `placement=down (down|gate|up)`."""
-    text = f"{name} (required)" if field.is_required() else f"{name}={field.get_default(call_default_factory=True)}"
-    if typing.get_origin(field.annotation) is typing.Literal:
-        text += f" ({'|'.join(map(str, typing.get_args(field.annotation)))})"
-    return text
+    text = f"{name} (required)" if default is None else f"{name}={default}"
+    return text + (f" ({'|'.join(choices)})" if choices else "")
 
 
-def parameters(config_class) -> str:
-    """One line per parameter of an init method's config class (its fields but `method`)."""
-    fields = {k: f for k, f in config_class.model_fields.items() if k != "method"}
-    return "\n".join(parameter(k, f) for k, f in fields.items()) or "-"
+def rows(what: str) -> list[tuple[str, ...]]:
+    """The table's rows, read from the registries' source (moekit.registry.declared*), without importing torch:
+    (method, parameters, summary) or (format, summary)."""
+    from moekit.registry import declared, declared_fields
+
+    if what == "methods":
+        fields = declared_fields("moekit.init", "EXPERT_INITS")
+        return [(name, "\n".join(parameter(*f) for f in fields[name]) or "-", summary(doc))
+                for name, doc in declared("moekit.init", "EXPERT_INITS").items()]
+    return [(name, summary(doc)) for name, doc in declared("moekit.export", "EXPORTERS").items()]
 
 
 def run(args: argparse.Namespace) -> None:
     from rich.table import Table
 
-    if args.what == "methods":
-        from moekit.init import EXPERT_INITS
-
-        table = Table("method", "parameters (default)", "paper and summary", box=None, pad_edge=False)
-        for name in EXPERT_INITS.names():
-            cls = EXPERT_INITS.get(name)
-            table.add_row(name, parameters(cls), summary(cls.__doc__))
-    else:
-        from moekit.export import EXPORTERS
-
-        table = Table("format", "description", box=None, pad_edge=False)
-        for name in EXPORTERS.names():
-            table.add_row(name, summary(EXPORTERS.get(name).__doc__))
+    head = ("method", "parameters (default)", "paper and summary") if args.what == "methods" else \
+        ("format", "description")
+    table = Table(*head, box=None, pad_edge=False)
+    for row in rows(args.what):
+        table.add_row(*row)
     out_console().print(table)

@@ -1,5 +1,5 @@
-"""Chat records ({messages: [{role, content}, ...]}) encoded with the tokenizer's chat template, loss on the
-assistant turns only.
+"""Chat records ({messages: [{role, content}, ...]}, or ShareGPT's {conversations: [{from, value}, ...], system?}
+as LLaMA-Factory writes them) encoded with the tokenizer's chat template, loss on the assistant turns only.
 
 Assistant turns are located by rendering prefixes of the conversation: turn i spans from the end of
 `render(messages[:i], add_generation_prompt=True)` to the end of `render(messages[:i + 1])`, so it holds the
@@ -25,6 +25,30 @@ def check_messages(messages, where: str) -> list[dict]:
     if messages[0]["role"] == "assistant":
         raise ConfigError(f"{where}: the conversation starts with an assistant turn (nothing to answer)")
     return messages
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def messages_of(record: dict, where: str) -> list[dict]:
+    """The record's conversation as {role, content} messages: its `messages`, or ShareGPT's `conversations` of
+    {from, value} (human -> user, gpt -> assistant, system) after its optional `system` prompt."""
+    if "messages" in record or "conversations" not in record:
+        return check_messages(record.get("messages"), where)
+    turns, system = record["conversations"], record.get("system")
+    ok = isinstance(turns, list) and turns and all(isinstance(t, dict) and isinstance(t.get("value"), str)
+                                                   and isinstance(t.get("from"), str) for t in turns)
+    if not ok:
+        raise ConfigError(f"{where}: expected a column 'conversations' holding a non-empty list of {{from, value}} "
+                          "strings (ShareGPT)")
+    other = sorted({t["from"] for t in turns} - SHAREGPT_ROLES.keys())
+    if other:
+        raise ConfigError(f"{where}: ShareGPT turns from {', '.join(map(repr, other))} (tool calls and their "
+                          f"results) are not supported; the roles read are {', '.join(SHAREGPT_ROLES)}")
+    if system is not None and not isinstance(system, str):
+        raise ConfigError(f"{where}: column 'system' must hold text")
+    prompt = [{"role": "system", "content": system}] if system else []
+    return check_messages(prompt + [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns], where)
 
 
 def render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -53,7 +77,7 @@ def encode_chat(record: dict, tok, cfg, where: str) -> dict[str, list[int]]:
     if not getattr(tok, "chat_template", None):
         raise ConfigError("data.format=chat needs a tokenizer with a chat template (tokenizer_config.json "
                           "'chat_template' or chat_template.jinja); this one has none: use data.format=alpaca")
-    text, spans = assistant_spans(tok, check_messages(record.get("messages"), where), where)
+    text, spans = assistant_spans(tok, messages_of(record, where), where)
     ids, labels = [], []
     for start, end, scored in spans:
         if start < end:

@@ -6,7 +6,8 @@ moekit.data.parallel.TranslationCollator):
                max_length blocks (the last one may be shorter); every token is a label. Blocks span document
                boundaries, as in HF's run_clm.
   alpaca       {instruction, input, output}: prompt template + output + eos; loss on output + eos only.
-  chat         {messages: [{role, content}, ...]} rendered by the tokenizer's chat template; loss on the
+  chat         {messages: [{role, content}, ...]}, or ShareGPT's {conversations: [{from, value}, ...], system}
+               (LLaMA-Factory's other format), rendered by the tokenizer's chat template; loss on the
                assistant turns only (their content and the template's end-of-turn text).
   translation  moekit's parallel-text records {src, tgt, tgt_lang} (moekit.data.parallel.encode_pair).
 Only local files are read, with datasets' packaged builders (no dataset scripts, nothing from the Hub).
