@@ -49,13 +49,29 @@ def _contiguous_grad(t: Tensor) -> Tensor:
     return t
 
 
+@functools.cache
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether F.grouped_mm computes forward and backward in `dtype` on `device`: always on the CPU; on CUDA it
+    depends on the GPU's architecture and the dtype, so it is tried once on a tiny product (16 x 16, 2 experts).
+    Where it fails, grouped_linear runs one matmul per expert instead (same result, more kernel launches)."""
+    if device.type == "cpu":
+        return True
+    try:
+        x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        F.grouped_mm(x, w, offs=torch.tensor([8, 16], device=device, dtype=torch.int32)).sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 def grouped_linear(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
     """x (S, in) sorted by expert, weight (E, out, in), offs (E,) cumulative counts -> (S, out)."""
     w_t = weight.transpose(1, 2)  # (E, in, out) view
-    if _groupable(x, weight):
+    if _groupable(x, weight) and grouped_mm_runs(x.device, x.dtype):
         return _contiguous_grad(F.grouped_mm(x, w_t, offs=offs))
     counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-    parts = [xi @ w_t[e] for e, xi in enumerate(x.split(counts)) if xi.shape[0] > 0]  # odd shapes only
+    parts = [xi @ w_t[e] for e, xi in enumerate(x.split(counts)) if xi.shape[0] > 0]  # odd shapes, or no grouped_mm
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 

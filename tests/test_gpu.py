@@ -1,0 +1,160 @@
+"""The CUDA path (marked `gpu`, skipped without a CUDA device; CI is CPU-only): the MoE layer's grouped dispatch in
+float32, bfloat16 and under autocast against a per-token eager reference, `upcycle --device cuda` against the CPU
+result, one training step of a recipe, and routing capture. Run them where a GPU is: `pytest -m gpu tests/test_gpu.py`.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moekit.moe import Experts
+from moekit.moe.experts import grouped_mm_runs
+from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_tokenizer
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CUDA = torch.device("cuda")
+E, K, H, I, T = 8, 2, 64, 128, 96
+
+
+def _experts(dtype) -> Experts:
+    g = torch.Generator().manual_seed(0)
+    m = Experts(E, H, I, "silu", gated=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return m.to(CUDA, dtype)
+
+
+def _eager(m: Experts, x, ids, w):
+    """y_t = Σ_j w_tj · FFN_{ids_tj}(x_t), one expert at a time with plain matmuls, in float32 (the reference)."""
+    first, down = m.first.float(), m.down.float()
+    y = torch.zeros(x.shape, device=x.device)
+    for e in range(m.num_experts):
+        tok, slot = (ids == e).nonzero(as_tuple=True)  # (n,) tokens routed to e and their slots
+        h = x[tok].float() @ first[e].T  # (n, 2I)
+        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]  # (n, I)
+        y.index_add_(0, tok, (a @ down[e].T) * w[tok, slot].float().unsqueeze(-1))
+    return y
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g).to(CUDA, dtype).requires_grad_(True)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(CUDA)  # (T, K) distinct per token
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).to(CUDA, dtype)  # (T, K)
+    return x, ids, w
+
+
+# tolerances: float32 sums in another order (grouped vs one expert at a time); bfloat16 rounds every product
+@pytest.mark.parametrize("mode, tol", [("float32", 1e-5), ("bfloat16", 3e-2), ("autocast", 3e-2)])
+def test_moe_layer_forward_and_backward_on_cuda_equal_eager(mode, tol):
+    dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    m, (x, ids, w) = _experts(dtype), _inputs(dtype)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        y = m(x, ids, w)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(CUDA, y.dtype)
+    (y * dy).sum().backward()
+    grads = [x.grad, m.first.grad, m.down.grad]
+    x.grad, m.first.grad, m.down.grad = None, None, None
+    xr = x.detach().float().requires_grad_(True)
+    mr = _experts(torch.float32)
+    with torch.no_grad():
+        mr.first.copy_(m.first.float()), mr.down.copy_(m.down.float())
+    yr = _eager(mr, xr, ids, w)
+    (yr * dy.float()).sum().backward()
+    scale = yr.abs().max()
+    assert (y.float() - yr).abs().max() <= tol * scale
+    for got, want in zip(grads, [xr.grad, mr.first.grad, mr.down.grad]):
+        assert got is not None and (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_grouped_mm_and_its_fallback_agree(dtype, tol, monkeypatch):
+    """Where this GPU's grouped_mm lacks a dtype or architecture, the per-expert matmuls take over
+    (moekit.moe.experts.grouped_mm_runs): both paths give the eager result."""
+    import moekit.moe.experts as experts_mod
+
+    m, (x, ids, w) = _experts(dtype), _inputs(dtype)
+    with torch.no_grad():
+        ref = _eager(m, x, ids, w)
+        y = m(x, ids, w)
+        monkeypatch.setattr(experts_mod, "grouped_mm_runs", lambda device, dt: False)
+        fallback = m(x, ids, w)
+    for got in (y, fallback):
+        assert (got.float() - ref).abs().max() <= tol * ref.abs().max()
+    print(f"{dtype}: {'grouped_mm' if grouped_mm_runs(CUDA, dtype) else 'per-expert fallback'} on "
+          f"{torch.cuda.get_device_name()}")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpu") / "dense"
+    tiny_llama().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("method, exact", [("naive", True), ("noise", False), ("drop", False), ("spri", False)])
+def test_upcycle_on_cuda_equals_cpu(dense, tmp_path, run, method, exact):
+    """`--device cuda` runs the init math on the GPU: copies give the CPU's tensors bit for bit; noise and drop draw
+    the same numbers (CPU generators) but scale them by a std the GPU reduces in another order, and SPRI's float64
+    SVD runs there: these agree to 1e-6 of the weights' scale."""
+    from moekit.checkpoint.files import ShardReader
+
+    for device in ("cpu", "cuda"):
+        rc, _, err = run("upcycle", "--model", dense, "--method", method, "--experts", 4, "--top-k", 2,
+                         "--shared-expert" if method == "spri" else "--no-shared-expert", "--device", device,
+                         "--out", tmp_path / device)
+        assert rc == 0, err
+    with ShardReader(tmp_path / "cpu") as a, ShardReader(tmp_path / "cuda") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            x, y = a.get(k), b.get(k)
+            assert torch.equal(x, y) if exact else (x - y).abs().max() <= 1e-6 * max(x.abs().max(), 1), k
+
+
+def test_one_training_step_on_cuda(tmp_path, tiny_recipe_overrides):
+    """A recipe's first step on the GPU (the Trainer picks it) gives the CPU's loss within float rounding."""
+    import os
+    import subprocess
+    import sys
+
+    losses = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
+        res = subprocess.run([sys.executable, "-m", "moekit", "train", "recipes/spri.yaml",
+                              *tiny_recipe_overrides(out, **{"train.steps": 1})], env=env, capture_output=True,
+                             text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        history = json.loads((out / "log_history.json").read_text())
+        losses[device] = next(h["loss"] for h in history if "loss" in h)
+    assert losses["cuda"] == pytest.approx(losses["cpu"], rel=1e-4)
+
+
+def test_routing_capture_on_cuda_equals_cpu(dense, tmp_path, run):
+    from moekit.routing.trace import RoutingTrace
+
+    rc, _, err = run("upcycle", "--model", dense, "--method", "drop", "--experts", 4, "--top-k", 2,
+                     "--out", tmp_path / "moe")
+    assert rc == 0, err
+    (tmp_path / "en.txt").write_text("the day was long\nthe light is good\nwe walk home\n")
+    for device in ("cpu", "cuda"):
+        rc, _, err = run("routes", "collect", "--model", tmp_path / "moe", "--texts", f"en={tmp_path / 'en.txt'}",
+                         "--device", device, "--out", tmp_path / f"{device}.npz")
+        assert rc == 0, err
+    a, b = RoutingTrace.load(tmp_path / "cpu.npz"), RoutingTrace.load(tmp_path / "cuda.npz")
+    assert (a.ids == b.ids).mean() >= 0.99 and abs(a.weights - b.weights).max() < 1e-4  # near-ties may flip
+
+
+def test_moekit_model_on_cuda_matches_cpu_logits(dense):
+    import moekit
+
+    model = moekit.upcycle(tiny_llama(), moekit.MoESpec(num_experts=4, top_k=2, init={"method": "drop"}))
+    x = tiny_inputs(model)
+    want = logits(model, x)
+    got = logits(model.to(CUDA), {k: v.to(CUDA) for k, v in x.items()}).cpu()
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
