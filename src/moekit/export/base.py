@@ -271,7 +271,8 @@ class NativeFormat:
 
 def dense_gap(p: MoEPlan, num_layers: int) -> list[str]:
     dense = p.dense_layers(num_layers)
-    return [f"dense decoder layers {dense} between the MoE layers (every layer must be MoE)"] if dense else []
+    shown = str(dense) if len(dense) <= 6 else f"[{', '.join(map(str, dense[:3]))}, ..., {dense[-1]}] ({len(dense)})"
+    return [f"dense decoder layers {shown} between the MoE layers (every layer must be MoE)"] if dense else []
 
 
 def window_gap(config: PretrainedConfig) -> list[str]:
