@@ -278,6 +278,7 @@ def test_mixed_architectures_refused_unless_allow_crimes(models, tmp_path, run):
     so does moekit (naming each model's type), unless --allow-crimes."""
     from moekit.testing import tiny_qwen2, tiny_qwen3
 
+    tf.utils.logging.disable_progress_bar()  # no "Writing model shards" bar in the refusal's stderr
     for name, build in (("qwen3", tiny_qwen3), ("qwen2", tiny_qwen2)):
         build().save_pretrained(tmp_path / name)
         tiny_tokenizer().save_pretrained(tmp_path / name)

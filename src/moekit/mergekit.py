@@ -32,12 +32,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def check_architectures(model_types: dict[str, str], allow_crimes: bool) -> None:
     """{model: model_type} of the base and every expert source: one architecture, as mergekit-moe requires, unless
-    `allow_crimes` (mergekit's --allow-crimes)."""
+    `allow_crimes` (mergekit's flag of that name)."""
     kinds = sorted(set(model_types.values()))
     if len(kinds) > 1 and not allow_crimes:
         listed = ", ".join(f"{m} ({t})" for m, t in model_types.items())
         raise ConfigError(f"the models mix architectures ({', '.join(kinds)}): {listed}; mergekit-moe refuses this "
-                          "and so does moekit, unless --allow-crimes")
+                          "and so does moekit, unless allow_crimes=True")
 
 
 class MergekitExpert(Config):
