@@ -1,6 +1,6 @@
 """How much of SIMoE's evaluation depends on the deterministic gates: re-evaluates the SIMoE model that
 bench/simoe_mini.py trained with every mask at its expected training gate E[z] (mean of 64 hard-concrete
-draws, eq. 6) instead of the median gate of eq. 7 (what the run itself reports), on the same test sets.
+draws, eqs. 4-5) instead of the median gate of eq. 7 (what the run itself reports), on the same test sets.
 
     .venv/bin/python bench/simoe_gates.py --run runs/simoe_mini/simoe_instruct --write BENCHMARKS.md
 """
@@ -60,7 +60,7 @@ def main() -> None:
     section = "\n".join([
         MARK[0], "## SIMoE evaluation gates (bench/simoe_gates.py)", "",
         f"`{cmd}` — the SIMoE model of the table above, evaluated with median gates (eq. 7, from its "
-        f"results.json) and with each gate's mean over {DRAWS} training draws (eq. 6). Loss in nats; "
+        f"results.json) and with each gate's mean over {DRAWS} training draws (eqs. 4-5). Loss in nats; "
         "empty = answers that end immediately.", "",
         "| eval gates | mean gate | seen loss | seen ROUGE-L | unseen loss | unseen ROUGE-L | empty answers |",
         "|---|---|---|---|---|---|---|",

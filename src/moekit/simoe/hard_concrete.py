@@ -1,5 +1,6 @@
 """Hard-concrete gates (Louizos, Welling & Kingma 2018, "Learning Sparse Neural Networks through L0
-Regularization", §4), as SIMoE uses them for its expert masks (Chen et al. 2025, eqs. 6-8, appendix A.1).
+Regularization", §4), as SIMoE uses them for its expert masks (Chen et al. 2025, appendix A.1: draws eqs. 4-5,
+medians eqs. 6-7, expected L0 eq. 8).
 
 A gate with location log α is s = sigmoid((log u − log(1−u) + log α) / β), u ~ U(0, 1), stretched to
 (γ, ζ) and clamped to [0, 1]: exact zeros (and ones) have non-zero probability, and the gate is
@@ -18,7 +19,8 @@ def _stretch(s: torch.Tensor) -> torch.Tensor:
 
 
 def sample(log_alpha: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Stochastic training gates (eq. 6): one draw per entry of `log_alpha`."""
+    """Stochastic training gates (eqs. 4-5: s from the concrete distribution, z = min(1, max(0, s)) after the
+    stretch to (γ, ζ)): one draw per entry of `log_alpha`."""
     u = torch.rand(log_alpha.shape, generator=generator, device=log_alpha.device, dtype=log_alpha.dtype)
     u = u.clamp(1e-6, 1.0 - 1e-6)
     return _stretch(torch.sigmoid((u.log() - (-u).log1p() + log_alpha) / BETA))
