@@ -9,7 +9,7 @@ import torch
 from moekit.config import validate
 from moekit.errors import ConfigError
 from moekit.init.spri import svd_blocks
-from moekit.eval.upcycling import diversity, expert_diversity
+from moekit.moe.diversity import diversity, expert_diversity
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama
 from moekit.upcycling import upcycle
@@ -165,3 +165,64 @@ def test_dense_as_routed_expert_zero_is_dense_and_the_rest_form_groups():
         for i, j in itertools.combinations(range(E - 1), 2):
             c = _cos(res[i], res[j])
             assert (c > 1 - 1e-3) if i // k == j // k else (abs(c) < 1e-3), (i, j, c)
+
+
+# ------------------------------------------------------------------ target_diversity, group_size (issue 30)
+
+
+def test_target_diversity_eps_by_hand():
+    """SPRI Table 1's 88.02 % at E = 8, k = 2: s = 4/28 same-group pairs, eps = √(s/(1 − D) − 1), by hand
+    √(0.142857/0.1198 − 1) = √0.192465 = 0.43871; the default eps = 0.01 gives 1 − (4/28)/1.0001 = 0.857157."""
+    from moekit.init.spri import SPRIInit
+
+    spec = validate(MoESpec, {"num_experts": 8, "top_k": 2, "shared_expert": True, "init": "spri"})
+    assert SPRIInit(target_diversity=0.8802).noise_scale(spec) == pytest.approx(0.43871, abs=1e-5)
+    assert SPRIInit().noise_scale(spec) == 0.01
+    assert 1 - SPRIInit().same_group_share(spec) / (1 + 0.01 ** 2) == pytest.approx(0.857157, abs=1e-6)
+
+
+def test_target_diversity_is_measured():
+    """The upcycled experts' diversity (SPRI A.1, mean over layers) is the one asked for: 0.8802 (Table 1)
+    where the default eps gives 0.857."""
+    model = tiny_llama(hidden_size=64, intermediate_size=256)
+    moe = _spri(model, E=8, k=2, target_diversity=0.8802)
+    assert diversity(moe) == pytest.approx(0.8802, abs=4e-3)
+    assert diversity(_spri(tiny_llama(hidden_size=64, intermediate_size=256), E=8, k=2)) == pytest.approx(
+        0.857157, abs=1e-3)
+
+
+@pytest.mark.parametrize("bad", [0.85, 1 - 4 / 28])
+def test_target_diversity_below_the_eps_zero_floor_is_refused(bad):
+    with pytest.raises(ConfigError, match="must exceed"):
+        validate(MoESpec, {"num_experts": 8, "top_k": 2, "shared_expert": True,
+                           "init": {"method": "spri", "target_diversity": bad}})
+
+
+def test_target_diversity_needs_the_shared_dense_expert():
+    with pytest.raises(ConfigError, match="closed form"):
+        validate(MoESpec, {"num_experts": 9, "top_k": 2, "init": {"method": "spri", "dense_as": "routed",
+                                                                  "target_diversity": 0.9}})
+
+
+def test_no_shared_at_equal_active_parameters():
+    """'w/o shared expert' at equal active parameters (A.3, our second reading): 9 routed experts, top-3,
+    group_size 2 keeps the 4 groups of 2 of the model with a shared expert; the residual experts equal that
+    model's routed experts, and 3 FFNs run per token in both."""
+    from moekit.routing.sites import param_counts
+
+    shared = _spri(tiny_llama(), E=8, k=2, eps=0.0)
+    spec = validate(MoESpec, {"num_experts": 9, "top_k": 3, "init": {"method": "spri", "dense_as": "routed",
+                                                                     "group_size": 2, "eps": 0.0}})
+    routed = upcycle(tiny_llama(), spec)
+    for (_, a), (_, b) in zip(moe_layers(shared), moe_layers(routed)):
+        assert torch.equal(b.experts.down[0], a.shared.down_proj.weight)  # the dense FFN, now routed
+        assert torch.equal(b.experts.down[1:], a.experts.down)
+    (tot_a, act_a), (tot_b, act_b) = param_counts(shared), param_counts(routed)
+    router_row = 32 * len(moe_layers(shared))  # one more router row of hidden size per MoE layer
+    assert act_b - act_a == router_row and tot_b - tot_a == router_row
+
+
+def test_group_size_must_divide_the_residual_experts():
+    with pytest.raises(ConfigError, match="divisible by group_size"):
+        validate(MoESpec, {"num_experts": 9, "top_k": 3, "init": {"method": "spri", "dense_as": "routed",
+                                                                  "group_size": 3}})

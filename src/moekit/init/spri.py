@@ -130,17 +130,42 @@ class SPRIInit(ExpertInitConfig):
 
     `dense_as: routed` is the paper's "w/o shared expert" ablation (Table 3, A.3): instead of the shared
     expert, the dense FFN is routed expert 0 and experts 1..E-1 are the residual experts (G = (E-1)/k).
+    `group_size` sets the experts per group where it should not be top_k (the paper: "we use the routing
+    Top-k as the expert group size"), e.g. that ablation at equal active parameters: 9 routed experts, top-3,
+    the same 4 groups of 2 as the model with a shared expert.
+
+    `target_diversity` sets ε from the diversity wanted at initialization instead of `eps` (SPRI Table 1
+    reports 88.02 %, which the default eps = 0.01 does not give: 0.857 at E = 8, k = 2). A same-group pair
+    has cosine 1/(1 + eps²) (‖ε_i‖ = eps·‖α_g R_g‖, independent draws), different groups are orthogonal, so
+    diversity = 1 − s/(1 + eps²) with s = same-group pairs / all pairs (4/28 at E = 8, k = 2), and
+    eps = √(s/(1 − D) − 1): 0.4387 for D = 0.8802, i.e. ε_i ≈ 0.44 × the residual's rms.
     """
 
     method: Literal["spri"] = "spri"
     rho: float = Field(1e-3, ge=0.0)
     delta: float = Field(1e-12, gt=0.0)
     eps: float = Field(1e-2, ge=0.0)
+    target_diversity: float | None = Field(None, gt=0.0, lt=1.0)  # replaces eps (closed form above); Table 1: 0.8802
     placement: Literal["down", "gate", "up"] = "down"
     dense_as: Literal["shared", "routed"] = "shared"
+    group_size: int | None = Field(None, ge=1)  # experts per SVD group; None: top_k (the paper)
 
     def residual_experts(self, spec) -> int:
         return spec.num_experts - (self.dense_as == "routed")
+
+    def group(self, spec) -> int:
+        return self.group_size or spec.top_k
+
+    def same_group_share(self, spec) -> float:
+        """s: the share of residual-expert pairs that fall in one group, G·C(g, 2) / C(n, 2)."""
+        n, g = self.residual_experts(spec), self.group(spec)
+        return (n // g) * g * (g - 1) / (n * (n - 1)) if n > 1 else 0.0
+
+    def noise_scale(self, spec) -> float:
+        """eps, or the eps that gives `target_diversity` (see the class docstring)."""
+        if self.target_diversity is None:
+            return self.eps
+        return math.sqrt(self.same_group_share(spec) / (1.0 - self.target_diversity) - 1.0)
 
     def check(self, spec) -> None:
         if self.dense_as == "shared" and not spec.shared_expert:
@@ -149,16 +174,26 @@ class SPRIInit(ExpertInitConfig):
         if self.dense_as == "routed" and spec.shared_expert:
             raise ValueError("spri with dense_as: routed puts the dense FFN among the routed experts; set "
                              "shared_expert: false")
-        n = self.residual_experts(spec)
-        if n < 1 or n % spec.top_k:
-            raise ValueError(f"spri needs its {n} residual experts divisible by top_k to form G = {n}/k groups; "
-                             f"got E={spec.num_experts}, k={spec.top_k}, dense_as={self.dense_as}")
+        n, g = self.residual_experts(spec), self.group(spec)
+        if n < 1 or n % g:
+            what = "group_size" if self.group_size else "top_k"
+            raise ValueError(f"spri needs its {n} residual experts divisible by {what} to form G = {n}/{g} groups; "
+                             f"got E={spec.num_experts}, k={spec.top_k}, group_size={self.group_size}, "
+                             f"dense_as={self.dense_as}")
+        if self.target_diversity is not None:
+            if self.dense_as == "routed":
+                raise ValueError("spri: target_diversity has a closed form only with the dense FFN as the shared "
+                                 "expert (the routed dense expert's cosines depend on the spectrum); set eps instead")
+            lo = 1.0 - self.same_group_share(spec)
+            if not lo < self.target_diversity:
+                raise ValueError(f"spri: target_diversity must exceed {lo:.6g}, the diversity with eps = 0 at "
+                                 f"{n} residual experts in groups of {g}")
 
     def prepare(self, ctx: InitContext) -> _SPRIState:
         w = getattr(ctx.dense, self.placement)
         if w is None:
             raise ConfigError(f"spri placement={self.placement!r} needs a gated FFN; {ctx.path} has no gate")
-        parts = SVDBlocks(w, self.residual_experts(ctx.spec) // ctx.spec.top_k)
+        parts = SVDBlocks(w, self.residual_experts(ctx.spec) // self.group(ctx.spec))
         return _SPRIState(parts, float(w.double().norm()))
 
     def expert(self, ctx: InitContext, state: _SPRIState, i: int) -> FFNWeights:
@@ -168,7 +203,7 @@ class SPRIInit(ExpertInitConfig):
                 return d  # the dense FFN as a routed expert
             i -= 1
         w = getattr(d, self.placement)
-        g = i // ctx.spec.top_k
+        g = i // self.group(ctx.spec)
         if state.group != g:
             state.scaled = None  # free the previous group's block first
             alpha = self.rho * state.norm / (math.sqrt(state.parts.sq_norms[g]) + self.delta)
@@ -176,7 +211,7 @@ class SPRIInit(ExpertInitConfig):
         base = state.scaled
         noise = torch.randn(base.shape, generator=ctx.generator, dtype=base.dtype).to(base.device)
         rms = torch.linalg.vector_norm(base) / math.sqrt(base.numel())  # no (m, n) temporary
-        resid = noise.mul_(self.eps * rms).add_(base)  # in place: one (m, n) per expert
+        resid = noise.mul_(self.noise_scale(ctx.spec) * rms).add_(base)  # in place: one (m, n) per expert
         # a residual expert has no constant term: the dense down bias lives in the shared expert only
         zero_b = None if d.down_bias is None else torch.zeros_like(d.down_bias)
         return replace(d, **{self.placement: resid, "down_bias": zero_b})
