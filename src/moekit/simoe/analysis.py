@@ -19,7 +19,6 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from moekit._fs import output
-from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoE, si_modules
 
@@ -27,12 +26,13 @@ _DEPTH = re.compile(r"\.(\d+)\.")
 
 
 def _masks(model: nn.Module):
-    """(path, layer type, depth or None, (M, in_features) bool non-zero gates, parameters per gate)."""
+    """(path, layer type, depth or None, (M, gates) bool non-zero gates, parameters per gate): gates are the
+    input neurons (a gate switches a δ column), or every weight entry with full-granular masks (C.1)."""
     for path, m in si_modules(model):
-        z = (m.full_gates() if isinstance(m, SILinear) else hc.median(m.log_alpha)) > 0
+        z = (m.full_gates() if isinstance(m, SILinear) else m.gate_values()) != 0
         depth = _DEPTH.search(path)
-        yield path, path.rsplit(".", 1)[-1], int(depth.group(1)) if depth else None, z, \
-            m.delta.shape[0] if isinstance(m, SILinear) else 1
+        rows = m.delta.shape[0] if isinstance(m, SILinear) and not m.per_param else 1
+        yield path, path.rsplit(".", 1)[-1], int(depth.group(1)) if depth else None, z.flatten(1), rows
 
 
 def nonzero_fractions(model: nn.Module) -> dict:

@@ -24,18 +24,41 @@ class Routing:
         self.weights: torch.Tensor | None = None
 
 
+MASK_KINDS = ("hard_concrete", "real")
+GRANULARITIES = ("input", "parameter")
+
+
 @dataclass
 class MaskInit:
     """How masks start (SIMoE B.1): log φ ~ N(μ, std²) with μ giving P(z = 0) = p_zero; and whether training
-    samples gates (eqs. 4-5) instead of using their medians (eqs. 6-7, the paper's choice)."""
+    samples gates (eqs. 4-5) instead of using their medians (eqs. 6-7, the paper's choice).
+
+    kind "real" is the paper's ablation (c) (Table 4: "we do not impose Sparsity Constraints on the masks z,
+    allowing them to be freely optimized as standard trainable parameters with values on the full real axis"):
+    the masks are plain parameters, started at the median gates the hard-concrete masks start with (so both
+    start from the same model), never clamped, with no sparsity constraint. The parameter keeps the name
+    `log_alpha` (the checkpoint format's), but holds the mask values themselves.
+    granularity "parameter" is appendix C.1's full-granular masks: one gate per weight entry of a linear
+    layer, (M, d_out, d_in), instead of one per input neuron (M, d_in); norms have one gate per entry either
+    way."""
 
     p_zero: float
     std: float
     generator: torch.Generator
     sampled: bool = False
+    kind: str = "hard_concrete"
+    granularity: str = "input"
+
+    def __post_init__(self):
+        if self.kind not in MASK_KINDS or self.granularity not in GRANULARITIES:
+            raise ValueError(f"mask kind must be one of {MASK_KINDS} and granularity one of {GRANULARITIES}, "
+                             f"got {self.kind!r}, {self.granularity!r}")
+        if self.kind == "real" and self.sampled:
+            raise ValueError("real-valued masks (ablation (c)) have no hard-concrete draws: use median gates")
 
     def draw(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=self.generator) * self.std + hc.init_log_alpha(self.p_zero)
+        log_alpha = torch.randn(shape, generator=self.generator) * self.std + hc.init_log_alpha(self.p_zero)
+        return hc.median(log_alpha) if self.kind == "real" else log_alpha
 
 
 class SparseInterpolated(nn.Module):
@@ -47,8 +70,11 @@ class SparseInterpolated(nn.Module):
         self.base = base.requires_grad_(False)
         w = base.weight
         self.delta = nn.Parameter(torch.zeros(delta_shape, dtype=w.dtype, device=w.device))
-        self.log_alpha = nn.Parameter(masks.draw((num_experts, d_in)).to(w.device))
+        per_param = masks.granularity == "parameter" and len(delta_shape) == 2  # C.1: a gate per weight entry
+        self.log_alpha = nn.Parameter(masks.draw((num_experts, *(delta_shape if per_param else (d_in,)))).to(w.device))
         self.sampled = masks.sampled
+        self.real = masks.kind == "real"  # ablation (c): log_alpha holds the mask values
+        self.per_param = per_param
         self.routing = routing
         self.last_z: torch.Tensor | None = None  # (M, d_in) gates of the last training forward (orthogonality)
 
@@ -56,10 +82,14 @@ class SparseInterpolated(nn.Module):
     def num_experts(self) -> int:
         return self.log_alpha.shape[0]
 
+    def gate_values(self) -> torch.Tensor:
+        """The deterministic gates: median gates z̄ (eqs. 6-7), or the real-valued masks themselves (c)."""
+        return self.log_alpha if self.real else hc.median(self.log_alpha)
+
     def gates(self) -> torch.Tensor:
-        """(M, d_in): median gates z̄ (eqs. 6-7), or in training hard-concrete draws when `sampled`; the
-        training gates are kept for the orthogonality penalty."""
-        z = hc.sample(self.log_alpha) if self.training and self.sampled else hc.median(self.log_alpha)
+        """(M, d_in) (or (M, d_out, d_in) per parameter): median gates z̄ (eqs. 6-7), or in training
+        hard-concrete draws when `sampled`; the training gates are kept for the orthogonality penalty."""
+        z = hc.sample(self.log_alpha) if self.training and self.sampled else self.gate_values()
         if self.training:
             self.last_z = z
         return z
@@ -89,17 +119,30 @@ class SILinear(SparseInterpolated):
         if self.routing.weights is None:
             return y
         xk = x if self.keep is None else x.index_select(-1, self.keep)
+        if self.per_param:
+            return y + self._per_param(xk)
         xm = (xk * self.mixture(x)).reshape(-1, xk.shape[-1])  # (N, d_k)
         return y.view(-1, y.shape[-1]).addmm_(xm, self.delta.t()).view(y.shape)  # one GEMM accumulating into y
 
+    def _per_param(self, xk: torch.Tensor) -> torch.Tensor:
+        """C.1's full-granular masks: each instance gets its own Σ_i α_i z_i ⊙ δ (d_out, d_k), built here
+        (the input-neuron factorization does not apply); per-token routing would need one per token."""
+        w = self.routing.weights
+        if w.dim() != 2 or xk.shape[0] != w.shape[0]:
+            raise ValueError("full-granular SIMoE masks need instance routing: (B, M) weights for inputs (B, ...)")
+        m = (w.to(self.log_alpha.dtype) @ self.gates().flatten(1)).view(w.shape[0], *self.delta.shape)  # (B, d_out, d_k)
+        eff = (m * self.delta).to(xk.dtype)  # (B, d_out, d_k)
+        return torch.einsum("b...k,bok->b...o", xk, eff)  # (B, ..., d_out)
+
     @torch.no_grad()
     def prune(self) -> None:
-        """Drop the input columns whose median gate is 0 for every expert (compact export)."""
-        used = (hc.median(self.log_alpha) > 0).any(0)  # (d_in,)
+        """Drop the input columns whose gate is 0 for every expert (compact export)."""
+        z = self.gate_values() != 0  # (M, d_in) or (M, d_out, d_in)
+        used = z.flatten(0, -2).any(0)  # (d_in,)
         idx = used.nonzero().squeeze(1)
         self.keep = idx if self.keep is None else self.keep[idx]
         self.delta = nn.Parameter(self.delta[:, idx].contiguous(), requires_grad=self.delta.requires_grad)
-        self.log_alpha = nn.Parameter(self.log_alpha[:, idx].contiguous(), requires_grad=self.log_alpha.requires_grad)
+        self.log_alpha = nn.Parameter(self.log_alpha[..., idx].contiguous(), requires_grad=self.log_alpha.requires_grad)
 
     def full_delta(self) -> torch.Tensor:
         """(d_out, in_features) δ with pruned columns as zeros."""
@@ -108,11 +151,12 @@ class SILinear(SparseInterpolated):
         return self.delta.new_zeros(self.base.weight.shape).index_copy(1, self.keep, self.delta)
 
     def full_gates(self) -> torch.Tensor:
-        """(M, in_features) median gates with pruned columns as zeros."""
-        z = hc.median(self.log_alpha)
+        """(M, in_features) median gates (or real masks; (M, d_out, in_features) per parameter) with pruned
+        columns as zeros."""
+        z = self.gate_values()
         if self.keep is None:
             return z
-        return z.new_zeros(self.num_experts, self.base.in_features).index_copy(1, self.keep, z)
+        return z.new_zeros(*z.shape[:-1], self.base.in_features).index_copy(z.dim() - 1, self.keep, z)
 
 
 class SINorm(SparseInterpolated):

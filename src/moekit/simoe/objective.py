@@ -22,15 +22,24 @@ from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoE, si_modules
 
 
+def constrained(model: nn.Module) -> bool:
+    """Whether the sparsity constraint applies: not to ablation (c)'s real-valued masks (Table 4: "we do not
+    impose Sparsity Constraints on the masks"), where λ stays 0."""
+    return not any(m.real for _, m in si_modules(model))
+
+
 def density(model: nn.Module, weighting: str | None = None) -> torch.Tensor:
     """L0(Z) (differentiable): the expected fraction of non-zero mask entries over all SI modules (eq. 8 per
-    gate); with weighting "params", of non-zero expert parameters (each gate counts the δ rows it switches).
-    Default: the model's `simoe.sparsity`."""
+    gate); with weighting "params", of non-zero expert parameters (each gate counts the δ rows it switches;
+    a full-granular gate switches one). Default: the model's `simoe.sparsity`. Real-valued masks (ablation
+    (c)): the fraction of entries that are not exactly 0 (not differentiable; there is no constraint)."""
     weighting = weighting or model.simoe.cfg.sparsity
     nonzero, total = 0.0, 0
     for _, m in si_modules(model):
-        rows = m.delta.shape[0] if isinstance(m, SILinear) and weighting == "params" else 1  # weight per gate
-        nonzero = nonzero + rows * hc.prob_nonzero(m.log_alpha).sum()
+        per_gate = isinstance(m, SILinear) and weighting == "params" and not m.per_param
+        rows = m.delta.shape[0] if per_gate else 1  # weight per gate
+        p = (m.log_alpha.detach() != 0).to(m.log_alpha.dtype) if m.real else hc.prob_nonzero(m.log_alpha)
+        nonzero = nonzero + rows * p.sum()
         total += rows * m.log_alpha.numel()
     return nonzero / total
 
@@ -42,7 +51,7 @@ def orthogonality(model: nn.Module) -> torch.Tensor:
     terms = []
     for _, m in si_modules(model):
         if m.last_z is not None:
-            z = m.last_z  # (M, d_in)
+            z = m.last_z.flatten(1)  # (M, d_in), or (M, d_out·d_in) per parameter
             terms.append(torch.linalg.matrix_norm(z @ z.T - torch.eye(z.shape[0], device=z.device), ord=ord))
     return torch.stack(terms).sum() if terms else torch.zeros(())
 
@@ -51,7 +60,7 @@ def penalty(model: nn.Module) -> tuple[torch.Tensor, dict[str, float]]:
     """β·orthogonality + λ·g for the current training step; g is kept for the dual update."""
     s: SIMoE = model.simoe
     l0 = density(model)
-    g = s.cfg.tau - (1.0 - l0)
+    g = s.cfg.tau - (1.0 - l0) if constrained(model) else torch.zeros(())  # (c): no constraint, λ stays 0
     ortho = orthogonality(model)
     s.violation.fill_(g.item())
     logs = {"simoe/sparsity": 1.0 - l0.item(), "simoe/lambda": s.lam.item(), "simoe/ortho": ortho.item(),
