@@ -20,6 +20,7 @@ from moekit.select.registry import (SELECTORS, Selector, check_budget, check_tar
 from moekit.select.selection import Selection
 
 Triple = tuple[float, float, float]
+Region = Literal["shallow", "middle", "deep"]
 
 
 def specificity(a: np.ndarray, t: int) -> np.ndarray:
@@ -88,6 +89,9 @@ class RISESelector(Selector):
                                                             "and deep regions; defaults from the authors' code")
     regions: Triple = Field((0.375, 0.25, 0.375), description="shares of the MoE layers in the shallow, middle "
                                                                "and deep regions (RISE §3)")
+    groups: tuple[Region, ...] = Field(REGIONS, min_length=1, description="the layer groups whose selected experts "
+                                       "are kept (Fig. 3: w/o one group, or only one; the others' shares of K are "
+                                       "dropped, not moved)")
 
     @field_validator("ratios", "regions")
     @classmethod
@@ -112,6 +116,7 @@ class RISESelector(Selector):
                                  {r: int(np.asarray(trace.num_experts)[region == r].sum()) for r in REGIONS})
         chosen = np.zeros_like(valid)  # (L, E)
         for r in REGIONS:
-            chosen |= top(score, valid & (region == r)[:, None], budgets[r])
+            if r in self.groups:
+                chosen |= top(score, valid & (region == r)[:, None], budgets[r])
         return to_selection(trace, self, target, chosen, score, region_budgets=budgets,
                             layer_regions=region.tolist(), languages=present)
