@@ -136,8 +136,8 @@ def measure(folder: Path, src: Path, lib: Path, work: Path, dense_tokens=None) -
 
 def readable_copy(dense: Path, folder: Path) -> Path:
     """The dense asset as llama.cpp's converter reads it: its weights linked, its tokenizer class one that
-    transformers 4.x has (moekit.export.write.legacy_tokenizer, as every export gets it)."""
-    from moekit.export.write import legacy_tokenizer
+    transformers 4.x has (moekit.checkpoint.export.write.legacy_tokenizer, as every export gets it)."""
+    from moekit.checkpoint.export.write import legacy_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     for f in dense.iterdir():
@@ -203,7 +203,7 @@ def mergekit_row(dense: Path, out: Path, src: Path, lib: Path) -> dict:
 
 
 def predicted(readers: str) -> str:
-    """The llama.cpp part of moekit's readers note (moekit.export.write.readers_note)."""
+    """The llama.cpp part of moekit's readers note (moekit.checkpoint.export.write.readers_note)."""
     key = "llama.cpp cannot represent "
     rest = readers[readers.index(key) + len(key):] if key in readers else ""
     return "differs: " + rest.removesuffix(")") if rest else "same"  # the note's own closing parenthesis

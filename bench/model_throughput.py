@@ -35,7 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 
 from moekit._fs import write_text_atomic
-from moekit.export.base import EXPORTERS
+from moekit.checkpoint.export.base import EXPORTERS
 from moekit.moe.spec import MoESpec
 from moekit.upcycling import upcycle
 from report import spread, write_section  # bench/report.py
@@ -52,7 +52,7 @@ PROMPT = 32
 
 def dense_model(layers: int, dense_dir: Path | None):
     if dense_dir is not None:
-        from moekit.io import load_dense
+        from moekit.checkpoint.dense import load_dense
 
         return load_dense(dense_dir)
     torch.manual_seed(0)

@@ -34,7 +34,8 @@ import torch
 
 from moekit.assets import bible_verses, resolve_model
 from moekit.data.parallel import TranslationCollator
-from moekit.io import load, load_dense, save
+from moekit.checkpoint.format import load, save
+from moekit.checkpoint.dense import load_dense
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.report import write_report
@@ -42,9 +43,9 @@ from moekit.routing.stats import activation_frequency, overlap_share
 from moekit.select.finetune import encode_lines, train_selected
 from moekit.select.prune import prune
 from moekit.select.registry import select
-from moekit.train.freeze import FreezeCallback
-from moekit.train.recipe import AuxConfig, FreezeConfig
-from moekit.train.run import load_tokenizer
+from moekit.methods.freeze import FreezeCallback, FreezeConfig
+from moekit.train.recipe import AuxConfig
+from moekit.train.common import load_tokenizer
 from moekit.train.trainer import MoETrainer
 from moekit.upcycling import upcycle
 from report import VERDICT_RULE, log_progress, cached, claims_table, paired_bootstrap, write_section  # bench/report.py

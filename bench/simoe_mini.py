@@ -58,7 +58,8 @@ def child(label: str, out: Path) -> None:
         import numpy as np
 
         from moekit.simoe.analysis import nonzero_fractions, overlaps
-        from moekit.simoe.export import load, param_counts, prune
+        from moekit.simoe.export import load, prune
+        from moekit.simoe.model import param_counts
 
         model = load(folder / "model").eval()
         ov = overlaps(model)

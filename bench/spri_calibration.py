@@ -32,7 +32,7 @@ def measured(dense, recipe: str, init: dict) -> float:
     import copy
 
     from moekit.config import read_yaml, validate
-    from moekit.eval.upcycling import init_diversity
+    from moekit.moe.diversity import init_diversity
     from moekit.moe.spec import MoESpec
     from moekit.upcycling import upcycle
 
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--write", type=Path)
     args = ap.parse_args()
     from moekit.assets import resolve_model
-    from moekit.io import load_dense
+    from moekit.checkpoint.dense import load_dense
 
     dense = load_dense(resolve_model(args.model))
     rows = []

@@ -13,7 +13,7 @@ import torch
 
 from moekit.assets import resolve_model
 from moekit.config import validate
-from moekit.io import load_dense, load_tokenizer
+from moekit.checkpoint.dense import load_dense, load_tokenizer
 from moekit.moe.spec import MoESpec
 from moekit.upcycling import upcycle
 

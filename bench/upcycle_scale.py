@@ -49,7 +49,7 @@ def make_dense(folder: Path, shape: dict, seed: int = 0) -> Path:
     import transformers as tf
 
     from moekit.checkpoint.writer import Planned, ShardWriter
-    from moekit.io import unique_tensors
+    from moekit.checkpoint.format import unique_tensors
     from moekit.testing import tiny_tokenizer
 
     if (folder / "config.json").is_file():
@@ -126,7 +126,7 @@ LOGITS = textwrap.dedent('''
 
 SPRI_REF = textwrap.dedent('''
     import json, sys, torch, transformers as tf
-    from moekit.io import load_dense
+    from moekit.checkpoint.dense import load_dense
     from moekit.moe.spec import MoESpec
     from moekit.upcycling import upcycle
     dense, native = sys.argv[1], sys.argv[2]

@@ -50,7 +50,8 @@ def child(job: str, model_dir: str, out: str) -> None:
     imported before the clock starts (transformers imports model code lazily, on first use)."""
     import transformers
 
-    from moekit.io import load_dense, model_class, save
+    from moekit.checkpoint.dense import load_dense, model_class
+    from moekit.checkpoint.format import save
     from moekit.upcycling import upcycle
 
     transformers.utils.logging.disable_progress_bar()
@@ -113,8 +114,11 @@ def quality(methods: list[str], model_dir: Path, work: Path, texts: list[str], b
     import transformers
     from transformers import AutoTokenizer
 
-    from moekit.io import load, load_dense
-    from moekit.eval.upcycling import diversity, kl_dense_moe, param_counts
+    from moekit.checkpoint.format import load
+    from moekit.checkpoint.dense import load_dense
+    from moekit.moe.diversity import diversity
+    from moekit.eval.upcycling import kl_dense_moe
+    from moekit.routing.sites import param_counts
 
     transformers.utils.logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -10,7 +10,8 @@ import torch
 
 from moekit.config import validate
 from moekit.errors import ConfigError
-from moekit.io import load_dense, load_model
+from moekit.checkpoint.dense import load_dense
+from moekit.checkpoint.format import load_model
 from moekit.moe import moe_layers
 from moekit.speech.corpus import read_manifest
 from moekit.speech.data import ASRDataConfig, CTCCollator, WhisperCollator, load_split

@@ -88,7 +88,7 @@ class Fx:
 def fx(tmp_path_factory, tiny_recipe_overrides):
     from moekit.cli.main import main
     from moekit.config import apply_overrides
-    from moekit.io import save
+    from moekit.checkpoint.format import save
     from moekit.moe.spec import MoESpec
     from moekit.select.selection import Selection
     from moekit.testing import tiny_llama, tiny_tokenizer

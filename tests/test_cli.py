@@ -9,8 +9,8 @@ import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from moekit.init import EXPERT_INITS
-from moekit.io import load
-from moekit.eval.upcycling import param_counts
+from moekit.checkpoint.format import load
+from moekit.routing.sites import param_counts
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama

@@ -83,7 +83,7 @@ def test_upcycle_help_shows_the_spec_defaults():
     assert f"--method {{{','.join(EXPERT_INITS.names())}}}" in text  # the choices are the registry's
 
 
-@pytest.mark.parametrize("package, registry", [("moekit.init", "EXPERT_INITS"), ("moekit.export", "EXPORTERS"),
+@pytest.mark.parametrize("package, registry", [("moekit.init", "EXPERT_INITS"), ("moekit.checkpoint.export", "EXPORTERS"),
                                                ("moekit.select", "SELECTORS")])
 def test_registries_read_from_source_equal_the_imported_ones(package, registry):
     from moekit.registry import declared
@@ -165,7 +165,7 @@ def test_list_methods_shows_each_parameter_default_and_paper():
 
 def test_list_formats_reads_the_registry_without_importing_it():
     from moekit.cli.common import summary
-    from moekit.export import EXPORTERS
+    from moekit.checkpoint.export import EXPORTERS
 
     res = moekit("list", "formats")
     assert res.returncode == 0, res.stderr
@@ -259,7 +259,7 @@ def test_library_words_a_remedy_as_the_keyword_and_the_cli_as_the_flag(run, tmp_
     import torch
 
     from moekit.errors import CheckpointError
-    from moekit.io import load_dense
+    from moekit.checkpoint.dense import load_dense
     from moekit.testing import tiny_llama
 
     model = tiny_llama()
@@ -357,8 +357,8 @@ def test_public_api_is_lazy_and_exports_export_model():
     code = ("import sys, moekit\n"
             "light = 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
             "from moekit import export_model\n"
-            "import moekit.export\n"
-            "assert export_model is moekit.export.export_model and 'export_model' in moekit.__all__\n"
+            "import moekit.checkpoint.export\n"
+            "assert export_model is moekit.checkpoint.export.export_model and 'export_model' in moekit.__all__\n"
             "assert all(getattr(moekit, name) is not None for name in moekit.__all__)\n"
             "print(light)")
     res = python("-c", code)

@@ -21,8 +21,8 @@ import transformers as tf
 
 import clients_env
 from moekit import MoESpec, moe_layers, upcycle
-from moekit.export import EXPORTERS, export_model
-from moekit.export.base import LLAMA_CPP, TF4
+from moekit.checkpoint.export import EXPORTERS, export_model
+from moekit.checkpoint.export.base import LLAMA_CPP, TF4
 from moekit.testing import logits, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_tokenizer
 
 HERE = os.path.dirname(__file__)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from moekit import io as mio
+import moekit.checkpoint.format as mio
+from moekit.checkpoint.dense import load_dense
 from moekit.config import validate
 from moekit.moe import MoESpec, moe_layers
 from moekit.speech.ctc import CTCConfig, CTCEncoderForASR, ctc_loss
@@ -93,6 +94,6 @@ def test_moe_ctc_save_load_bit_identical(tmp_path, sharing):
 def test_dense_ctc_loads_with_load_dense(tmp_path):
     model = tiny_ctc()
     model.save_pretrained(tmp_path / "d")
-    loaded = mio.load_dense(tmp_path / "d")
+    loaded = load_dense(tmp_path / "d")
     assert isinstance(loaded, CTCEncoderForASR) and type(loaded).__name__ == "CTCEncoderForASR"
     assert torch.equal(loaded(feats()).logits, model(feats()).logits)

@@ -11,10 +11,10 @@ from moekit.data.hf import (ALPACA, ALPACA_NO_INPUT, TextDataConfig, builder_of,
                             read_records)
 from moekit.errors import ConfigError
 from moekit.eval.translation import examples_loss
-from moekit.io import load
+from moekit.checkpoint.format import load
 from moekit.testing import CHATML, tiny_chat_tokenizer, tiny_llama, tiny_tokenizer
 from moekit.train.recipe import load_recipe
-from moekit.train.run import load_tokenizer
+from moekit.train.common import load_tokenizer
 
 DOCS = ["the light of the world", "is good and the day was long", "a", "we walk to school at dawn"]
 ALPACA_RECORDS = [{"instruction": "reverse the words", "input": "day long", "output": "long day"},

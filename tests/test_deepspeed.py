@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moekit.io import load
+from moekit.checkpoint.format import load
 from moekit.train.recipe import load_recipe
-from moekit.train.run import build_model
+from moekit.train.common import build_model
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",

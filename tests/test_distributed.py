@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moekit.io import load
+from moekit.checkpoint.format import load
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -41,7 +41,7 @@ import peft
 import transformers
 
 import moekit.train.run as run
-import moekit.io as io_module
+import moekit.checkpoint.format as io_module
 
 rank = int(os.environ["RANK"])
 record = {"rank": rank, "writes": []}

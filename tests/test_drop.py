@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moekit.config import validate
-from moekit.eval.upcycling import diversity
+from moekit.moe.diversity import diversity
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import tiny_gpt2, tiny_llama
 from moekit.upcycling import upcycle
@@ -147,6 +147,6 @@ def test_down_placement_changes_only_the_down_projection(init):
 def test_diversity_at_init_follows_the_closed_form(method, init, closed_form):
     """bench/spri_calibration.py's closed forms (SPRI Table 1 calibration), on a wider tiny model (I = 256)."""
     moe = _upcycle(tiny_llama(intermediate_size=256), {"method": method, **init}, E=8)
-    from moekit.eval.upcycling import init_diversity
+    from moekit.moe.diversity import init_diversity
 
     assert init_diversity(moe) == pytest.approx(closed_form, rel=0.08)

@@ -11,7 +11,7 @@ from torch import nn
 
 from moekit import MoESpec, moe_layers, upcycle
 from moekit.errors import ConfigError, ExportError, OutputExistsError
-from moekit.export import EXPORTERS, export_model
+from moekit.checkpoint.export import EXPORTERS, export_model
 from moekit.moe import Experts, Router, SharedExpert
 from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
 
@@ -279,7 +279,7 @@ def _llama_cpp_sigmoid(z: "np.ndarray"):
 def test_half_gate_is_one_half_in_transformers_and_llama_cpp():
     import numpy as np
 
-    from moekit.export.qwen2_moe import half_gate
+    from moekit.checkpoint.export.qwen2_moe import half_gate
 
     g = half_gate(576, torch.float32)
     assert torch.equal(g.bfloat16().float(), g) and (g > 0).all() and g.max() < 2.0 ** -59  # exact in bfloat16
@@ -347,7 +347,7 @@ def test_reader_gaps(case):
     the converter and transformers 4.57 on these exports; bench/clients.py llama.cpp's tokens)."""
     import re
 
-    from moekit.export.base import LLAMA_CPP, TF4
+    from moekit.checkpoint.export.base import LLAMA_CPP, TF4
 
     fmt, build, spec, layout, gap = READER_GAPS[case]
     model = moe_model(build, **spec)
@@ -367,7 +367,7 @@ STREAM_CASES = {"mixtral": (tiny_llama, {"init": "drop"}), "qwen2_moe": (lambda:
 def test_streaming_and_in_memory_exports_write_the_same_tensors(tmp_path, fmt, layout):
     """upcycle_checkpoint (streaming) and export_model (in memory) write one file content, name for name, bit for bit."""
     from moekit.checkpoint.upcycle import upcycle_checkpoint
-    from moekit.io import load_dense
+    from moekit.checkpoint.dense import load_dense
 
     build, spec_kw = STREAM_CASES[fmt]
     build().save_pretrained(tmp_path / "dense")

@@ -6,7 +6,7 @@ is plain DDP, and without use_cpu the Trainer refuses it ("Using fsdp only works
 moekit refuses it on the CPU (tests/test_train_args.py). What the Trainer does under FSDP with
 FULL_STATE_DICT is gather the full state dict on every rank (accelerate's get_state_dict: for FSDP2
 get_model_state_dict(full_state_dict=True, cpu_offload=True), the tensors on rank 0 only) and hand it to
-MoETrainer._save, which writes it on the main process with moekit.io.write_checkpoint(model, folder, full).
+MoETrainer._save, which writes it on the main process with moekit.checkpoint.format.write_checkpoint(model, folder, full).
 This test runs exactly that gather and write on a really sharded model, trained 2 steps, and compares the
 checkpoint with the same 2 steps trained in one process.
 """
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from moekit.io import load
+from moekit.checkpoint.format import load
 
 SCRIPT = r'''
 import json, os, sys
@@ -26,7 +26,7 @@ import torch
 
 from moekit import MoESpec, upcycle
 from moekit.errors import CheckpointError
-from moekit.io import write_checkpoint
+from moekit.checkpoint.format import write_checkpoint
 from moekit.testing import tiny_llama
 
 

@@ -8,7 +8,8 @@ import transformers as tf
 from moekit.checkpoint.upcycle import upcycle_checkpoint
 from moekit.config import validate
 from moekit.errors import ConfigError
-from moekit.io import load, load_dense
+from moekit.checkpoint.format import load
+from moekit.checkpoint.dense import load_dense
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_qwen3, tiny_tokenizer
 from moekit.upcycling import upcycle

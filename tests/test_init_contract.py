@@ -5,7 +5,7 @@ from moekit.state import spec_of
 import pytest
 import torch
 
-from moekit import io
+from moekit.checkpoint import format as io
 from moekit.config import validate
 from moekit.init import EXPERT_INITS
 from moekit.losses import load_balance, over_layers

@@ -10,10 +10,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import moekit.io as mio
+import moekit.checkpoint.format as mio
+from moekit.checkpoint.dense import load_dense
 from moekit.config import validate
 from moekit.errors import CheckpointError, OutputExistsError, UnsafeOutputError
-from moekit.eval.upcycling import kl_dense_moe, param_counts
+from moekit.eval.upcycling import kl_dense_moe
+from moekit.routing.sites import param_counts
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_gpt2, tiny_inputs, tiny_llama
 from moekit.upcycling import upcycle
@@ -88,7 +90,7 @@ def test_sharded_roundtrip(tmp_path, monkeypatch):
 
 def test_bf16_roundtrip_from_load_dense(tmp_path):
     tiny_llama().save_pretrained(tmp_path / "dense")
-    model = mio.load_dense(tmp_path / "dense", dtype=torch.bfloat16)
+    model = load_dense(tmp_path / "dense", dtype=torch.bfloat16)
     model = upcycle(model, _spec())
     inputs = tiny_inputs(model)
     before = logits(model, inputs)
@@ -193,12 +195,12 @@ def test_load_dense_safetensors_only(tmp_path):
     dense.config.save_pretrained(folder)
     torch.save(dense.state_dict(), folder / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="pass allow_pickle=True") as info:
-        mio.load_dense(folder)
+        load_dense(folder)
     assert "pytorch_model.bin" in str(info.value)
     with pytest.raises(CheckpointError, match="config.json"):
-        mio.load_dense(tmp_path)
+        load_dense(tmp_path)
     dense.save_pretrained(tmp_path / "st")
-    again = mio.load_dense(tmp_path / "st")
+    again = load_dense(tmp_path / "st")
     inputs = tiny_inputs(dense)
     assert torch.equal(logits(again, inputs), logits(dense, inputs))
 

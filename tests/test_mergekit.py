@@ -12,7 +12,8 @@ import yaml
 
 from moekit.checkpoint.upcycle import upcycle_checkpoint
 from moekit.config import validate
-from moekit.io import load, load_dense
+from moekit.checkpoint.format import load
+from moekit.checkpoint.dense import load_dense
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_tokenizer
 from moekit.upcycling import upcycle
@@ -126,7 +127,7 @@ def test_pooling_scaling_and_shared_gate_stream_as_in_memory(models, tmp_path, r
     the streamed moekit and Qwen2-MoE tensors are bit-identical to moekit.upcycle's (and its export's: the formats
     ask for the shared expert and the router in different orders, the draws keep one); residual_scale multiplies
     the down projection exactly."""
-    from moekit.export import EXPORTERS
+    from moekit.checkpoint.export import EXPORTERS
 
     spec = validate(MoESpec, {
         "num_experts": 3, "top_k": 2, "shared_expert": True, "shared_gate": True,

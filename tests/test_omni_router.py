@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moekit import io as mio
+import moekit.checkpoint.format as mio
 from moekit.config import validate
 from moekit.errors import ConfigError, ExportError
-from moekit.export import EXPORTERS
+from moekit.checkpoint.export import EXPORTERS
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_whisper
 from moekit.upcycling import upcycle

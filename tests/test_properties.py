@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from moekit.config import validate
 from moekit.data.parallel import DataConfig
 from moekit.errors import ConfigError, MoekitError
-from moekit.io import load, save
+from moekit.checkpoint.format import load, save
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama
 from moekit.train.recipe import load_recipe

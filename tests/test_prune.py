@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moekit.errors import ConfigError, OutputExistsError, UnsupportedModelError
-from moekit.io import load_model, save
+from moekit.checkpoint.format import load_model, save
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
@@ -155,7 +155,7 @@ def test_cli_prune(tmp_path, run):
 
 
 def test_moekit_save_keeps_pruning(tmp_path):
-    """moekit.io.save (also used by the trainer's checkpoints) writes pruned_experts.json too."""
+    """moekit.save (also used by the trainer's checkpoints) writes pruned_experts.json too."""
     model = moekit_model()
     prune(model, disabled(model))
     save(model, tmp_path / "plain")

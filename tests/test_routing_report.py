@@ -97,7 +97,7 @@ def test_cli_collect_matches_library_capture(hf_moe, tmp_path, run):
     assert trace.languages == ["en", "sw"] and trace.num_layers == 3 and trace.meta["max_length"] == 12
     assert f"{trace.num_tokens} tokens" in stdout
 
-    from moekit.io import load_model
+    from moekit.checkpoint.format import load_model
     from moekit.routing.capture import RoutingCapture
 
     tok, model = tiny_tokenizer(), load_model(hf_moe / "model")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moekit.errors import ConfigError
-from moekit.io import load_model
+from moekit.checkpoint.format import load_model
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
@@ -207,7 +207,7 @@ def test_cli_finetune_hf_model(hf_model_dir, tmp_path, run):
 
 def test_cli_finetune_moekit_model(tmp_path, run):
     model = upcycled()
-    from moekit.io import save
+    from moekit.checkpoint.format import save
 
     save(model, tmp_path / "moe", tokenizer=tiny_tokenizer())
     sel, text = write_inputs(tmp_path, model)

@@ -263,7 +263,7 @@ def test_save_load_prune_and_merge(tmp_path):
     assert not simoe.si_modules(dense) and not simoe.is_simoe(dense)
     torch.testing.assert_close(logits(dense, x), fixed, rtol=0, atol=1e-5)
     dense.save_pretrained(tmp_path / "d")
-    from moekit.io import load_dense
+    from moekit.checkpoint.dense import load_dense
 
     torch.testing.assert_close(logits(load_dense(tmp_path / "d"), x), fixed, rtol=0, atol=1e-5)
 
@@ -311,7 +311,7 @@ def test_simoe_recipe_trains_resumes_and_evaluates(tiny_recipe_overrides, tmp_pa
     assert rc == 0, err
     with simoe.fixed_routing(loaded, torch.tensor(report["task_routing"]["c"])):
         fixed = logits(loaded, x)
-    from moekit.io import load_dense
+    from moekit.checkpoint.dense import load_dense
 
     torch.testing.assert_close(logits(load_dense(tmp_path / "dense"), x), fixed, rtol=0, atol=1e-5)
     rc, _, err = run("simoe", "export", out, "--out", tmp_path / "x", "--merge", "nope")
@@ -353,7 +353,7 @@ def test_analysis_closed_forms():
 
 
 def test_run_parameter_counts_use_the_simoe_definition():
-    from moekit.eval.upcycling import param_counts
+    from moekit.routing.sites import param_counts
 
     model = simoe.simoe_upcycle(tiny_llama(), CFG)
     c = simoe.param_counts(model)

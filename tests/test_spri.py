@@ -9,7 +9,7 @@ import torch
 from moekit.config import validate
 from moekit.errors import ConfigError
 from moekit.init.spri import svd_blocks
-from moekit.eval.upcycling import diversity, expert_diversity
+from moekit.moe.diversity import diversity, expert_diversity
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama
 from moekit.upcycling import upcycle

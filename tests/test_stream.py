@@ -13,8 +13,9 @@ import transformers as tf
 from moekit.checkpoint.files import read_headers
 from moekit.checkpoint.upcycle import export_checkpoint, upcycle_checkpoint
 from moekit.config import validate
-from moekit.export import EXPORTERS
-from moekit.io import load, load_dense, save
+from moekit.checkpoint.export import EXPORTERS
+from moekit.checkpoint.format import load, save
+from moekit.checkpoint.dense import load_dense
 from moekit.moe.spec import MoESpec
 from moekit.state import spec_of
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama, tiny_qwen2, tiny_qwen3
@@ -307,7 +308,7 @@ def test_init_diversity_recorded_from_the_stored_experts(sources, tmp_path, fmt)
     and the model card; SPRI E=4, k=2 gives 1 − same-group pairs / all pairs = 1 − 2/6."""
     from moekit.checkpoint.files import ShardReader
     from moekit.checkpoint.stream import routed_down
-    from moekit.eval.upcycling import expert_diversity, init_diversity
+    from moekit.moe.diversity import expert_diversity, init_diversity
     from moekit.moe.layer import moe_layers
 
     spec = make_spec(init={"method": "spri"} if fmt == "moekit" else "drop", shared_expert=fmt == "moekit")
@@ -331,7 +332,7 @@ def test_init_diversity_recorded_from_the_stored_experts(sources, tmp_path, fmt)
 
 def test_diversity_is_exact_for_any_chunk():
     """The Gram matrix over row chunks (one row at a time, a few rows, everything) gives the same diversity."""
-    from moekit.eval.upcycling import expert_diversity
+    from moekit.moe.diversity import expert_diversity
 
     down = torch.randn(5, 7, 11, dtype=torch.float64)
     v = torch.nn.functional.normalize(down.reshape(5, -1), dim=-1)

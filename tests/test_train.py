@@ -7,7 +7,7 @@ from transformers import TrainerCallback
 from moekit._fs import PARTIAL
 from moekit.config import validate
 from moekit.errors import CheckpointError, ConfigError, OutputExistsError
-from moekit.io import load_weights
+from moekit.checkpoint.format import load_weights
 from moekit.moe.layer import moe_layers
 from moekit.testing import tiny_llama, tiny_tokenizer
 from moekit.train.recipe import TranslationRecipe
@@ -61,7 +61,7 @@ def changed(a, b, pred):
 
 
 def initial_state(assets, r):
-    from moekit.train.run import build_model
+    from moekit.train.common import build_model
 
     torch.manual_seed(0)
     return {k: v.clone() for k, v in build_model(r, assets / "dense").state_dict().items()}

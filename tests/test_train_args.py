@@ -76,7 +76,7 @@ def one_step(tiny_recipe_overrides, out, checkpointing: bool):
 
 
 def test_gradient_checkpointing_gives_the_same_step(tiny_recipe_overrides, tmp_path):
-    from moekit.train.run import build_model
+    from moekit.train.common import build_model
 
     r, plain, loss = one_step(tiny_recipe_overrides, tmp_path / "plain", False)
     _, ckpt, loss_ckpt = one_step(tiny_recipe_overrides, tmp_path / "ckpt", True)

@@ -9,9 +9,9 @@ from moekit import _auto
 from moekit.errors import MoekitError
 
 _API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit.moe", "moe_layers": "moekit.moe",
-        "load": "moekit.io", "save": "moekit.io", "upcycle": "moekit.upcycling",
+        "load": "moekit.checkpoint.format", "save": "moekit.checkpoint.format", "upcycle": "moekit.upcycling",
         "upcycle_checkpoint": "moekit.checkpoint.upcycle", "export_checkpoint": "moekit.checkpoint.upcycle",
-        "export_model": "moekit.export"}
+        "export_model": "moekit.checkpoint.export"}
 
 __all__ = ["MoekitError", *_API]
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from moekit.checkpoint.card import HUB_ID, hub_id as card_hub_id
 from moekit.ct2 import convert_whisper
 from moekit.errors import AssetError
 from moekit._fs import output
@@ -181,7 +182,6 @@ def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
     return out
 
 
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name[@revision]
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # no pickles, no code
 
 
@@ -205,23 +205,15 @@ def model_inputs(name_or_path: str | Path | None) -> list[Path]:
 
 
 def hub_id(name_or_path: str | Path | None) -> str | list[str] | None:
-    """The Hugging Face Hub repository a model argument comes from, for model cards' `base_model`: `org/name` for
-    a Hub id (the revision dropped) or a snapshot folder of the Hugging Face cache; the original repository of a
-    built-in asset (by name or its cache folder); for a directory moekit wrote, its own card's base_model (str or
-    list); None for any other local directory, whose path is never published."""
-    if name_or_path is None:
-        return None
-    name, path = str(name_or_path), Path(name_or_path)
-    if not path.exists():
-        return MODELS[name].hub_id if name in MODELS else name.split("@")[0] if HUB_ID.match(name) else None
-    real = Path(os.path.realpath(path))
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
-        return real.parent.parent.name.removeprefix("models--").replace("--", "/")
-    if real.parent == Path(os.path.realpath(cache_dir() / "models")) and real.name in MODELS:
-        return MODELS[real.name].hub_id
-    from moekit.checkpoint.card import card_base_model
-
-    return card_base_model(real)
+    """moekit.checkpoint.card.hub_id, and the original Hub repository of a built-in asset named or at its cache
+    folder: what a model card's base_model names."""
+    if name_or_path is not None and not Path(name_or_path).exists() and str(name_or_path) in MODELS:
+        return MODELS[str(name_or_path)].hub_id
+    if name_or_path is not None and Path(name_or_path).exists():
+        real = Path(os.path.realpath(name_or_path))
+        if real.parent == Path(os.path.realpath(cache_dir() / "models")) and real.name in MODELS:
+            return MODELS[real.name].hub_id
+    return card_hub_id(name_or_path)
 
 
 def resolve_hub(repo: str, log: Log | None = None) -> Path:

@@ -13,9 +13,18 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str):
-        self.kind = kind
+    """`fill`: the package whose modules register into this registry, imported on the first lookup, so that a
+    lookup never depends on what was imported before (and the registry's owner need not import that package)."""
+
+    def __init__(self, kind: str, fill: str | None = None):
+        self.kind, self.fill = kind, fill
         self._items: dict[str, T] = {}
+
+    def _filled(self) -> dict[str, T]:
+        if self.fill is not None:
+            package, self.fill = self.fill, None
+            importlib.import_module(package)
+        return self._items
 
     def register(self, name: str) -> Callable[[T], T]:
         def deco(obj: T) -> T:
@@ -28,17 +37,17 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         try:
-            return self._items[name]
+            return self._filled()[name]
         except KeyError:
             raise ConfigError(
                 f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}"
             ) from None
 
     def names(self) -> list[str]:
-        return sorted(self._items)
+        return sorted(self._filled())
 
     def __contains__(self, name: str) -> bool:
-        return name in self._items
+        return name in self._filled()
 
 
 def declared(package: str, registry: str) -> dict[str, str]:

@@ -8,13 +8,16 @@ from torch import nn
 
 if TYPE_CHECKING:
     from moekit.moe.spec import MoESpec
-    from moekit.simoe.model import SIMoE
 
 
 @dataclass
 class ModelState:
+    """Each field is kept in checkpoints by moekit's format or by the StateCodec registered for it
+    (moekit.checkpoint.codecs), so a new kind of state is one field here and one codec where it is made."""
+
     spec: MoESpec | None = None  # how the MoE layers were made (moekit.upcycle, a streamed meta model, moekit.json)
-    simoe: SIMoE | None = None  # the SIMoE router and dual variable; also the submodule `model.simoe` (it trains, saves)
+    # moekit.simoe.model.SIMoE: the SIMoE router and dual variable, also the submodule `model.simoe` (it trains, saves)
+    simoe: nn.Module | None = None
     pruned: dict[str, list[int]] = field(default_factory=dict)  # {router site: disabled expert ids} (moekit.select)
 
 

@@ -10,11 +10,11 @@ from functools import cache
 import torch
 from torch import nn
 
-from moekit.checkpoint.auto import adopt
+from moekit.checkpoint.format import adopt
 from moekit.errors import ConfigError, NumericsError
 from moekit.ffn import ExpertWeights
 from moekit.init.base import InitContext
-from moekit.eval.upcycling import expert_diversity
+from moekit.moe.diversity import expert_diversity
 from moekit.moe.build import build_moe, init_router, shared_gate_weight
 from moekit.moe.prompts import prompt_rows
 from moekit.moe.router import Router

@@ -6,12 +6,19 @@ command, parameter counts and what was checked."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
 import sys
 from importlib import metadata
 from pathlib import Path
 
 import yaml
+
+from moekit.checkpoint.dense import architecture
+from moekit.moe.diversity import init_diversity
+from moekit.routing.sites import param_counts
+from moekit.state import spec_of
 
 
 def moekit_version() -> str:
@@ -62,6 +69,25 @@ def card_base_model(folder: Path) -> str | list[str] | None:
     return value if ok else None
 
 
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name[@revision]
+
+
+def hub_id(name_or_path: str | Path | None) -> str | list[str] | None:
+    """The Hugging Face Hub repository a model comes from, for the card's `base_model`: `org/name` for a Hub id (the
+    revision dropped) or a snapshot folder of the Hugging Face cache; for a directory with a model card, that card's
+    base_model (str or list: a moekit output, a converted built-in asset); None for any other local directory,
+    whose path is never published. (moekit.assets.hub_id also knows the built-in asset names.)"""
+    if name_or_path is None:
+        return None
+    name, path = str(name_or_path), Path(name_or_path)
+    if not path.exists():
+        return name.split("@")[0] if HUB_ID.match(name) else None
+    real = Path(os.path.realpath(path))
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return card_base_model(real)
+
+
 def _base_models(base_model: str | list[str] | None) -> str | list[str] | None:
     """One Hub id as a string, several as a list (order kept, repeats dropped), none as None."""
     ids = [base_model] if isinstance(base_model, str) else list(dict.fromkeys(base_model or []))
@@ -106,20 +132,17 @@ def diversity_fact(mean: float | None) -> dict[str, str]:
                                         "(a negative cosine))"}
 
 
-def write_model_card(model, folder: Path, title: str | None = None, extra: dict | None = None) -> Path:
+def write_model_card(model, folder: Path, title: str | None = None, extra: dict | None = None,
+                     base_model: str | list[str] | None = None) -> Path:
     """The card of an in-memory model being saved (moekit or SIMoE format, or a plain HF model): method and
-    spec from the model, parameter counts, dtype."""
-    from moekit.assets import hub_id
-    from moekit.eval.upcycling import init_diversity, param_counts
-    from moekit.io import architecture
-    from moekit.state import spec_of
-
+    spec from the model, parameter counts, dtype; `base_model` (Hub ids) by default `hub_id` of where the model was
+    loaded from."""
     spec = spec_of(model)
     if spec is not None:
         extra = {**diversity_fact(init_diversity(model)), **(extra or {})}
     simoe = getattr(getattr(model, "simoe", None), "cfg", None)
     fmt = "moekit (SIMoE)" if simoe is not None else "moekit" if spec is not None else "transformers"
-    base = hub_id(getattr(model.config, "_name_or_path", None) or None)
+    base = base_model or hub_id(getattr(model.config, "_name_or_path", None) or None)
     arch = architecture(model)
     return write_card(folder, title=title or f"{arch} ({fmt})", base_model=base, architecture=arch,
                       method=None if spec is None else spec.init.method,

@@ -58,10 +58,10 @@ class LayerEntry(Strict):
 class MoekitMeta(Strict):
     """moekit.json."""
 
-    FORMATS: ClassVar[tuple[str, ...]] = ("moekit/2", "moekit/1")  # 2: config.json wraps the base (checkpoint.auto)
+    FORMATS: ClassVar[tuple[str, ...]] = ("moekit/2", "moekit/1")  # 2: config.json wraps the base (checkpoint.wrapped)
     format: Literal["moekit/2", "moekit/1"]
     architecture: str
-    spec: dict | None  # a MoESpec, validated by moekit.io.load
+    spec: dict | None  # a MoESpec, validated by moekit.checkpoint.format.load
     layers: list[LayerEntry] = Field(min_length=1)
     aliases: dict[str, str]
 

@@ -5,7 +5,7 @@ expert's gate:
 from an init method (upcycling), from a checkpoint's shards (export), from an in-memory MoELayer, or as
 shapes only on the meta device (planning). A format turns parts into items `(name, tensor, index)`, index
 being the slice of a stacked (E, ...) tensor or None for a whole tensor, so a writer holds one expert at a
-time. moekit's own format is here; the native ones are moekit.export's NativeFormat.layer_items.
+time. moekit's own format is here; the native ones are moekit.checkpoint.export's NativeFormat.layer_items.
 """
 from __future__ import annotations
 

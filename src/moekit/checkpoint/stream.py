@@ -19,12 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from moekit.checkpoint.files import ShardReader
+from moekit.checkpoint.format import unique_tensors
 from moekit.checkpoint.parts import Item, LayerParts, item_shape, moekit_items, per_expert
 from moekit.checkpoint.writer import Planned, ShardWriter
 from moekit.errors import CheckpointError, NumericsError
 from moekit.ffn import FFNWeights
 from moekit.init.base import InitContext
-from moekit.eval.upcycling import diversity_by_rows
+from moekit.moe.diversity import diversity_by_rows
 from moekit.moe.build import from_layout, layout
 from moekit.moe.layer import MoELayer, moe_layers
 from moekit.moe.router import Router
@@ -151,7 +152,7 @@ def routed_down(names, prefix: str) -> tuple[str, bool]:
 
 
 def written_diversity(writer: ShardWriter, layer: Layer, chunk_bytes: int = 1 << 27) -> float:
-    """The diversity (moekit.eval.upcycling.expert_diversity) of the routed experts of `layer` as just written, read
+    """The diversity (moekit.moe.diversity.expert_diversity) of the routed experts of `layer` as just written, read
     back from the page cache in row chunks of about `chunk_bytes`."""
     name, separate = routed_down(writer.slots, layer.prefix)
     E = layer.meta.num_experts
@@ -367,3 +368,17 @@ def moekit_naming(model: nn.Module) -> Callable[[str, LayerParts], Iterator[Item
     owners = router_owners(model)
     bias = {path: moe.experts.first_bias is not None for path, moe in moe_layers(model)}
     return lambda path, parts: moekit_items(parts, owners[path] == path, bias[path])
+
+
+def ordered_units(model: nn.Module, layers: dict[str, Layer], copy_of) -> tuple[list, dict[str, str]]:
+    """Units in state-dict order (an MoE layer where its first tensor is), tied tensors once; and the aliases."""
+    kept, aliases = unique_tensors(model)
+    units, placed = [], set()
+    for key in kept:
+        path = next((p for p in layers if key.startswith(p + ".")), None)
+        if path is None:
+            units.append(copy_of(key, aliases))
+        elif path not in placed:
+            units.append(layers[path])
+            placed.add(path)
+    return units, aliases

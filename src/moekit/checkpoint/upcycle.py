@@ -4,7 +4,6 @@ never held, so memory stays near one FFN whatever the model's size. Same tensors
 `moekit.upcycle` on the model loaded in float32 and cast to the output dtype (tests/test_stream.py)."""
 from __future__ import annotations
 
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -14,25 +13,26 @@ import torch
 from torch import nn
 
 from moekit._fs import available_memory, check_space, output, peak_memory
-from moekit.config import Config
-from moekit.checkpoint.auto import save_config
-from moekit.checkpoint.card import diversity_fact, write_card
+from moekit.checkpoint.card import diversity_fact, hub_id, write_card
+from moekit.checkpoint.dense import check_dense_dir, load_tokenizer, meta_model
+from moekit.checkpoint.export.write import native_units
 from moekit.checkpoint.files import ShardReader, copy_file, read_headers
-from moekit.checkpoint.stream import (Copy, Layer, StoredParts, UpcycledParts, draw_router,
-                                      meta_moe_model, moe_units, moekit_naming, planned_bytes, read_ffn,
-                                      write_units)
+from moekit.checkpoint.format import moekit_meta, unique_tensors
+from moekit.checkpoint.layerwise import streamed_prompt_rows
+from moekit.checkpoint.stream import (Copy, StoredParts, UpcycledParts, draw_router, meta_moe_model, moe_units,
+                                      moekit_naming, ordered_units, planned_bytes, read_ffn, write_units)
+from moekit.checkpoint.wrapped import save_config
 from moekit.checkpoint.writer import DEFAULT_SHARD
-from moekit.export.write import native_units
+from moekit.config import Config
 from moekit.errors import CheckpointError, ConfigError, ExportError, ResourceError
 from moekit.init.base import InitContext
-from moekit.io import check_dense_dir, load_tokenizer, meta_model, moekit_meta, unique_tensors
-from moekit.eval.upcycling import init_diversity, param_counts
 from moekit.moe.build import shared_gate_weight
+from moekit.moe.diversity import init_diversity
 from moekit.moe.layer import moe_layers
-from moekit.moe.prompts import streamed_prompt_rows
 from moekit.moe.spec import PROMPT_INITS, MoESpec
-from moekit.upcycling import layer_generator, router_groups, selected_slots
+from moekit.routing.sites import param_counts
 from moekit.state import spec_of
+from moekit.upcycling import layer_generator, router_groups, selected_slots
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = ("auto", "moekit", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -64,7 +64,7 @@ class Written:
     peak_rss: int
     params: tuple[int, int]
     layers: int  # MoE layers
-    readers: str = ""  # native formats: which readers compute it as moekit does (moekit.export.write.readers_note)
+    readers: str = ""  # native formats: which readers compute it as moekit does (moekit.checkpoint.export.write.readers_note)
 
     @property
     def note(self) -> str:
@@ -94,8 +94,8 @@ def choose_format(name: str, model: nn.Module, layout: str | None = None, dtype:
     represents the spec exactly for this source and that every known reader (transformers 5 and 4.57, llama.cpp)
     computes the same, else the first that transformers computes exactly, else moekit's. `layout` (classic when
     None) applies to the native formats; moekit's format has none to choose."""
-    from moekit.export import EXPORTERS
-    from moekit.export.base import check_layout
+    from moekit.checkpoint.export import EXPORTERS
+    from moekit.checkpoint.export.base import check_layout
 
     if name not in FORMATS:
         raise ConfigError(f"unknown format {name!r}; choose one of: {', '.join(FORMATS)}")
@@ -128,20 +128,6 @@ def choose_format(name: str, model: nn.Module, layout: str | None = None, dtype:
     return None, None, "no native format represents this MoE exactly, so moekit's: " + "; ".join(reasons)
 
 
-def ordered_units(model: nn.Module, layers: dict[str, Layer], copy_of) -> tuple[list, dict[str, str]]:
-    """Units in state-dict order (an MoE layer where its first tensor is), tied tensors once; and the aliases."""
-    kept, aliases = unique_tensors(model)
-    units, placed = [], set()
-    for key in kept:
-        path = next((p for p in layers if key.startswith(p + ".")), None)
-        if path is None:
-            units.append(copy_of(key, aliases))
-        elif path not in placed:
-            units.append(layers[path])
-            placed.add(path)
-    return units, aliases
-
-
 def source_key(key: str, aliases: dict[str, str], reader: ShardReader) -> str:
     """The checkpoint's name for output tensor `key`: itself, or a tied alias the checkpoint stored instead."""
     for name in (key, *(a for a, k in aliases.items() if k == key)):
@@ -154,8 +140,8 @@ def source_key(key: str, aliases: dict[str, str], reader: ShardReader) -> str:
 def copy_files(src: Path, dst: Path) -> None:
     """Generation config, tokenizer and processor files of the source (regular files inside it, or links inside
     its Hugging Face cache folder: moekit.checkpoint.files.copy_file), the tokenizer class readable by
-    transformers 4.x (moekit.export.write.legacy_tokenizer)."""
-    from moekit.export.write import legacy_tokenizer
+    transformers 4.x (moekit.checkpoint.export.write.legacy_tokenizer)."""
+    from moekit.checkpoint.export.write import legacy_tokenizer
 
     for name in KEEP_FILES:
         if (src / name).is_file():
@@ -171,9 +157,9 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     """Upcycle the dense checkpoint directory `src` into `out` (atomically; see moekit._fs.output), layer by
     layer: init math in float32 (or wider) on `device`, tensors written in `dtype` ("auto": the checkpoint's
     own) as `format` ("auto": a native format when one represents the spec exactly), a native format's experts in
-    `layout` (classic when None, or fused; moekit.export.base). Memory and disk needs
+    `layout` (classic when None, or fused; moekit.checkpoint.export.base). Memory and disk needs
     are checked first (`force` skips the memory check); `base_model`: the Hub id(s) the model card names (by default
-    moekit.assets.hub_id of `src`; None entries and local paths are never written).
+    moekit.checkpoint.card.hub_id of `src`; None entries and local paths are never written).
     Progress: "upcycling" per MoE layer (moekit.progress)."""
     start, src = time.perf_counter(), check_dense_dir(src)
     dense = meta_model(src, trust_remote_code)
@@ -196,7 +182,7 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     if fmt is None:
         units, aliases = ordered_units(moe, moe_units(moe, make_parts, moekit_naming(moe)), copy_of)
     else:
-        units, aliases = native_units(moe, fmt, plan, make_parts, copy_of, ordered_units), unique_tensors(moe)[1]
+        units, aliases = native_units(moe, fmt, plan, make_parts, copy_of), unique_tensors(moe)[1]
     need = planned_bytes(units, dt)
     check_space(out, need)
     check_memory(dense, slots, spec, force)
@@ -224,11 +210,11 @@ def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype:
     """A moekit checkpoint -> a native transformers MoE checkpoint, streamed like `upcycle_checkpoint`: the
     model is built on the meta device from moekit.json (validated against the shard headers), each MoE layer
     is read expert by expert (moekit.checkpoint.stream.StoredParts) and renamed to the native layout (`layout`:
-    classic or fused, moekit.export.base). Progress: "exporting" per MoE layer (moekit.progress)."""
-    from moekit.export import EXPORTERS
-    from moekit.io import build_from_meta
+    classic or fused, moekit.checkpoint.export.base). Progress: "exporting" per MoE layer (moekit.progress)."""
+    from moekit.checkpoint.export import EXPORTERS
+    from moekit.checkpoint.format import build_from_meta
 
-    from moekit.export.base import check_layout
+    from moekit.checkpoint.export.base import check_layout
 
     start, src = time.perf_counter(), Path(src)
     fmt = EXPORTERS.get(fmt_name)
@@ -244,7 +230,7 @@ def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype:
         return Copy(key, source_key(key, aliases, reader), [reader], finite=False)
 
     units = native_units(model, fmt, plan, lambda path, moe: StoredParts(reader, path, lays[path], owners[path]),
-                         copy_of, ordered_units)
+                         copy_of)
     aliases = unique_tensors(model)[1]
     need = planned_bytes(units, dt)
     with output(out, [src, *inputs], overwrite, need) as tmp:
@@ -321,10 +307,10 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
                     why: str, base_model: list | str | None, title: str) -> str:
     """config.json, moekit.json (or, for a native format, moekit_spec.json beside the native config), the
     source's tokenizer/generation files and the model card; returns which readers compute a native export as
-    moekit does (moekit.export.write.readers_note; "" for moekit's format)."""
+    moekit does (moekit.checkpoint.export.write.readers_note; "" for moekit's format)."""
     import json
 
-    from moekit.export.write import readers_note
+    from moekit.checkpoint.export.write import readers_note
 
     dtype = str(dt).removeprefix("torch.")
     spec = spec_of(moe).model_dump(mode="json")
@@ -343,8 +329,6 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
         readers = readers_note(fmt.reader_gaps(moe, plan))
     copy_files(src, tmp)
     name = "moekit" if fmt is None else f"{fmt.name}, {plan.layout} expert layout"
-    from moekit.assets import hub_id
-
     ids = [base_model] if isinstance(base_model, str) else base_model if base_model is not None else [hub_id(src)]
     ids = [i for x in ids for i in ([x] if isinstance(x, str) else x or [])]  # a card's base_model may be a list
     write_card(tmp, title=title, architecture=type(moe).__name__,

@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> None:
     from moekit.eval.translation import DenseReference
     from moekit.methods import method
     from moekit.train.recipe import load_recipe
-    from moekit.train.run import load_data, load_tokenizer, report
+    from moekit.train.run import load_data, report
+    from moekit.train.common import load_tokenizer
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file() or not (run_dir / "model").is_dir():
@@ -65,7 +66,7 @@ def run_text(recipe, run_dir: Path, device: str) -> None:
     from moekit.data.hf import load_text_data
     from moekit.eval.text import report_text
     from moekit.methods import method
-    from moekit.train.run import load_tokenizer
+    from moekit.train.common import load_tokenizer
 
     _, test = load_text_data(recipe.data, load_tokenizer(run_dir / "model", recipe.model.trust_remote_code))
     log = run_dir / "log_history.json"

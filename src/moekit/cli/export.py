@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> None:
     from moekit._fs import reserve
     from moekit.checkpoint.upcycle import export_checkpoint
-    from moekit.export import EXPORTERS
+    from moekit.checkpoint.export import EXPORTERS
 
     EXPORTERS.get(args.format)  # unknown format: ConfigError before any loading
     with reserve(args.out, [args.dir], args.overwrite) as out, progress():

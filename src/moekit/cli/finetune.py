@@ -57,7 +57,8 @@ def inputs_of(args: argparse.Namespace) -> list[Path]:
 def prepare(args: argparse.Namespace):
     """Load the selection, model and tokenizer (inside the output's reservation)."""
     from moekit.assets import resolve_model
-    from moekit.io import load_model, load_tokenizer
+    from moekit.checkpoint.format import load_model
+    from moekit.checkpoint.dense import load_tokenizer
     from moekit.select.selection import Selection
 
     selection = Selection.load(args.experts)

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def show_moekit(folder: str) -> None:
-    from moekit.io import load, read_meta
+    from moekit.checkpoint.format import load, read_meta
     from moekit.moe.layer import moe_layers
     from moekit.state import spec_of
 
@@ -98,7 +98,7 @@ def show_moekit(folder: str) -> None:
 def show_native(folder: Path, trust_remote_code: bool) -> None:
     """A transformers MoE directory, built on the meta device from its config (no weight is read)."""
     from moekit.errors import CheckpointError, UnsupportedModelError
-    from moekit.io import meta_model
+    from moekit.checkpoint.dense import meta_model
     from moekit.routing.sites import find_sites
 
     model = meta_model(folder, trust_remote_code)
@@ -111,7 +111,7 @@ def show_native(folder: Path, trust_remote_code: bool) -> None:
 
 def show_summary(kind: str, folder, model, layers: int, table: Table):
     """Print what every inspected model shows (base config, MoE layers, parameter counts); the print function."""
-    from moekit.eval.upcycling import param_counts
+    from moekit.routing.sites import param_counts
 
     show = out_console().print
     show(f"[bold]{folder}[/bold]: {kind}")

@@ -30,7 +30,7 @@ def rows(what: str) -> list[tuple[str, ...]]:
         fields = declared_fields("moekit.init", "EXPERT_INITS")
         return [(name, "\n".join(parameter(*f) for f in fields[name]) or "-", summary(doc))
                 for name, doc in declared("moekit.init", "EXPERT_INITS").items()]
-    return [(name, summary(doc)) for name, doc in declared("moekit.export", "EXPORTERS").items()]
+    return [(name, summary(doc)) for name, doc in declared("moekit.checkpoint.export", "EXPORTERS").items()]
 
 
 def run(args: argparse.Namespace) -> None:

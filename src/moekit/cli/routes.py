@@ -71,7 +71,8 @@ def collect(model, tok, texts: dict[str, list[str]], max_length: int, batch_size
 
 def run_collect(args: argparse.Namespace) -> None:
     from moekit._fs import reserve
-    from moekit.io import load_model, load_tokenizer
+    from moekit.checkpoint.format import load_model
+    from moekit.checkpoint.dense import load_tokenizer
 
     if args.max_length < 1 or args.batch_size < 1 or (args.max_texts is not None and args.max_texts < 1):
         raise ConfigError("--max-length, --batch-size and --max-texts must be ≥ 1")

@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 def _open(run_dir: str):
     """(model, tokenizer, recipe or None) of a run directory or a bare SIMoE checkpoint."""
-    from moekit.io import load_tokenizer
+    from moekit.checkpoint.dense import load_tokenizer
     from moekit.simoe.export import load
     from moekit.train.recipe import load_recipe
 
@@ -75,7 +75,8 @@ def run_export(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> str:
     from moekit._fs import output
     from moekit.checkpoint.card import write_model_card
-    from moekit.simoe.export import merge, param_counts, prune, save
+    from moekit.simoe.export import merge, prune, save
+    from moekit.simoe.model import param_counts
 
     model, tok, recipe = _open(args.run_dir)
     before = param_counts(model)

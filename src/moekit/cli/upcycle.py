@@ -22,9 +22,9 @@ from moekit.registry import declared
 if TYPE_CHECKING:
     from moekit.checkpoint.upcycle import UpcycleRecipe
 
-FORMATS = ("auto", "moekit", *declared("moekit.export", "EXPORTERS"))
+FORMATS = ("auto", "moekit", *declared("moekit.checkpoint.export", "EXPORTERS"))
 DTYPES = ("float32", "bfloat16", "float16")
-LAYOUTS = ("classic", "fused")  # moekit.export.base.LAYOUTS, without importing torch for --help
+LAYOUTS = ("classic", "fused")  # moekit.checkpoint.export.base.LAYOUTS, without importing torch for --help
 LAYOUT_HELP = ("how a native format stores the routed experts: classic = one tensor per expert, the Hub's own "
                "names, read by transformers 4 and 5, llama.cpp and vLLM; fused = transformers 5's stacked tensors, "
                "read by transformers >= 5 only (default: classic)")
@@ -242,7 +242,7 @@ def check_mergekit_architectures(args: argparse.Namespace, model_dir: Path, bran
     unless --allow-crimes."""
     if not (args.recipe and branches and getattr(args, "from_mergekit", False)):
         return
-    from moekit.io import load_config
+    from moekit.checkpoint.dense import load_config
     from moekit.mergekit import check_architectures
 
     kinds = {str(m): load_config(m, args.trust_remote_code).model_type for m in (model_dir, *branches)}
@@ -277,7 +277,7 @@ def safetensors_of(model_dir: Path, args: argparse.Namespace, out: Path):
     """The model directory itself, or (--allow-pickle, pickle weights only) a temporary safetensors copy
     beside the output, removed afterwards: upcycling streams safetensors."""
     from moekit._fs import TMP
-    from moekit.io import has_safetensors, load_dense
+    from moekit.checkpoint.dense import has_safetensors, load_dense
 
     if has_safetensors(model_dir, args.allow_pickle):
         yield model_dir

@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from moekit.eval.upcycling import param_counts
+from moekit.routing.sites import param_counts
 from moekit.moe.layer import moe_layers
 from moekit.progress import report
 from moekit.routing.capture import RoutingCapture

@@ -8,7 +8,8 @@ from pathlib import Path
 from moekit.data.parallel import TranslationCollator
 from moekit.eval.plots import plot_curves, plot_usage
 from moekit.eval.translation import examples_loss, write_results
-from moekit.eval.upcycling import diversity, init_diversity, param_counts
+from moekit.moe.diversity import diversity, init_diversity
+from moekit.routing.sites import param_counts
 from moekit.eval.usage import model_usage
 from moekit.moe.layer import moe_layers
 

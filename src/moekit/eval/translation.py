@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from moekit._fs import output, write_text_atomic
 from moekit.data.parallel import Pair, TranslationCollator, encode_pair, prompt_of
 from moekit.errors import CheckpointError, ConfigError
-from moekit.eval.upcycling import diversity, init_diversity, param_counts
+from moekit.moe.diversity import diversity, init_diversity
+from moekit.routing.sites import param_counts
 from moekit.eval.usage import fractions, inference, usage_counts
 from moekit.moe.layer import moe_layers
 from moekit.progress import report

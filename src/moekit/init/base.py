@@ -2,16 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from moekit.config import Config
 from moekit.ffn import ExpertWeights, FFNWeights
-from moekit.registry import Registry
-
-if TYPE_CHECKING:
-    from moekit.moe.spec import MoESpec
+from moekit.moe.spec import EXPERT_INITS, MoESpec  # noqa: F401  (EXPERT_INITS: the methods register here)
 
 
 @dataclass
@@ -77,9 +74,6 @@ class ExpertInitConfig(Config):
         experts = [self.expert(ctx, state, i) for i in range(ctx.spec.routed_experts)]
         shared = self.shared(ctx)
         return ExpertWeights.stack(experts, shared=None if shared is None else shared.clone())
-
-
-EXPERT_INITS: Registry[type[ExpertInitConfig]] = Registry("expert init method")
 
 
 def require_equal_to_dense(spec: MoESpec, method: str, scoring: str) -> None:

@@ -13,6 +13,15 @@ from torch import nn
 from moekit.registry import Registry
 
 
+def load_base(recipe, path: Path) -> nn.Module:
+    """The recipe's base model from its resolved directory, in the recipe's dtype (moekit.checkpoint.dense's policy:
+    safetensors unless model.allow_pickle, the model's own code only with model.trust_remote_code)."""
+    from moekit.checkpoint.dense import load_dense
+
+    dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
+    return load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)
+
+
 class CheckpointFormat(NamedTuple):
     meta: str  # the file that marks a checkpoint of this format (moekit.json, simoe.json)
     write: Callable[[nn.Module, Path, dict | None], None]  # (model, folder, full state dict or None)
@@ -26,7 +35,7 @@ class TrainingMethod:
     name: ClassVar[str]
     section: ClassVar[str | None] = None  # the recipe section with the method's settings: required iff chosen
     tasks: ClassVar[frozenset[str]] = frozenset({"translation", "instruct", "text"})  # recipe tasks it trains
-    freezes: ClassVar[bool] = False  # whether it takes a freeze.schedule (moekit.train.freeze)
+    freezes: ClassVar[bool] = False  # whether it takes a freeze.schedule (moekit.methods.freeze)
 
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         """The model the recipe trains, built from the loaded base model (`tokenizer`: for router prompts)."""
@@ -62,7 +71,7 @@ class TrainingMethod:
 
     def load_checkpoint(self, model: nn.Module, folder: Path) -> bool:
         """Load a resumed checkpoint of the method's own format into `model`; False: the Trainer's loading."""
-        from moekit.io import load_state
+        from moekit.checkpoint.format import load_state
 
         fmt = self.checkpoint_format()
         if fmt is None or not (folder / fmt.meta).is_file():
@@ -72,7 +81,7 @@ class TrainingMethod:
 
     def load_trained(self, recipe, folder: Path) -> nn.Module:
         """The trained model of a finished run (`moekit evaluate`)."""
-        from moekit.io import load_model
+        from moekit.checkpoint.format import load_model
 
         m = recipe.model
         return load_model(folder, m.allow_pickle, m.trust_remote_code)

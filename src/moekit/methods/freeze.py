@@ -7,14 +7,25 @@ some stage; the callback sets the stage's mask before each step (stateless: resu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
+from pydantic import Field
 from torch import nn
 from transformers import TrainerCallback
 
+from moekit.config import Config
 from moekit.moe.layer import moe_layers
-from moekit.train.recipe import FreezeConfig
 
 Predicate = Callable[[str], bool]
+
+
+class FreezeConfig(Config):
+    """none: everything trains. spri_two_stage (SPRI §2.4): for the first tau·T optimizer steps only
+    the routed experts' down projections and the routers train, then every parameter trains.
+    ume (UME §III-C): only MoE layers (routed and shared experts, routers) train, throughout."""
+
+    schedule: Literal["none", "spri_two_stage", "ume"] = "none"
+    tau: float = Field(0.1, ge=0.0, le=1.0)
 
 
 def _under(prefixes: list[str], suffixes: tuple[str, ...] = ("",)) -> Predicate:

@@ -27,6 +27,6 @@ class LoRA(TrainingMethod):
         from peft import PeftModel
 
         from moekit.assets import resolve_model
-        from moekit.train.run import load_base
+        from moekit.methods.base import load_base
 
         return PeftModel.from_pretrained(load_base(recipe, resolve_model(recipe.model.path)), folder).eval()

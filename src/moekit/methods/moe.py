@@ -18,7 +18,7 @@ class MoE(TrainingMethod):
 
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         from moekit.assets import resolve_model
-        from moekit.io import load_dense
+        from moekit.checkpoint.dense import load_dense
         from moekit.upcycling import upcycle
 
         m = recipe.model
@@ -27,7 +27,7 @@ class MoE(TrainingMethod):
         return upcycle(model, recipe.moe, branches or None, tokenizer=tokenizer)
 
     def callbacks(self, recipe, model: nn.Module) -> list:
-        from moekit.train.freeze import FreezeCallback
+        from moekit.methods.freeze import FreezeCallback
 
         return [FreezeCallback(model, recipe.freeze)] if recipe.freeze.schedule != "none" else []
 
@@ -58,6 +58,6 @@ class MoE(TrainingMethod):
         return aux.load_balance * lb + aux.z_loss * z
 
     def checkpoint_format(self) -> CheckpointFormat:
-        from moekit.io import read_meta, write_checkpoint
+        from moekit.checkpoint.format import read_meta, write_checkpoint
 
         return CheckpointFormat("moekit.json", write_checkpoint, read_meta)

@@ -13,20 +13,15 @@ n(v) = v / max(‖v‖, 1e-8), and without negative prompts the negative term is
 BOS text followed by the prompt, tokenized without other special tokens (as mergekit does).
 
 Computed in float32 (mergekit runs the model in bfloat16), CHUNK prompts per forward, each forward stopped at the
-last MoE block. The streaming upcycle never holds the model: the weights outside the blocks (embeddings, final
-norm) are read once, each block just before it runs and dropped after it (`streamed_weights`), so memory holds
-those weights, one block and one chunk's activations.
+last MoE block. The streaming upcycle never holds the model: it runs these on weights read block by block from the
+checkpoint (moekit.checkpoint.layerwise).
 """
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
-from moekit.checkpoint.files import ShardReader
-from moekit.errors import CheckpointError, ConfigError
+from moekit.errors import ConfigError
 from moekit.moe.spec import MoESpec
 from moekit.surgery import Slot
 
@@ -132,7 +127,7 @@ def cheap_rows(embed: Tensor, spec: MoESpec, tokenizer) -> Tensor:
 def prompt_rows(model: nn.Module, slots: list[Slot], spec: MoESpec, tokenizer) -> dict[str, Tensor]:
     """{MoE layer path: (E [+ 1 for the shared gate], H) float32 router rows} for the prompt inits, `model` holding
     its weights (in its dtype), put in eval mode for the forward."""
-    _check_model(model, slots, tokenizer, spec)
+    check_model(model, slots, tokenizer, spec)
     if spec.router_init == "cheap_embed":
         row = cheap_rows(model.get_input_embeddings().weight.detach(), spec, tokenizer)
         return {s.path: row for s in slots}
@@ -143,56 +138,7 @@ def prompt_rows(model: nn.Module, slots: list[Slot], spec: MoESpec, tokenizer) -
         model.train(training)
 
 
-def streamed_prompt_rows(model: nn.Module, reader: ShardReader, slots: list[Slot], spec: MoESpec,
-                         tokenizer) -> dict[str, Tensor]:
-    """`prompt_rows` of the checkpoint `reader`, `model` its architecture with parameters on the meta device and
-    real buffers (moekit.io.meta_model(buffers=True)): weights read as the forward needs them (module docstring)."""
-    _check_model(model, slots, tokenizer, spec)
-    names = {id(p): n for n, p in model.named_parameters()}
-    if spec.router_init == "cheap_embed":
-        row = cheap_rows(_read(reader, names[id(model.get_input_embeddings().weight)]), spec, tokenizer)
-        return {s.path: row for s in slots}
-    with streamed_weights(model, reader, slots[0].stack):
-        return hidden_rows(model, slots, spec, tokenizer)
-
-
-def _read(reader: ShardReader, name: str) -> Tensor:
-    if name not in reader:
-        raise CheckpointError(f"{reader.folder} has no tensor {name}, which the router prompts need")
-    return reader.get(name).float()
-
-
-@contextlib.contextmanager
-def streamed_weights(model: nn.Module, reader: ShardReader, stack: str) -> Iterator[None]:
-    """Let `model.base_model` run on the weights of `reader` in float32: its parameters outside the blocks of `stack`
-    assigned now, each block's state assigned by a pre-hook just before the block runs and put back on the meta
-    device by a hook after it (and on exit)."""
-    base = {id(p) for p in model.base_model.parameters()}
-    outside = {n: _read(reader, n) for n, p in model.named_parameters()
-               if id(p) in base and not n.startswith(stack + ".")}
-    model.load_state_dict(outside, strict=False, assign=True)
-    blocks = model.get_submodule(stack)
-    prefix = {id(b): f"{stack}.{i}." for i, b in enumerate(blocks)}
-
-    def load(block, args, kwargs):
-        block.load_state_dict({k: _read(reader, prefix[id(block)] + k) for k in block.state_dict()}, assign=True)
-
-    def drop(block, *_):
-        block.load_state_dict({k: torch.empty_like(v, device="meta") for k, v in block.state_dict().items()},
-                              assign=True)
-
-    handles = [h for b in blocks for h in (b.register_forward_pre_hook(load, with_kwargs=True),
-                                           b.register_forward_hook(drop))]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for b in blocks:
-            drop(b)
-
-
-def _check_model(model: nn.Module, slots: list[Slot], tokenizer, spec: MoESpec) -> None:
+def check_model(model: nn.Module, slots: list[Slot], tokenizer, spec: MoESpec) -> None:
     if tokenizer is None:
         raise ConfigError(f"router.init {spec.router_init} tokenizes the router prompts: the model needs a tokenizer")
     if getattr(model.config, "is_encoder_decoder", False) or len({s.stack for s in slots}) > 1:

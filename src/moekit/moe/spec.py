@@ -9,9 +9,13 @@ from pydantic import Field, SerializeAsAny, field_validator, model_validator
 from moekit.config import Config
 from moekit.errors import ConfigError
 from moekit.moe.router import Scoring
+from moekit.registry import Registry
 
 
 PROMPT_INITS = ("hidden", "cheap_embed")  # router inits computed from prompts (moekit.moe.prompts)
+# The expert-init methods (one file each in moekit.init, `@EXPERT_INITS.register(name)`): a spec's `init` names one.
+# moekit.init registers into it when the registry is first asked; this module never imports moekit.init.
+EXPERT_INITS: Registry = Registry("expert init method", fill="moekit.init")
 
 
 class ExpertPrompts(Config):
@@ -86,9 +90,8 @@ class MoESpec(Config):
     @field_validator("init", mode="before")
     @classmethod
     def _parse_init(cls, v: Any) -> Any:
-        from moekit.init import EXPERT_INITS, ExpertInitConfig
-
-        if isinstance(v, ExpertInitConfig):
+        if isinstance(v, Config) and getattr(v, "method", None) in EXPERT_INITS and \
+                type(v) is EXPERT_INITS.get(v.method):
             return v
         if isinstance(v, str):
             v = {"method": v}
@@ -135,8 +138,6 @@ class MoESpec(Config):
             twice = sorted({i for i in self.layers if self.layers.count(i) > 1})
             raise ValueError(f"layers lists block {', '.join(map(str, twice))} more than once")
         if self.granularity > 1 and not self.init.granular:
-            from moekit.init import EXPERT_INITS
-
             able = [m for m in EXPERT_INITS.names() if EXPERT_INITS.get(m).granular]
             raise ValueError(f"granularity {self.granularity} (experts cut into shards of the dense FFN) works with "
                              f"init {' or '.join(able)} only, not {self.init.method}")

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import ConfigError, UnsupportedModelError
 from ..moe.layer import MoELayer, moe_layers
 from ..moe.router import RoutingInfo
+from ..state import model_state
 
 # fn(ids (T, k), weights (T, k)) after each decision
 DecisionFn = Callable[[Tensor, Tensor], None]
@@ -139,3 +140,14 @@ def find_sites(model: nn.Module, layers: str | None = None) -> list[RouterSite]:
         if not sites:
             raise UnsupportedModelError(f"no MoE layer path matches {layers!r}")
     return sites
+
+
+def param_counts(model: nn.Module) -> tuple[int, int]:
+    """(total, active) parameters; active counts k of E routed experts per MoE layer (shared tensors once) of a
+    moekit or a transformers MoE model, or for a SIMoE model what one input uses (its state's own count)."""
+    simoe = model_state(model).simoe
+    if simoe is not None:
+        return simoe.param_counts(model)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields shared tensors once
+    inactive = sum((s.num_experts - s.top_k) * s.params_per_expert for s in moe_sites(model))
+    return total, total - inactive

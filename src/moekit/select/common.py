@@ -9,7 +9,8 @@ from torch import nn
 from ..errors import ConfigError
 from .._fs import output
 from ..checkpoint.card import write_model_card
-from ..io import write_checkpoint
+from ..checkpoint.codecs import write_state
+from ..checkpoint.format import write_checkpoint
 from ..moe.layer import moe_layers
 from ..routing.sites import RouterSite, find_sites
 from .selection import Selection
@@ -54,10 +55,10 @@ def save_model(model: nn.Module, out: str | Path, overwrite: bool = False, token
     with pruned_experts.json if the model is pruned. `extra` maps file names to JSON objects to add."""
     with output(out, overwrite=overwrite) as tmp:
         if moe_layers(model):
-            write_checkpoint(model, tmp)  # writes pruned_experts.json itself
+            write_checkpoint(model, tmp)  # with its state codecs' files (pruned_experts.json)
         else:
             model.save_pretrained(tmp)  # transformers v5 writes safetensors only
-            write_pruned(model, tmp)
+            write_state(model, tmp)
             write_model_card(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

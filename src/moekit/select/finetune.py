@@ -168,7 +168,7 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     from transformers.trainer_callback import PrinterCallback
 
     from ..data.parallel import TranslationCollator
-    from ..train.progress import TrainProgress
+    from ..training_progress import TrainProgress
 
     data = encode_lines(lines, tokenizer, max_length)
     if not data:

@@ -10,7 +10,8 @@ family does it:
   DeepSeek-V3                        e_score_correction_bias = -inf for disabled experts (a persistent
                                      buffer: the pruning is in the saved weights too)
 A routing hook is not saved with the weights, so `save_pruned` writes pruned_experts.json beside
-them and moekit.io's loaders disable the same experts again when they find it.
+them (its state codec, moekit.checkpoint.codecs) and moekit's loaders disable the same experts again when they
+find it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from torch import Tensor, nn
 from ..errors import ConfigError, UnsupportedModelError
 from ..moe.router import Router, route
 from ..routing.sites import RerouteFn, RouterSite
-from .common import PRUNED_FILE, resolve, save_model
+from ..checkpoint.codecs import StateCodec
+from .common import PRUNED_FILE, resolve, save_model, write_pruned
 from .selection import Selection
 from moekit.state import model_state
 
@@ -158,16 +160,20 @@ def save_pruned(model: nn.Module, out: str | Path, overwrite: bool = False, toke
 
 
 def reapply(model: nn.Module, folder: str | Path) -> nn.Module:
-    """Disable the experts listed in folder/pruned_experts.json, if there is one (moekit.io calls this)."""
+    """Disable the experts listed in folder/pruned_experts.json, if there is one (the codec's `read`)."""
     f = Path(folder) / PRUNED_FILE
     if f.is_file():
         prune(model, Selection.load(f))
     return model
 
 
+# ModelState.pruned rides along moekit's and transformers' formats (entry point in pyproject.toml)
+CODEC = StateCodec(field="pruned", file=PRUNED_FILE, write=write_pruned, read=reapply)
+
+
 def load_pruned(folder: str | Path) -> nn.Module:
     """Load a model saved by save_pruned (or `moekit prune`) with the same experts disabled."""
-    from ..io import load_model
+    from ..checkpoint.format import load_model
 
     if not (Path(folder) / PRUNED_FILE).is_file():
         raise ConfigError(f"{folder} has no {PRUNED_FILE}: not a pruned model")

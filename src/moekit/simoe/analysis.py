@@ -121,7 +121,7 @@ def write_report(model: nn.Module, out: str | Path, routing: dict[str, list[floa
                  overwrite: bool = False) -> Path:
     """report.json and nonzero_by_type.png, nonzero_by_depth.png, overlap.png (and task_dendrogram.png
     with ≥ 2 tasks' mean routing) into `out`, atomically."""
-    from moekit.simoe.export import param_counts
+    from moekit.simoe.model import param_counts
 
     with output(out, overwrite=overwrite) as tmp:
         fr, ov = nonzero_fractions(model), overlaps(model)

@@ -4,7 +4,8 @@
   simoe.json; `prune` first drops the δ columns no expert's median gate uses (compact form).
 * `merge`: for fixed routing weights (e.g. one task's mean routing) fold every SI module into a plain
   weight θ_pre + δ ⊙ m, giving an ordinary dense HF model.
-* `param_counts`: total stored parameters and active ones per input."""
+* `CODEC`: SIMoE as a checkpoint format of its own (moekit.checkpoint.codecs).
+Parameter counts (stored, active per input) are moekit.simoe.model.param_counts."""
 from __future__ import annotations
 
 import json
@@ -15,14 +16,14 @@ from torch import nn
 from transformers.initialization import no_init_weights
 
 from moekit._fs import output
-from moekit.checkpoint.auto import adopt
 from moekit.checkpoint.card import write_model_card
+from moekit.checkpoint.codecs import StateCodec
+from moekit.checkpoint.dense import architecture, load_config, load_generation_config, model_class
+from moekit.checkpoint.format import adopt, check_headers, load_state, save_configs, save_weights, unique_tensors
+from moekit.checkpoint.format import read_meta as io_read_meta
 from moekit.checkpoint.meta import SIMoEMeta
 from moekit.config import validate
 from moekit.errors import CheckpointError
-from moekit.io import (architecture, check_headers, load_config, load_generation_config, load_state, model_class,
-                       save_configs, save_weights, unique_tensors)
-from moekit.io import read_meta as io_read_meta
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoEConfig, install, si_modules
@@ -33,7 +34,7 @@ def is_simoe(model: nn.Module) -> bool:
 
 
 def write_checkpoint(model: nn.Module, folder: Path, full: dict | None = None) -> None:
-    """config.json, weights and simoe.json into an existing folder (`full`: see moekit.io.unique_tensors)."""
+    """config.json, weights and simoe.json into an existing folder (`full`: see moekit.checkpoint.format.unique_tensors)."""
     kept = {p: m.delta.shape[1] for p, m in si_modules(model) if isinstance(m, SILinear) and m.keep is not None}
     meta = {"format": SIMoEMeta.FORMATS[0], "architecture": architecture(model),
             "config": model.simoe.cfg.model_dump(mode="json"), "kept": kept}
@@ -70,7 +71,7 @@ def _build(meta: dict, config, cfg: SIMoEConfig, folder: Path) -> nn.Module:
 
 def load(folder: str | Path) -> nn.Module:
     """Load a SIMoE checkpoint (pruned or not), in eval mode; validated against the shard headers on the
-    meta device first (as moekit.io.load)."""
+    meta device first (as moekit.checkpoint.format.load)."""
     folder = Path(folder)
     meta = read_meta(folder)
     config = load_config(folder)
@@ -110,14 +111,5 @@ def merge(model: nn.Module, weights: torch.Tensor) -> nn.Module:
     return model
 
 
-def param_counts(model: nn.Module) -> dict[str, int]:
-    """total: every stored parameter (frozen pretrained, δ, masks, router). active: what one input uses,
-    the pretrained weights, the router and the δ columns some expert's median gate keeps (all M experts
-    are mixed with softmax weights, so the union of their masks is active)."""
-    total = sum(p.numel() for p in model.parameters())
-    masks = sum(m.log_alpha.numel() for _, m in si_modules(model))
-    unused = 0
-    for _, m in si_modules(model):
-        idle = int(hc.median(m.log_alpha).eq(0).all(0).sum())  # stored δ columns no expert uses
-        unused += idle * (m.delta.shape[0] if isinstance(m, SILinear) else 1)
-    return {"total": total, "active": total - masks - unused}
+# a SIMoE model (ModelState.simoe) is a checkpoint format of its own (entry point in pyproject.toml)
+CODEC = StateCodec(field="simoe", file="simoe.json", save=write_checkpoint, load=load)

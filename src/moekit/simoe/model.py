@@ -17,6 +17,7 @@ from torch import nn
 
 from moekit.config import Config
 from moekit.errors import ConfigError
+from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import MaskInit, Routing, SILinear, SINorm, SparseInterpolated
 from moekit.state import model_state
 
@@ -59,6 +60,11 @@ class SIMoE(nn.Module):
         self.register_buffer("violation", torch.zeros(()))  # τ − (1 − L0) at the last training step
         self.routing = Routing()
         self.fixed: torch.Tensor | None = None  # (M,) or (B, M) routing weights imposed on the next calls
+
+    def param_counts(self, model: nn.Module) -> tuple[int, int]:
+        """(total, active) parameters of the SIMoE `model` this state belongs to (module function param_counts)."""
+        counts = param_counts(model)
+        return counts["total"], counts["active"]
 
     def route(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
               labels: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,7 +161,7 @@ def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = No
 
 def simoe_upcycle(model: nn.Module, cfg: SIMoEConfig) -> nn.Module:
     """Turn a dense HF model into a SIMoE model in place; outputs are unchanged (δ = 0)."""
-    from moekit.checkpoint.auto import adopt
+    from moekit.checkpoint.format import adopt
 
     return adopt(install(model, cfg).train(model.training))  # model.save_pretrained writes the SIMoE format
 
@@ -173,3 +179,16 @@ def fixed_routing(model: nn.Module, weights: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         s.fixed = saved
+
+
+def param_counts(model: nn.Module) -> dict[str, int]:
+    """total: every stored parameter (frozen pretrained, δ, masks, router). active: what one input uses,
+    the pretrained weights, the router and the δ columns some expert's median gate keeps (all M experts
+    are mixed with softmax weights, so the union of their masks is active)."""
+    total = sum(p.numel() for p in model.parameters())
+    masks = sum(m.log_alpha.numel() for _, m in si_modules(model))
+    unused = 0
+    for _, m in si_modules(model):
+        idle = int(hc.median(m.log_alpha).eq(0).all(0).sum())  # stored δ columns no expert uses
+        unused += idle * (m.delta.shape[0] if isinstance(m, SILinear) else 1)
+    return {"total": total, "active": total - masks - unused}

@@ -23,8 +23,7 @@ from moekit.eval.asr import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.train.args import check_training_args
 from moekit.train.recipe import ASRRecipe
-from moekit.train.run import (adapt, make_trainer, recipe_inputs, resume_from, run_directory, save_final,
-                              write_run_files)
+from moekit.train.common import (adapt, make_trainer, recipe_inputs, resume_from, run_directory, save_final, write_run_files)
 
 VOCAB_FILE = "ctc_vocab.json"
 
@@ -41,7 +40,7 @@ def _whisper(recipe: ASRRecipe) -> tuple[nn.Module, Speech]:
     from transformers import WhisperFeatureExtractor
 
     from moekit.assets import resolve_model
-    from moekit.io import load_dense, load_tokenizer
+    from moekit.checkpoint.dense import load_dense, load_tokenizer
 
     m = recipe.model
     path = resolve_model(m.path)
@@ -105,7 +104,7 @@ class LossCallback(TrainerCallback):
 
 def train_asr(recipe: ASRRecipe, overwrite: bool = False, resume: bool = False, callbacks=(), inputs=()):
     """Train an ASR recipe and evaluate the result (results.json/csv, loss.png, usage.png in `out`); the run
-    lives in a working directory until it has finished (moekit.train.run.run_directory)."""
+    lives in a working directory until it has finished (moekit.train.common.run_directory)."""
     check_training_args(recipe)
     with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
         return _train_asr(work, last, callbacks, final_out=recipe.out)
@@ -151,7 +150,7 @@ def load_speech(recipe: ASRRecipe, folder: Path) -> Speech:
     if recipe.model.kind == "whisper":
         from transformers import GenerationConfig
 
-        from moekit.io import load_tokenizer
+        from moekit.checkpoint.dense import load_tokenizer
 
         tok = load_tokenizer(folder)
         multi = bool(getattr(GenerationConfig.from_pretrained(folder), "is_multilingual", False))

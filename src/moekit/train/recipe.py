@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, field_validator, model_validator
 
 from moekit.config import Config, apply_overrides, read_yaml, validate
+from moekit.methods.freeze import FreezeConfig
 from moekit.data.instruct import InstructConfig
 from moekit.data.parallel import DataConfig
 from moekit.moe.spec import MoESpec
@@ -29,15 +30,6 @@ class LoraConfig(Config):
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-
-
-class FreezeConfig(Config):
-    """none: everything trains. spri_two_stage (SPRI §2.4): for the first tau·T optimizer steps only
-    the routed experts' down projections and the routers train, then every parameter trains.
-    ume (UME §III-C): only MoE layers (routed and shared experts, routers) train, throughout."""
-
-    schedule: Literal["none", "spri_two_stage", "ume"] = "none"
-    tau: float = Field(0.1, ge=0.0, le=1.0)
 
 
 class AuxConfig(Config):

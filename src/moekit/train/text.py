@@ -15,7 +15,8 @@ from moekit.data.parallel import TranslationCollator
 from moekit.eval.text import report_text
 from moekit.eval.translation import examples_loss
 from moekit.train.recipe import TextRecipe
-from moekit.train.run import adapt, load_base, load_tokenizer, make_trainer, resume_from, save_final, write_run_files
+from moekit.methods.base import load_base
+from moekit.train.common import adapt, load_tokenizer, make_trainer, resume_from, save_final, write_run_files
 
 
 class LossCallback(TrainerCallback):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import LlamaForCausalLM, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from moekit.export.base import LLAMA_CPP, EXPORTERS, MoEPlan, NativeFormat, copied_config, refuse, rope_gap, window_gap
+from moekit.checkpoint.export.base import LLAMA_CPP, EXPORTERS, MoEPlan, NativeFormat, copied_config, refuse, rope_gap, window_gap
 
 
 class Mixtral(NativeFormat):

@@ -9,7 +9,7 @@ from transformers import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
                           Qwen2MoeForCausalLM)
 
 from moekit.checkpoint.parts import Item, LayerParts
-from moekit.export.base import (LLAMA_CPP, EXPORTERS, MoEPlan, NativeFormat, copied_config, dense_gap, qwen_moe_fields,
+from moekit.checkpoint.export.base import (LLAMA_CPP, EXPORTERS, MoEPlan, NativeFormat, copied_config, dense_gap, qwen_moe_fields,
                                 refuse, rope_gap, window_gap)
 
 HALF_GATE_SCALE = 2.0 ** -60  # entries of the constant gate row: 2^-60 * [1, 2) (float32 and bfloat16)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moekit.export.base import (LLAMA_CPP, EXPORTERS, MoEPlan, NativeFormat, copied_config, dense_gap, qwen_moe_fields,
+from moekit.checkpoint.export.base import (LLAMA_CPP, EXPORTERS, MoEPlan, NativeFormat, copied_config, dense_gap, qwen_moe_fields,
                                 refuse, rope_gap)
 
 

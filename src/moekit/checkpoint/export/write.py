@@ -11,15 +11,14 @@ from pathlib import Path
 from torch import nn
 
 from moekit.checkpoint.parts import LayerParts
-from moekit.checkpoint.stream import Const, moe_units
-from moekit.export.base import LLAMA_CPP, TF4, MoEPlan, NativeFormat
+from moekit.checkpoint.stream import Const, moe_units, ordered_units
+from moekit.checkpoint.export.base import LLAMA_CPP, TF4, MoEPlan, NativeFormat
 
 # tokenizer classes transformers 4.x cannot import; what it reads instead (the same tokenizer.json)
 V5_ONLY_TOKENIZERS = {"TokenizersBackend": "PreTrainedTokenizerFast"}
 
 
-def native_units(model: nn.Module, fmt: NativeFormat, p: MoEPlan, make_parts: Callable, copy_of: Callable,
-                 ordered_units: Callable) -> list:
+def native_units(model: nn.Module, fmt: NativeFormat, p: MoEPlan, make_parts: Callable, copy_of: Callable) -> list:
     """Every unit of the export in state-dict order: tensors copied (`copy_of(key, aliases)`), MoE layers named by
     the format (`make_parts(path, moe)`), tied tensors the format stores anyway, and the format's extra tensors."""
     layers = moe_units(model, make_parts, lambda path, parts: fmt.layer_items(parts, p),
@@ -35,11 +34,9 @@ def native_units(model: nn.Module, fmt: NativeFormat, p: MoEPlan, make_parts: Ca
 
 def in_memory_units(model: nn.Module, fmt: NativeFormat, p: MoEPlan) -> list:
     """native_units of an in-memory model (its own tensors)."""
-    from moekit.checkpoint.upcycle import ordered_units
-
     state = model.state_dict()
     return native_units(model, fmt, p, lambda path, moe: LayerParts(moe),
-                        lambda key, aliases: Const(key, state[key].detach()), ordered_units)
+                        lambda key, aliases: Const(key, state[key].detach()))
 
 
 def legacy_tokenizer(folder: Path) -> None:

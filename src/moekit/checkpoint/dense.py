@@ -1,0 +1,195 @@
+"""Dense (and any transformers) checkpoints as moekit reads them, and the policy for reading them: safetensors only
+unless pickles are allowed, a model's own Python code only with trust_remote_code (never a prompt on stdin), every
+file inside the directory (moekit.checkpoint.files), weights checked finite; the model's config and tokenizer; its
+architecture built on the meta device (shapes without memory) for checks and streaming."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers.initialization import no_init_weights
+
+from moekit.checkpoint.codecs import read_state
+from moekit.checkpoint.files import check_dir, read_headers, read_text
+from moekit.errors import CheckpointError, NumericsError
+
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+
+
+# moekit's own architectures (transformers PreTrainedModels that transformers does not ship): entry points of this
+# group map a config model_type to the module that defines it and registers its config with AutoConfig
+MODEL_TYPES = "moekit.model_types"
+
+
+def _config_json(folder: Path) -> dict:
+    """config.json as a dict ({} if unreadable: the loaders report that)."""
+    try:
+        data = json.loads(read_text(folder, "config.json", "config"))
+    except (CheckpointError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _native_module(folder: Path):
+    """Import (and so register) the moekit module of `folder`'s model type (for a moekit checkpoint: its base
+    model's), if it is one of ours (an entry point of MODEL_TYPES)."""
+    data = _config_json(folder)
+    kind = data.get("base_model_type") or data.get("model_type")
+    found = [ep for ep in entry_points(group=MODEL_TYPES) if ep.name == kind]
+    return found[0].load() if found else None
+
+
+def model_class(name: str, folder: Path | None = None) -> type[nn.Module]:
+    """A transformers model class by name, or one of moekit's own (see MODEL_TYPES) for `folder`."""
+    native = None if folder is None else _native_module(folder)
+    cls = getattr(transformers, name, None) or getattr(native, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise CheckpointError(f"model class {name!r} is not a transformers or moekit model class "
+                              "(custom code is not loaded)")
+    return cls
+
+
+def load_config(folder: Path, trust_remote_code: bool = False):
+    """The directory's transformers config (for a moekit checkpoint, its base model's); remote code only with
+    `trust_remote_code` (never a prompt)."""
+    from moekit.checkpoint.wrapped import MODEL_TYPE, base_config
+
+    check_dir(folder)
+    check_remote_code(folder, trust_remote_code)
+    _native_module(folder)
+    data = _config_json(folder)
+    try:
+        if data.get("model_type") == MODEL_TYPE:
+            return base_config(data)
+        return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())}") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def load_tokenizer(folder: str | Path, trust_remote_code: bool = False):
+    """The tokenizer saved in `folder`, or None if it has no tokenizer files; custom tokenizer code only with
+    `trust_remote_code`."""
+    folder = Path(folder)
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    check_dir(folder)
+    check_remote_code(folder, trust_remote_code)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{folder} has tokenizer files but they do not load: {' '.join(str(e).split())}") from None
+
+
+def check_remote_code(folder: Path, trust_remote_code: bool) -> None:
+    """Refuse a directory whose config, tokenizer or processor names its own Python code (`auto_map`),
+    unless the user trusts it: transformers would otherwise prompt on stdin or run it."""
+    if trust_remote_code:
+        return
+    for name in REMOTE_CODE_FILES:
+        if (folder / name).is_file():
+            try:
+                data = json.loads(read_text(folder, name, "config"))
+            except (ValueError, RecursionError):
+                continue  # not ours to judge here: the loader reports a broken file
+            if isinstance(data, dict) and data.get("auto_map"):
+                raise CheckpointError(f"{folder} needs its own Python code ({name} has an auto_map); pass "
+                                      "trust_remote_code=True only if you trust that code")
+
+
+def load_generation_config(model: nn.Module, folder: Path) -> None:
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder)
+
+
+def architecture(model: nn.Module) -> str:
+    """The model's class name; FSDP2's fully_shard swaps a model's class for a subclass FSDP<name>."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False,
+               dtype: torch.dtype = torch.float32, allow_nonfinite: bool = False) -> nn.Module:
+    """Load a dense HF model from a local directory: safetensors only unless `allow_pickle`, custom code only
+    with `trust_remote_code`, shard files validated first, weights checked finite unless `allow_nonfinite`."""
+    path = check_dense_dir(path)
+    has_st = has_safetensors(path, allow_pickle)
+    config = load_config(path, trust_remote_code)
+    if has_st:
+        read_headers(path)  # shard names, headers and coverage checked before transformers opens anything
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = model_class(arch, path) if arch and not trust_remote_code else transformers.AutoModel
+    try:
+        model = cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"{path} does not load: {' '.join(str(e).split())[:500]}") from None
+    if not allow_nonfinite:
+        check_finite(model.named_parameters(), str(path))
+    return read_state(model.eval(), path)
+
+
+def check_dense_dir(path: str | Path) -> Path:
+    """A HF model directory that is not one of moekit's MoE formats (those have their own commands)."""
+    path = Path(path)
+    if path.is_dir():
+        check_dir(path)
+    for file, kind, hint in (("moekit.json", "a moekit MoE checkpoint", "moekit inspect / moekit export"),
+                             ("simoe.json", "a SIMoE checkpoint", "moekit simoe export --merge TASK")):
+        if (path / file).is_file():
+            raise CheckpointError(f"{path} is {kind}, not a dense model; see `{hint}`")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool = False) -> nn.Module:
+    """The dense model of a directory built on the meta device from its config: shapes without memory, to
+    check a spec and estimate sizes before any weight is read. With `buffers`, only the parameters are on the meta
+    device and buffers (e.g. rotary frequencies) are real: a model whose weights can be assigned piece by piece
+    and run (moekit.moe.prompts)."""
+    path = check_dense_dir(path)
+    config = load_config(path, trust_remote_code)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if buffers:
+        from accelerate import init_empty_weights
+
+        where = init_empty_weights(include_buffers=False)
+    else:
+        where = torch.device("meta")
+    with where, no_init_weights():
+        if arch and not trust_remote_code:
+            model = model_class(arch, path)._from_config(config)
+        else:
+            model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint
+    return model
+
+
+def has_safetensors(path: Path, allow_pickle: bool) -> bool:
+    """Whether `path` holds safetensors weights; without them, pickle weights only with `allow_pickle`."""
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        return True  # the index is checked when it is read: a shard it names outside the directory is refused
+    if not allow_pickle:
+        found = ", ".join(sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"}))
+        raise CheckpointError(f"{path} has no safetensors weights{f' (found {found})' if found else ''}; pickle "
+                              "checkpoints can run arbitrary code: pass allow_pickle=True only if you trust them")
+    return False
+
+
+def check_finite(tensors, where: str) -> None:
+    """NumericsError naming the first tensor with a NaN or Inf (allow_nonfinite=True proceeds anyway)."""
+    for name, t in tensors:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise NumericsError(f"{where}: {name} has {bad} non-finite value{'s' * (bad > 1)} (NaN or Inf); "
+                                "pass allow_nonfinite=True to proceed anyway")
