@@ -35,6 +35,17 @@ ABLATIONS = {name: (recipe, ["aux.layer_reduction=mean", *extra]) for name, reci
     ("spri_two_stage", "spri_two_stage", []), ("noise_down", "noise", ["moe.init.placement=down", *TWO_STAGE]),
     ("drop_down", "drop", ["moe.init.placement=down", *TWO_STAGE]), ("spri_no_shared", "spri_no_shared", []),
     ("noise_table1", "noise_table1", []), ("drop_table1", "drop_table1", [])]}
+# Issue 30, on the current code (balance loss summed over layers, as the recipes have it): SPRI Table 2's BTX
+# row, Table 3's "Copy" row (routed down projections copied: naive copies with the shared expert and two-stage
+# training, A.3), "w/o shared expert" at equal active parameters (9 routed, top-3, spri_no_shared_top3.yaml),
+# SPRI with Table 1's diversity (ε ≈ 0.44 × the residual's rms, spri_table1.yaml), and the main table's noise,
+# drop and UME rows rerun (they ran when the balance loss was α/L per layer). Paired against dense_ft and
+# spri_two_stage of the same code (--reference-from copies the seeds run's seed-0 ones, else they run here).
+EXTRA = {name: (recipe, extra) for name, recipe, extra in [
+    ("spri_no_shared_top3", "spri_no_shared_top3", []), ("copy_down", "naive", TWO_STAGE), ("btx", "btx", []),
+    ("spri_table1", "spri_table1", []), ("noise", "noise", []), ("drop", "drop", []), ("ume", "ume", [])]}
+REFERENCES = ("dense_ft", "spri_two_stage")  # the rows --extra is paired against
+BRANCH_STEPS = 30  # a BTX branch: one epoch over its direction's 240 pairs, batch 8
 # sized for about 2 hours on 2 cores (8 systems): 4 directions, 2 low-resource (sw, tl); 120 steps of 8 = one
 # epoch over 4 x 240 pairs; 32 test verses per direction
 OVERRIDES = [
@@ -52,6 +63,7 @@ CLAIMS = [("spri_two_stage", "dense_ft", "SPRI (two-stage) beats dense fine-tuni
           ("spri_two_stage", "spri", "two-stage training beats one-stage")]
 MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
 ABLATION_MARK = ("<!-- spri_mini_ablations -->", "<!-- /spri_mini_ablations -->")
+EXTRA_MARK = ("<!-- spri_mini_issue30 -->", "<!-- /spri_mini_issue30 -->")
 
 
 def seed_overrides(recipe_name: str, seed: int) -> list[str]:
@@ -65,6 +77,48 @@ def seed_overrides(recipe_name: str, seed: int) -> list[str]:
     return [f"train.seed={seed}", *([f"moe.seed={seed}"] if has_moe else [])]
 
 
+def directions() -> list[str]:
+    return next(o for o in OVERRIDES if o.startswith("data.directions=")).split("=", 1)[1].strip("[]").split(", ")
+
+
+def btx_branches(out: Path) -> tuple[list[str], float]:
+    """BTX step 1: one dense branch per direction (dense_ft.yaml on that direction only, BRANCH_STEPS steps,
+    no generation), each cached; returns the branches' model folders, one per direction, and the seconds
+    spent on branches not cached before."""
+    from moekit.config import load_yaml
+    from moekit.train.recipe import TranslationRecipe
+    from moekit.train.run import train
+
+    paths, seconds = [], 0.0
+    for d in directions():
+        folder = out / "btx_branches" / d
+        if not (folder / "done").is_file():
+            t0 = time.perf_counter()
+            recipe = load_yaml(Path("recipes/dense_ft.yaml"), TranslationRecipe,
+                               [*OVERRIDES, f"data.directions=[{d}]", f"train.steps={BRANCH_STEPS}", "train.eval_every=0",
+                                f"train.save_every={BRANCH_STEPS // 2}", "eval.generate=false", "eval.kl_examples=0",
+                                f"name=btx_branch_{d}", f"out={folder}"])
+            train(recipe, overwrite=True, resume=True)
+            (folder / "done").write_text("")
+            seconds += time.perf_counter() - t0
+        paths.append(str(folder / "model"))
+    return paths, seconds
+
+
+def adopt_references(out: Path, source: Path) -> None:
+    """Copy REFERENCES' seed-0 runs (their small result files) from another output folder of this benchmark
+    (e.g. the seeds run), so --extra pairs against them without training them again."""
+    import shutil
+
+    for name in REFERENCES:
+        src, dst = source / name, out / name
+        if (src / "summary.json").is_file() and not (dst / "summary.json").is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            for f in ("recipe.yaml", "results.json", "log_history.json", "summary.json"):  # summary last
+                if (src / f).is_file():
+                    shutil.copy2(src / f, dst / f)
+
+
 def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: int = 0) -> dict:
     from moekit.config import load_yaml
     from moekit.train.recipe import TranslationRecipe
@@ -73,12 +127,18 @@ def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: i
     folder = seed_folder(out, name, seed)
     if (folder / "summary.json").is_file():  # cached (written after results.json)
         return json.loads((folder / "summary.json").read_text())
+    branch_seconds = 0.0
+    if recipe_name == "btx":
+        branches, branch_seconds = btx_branches(out)
+        E = 8  # recipes/btx.yaml: branch d of D directions gives experts d·E/D .. (d+1)·E/D − 1 (pairs for D = 4)
+        extra = [*extra, f"moe.init.branches={json.dumps([branches[i * len(branches) // E] for i in range(E)])}"]
     recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe,
                        [*OVERRIDES, *extra, *seed_overrides(recipe_name, seed), f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
-    summary = {"seconds": time.perf_counter() - t0, "mean_kl": statistics.mean(kls) if kls else None}
+    summary = {"seconds": time.perf_counter() - t0, "mean_kl": statistics.mean(kls) if kls else None,
+               **({"branch_seconds": branch_seconds} if recipe_name == "btx" else {})}
     (folder / "summary.json").write_text(json.dumps(summary))
     return summary
 
@@ -185,6 +245,11 @@ def main() -> None:
     ap.add_argument("--ablations", action="store_true",
                     help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section "
                          "(paired against spri_two_stage)")
+    ap.add_argument("--extra", action="store_true",
+                    help=f"run the issue-30 rows {', '.join(EXTRA)} instead, into their own BENCHMARKS section "
+                         f"(paired against {' and '.join(REFERENCES)}, which run too unless --reference-from has them)")
+    ap.add_argument("--reference-from", type=Path, metavar="OUT",
+                    help=f"with --extra: copy {' and '.join(REFERENCES)} (seed 0) from this benchmark's output folder OUT")
     ap.add_argument("--only", nargs="+", metavar="SYSTEM",
                     help="train only these systems (e.g. in a second process beside a running one); report all "
                          "(with --report-only: report only these, train nothing)")
@@ -192,8 +257,13 @@ def main() -> None:
                     help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
     args = ap.parse_args()
     log_progress()
+    if args.ablations and args.extra:
+        ap.error("--ablations and --extra are two sections: run them one at a time")
     systems, mark, base = ((ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations
+                           else ({**{n: SYSTEMS[n] for n in REFERENCES}, **EXTRA}, EXTRA_MARK, "dense_ft") if args.extra
                            else (SYSTEMS, MARK, "dense_ft"))
+    if args.extra and args.reference_from:
+        adopt_references(args.out, args.reference_from)
     names = list(systems)  # the systems reported
     if args.only:
         unknown = set(args.only) - set(systems)
@@ -216,16 +286,28 @@ def main() -> None:
     seeds = "" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}"
     only = f" --only {' '.join(args.only)}" if args.only else ""
     cmd = (f".venv/bin/python bench/spri_mini.py --out {args.out}" + (" --ablations" if args.ablations else "")
+           + (" --extra" + (f" --reference-from {args.reference_from}" if args.reference_from else "") if args.extra else "")
            + seeds + only + (f" --write {args.write}" if args.write else ""))
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
-    title = "SPRI Tables 1 and 3 rows in miniature" if args.ablations else "SPRI Table 2 in miniature"
+    title = ("SPRI Tables 1 and 3 rows in miniature" if args.ablations else
+             "SPRI Tables 2 and 3: BTX, Copy, w/o shared expert at equal active parameters, Table 1's ε, reruns "
+             "(issue 30)" if args.extra else "SPRI Table 2 in miniature")
+    if args.extra:
+        btx = summaries.get(("btx", 0), {})
+        status += (f" btx's wall time excludes its {len(directions())} branches ({BRANCH_STEPS} steps of dense_ft.yaml "
+                   "on one direction each, no generation"
+                   + (f"; {btx['branch_seconds'] / 60:.1f} min)." if btx.get("branch_seconds") else ").")
+                   + (f" {' and '.join(REFERENCES)}: copied from {args.reference_from} (seed 0)." if args.reference_from
+                      else ""))
     lines = [mark[0], f"## {title} (bench/spri_mini.py)", "",
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Overrides on every recipe: "
              f"`{' '.join(OVERRIDES)}`" + (" and `aux.layer_reduction=mean`" if args.ablations else "")
              + f"; per-row overrides in the script; seed n > 0 adds `train.seed=n` and `moe.seed=n` (test "
              f"verses fixed).{status}", "", *table(args.out, summaries), "",
              *(paired(args.out, [n for n, s in summaries if s == 0], base) if (base, 0) in summaries else []), "",
-             *([] if args.ablations else claims(args.out, set(summaries))), "", mark[1]]
+             *(paired(args.out, [n for n, s in summaries if s == 0], "spri_two_stage")
+               if args.extra and ("spri_two_stage", 0) in summaries else []), "",
+             *([] if args.ablations or args.extra else claims(args.out, set(summaries))), "", mark[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:
