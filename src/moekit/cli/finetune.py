@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from moekit.cli.common import device_arg, err_console, human, lang_file, lang_files, out_console
+from moekit.cli.plan import add_plan_args
 from moekit.cli.progress import progress
 from moekit.errors import CheckpointError, ConfigError
 
@@ -29,6 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the data order")
     p.add_argument("--device", default="auto", type=device_arg,
                    help="auto (a CUDA device when torch sees one), cpu, cuda or cuda:N")
+    add_plan_args(p)
     p.set_defaults(run=run_finetune)
 
     p = sub.add_parser("prune", help="disable the selected experts",
@@ -88,6 +90,15 @@ def run_finetune(args: argparse.Namespace) -> None:
     if args.batch_size % args.grad_accum:
         raise ConfigError(f"--batch-size {args.batch_size} is not a multiple of --grad-accum {args.grad_accum}")
     data = lang_files(args.data, "--data")
+    if args.dry_run:
+        from moekit.cli.plan import print_plan
+        from moekit.train.plan import plan_finetune
+
+        print_plan(plan_finetune(args.model, args.experts, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                                 max_length=args.max_length, trust_remote_code=args.trust_remote_code,
+                                 devices=args.devices, expert_parallel=args.expert_parallel,
+                                 log=err_console().print), args.device_memory)
+        return
     start = time.perf_counter()
     with reserve(args.out, inputs_of(args), args.overwrite) as out:
         lines = read_lines(data)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moekit.cli.common import out_console
+from moekit.cli.common import err_console, out_console
+from moekit.cli.plan import add_plan_args
 from moekit.cli.progress import progress
 
 
@@ -22,6 +23,7 @@ def add_parser(sub) -> None:
             p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
             p.add_argument("--resume", action="store_true",
                            help="continue from the last checkpoint in `out` (with --overwrite: start over if there is none)")
+            add_plan_args(p)
         p.set_defaults(run=run_train if name == "train" else run_validate)
 
 
@@ -38,6 +40,13 @@ def run_train(args: argparse.Namespace) -> None:
     from moekit.train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if args.dry_run:
+        from moekit.cli.plan import print_plan
+        from moekit.train.plan import plan_recipe
+
+        print_plan(plan_recipe(recipe, args.devices, args.expert_parallel, log=err_console().print),
+                   args.device_memory)
+        return
     if recipe.task == "asr":
         from moekit.train.asr import train_asr as train
     else:
