@@ -53,6 +53,17 @@ class Fx:
         self.train_jsonl, self.test_jsonl = data_root / "train.jsonl", data_root / "test.jsonl"
 
     @property
+    def native(self) -> Path:
+        """A tiny Qwen3-MoE checkpoint (8 experts, top-2, 3 MoE layers) as transformers writes it (first use)."""
+        folder = self.root / "native"
+        if not folder.is_dir():
+            from moekit.testing import tiny_qwen3_moe, tiny_tokenizer
+
+            tiny_qwen3_moe().save_pretrained(folder)
+            tiny_tokenizer().save_pretrained(folder)
+        return folder
+
+    @property
     def hub(self) -> Path:
         """A Hugging Face cache holding org/tiny (the dense fixture), filled by huggingface_hub (first use)."""
         cache = self.root / "hub"
@@ -1427,6 +1438,70 @@ HUB_AND_MERGEKIT = [
          r"--seed 2 and --random-seed 1 disagree"),
 ]
 
+def native_sel(t: Path, layers=(0, 1, 2), ids=(0, 1, 2, 3), name="keep.json", **per_layer) -> Path:
+    """A selection of the tiny Qwen3-MoE's experts: `ids` in every one of `layers` (or per_layer[f"l{i}"])."""
+    experts = {f"model.layers.{i}.mlp": list(per_layer.get(f"l{i}", ids)) for i in layers}
+    return selection(t, {"method": "manual", "budget": sum(map(len, experts.values())), "experts": experts}, name)
+
+
+def prune_native(t: Path, f: Fx, sel: Path, mode: str = "--keep", out: str = "p") -> list:
+    return ["prune", "--model", f.copy(f.native, t / "q3"), "--experts", sel, mode, "--out", t / out]
+
+
+BIGGER_THAN_MEMORY = [
+    Case("prune-keep-layer-the-checkpoint-lacks",
+         lambda t, f: prune_native(t, f, native_sel(t, layers=(0, 1, 2, 9))),
+         r"the selection must cover every MoE layer of the checkpoint \(decoder layers \[0, 1, 2\]\); it differs at "
+         r"\[9\]"),
+    Case("prune-keep-not-every-layer", lambda t, f: prune_native(t, f, native_sel(t, layers=(0, 1))),
+         r"the selection must cover every MoE layer"),
+    Case("prune-drop-every-expert", lambda t, f: prune_native(t, f, native_sel(t, ids=range(8)), "--drop"),
+         r"keeping 0 experts per layer leaves fewer than the 2 each token is routed to"),
+    Case("prune-keep-fewer-than-top-k", lambda t, f: prune_native(t, f, native_sel(t, ids=(5,))),
+         r"keeping 1 experts per layer leaves fewer than the 2 each token is routed to \(num_experts_per_tok\)"),
+    Case("prune-keep-uneven-layers", lambda t, f: prune_native(t, f, native_sel(t, l1=(0, 1, 2))),
+         r"the layers would keep different numbers of experts \(\[3, 4\]\), but the config holds one expert "
+         r"count for every layer; .*select usage\|reap\|ean --top N"),
+    Case("prune-keep-expert-out-of-range", lambda t, f: prune_native(t, f, native_sel(t, ids=(0, 1, 2, 8))),
+         r"expert ids must be distinct and in \[0, 8\)"),
+    Case("prune-keep-moekit-checkpoint",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts", native_sel(t), "--keep", "--out", t / "p"],
+         r"is a moekit checkpoint: removing experts needs a native transformers checkpoint \(`moekit export`"),
+    Case("prune-keep-out-inside-model",
+         lambda t, f: ["prune", "--model", f.copy(f.native, t / "q3"), "--experts", native_sel(t), "--keep",
+                       "--out", t / "q3" / "pruned"], r"the output .*pruned is inside the checkpoint .*q3: write it "
+                                                      r"elsewhere"),
+    Case("prune-keep-shards-disagree-with-index",
+         lambda t, f: ["prune", "--model", also(f.copy(f.native, t / "q3"), index(t / "q3", "model.safetensors",
+                                                                                 {"ghost.weight": "model.safetensors"})),
+                       "--experts", native_sel(t), "--keep", "--out", t / "p"],
+         r"lists tensors its shards do not hold: \['ghost\.weight'\]"),
+    Case("collect-stream-on-dense-model",
+         lambda t, f: collect(dense(t, f), t / "t.npz", f"en={text(t, f)}", extra=["--stream", "on"]),
+         r"has no MoE layer moekit can read"),
+    Case("collect-stream-bad-value",
+         lambda t, f: collect(moe(t, f), t / "t.npz", f"en={text(t, f)}", extra=["--stream", "maybe"]),
+         r"argument --stream: invalid choice: 'maybe'"),
+    Case("select-reap-trace-without-saliency",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=None), "--top", 2, "--out", t / "s.json"],
+         r"the trace has no saliency sums, which reap needs"),
+    Case("select-reap-top-above-experts",
+         lambda t, f: ["select", "reap", f.copy(f.trace, t / "t.npz"), "--top", 5, "--out", t / "s.json"],
+         r"top 5 is more than the experts of model\.layers\.1\.mlp \(4\)"),
+    Case("select-reap-top-below-top-k",
+         lambda t, f: ["select", "usage", f.copy(f.trace, t / "t.npz"), "--top", 1, "--out", t / "s.json"],
+         r"keeping 1 experts per layer leaves fewer than the 2 each token is routed to"),
+    Case("select-reap-without-top",
+         lambda t, f: ["select", "reap", f.copy(f.trace, t / "t.npz"), "--out", t / "s.json"],
+         r"the following arguments are required: --top"),
+    Case("trace-saliency-wrong-shape",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: a[:, :1]), "--top", 2,
+                       "--out", t / "s.json"], r"saliency has shape \(2, 1, 4, 4\) \(float64\), expected \(2, 2, 4, 4\)"),
+    Case("trace-saliency-negative",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: -a - 1), "--top", 2,
+                       "--out", t / "s.json"], r"finite, non-negative sums"),
+]
+
 PICKLED = r"cannot resume from .*checkpoint-1: .*{} holds pickled Python objects other than tensors \(it names " \
           r"posix\.system\); it is refused and nothing in it ran$"
 MESSAGES = [  # the outcome was right, the words misled
@@ -1469,8 +1544,8 @@ MESSAGES = [  # the outcome was right, the words misled
 ]
 
 
-CASES = [*GUARDS, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE, *LOCKS_AND_KINDS, *CONTAINMENT,
-         *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT]
+CASES = [*GUARDS, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
+         *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY]
 
 
 def params(cases: list[Case]) -> list:

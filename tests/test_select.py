@@ -242,15 +242,16 @@ def test_topk_takes_the_targets_most_activated_experts_over_all_layers():
 # ---- shared contract --------------------------------------------------------------------------------
 
 NEEDS_BUDGET = [m for m in SELECTORS.names() if SELECTORS.get(m).needs_budget]
+BUDGETED = [m for m in SELECTORS.names() if not SELECTORS.get(m).per_layer]  # per-layer ones: moekit.select.oneshot
 
 
-@pytest.mark.parametrize("method", SELECTORS.names())
+@pytest.mark.parametrize("method", BUDGETED)
 def test_unknown_target_is_one_config_error(method):
     with pytest.raises(ConfigError, match="'xx' is not in the trace"):
         select(random_trace(), method, "xx", 4)
 
 
-@pytest.mark.parametrize("method", SELECTORS.names())
+@pytest.mark.parametrize("method", BUDGETED)
 @pytest.mark.parametrize("budget", [0, 8 * 16 + 1])
 def test_budget_outside_the_expert_count_is_one_config_error(method, budget):
     with pytest.raises(ConfigError, match="between 1 and the 128 experts"):
@@ -264,11 +265,11 @@ def test_methods_with_a_budget_need_one(method):
 
 
 def test_unknown_method_lists_the_registered_ones():
-    with pytest.raises(ConfigError, match="esft, random, rise, topk"):
+    with pytest.raises(ConfigError, match="ean, esft, random, reap, rise, topk, usage"):
         select(random_trace(), "magic", "sw", 4)
 
 
-@pytest.mark.parametrize("method", SELECTORS.names())
+@pytest.mark.parametrize("method", BUDGETED)
 def test_selection_has_every_layer_scores_per_expert_and_round_trips(method, tmp_path):
     trace = random_trace(L=4, E=16)
     sel = select(trace, method, "sw", 12)

@@ -198,13 +198,16 @@ def _build(meta: dict, config, folder: Path) -> nn.Module:
     return model
 
 
-def build_from_meta(folder: str | Path) -> tuple[nn.Module, dict]:
+def build_from_meta(folder: str | Path, buffers: bool = False) -> tuple[nn.Module, dict]:
     """(the model a moekit checkpoint describes, on the meta device, checked against its shard headers; its
-    validated moekit.json)."""
+    validated moekit.json). With `buffers`, only the parameters are on the meta device and buffers (e.g. rotary
+    frequencies) are real: a model that runs once its weights are loaded (moekit.checkpoint.layerwise)."""
+    from accelerate import init_empty_weights
+
     folder = Path(folder)
     meta = read_meta(folder)
     config = load_config(folder)
-    with torch.device("meta"):
+    with init_empty_weights(include_buffers=False) if buffers else torch.device("meta"):
         model = _build(meta, config, folder)
     model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint (export copies it once)
     check_headers(model, folder, meta["aliases"])

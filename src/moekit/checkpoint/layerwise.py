@@ -1,10 +1,20 @@
-"""Running a model whose weights stay in its checkpoint: the weights outside the decoder blocks (embeddings, final
-norm) are read once, each block's just before it runs and dropped after it, so memory holds those weights, one block
-and the activations. Used for router rows from prompts in a streaming upcycle (moekit.moe.prompts)."""
+"""Running a model whose weights stay in its checkpoint, a part at a time.
+
+`LayerStream` builds the model on the meta device (parameters only: buffers such as rotary frequencies are real) and
+loads any submodule's weights from the checkpoint on demand, mapping the checkpoint's names to the model's with
+transformers' own conversion (so the Hub's classic per-expert tensors become the fused experts of transformers 5,
+exactly as from_pretrained does; transformers==5.23.0 is pinned for this private function:
+transformers.core_model_loading.convert_and_load_state_dict_in_model), and drops them back to the meta device.
+Memory then holds what is loaded now, not the model: routing analysis and pruning of models larger than memory run
+one decoder layer at a time (moekit.routing.streamed).
+
+`streamed_weights` runs a whole forward that way, each block loaded just before it runs and dropped after it: router
+rows from prompts in a streaming upcycle (moekit.moe.prompts)."""
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -63,3 +73,85 @@ def streamed_weights(model: nn.Module, reader: ShardReader, stack: str) -> Itera
             h.remove()
         for b in blocks:
             drop(b)
+
+
+@contextlib.contextmanager
+def _no_load_bars() -> Iterator[None]:
+    """transformers' "Loading weights" bar off while a part loads (only moekit.cli draws progress)."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
+class LayerStream:
+    """The model of a checkpoint directory with its weights left in the checkpoint until `load`ed (module docstring).
+    `dtype`: the weights' dtype once loaded (default: the checkpoint config's)."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype | None = None, trust_remote_code: bool = False):
+        self.folder = Path(folder)
+        self.model = _meta_model(self.folder, dtype, trust_remote_code)
+        self.reader = ShardReader(self.folder)
+
+    def load(self, path: str, device: str | torch.device = "cpu") -> nn.Module:
+        """Load the parameters and persistent buffers of submodule `path` (a model name: "model.layers.3") from the
+        checkpoint tensors under the same prefix, on `device`; CheckpointError if the checkpoint lacks some."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        prefix = f"{path}." if path else ""
+        tensors = {k: self.reader.get(k).to(device) for k in self.reader.keys() if k.startswith(prefix)}
+        config = LoadStateDictConfig(dtype=self.dtype, weight_mapping=get_model_conversion_mapping(self.model))
+        with _no_load_bars():
+            convert_and_load_state_dict_in_model(self.model, tensors, config)
+        module = self.model.get_submodule(path)
+        left = [n for n, t in module.state_dict().items() if t.is_meta]
+        if left:
+            raise CheckpointError(f"{self.folder} has no weights for {prefix}{left[0]} (and {len(left) - 1} more "
+                                  "of that part); the checkpoint does not match its config")
+        return module.to(device)
+
+    def drop(self, path: str) -> None:
+        """Put the weights of submodule `path` back on the meta device (their memory is freed)."""
+        module = self.model.get_submodule(path)
+        module.load_state_dict({k: torch.empty_like(v, device="meta") for k, v in module.state_dict().items()},
+                               assign=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self) -> LayerStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _meta_model(folder: Path, dtype: torch.dtype | None, trust_remote_code: bool) -> nn.Module:
+    """A dense or transformers MoE checkpoint's model (moekit.checkpoint.dense.meta_model with real buffers), or a
+    moekit checkpoint's (moekit.checkpoint.format.build_from_meta), with its parameters in `dtype`."""
+    if (folder / "moekit.json").is_file():
+        from moekit.checkpoint.format import build_from_meta
+
+        model = build_from_meta(folder, buffers=True)[0]
+    else:
+        from moekit.checkpoint.dense import meta_model
+
+        model = meta_model(folder, trust_remote_code, buffers=True)
+    if dtype is not None:  # parameters only: buffers such as rotary frequencies keep their own dtype
+        for name, p in list(model.named_parameters()):
+            module, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(module), leaf, nn.Parameter(torch.empty_like(p, dtype=dtype, device="meta"),
+                                                                    requires_grad=p.requires_grad))
+        model.tie_weights()
+    return model.eval()

@@ -1,4 +1,5 @@
-"""`moekit finetune` (train only the selected experts) and `moekit prune` (disable them)."""
+"""`moekit finetune` (train only the selected experts) and `moekit prune` (disable them, or remove experts from a
+native checkpoint)."""
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,17 @@ def add_parser(sub) -> None:
     add_plan_args(p)
     p.set_defaults(run=run_finetune)
 
-    p = sub.add_parser("prune", help="disable the selected experts",
+    p = sub.add_parser("prune", help="disable the selected experts, or remove experts from a checkpoint",
                        description="Disable the experts of a selection JSON: the routers never pick them and the "
                                    "top-k is renormalized over the rest. Saves the model with pruned_experts.json "
-                                   "(re-applied when moekit loads it).")
+                                   "(re-applied when moekit loads it). With --keep or --drop, remove experts from a "
+                                   "native transformers MoE checkpoint instead, one tensor at a time (a model larger "
+                                   "than memory): the output is the same family with fewer experts per layer.")
     common(p)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--keep", action="store_true", help="keep only the selected experts, remove the others "
+                     "(after `moekit select usage|reap|ean --top N`)")
+    how.add_argument("--drop", action="store_true", help="remove the selected experts")
     p.set_defaults(run=run_prune)
 
 
@@ -127,6 +134,8 @@ def run_prune(args: argparse.Namespace) -> None:
     from moekit._fs import reserve
     from moekit.select.prune import prune, save_pruned
 
+    if args.keep or args.drop:
+        return run_remove(args)
     with reserve(args.out, inputs_of(args), args.overwrite) as out:
         selection, model, tokenizer = prepare(args)
         prune(model, selection)
@@ -134,3 +143,24 @@ def run_prune(args: argparse.Namespace) -> None:
     total = sum(p.numel() for p in model.parameters())
     out_console().print(f"disabled {selection.count} experts in {len(selection.experts)} layers "
                         f"(model {human(total)} parameters, weights unchanged); saved to {args.out}")
+
+
+def run_remove(args: argparse.Namespace) -> None:
+    """`prune --keep|--drop`: experts removed from a native checkpoint, tensor by tensor."""
+    from moekit._fs import peak_memory, reserve
+    from moekit.assets import resolve_model
+    from moekit.checkpoint.remove import remove_experts
+    from moekit.select.prune import kept_experts
+    from moekit.select.selection import Selection
+
+    start = time.perf_counter()
+    with reserve(args.out, inputs_of(args), args.overwrite):
+        selection = Selection.load(args.experts)
+        model = resolve_model(args.model)
+        keep = kept_experts(model, selection, "keep" if args.keep else "drop")
+        with progress():
+            nbytes = remove_experts(model, args.out, keep, args.overwrite, inputs_of(args))
+    kept, mode = len(next(iter(keep.values()))), "--keep" if args.keep else "--drop"
+    out_console().print(f"kept {kept} experts in each of {len(keep)} MoE layers ({mode}); wrote {args.out}: "
+                        f"{nbytes / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s, peak RSS "
+                        f"{peak_memory() / 2**30:.2f} GiB")

@@ -29,6 +29,12 @@ def add_parser(sub) -> None:
     c.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model directory that ships its own Python code (auto_map); it will run")
     c.add_argument("--device", default="cpu", type=device_arg, help="auto, cpu, cuda or cuda:N")
+    c.add_argument("--stream", choices=["auto", "on", "off"], default="auto",
+                   help="on: one decoder layer in memory at a time, read from the checkpoint (a model larger than "
+                        "memory); off: the whole model loaded; auto: on when its weights exceed half the memory "
+                        "available")
+    c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype while recording (default: the checkpoint's)")
     c.set_defaults(run=run_collect)
     r = rsub.add_parser("report", help="figures, report.md and metrics.json of a trace",
                         description="Language routing isolation (RISE), layer-wise similarity, expert usage, "
@@ -52,31 +58,19 @@ def read_texts(path: Path, limit: int | None) -> list[str]:
     return texts
 
 
-def collect(model, tok, texts: dict[str, list[str]], max_length: int, batch_size: int, layers: str | None):
-    """A RoutingTrace of every language's texts, batch by batch (progress: "recording" texts)."""
-    from moekit.progress import report
-    from moekit.routing.capture import RoutingCapture
-
-    device, done, total = next(model.parameters()).device, 0, sum(map(len, texts.values()))
-    with RoutingCapture(model, layers) as cap:
-        for lang, lines in texts.items():
-            for i in range(0, len(lines), batch_size):
-                enc = tok(lines[i:i + batch_size], return_tensors="pt", padding=True, truncation=True,
-                          max_length=max_length)
-                cap.run(enc["input_ids"].to(device), enc["attention_mask"].to(device), language=lang)
-                done += len(lines[i:i + batch_size])
-                report("recording", done, total, lang)
-    return cap.trace()
-
-
 def run_collect(args: argparse.Namespace) -> None:
-    from moekit._fs import reserve
-    from moekit.checkpoint.format import load_model
+    import time
+
+    import torch
+
+    from moekit._fs import peak_memory, reserve
     from moekit.checkpoint.dense import load_tokenizer
+    from moekit.routing.streamed import batches_of
 
     if args.max_length < 1 or args.batch_size < 1 or (args.max_texts is not None and args.max_texts < 1):
         raise ConfigError("--max-length, --batch-size and --max-texts must be ≥ 1")
     files = lang_files(args.texts, "--texts")
+    start = time.perf_counter()
     with reserve(args.out, [args.model, *files.values()], args.overwrite, what="trace", kind="file"):
         texts = {lang: read_texts(path, args.max_texts) for lang, path in files.items()}
         tok = load_tokenizer(args.model, args.trust_remote_code)
@@ -86,14 +80,41 @@ def run_collect(args: argparse.Namespace) -> None:
             if tok.eos_token is None:
                 raise CheckpointError(f"the tokenizer of {args.model} has neither a pad nor an eos token")
             tok.pad_token = tok.eos_token
-        model = load_model(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
+        batches = batches_of(tok, texts, args.max_length, args.batch_size)
+        dtype = None if args.dtype is None else getattr(torch, args.dtype)
+        streamed = streaming(args)
         with progress():
-            trace = collect(model, tok, texts, args.max_length, args.batch_size, args.layers)
-        trace.meta.update(model=str(args.model), max_length=args.max_length)
+            trace = collect(args, batches, dtype, streamed)
+        trace.meta.update(model=str(args.model), max_length=args.max_length, streamed=streamed)
         trace.save(args.out, overwrite=args.overwrite)
     counts = ", ".join(f"{lang} {int(trace.language_mask(lang).sum())}" for lang in trace.languages)
     out_console().print(f"{args.out}: {trace.num_tokens} tokens ({counts}), {trace.num_layers} MoE layers, "
-                        f"top-{trace.top_k} of {int(trace.num_experts.max())} experts")
+                        f"top-{trace.top_k} of {int(trace.num_experts.max())} experts; "
+                        f"{'one layer at a time' if streamed else 'whole model'}, "
+                        f"{time.perf_counter() - start:.1f} s, peak RSS {peak_memory() / 2**30:.2f} GiB")
+
+
+def streaming(args: argparse.Namespace) -> bool:
+    """--stream: on, off, or (auto) on when the checkpoint's weights exceed half the memory available now."""
+    if args.stream != "auto":
+        return args.stream == "on"
+    from moekit._fs import available_memory
+    from moekit.checkpoint.files import read_headers
+
+    return sum(i.nbytes for i in read_headers(args.model).values()) > available_memory() // 2
+
+
+def collect(args: argparse.Namespace, batches, dtype, streamed: bool):
+    """The trace of `batches`, streamed from the checkpoint or through the loaded model."""
+    from moekit.routing.streamed import collect_in_memory, collect_streamed
+
+    if streamed:
+        return collect_streamed(args.model, batches, args.layers, dtype, args.device,
+                                trust_remote_code=args.trust_remote_code)
+    from moekit.checkpoint.format import load_model
+
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
+    return collect_in_memory(model if dtype is None else model.to(dtype), batches, args.layers)
 
 
 def run_report(args: argparse.Namespace) -> None:

@@ -23,7 +23,8 @@ def triple(text: str) -> tuple[float, float, float]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("select", help="select experts from a routing trace (RISE, ESFT, random, top-K)",
+    p = sub.add_parser("select", help="select experts from a routing trace (RISE, ESFT, random, top-K; usage, REAP "
+                                      "and EAN keep N per layer for pruning)",
                        description="Choose an expert subnetwork for a target language from a routing trace "
                                    "(`moekit routes collect`) and write it as JSON {layer: [expert ids]} "
                                    "with the scores that produced it. `moekit select METHOD --help` shows a "
@@ -40,17 +41,22 @@ def add_method_arguments(p: argparse.ArgumentParser, method: str) -> None:
 
     selector = SELECTORS.get(method)
     p.add_argument("trace", help="routing trace (.npz)")
-    p.add_argument("--target", required=True, help="target language, as labelled in the trace")
-    p.add_argument("--budget", type=int, required=selector.needs_budget,
-                   help="number of experts K" + ("" if selector.needs_budget else " instead of top_p"))
+    if selector.per_layer:
+        p.add_argument("--target", help="count only this language's tokens (default: every token of the trace)")
+        p.set_defaults(budget=None)
+    else:
+        p.add_argument("--target", required=True, help="target language, as labelled in the trace")
+        p.add_argument("--budget", type=int, required=selector.needs_budget,
+                       help="number of experts K" + ("" if selector.needs_budget else " instead of top_p"))
     p.add_argument("--out", required=True, help="output JSON file")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     for name, field in settings_of(method).items():
         shown = ",".join(map(str, field.default)) if isinstance(field.default, tuple) else field.default
         text = field.description or ""
-        if "(default" not in text:
+        if "(default" not in text and not field.is_required():
             text += f" (default: {shown})"
-        p.add_argument("--" + name.replace("_", "-"), dest=name, help=text, **value_of(field.annotation))
+        p.add_argument("--" + name.replace("_", "-"), dest=name, help=text, required=field.is_required(),
+                       **value_of(field.annotation))
     p.set_defaults(run=run)
 
 
@@ -97,4 +103,5 @@ def print_selection(selection, num_experts, out: Path) -> None:
     console = out_console()
     console.print(table)
     extra = f" (top_p {selection.params['top_p']})" if selection.params.get("top_p") is not None else ""
-    console.print(f"{selection.method}: {selection.count} experts for {selection.target}{extra} -> {out}")
+    whom = f"for {selection.target}" if selection.target else "kept over every token"
+    console.print(f"{selection.method}: {selection.count} experts {whom}{extra} -> {out}")

@@ -13,6 +13,8 @@ from .._fs import output, regular_file
 from ..errors import MoekitError
 
 FIELDS = ("layers", "num_experts", "languages", "ids", "weights", "token", "sample", "position", "lang", "meta")
+# the per-language, per-layer, per-expert sums of one-shot pruning criteria (moekit.routing.capture), last axis:
+SALIENCY = ("count", "gate", "norm", "gate_norm")  # routed (token, slot) pairs, Σ g, Σ ‖f‖₂, Σ g·‖f‖₂
 MAX_BYTES = 64 << 30  # uncompressed arrays larger than this are refused (a zip bomb, not a trace)
 
 
@@ -26,7 +28,8 @@ class RoutingTrace:
 
     ids (L, N, k) int16 expert ids (-1 pads layers with a smaller k), weights (L, N, k) float32
     combine weights, token/sample/position (N,) int32, lang (N,) int16 index into `languages`,
-    num_experts (L,) experts per layer, layers the MoE layers' module paths.
+    num_experts (L,) experts per layer, layers the MoE layers' module paths; saliency (Λ, L, E, 4) float64 the sums
+    of SALIENCY per language, layer and expert (E the most experts of any layer), or None when not recorded.
     """
 
     layers: list[str]
@@ -39,6 +42,7 @@ class RoutingTrace:
     position: np.ndarray  # (N,)
     lang: np.ndarray  # (N,)
     meta: dict = field(default_factory=dict)
+    saliency: np.ndarray | None = None  # (Λ, L, E, 4)
 
     @property
     def num_layers(self) -> int:
@@ -59,7 +63,8 @@ class RoutingTrace:
         return self.lang == self.languages.index(language)
 
     def select(self, mask: np.ndarray) -> RoutingTrace:
-        """The sub-trace of the tokens where `mask` (N,) is true."""
+        """The sub-trace of the tokens where `mask` (N,) is true (without saliency sums: they are per language, not
+        per token)."""
         return RoutingTrace(self.layers, self.num_experts, self.languages, self.ids[:, mask],
                             self.weights[:, mask], self.token[mask], self.sample[mask], self.position[mask],
                             self.lang[mask], dict(self.meta))
@@ -71,7 +76,8 @@ class RoutingTrace:
             np.savez_compressed(f, layers=np.array(self.layers), num_experts=self.num_experts,
                                 languages=np.array(self.languages), ids=self.ids, weights=self.weights,
                                 token=self.token, sample=self.sample, position=self.position, lang=self.lang,
-                                meta=np.array(json.dumps(self.meta)))
+                                meta=np.array(json.dumps(self.meta)),
+                                **({} if self.saliency is None else {"saliency": self.saliency}))
         return Path(path)
 
     @classmethod
@@ -85,7 +91,7 @@ class RoutingTrace:
                     raise TraceError(f"{path}: not a moekit routing trace (missing {', '.join(missing)})")
                 trace = cls([str(s) for s in z["layers"]], z["num_experts"], [str(s) for s in z["languages"]],
                             z["ids"], z["weights"], z["token"], z["sample"], z["position"], z["lang"],
-                            _read_meta(str(z["meta"])))
+                            _read_meta(str(z["meta"])), z["saliency"] if "saliency" in z.files else None)
         except TraceError:
             raise
         except Exception as e:  # noqa: BLE001  (zipfile, numpy and OS errors of a damaged file)
@@ -114,6 +120,12 @@ class RoutingTrace:
             raise TraceError(f"{name}: language indices outside the {len(self.languages)} languages")
         if not np.isfinite(self.weights).all():
             raise TraceError(f"{name}: routing weights are not finite")
+        if self.saliency is not None:
+            want = (len(self.languages), L, int(self.num_experts.max()) if L else 0, len(SALIENCY))
+            a = self.saliency
+            if a.shape != want or a.dtype.kind != "f" or not np.isfinite(a).all() or (a < 0).any():
+                raise TraceError(f"{name}: saliency has shape {a.shape} ({a.dtype}), expected {want} finite, "
+                                 "non-negative sums (languages, layers, experts, count / gate / norm / gate_norm)")
         return self
 
     @classmethod
@@ -132,10 +144,16 @@ class RoutingTrace:
             parts.append((t.sample + offset, remap[t.lang] if t.num_tokens else t.lang))
             offset += int(t.sample.max()) + 1 if t.num_tokens else 0
         cat = np.concatenate
+        saliency = None
+        if all(t.saliency is not None for t in traces):
+            saliency = np.zeros((len(languages), *first.saliency.shape[1:]))  # (Λ, L, E, 4)
+            for t in traces:
+                for li, lang in enumerate(t.languages):
+                    saliency[languages.index(lang)] += t.saliency[li]
         return cls(first.layers, first.num_experts, languages, cat([t.ids for t in traces], axis=1),
                    cat([t.weights for t in traces], axis=1), cat([t.token for t in traces]),
                    cat([p[0] for p in parts]).astype(np.int32), cat([t.position for t in traces]),
-                   cat([p[1] for p in parts]).astype(np.int16), dict(first.meta))
+                   cat([p[1] for p in parts]).astype(np.int16), dict(first.meta), saliency)
 
 
 def _check_size(path: Path) -> None:

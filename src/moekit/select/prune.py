@@ -15,6 +15,7 @@ find it.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -165,6 +166,28 @@ def reapply(model: nn.Module, folder: str | Path) -> nn.Module:
     if f.is_file():
         prune(model, Selection.load(f))
     return model
+
+
+def kept_experts(model_dir: str | Path, selection: Selection, mode: str) -> dict[int, list[int]]:
+    """{decoder layer index: expert ids to keep} of a native checkpoint for `selection`: its experts (mode "keep")
+    or every other expert of each MoE layer it names (mode "drop"); for moekit.checkpoint.remove."""
+    import json
+
+    from moekit.checkpoint.files import read_text
+    from moekit.checkpoint.remove import expert_count
+
+    if (Path(model_dir) / "moekit.json").is_file():
+        raise ConfigError(f"{model_dir} is a moekit checkpoint: removing experts needs a native transformers "
+                          "checkpoint (`moekit export` writes one), or disable them (moekit prune without keep or "
+                          "drop)")
+    experts = expert_count(json.loads(read_text(model_dir, "config.json", "config")))[1]
+    out = {}
+    for name, ids in selection.experts.items():
+        m = re.search(r"\.layers\.(\d+)\.", name + ".")
+        if m is None:
+            raise ConfigError(f"the selection's layer {name!r} is not a decoder layer's MoE block (model.layers.N...)")
+        out[int(m.group(1))] = sorted(ids) if mode == "keep" else [e for e in range(experts) if e not in ids]
+    return out
 
 
 # ModelState.pruned rides along moekit's and transformers' formats (entry point in pyproject.toml)

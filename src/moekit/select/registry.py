@@ -18,8 +18,9 @@ class Selector(Config):
 
     method: str
     needs_budget: ClassVar[bool] = True  # False: the method decides how many experts (ESFT's threshold)
+    per_layer: ClassVar[bool] = False  # True: a number of experts per layer (`top`); the target is optional
 
-    def select(self, trace: RoutingTrace, target: str, budget: int | None = None) -> Selection:
+    def select(self, trace: RoutingTrace, target: str | None, budget: int | None = None) -> Selection:
         raise NotImplementedError
 
     def params(self) -> dict:

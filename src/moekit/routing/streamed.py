@@ -1,0 +1,203 @@
+"""Routing capture of a model larger than memory, straight from its checkpoint, one decoder layer at a time.
+
+The model is built on the meta device (moekit.checkpoint.layerwise.LayerStream). One pass with every decoder layer
+stubbed records, per calibration batch, the input of the first layer (the embeddings, the only weights loaded for
+it) and what the model passes each layer besides its hidden states (attention masks, rotary embeddings: exactly
+the family's own forward). Then, layer by layer: its weights are read from the checkpoint, every batch runs
+through it with RoutingCapture's hooks (decisions and saliency sums), its outputs become the next layer's inputs,
+and its weights are dropped. Memory holds one layer, the embeddings while the first pass runs, and the hidden
+states of the calibration set (in memory when they fit, else in a temporary folder that is always removed). The
+trace equals the in-memory capture's: the same layers run the same arithmetic on the same inputs.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from moekit._fs import available_memory
+from moekit.checkpoint.layerwise import LayerStream
+from moekit.errors import UnsupportedModelError
+from moekit.progress import report
+from moekit.routing.capture import RoutingCapture
+from moekit.routing.trace import RoutingTrace
+
+
+@dataclass
+class Batch:
+    language: str
+    input_ids: Tensor  # (B, S)
+    attention_mask: Tensor  # (B, S)
+
+
+class _Stop(Exception):
+    """Raised by the first pass once the last decoder layer has been reached."""
+
+
+class HiddenStates:
+    """The hidden states of every batch between two layers: in memory, or (`spill`) in a temporary folder, one file
+    per batch, removed when the store closes."""
+
+    def __init__(self, spill: bool):
+        self._folder = tempfile.TemporaryDirectory(prefix="moekit-hidden-") if spill else None
+        self._kept: dict[int, Tensor] = {}
+
+    def put(self, b: int, h: Tensor) -> None:
+        if self._folder is None:
+            self._kept[b] = h
+        else:
+            torch.save(h, Path(self._folder.name) / f"{b}.pt")
+
+    def get(self, b: int) -> Tensor:
+        if self._folder is None:
+            return self._kept[b]
+        return torch.load(Path(self._folder.name) / f"{b}.pt", weights_only=True)
+
+    def close(self) -> None:
+        self._kept.clear()
+        if self._folder is not None:
+            self._folder.cleanup()
+
+
+def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(path, layers) of the model's decoder layers: the ModuleList named `layers` with num_hidden_layers entries."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model: only decoder-only models "
+                                    "stream layer by layer; capture it with the whole model loaded")
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) == n:
+            return name, module
+    raise UnsupportedModelError(f"{type(model).__name__}: no decoder layer stack ({n} layers named `layers`) to "
+                                "stream layer by layer; capture it with the whole model loaded")
+
+
+@contextlib.contextmanager
+def _stubbed(layers: nn.ModuleList, calls: list[tuple[tuple, dict]]) -> Iterator[None]:
+    """Every layer returns its input unchanged and records (args, kwargs) of its call; the last one stops the
+    forward (nothing after the stack runs)."""
+    def stub(*args, **kwargs):
+        calls.append((args[1:], kwargs))
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if len(calls) == len(layers):
+            raise _Stop(hidden)
+        return hidden
+
+    for layer in layers:
+        layer.forward = stub
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def first_pass(stream: LayerStream, batches: list[Batch], layers: nn.ModuleList, device) -> tuple[list, list]:
+    """([first layer input (B, S, H) per batch], [[(args, kwargs) per layer] per batch]) with only the input
+    embeddings loaded (and dropped after)."""
+    model = stream.model
+    emb = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    stream.load(emb, device)
+    inputs, calls = [], []
+    try:
+        for batch in batches:
+            recorded: list[tuple[tuple, dict]] = []
+            with _stubbed(layers, recorded), torch.no_grad():
+                try:
+                    model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                          use_cache=False)
+                except _Stop as stop:
+                    inputs.append(stop.args[0].cpu())
+            calls.append([_detached(c) for c in recorded])
+    finally:
+        stream.drop(emb)
+    return inputs, calls
+
+
+def _detached(call: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    """A layer call's extra arguments without the first pass's hidden state: the first layer's input, which every
+    stub passed on, is stored once per batch."""
+    args, kwargs = call
+    return args, {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+
+def needs_spill(batches: list[Batch], hidden: int, dtype: torch.dtype) -> bool:
+    """Whether the calibration set's hidden states (every position of every batch) would take more than a quarter
+    of the memory available now."""
+    positions = sum(b.input_ids.numel() for b in batches)
+    return positions * hidden * dtype.itemsize * 2 > available_memory() // 4  # inputs and outputs of a layer
+
+
+def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | None = None,
+                     dtype: torch.dtype | None = None, device: str | torch.device = "cpu", saliency: bool = True,
+                     trust_remote_code: bool = False, spill: bool | None = None) -> RoutingTrace:
+    """The RoutingTrace (with saliency sums) of `batches` through the checkpoint `folder`, one decoder layer
+    resident at a time (module docstring). Progress: "recording" per decoder layer."""
+    with LayerStream(folder, dtype, trust_remote_code) as stream:
+        model = stream.model
+        path, stack = decoder_stack(model)
+        inputs, calls = first_pass(stream, batches, stack, device)
+        store = HiddenStates(needs_spill(batches, model.config.hidden_size, stream.dtype) if spill is None else spill)
+        try:
+            for b, h in enumerate(inputs):
+                store.put(b, h)
+            inputs.clear()
+            with RoutingCapture(model, layers, saliency=saliency) as cap:
+                owner = {i: int(m.group(1)) for i, s in enumerate(cap.sites)
+                         if (m := re.match(rf"{re.escape(path)}\.(\d+)\.", s.name + "."))}
+                if len(owner) != len(cap.sites):
+                    raise UnsupportedModelError(f"MoE layers outside {path}: stream only decoder-only models")
+                for i in range(len(stack)):
+                    _run_layer(stream, f"{path}.{i}", batches, calls, store, cap, i, device)
+                    report("recording", i + 1, len(stack), f"{path}.{i}")
+                for b, batch in enumerate(batches):
+                    cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
+            return cap.trace()
+        finally:
+            store.close()
+
+
+def _run_layer(stream: LayerStream, path: str, batches: list[Batch], calls: list, store: HiddenStates,
+               cap: RoutingCapture, index: int, device) -> None:
+    layer = stream.load(path, device)
+    try:
+        with torch.no_grad():
+            for b, batch in enumerate(batches):
+                cap.begin(b, batch.attention_mask, batch.language)
+                args, kwargs = calls[b][index]
+                out = layer(store.get(b).to(device), *args, **kwargs)
+                store.put(b, (out[0] if isinstance(out, tuple) else out).cpu())
+    finally:
+        stream.drop(path)
+
+
+def batches_of(tokenizer, texts: dict[str, list[str]], max_length: int, batch_size: int) -> list[Batch]:
+    """Every language's texts tokenized in batches of `batch_size` (padded, truncated to `max_length`)."""
+    out = []
+    for lang, lines in texts.items():
+        for i in range(0, len(lines), batch_size):
+            enc = tokenizer(lines[i:i + batch_size], return_tensors="pt", padding=True, truncation=True,
+                            max_length=max_length)
+            out.append(Batch(lang, enc["input_ids"], enc["attention_mask"]))
+    return out
+
+
+def collect_in_memory(model: nn.Module, batches: list[Batch], layers: str | None = None,
+                      saliency: bool = True) -> RoutingTrace:
+    """The RoutingTrace (with saliency sums) of `batches` through a loaded model, batch by batch (progress:
+    "recording" batches)."""
+    device = next(model.parameters()).device
+    with RoutingCapture(model, layers, saliency=saliency) as cap:
+        for b, batch in enumerate(batches):
+            cap.begin(b, batch.attention_mask, batch.language)
+            with torch.no_grad():
+                model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
+            cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
+            report("recording", b + 1, len(batches), batch.language)
+    return cap.trace()

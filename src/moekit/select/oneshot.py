@@ -1,0 +1,98 @@
+"""One-shot expert pruning criteria: keep the `top` highest-scoring experts of every MoE layer (ties broken by the
+lower expert id), from the saliency sums a trace records over the routed tokens only (moekit.routing.capture):
+
+  usage  frequency: the (token, slot) pairs routed to expert j;
+  reap   REAP's saliency (Lasby et al. 2025, "REAP the Experts: Why Pruning Prevails for One-Shot MoE
+         Compression", arXiv 2510.13999): S_j = mean over the tokens routed to j of g_j(x)·‖f_j(x)‖₂, g_j the
+         weight the model applies to j's output, f_j the expert's output before it (0 for an expert nothing reached);
+  ean    EAN, REAP's baseline: Σ ‖f_j(x)‖₂ over the tokens routed to j.
+
+The selection lists the kept experts; `moekit prune --keep` removes the others from a checkpoint. Every token of
+the trace counts, or only the `target` language's.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import numpy as np
+from pydantic import Field
+
+from moekit.errors import ConfigError
+from moekit.routing.trace import SALIENCY, RoutingTrace
+from moekit.select.registry import SELECTORS, Selector, expert_mask, to_selection
+from moekit.select.selection import Selection
+
+
+class OneShot(Selector):
+    """Base of the per-layer criteria (module docstring)."""
+
+    per_layer: ClassVar[bool] = True
+    needs_budget: ClassVar[bool] = False
+    top: int = Field(..., ge=1, description="experts to keep in every MoE layer (required)")
+
+    def scores(self, sums: np.ndarray) -> np.ndarray:
+        """(L, E) scores from the (L, E, 4) saliency sums."""
+        raise NotImplementedError
+
+    def select(self, trace: RoutingTrace, target: str | None = None, budget: int | None = None) -> Selection:
+        sums = self.sums(trace, target)  # (L, E, 4)
+        valid = expert_mask(trace)  # (L, E)
+        k = trace.top_k
+        small = [f"{name} ({int(e)})" for name, e in zip(trace.layers, trace.num_experts) if e < self.top]
+        if small:
+            raise ConfigError(f"top {self.top} is more than the experts of {', '.join(small[:3])}")
+        if self.top < k:
+            raise ConfigError(f"keeping {self.top} experts per layer leaves fewer than the {k} each token is routed "
+                              f"to (top-k); keep at least {k}")
+        scores = np.where(valid, self.scores(sums), -np.inf)  # (L, E)
+        order = np.argsort(-scores, axis=1, kind="stable")[:, : self.top]  # (L, top) best first, ties: lower id
+        chosen = np.zeros_like(valid)
+        np.put_along_axis(chosen, order, True, axis=1)
+        return to_selection(trace, self, target, chosen, np.where(valid, scores, 0.0), top=self.top)
+
+    def sums(self, trace: RoutingTrace, target: str | None) -> np.ndarray:
+        if trace.saliency is None:
+            raise ConfigError(f"the trace has no saliency sums, which {self.method} needs: record it with "
+                              "`moekit routes collect` (this version records them)")
+        if target is None:
+            return trace.saliency.sum(0)
+        if target not in trace.languages:
+            raise ConfigError(f"target language {target!r} is not in the trace (it has: {', '.join(trace.languages)})")
+        return trace.saliency[trace.languages.index(target)]
+
+
+def _column(sums: np.ndarray, name: str) -> np.ndarray:
+    return sums[..., SALIENCY.index(name)]
+
+
+@SELECTORS.register("usage")
+class Usage(OneShot):
+    """Keep the `top` experts of every layer that the most (token, slot) pairs were routed to (frequency)."""
+
+    method: Literal["usage"] = "usage"
+
+    def scores(self, sums: np.ndarray) -> np.ndarray:
+        return _column(sums, "count")
+
+
+@SELECTORS.register("reap")
+class Reap(OneShot):
+    """Keep the `top` experts of every layer with the highest REAP saliency: the mean over the tokens routed to an
+    expert of its gate weight times the norm of its output (Lasby et al. 2025, arXiv 2510.13999)."""
+
+    method: Literal["reap"] = "reap"
+
+    def scores(self, sums: np.ndarray) -> np.ndarray:
+        count = _column(sums, "count")
+        return np.divide(_column(sums, "gate_norm"), count, out=np.zeros_like(count), where=count > 0)
+
+
+@SELECTORS.register("ean")
+class Ean(OneShot):
+    """Keep the `top` experts of every layer with the highest EAN: the sum over the tokens routed to an expert of
+    the norm of its output (REAP's EAN baseline)."""
+
+    method: Literal["ean"] = "ean"
+
+    def scores(self, sums: np.ndarray) -> np.ndarray:
+        return _column(sums, "norm")

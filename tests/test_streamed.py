@@ -1,0 +1,244 @@
+"""Bigger than memory: routing capture one decoder layer at a time straight from the checkpoint (the trace equals the
+in-memory capture's), the saliency sums of one-shot pruning against an independent computation, and memory that
+stays flat in the number of layers."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.moe.spec import MoESpec
+from moekit.routing.sites import find_sites
+from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
+from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
+from moekit.upcycling import upcycle
+
+FAMILIES = sorted(TINY_HF_MOE)
+
+
+def save_moekit(folder):
+    import moekit
+
+    moekit.save(upcycle(tiny_llama(), MoESpec(num_experts=4, top_k=2, every=2, init={"method": "noise"})), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Every tiny transformers MoE family saved by transformers itself (the Hub's classic per-expert names where the
+    family has them), and a moekit checkpoint."""
+    root = tmp_path_factory.mktemp("streamed")
+    out = {}
+    for name, build in TINY_HF_MOE.items():
+        build().save_pretrained(root / name)
+        out[name] = root / name
+    out["moekit"] = save_moekit(root / "moekit")
+    return out
+
+
+def batches(seed=0) -> list[Batch]:
+    """Three batches in two languages, with padding."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for lang, (b, s, cut) in zip(["en", "fr", "en"], [(3, 9, 4), (2, 7, 2), (1, 5, 5)]):
+        ids = torch.randint(3, 128, (b, s), generator=g)
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[-1, cut:] = 0
+        out.append(Batch(lang, ids, mask))
+    return out
+
+
+def loaded(folder):
+    from moekit.checkpoint.format import load_model
+
+    return load_model(folder).float().eval()
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "moekit"])
+def test_streamed_trace_equals_the_in_memory_one(checkpoints, family):
+    """float32: the same ids and weights, bit for bit, and the same saliency sums, from one layer at a time (also
+    with the hidden states spilled to a temporary folder)."""
+    data = batches()
+    want = collect_in_memory(loaded(checkpoints[family]), data)
+    for spill in (False, True):
+        got = collect_streamed(checkpoints[family], data, dtype=torch.float32, spill=spill)
+        assert got.layers == want.layers and got.languages == want.languages
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_array_equal(got.weights, want.weights)
+        np.testing.assert_array_equal(got.token, want.token)
+        np.testing.assert_allclose(got.saliency, want.saliency, rtol=1e-6, atol=1e-6)
+        assert want.saliency[..., 0].sum() == (want.ids >= 0).sum()  # every routed (token, slot) counted once
+
+
+def test_bfloat16_streamed_trace_agrees_with_the_in_memory_one(checkpoints):
+    """bfloat16 weights: the same computation in the same order, so the same decisions."""
+    data = batches()
+    want = collect_in_memory(loaded(checkpoints["qwen3_moe"]).to(torch.bfloat16), data)
+    got = collect_streamed(checkpoints["qwen3_moe"], data, dtype=torch.bfloat16)
+    assert (got.ids == want.ids).mean() == 1.0
+
+
+def _independent_sums(model, data) -> np.ndarray:
+    """(Λ, L, E, 4) count, Σ g, Σ ‖f‖, Σ g‖f‖ from forward hooks on the experts and plain matmuls of their fused
+    weights (f = down · act(gate x) ⊙ up x), not the experts' own forward."""
+    sites = find_sites(model)
+    langs = list(dict.fromkeys(b.language for b in data))
+    sums = np.zeros((len(langs), len(sites), max(s.num_experts for s in sites), 4))
+    current = {}
+
+    def hook(li):
+        def fn(experts, args):
+            x, ids, w = args[:3]
+            keep = current["mask"]
+            x, ids, w = x[keep].double(), ids[keep], w[keep].double()
+            for t in range(x.shape[0]):
+                for s in range(ids.shape[1]):
+                    e = int(ids[t, s])
+                    gate, up = (experts.gate_up_proj[e].double() @ x[t]).chunk(2)
+                    f = experts.down_proj[e].double() @ (F.silu(gate) * up)
+                    row = sums[current["lang"], li, e]
+                    row += [1.0, float(w[t, s]), float(f.norm()), float(w[t, s] * f.norm())]
+        return fn
+
+    handles = [s.experts.register_forward_pre_hook(hook(i)) for i, s in enumerate(sites)]
+    try:
+        with torch.no_grad():
+            for b in data:
+                current.update(mask=b.attention_mask.bool().reshape(-1), lang=langs.index(b.language))
+                model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    finally:
+        for h in handles:
+            h.remove()
+    return sums
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])  # renormalized top-k (Qwen3-MoE's norm_topk_prob)
+def test_saliency_sums_equal_an_independent_computation(checkpoints, family):
+    model, data = loaded(checkpoints[family]), batches()
+    got = collect_streamed(checkpoints[family], data, dtype=torch.float32).saliency
+    np.testing.assert_allclose(got, _independent_sums(model, data), rtol=1e-5, atol=1e-5)
+
+
+PEAK = textwrap.dedent('''
+    import sys, torch
+    from moekit._fs import peak_memory
+    from moekit.routing.streamed import Batch, collect_streamed
+    ids = torch.randint(3, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    collect_streamed(sys.argv[1], [Batch("en", ids, torch.ones_like(ids))])
+    print(peak_memory())
+''')
+
+
+def test_streamed_memory_is_flat_in_the_number_of_layers(tmp_path):
+    """The same width with 2 and 6 layers (each layer ~50 MB of experts): the streamed capture's peak RSS differs
+    by at most 10 % (the in-memory one would triple its weights)."""
+    import transformers as tf
+
+    peaks = {}
+    for layers in (2, 6):
+        cfg = tf.Qwen3MoeConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                num_experts=64, num_experts_per_tok=4, tie_word_embeddings=False)
+        tf.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / f"m{layers}")
+        res = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / f"m{layers}")], capture_output=True,
+                             text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+        assert res.returncode == 0, res.stderr[-2000:]
+        peaks[layers] = int(res.stdout.split()[-1])
+    assert peaks[6] <= 1.10 * peaks[2], peaks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["keep", "drop"])
+def test_removed_experts_load_in_transformers_as_the_disabled_model(checkpoints, tmp_path, family, mode):
+    """prune --keep/--drop writes the same family with 4 of 8 experts per MoE layer, one tensor at a time; plain
+    transformers loads it (no missing or unexpected weight) and its float32 logits equal the original model's with
+    the other experts disabled (moekit.select.prune)."""
+    import transformers as tf
+
+    from moekit.checkpoint.remove import remove_experts
+    from moekit.select.prune import kept_experts, prune
+    from moekit.select.selection import Selection
+    from moekit.testing import tiny_inputs
+
+    model = loaded(checkpoints[family])
+    sites = find_sites(model)
+    chosen = [0, 1, 4, 5] if mode == "keep" else [2, 3, 6, 7]
+    selection = Selection(method="manual", budget=4 * len(sites), experts={s.name: chosen for s in sites})
+    keep = kept_experts(checkpoints[family], selection, mode)
+    assert all(ids == [0, 1, 4, 5] for ids in keep.values())
+    remove_experts(checkpoints[family], tmp_path / "out", keep)
+    out, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    prune(model, {s.name: [2, 3, 6, 7] for s in sites})
+    x = tiny_inputs(model)
+    with torch.no_grad():
+        torch.testing.assert_close(out.eval()(**x).logits, model(**x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_one_shot_selectors_rank_by_their_criteria():
+    """usage, reap and ean on hand-made sums: the per-layer top N by count, Σg‖f‖/count and Σ‖f‖, ties to the lower
+    id, one language or all."""
+    from moekit.routing.trace import RoutingTrace
+    from moekit.select import select
+
+    ids = np.zeros((2, 1, 2), dtype=np.int16)
+    ids[:, 0, 1] = 1
+    sums = np.zeros((2, 2, 4, 4))  # (Λ, L, E, [count, gate, norm, gate_norm])
+    sums[0, 0] = [[4, 2, 8, 1], [1, 1, 9, 5], [2, 1, 1, 4], [0, 0, 0, 0]]  # reap: 0.25, 5, 2, 0; ean: 8, 9, 1, 0
+    sums[1, 0] = [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [9, 1, 20, 30]]
+    sums[:, 1] = [[1, 1, 1, 1]] * 4  # a tie everywhere: the lower ids win
+    trace = RoutingTrace(["a", "b"], np.array([4, 4]), ["en", "fr"], ids, np.full((2, 1, 2), 0.5, np.float32),
+                         np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int16),
+                         {}, sums)
+    kept = {m: select(trace, m, None, top=2).experts for m in ("usage", "reap", "ean")}
+    assert kept == {"usage": {"a": [0, 3], "b": [0, 1]}, "reap": {"a": [1, 3], "b": [0, 1]},
+                    "ean": {"a": [1, 3], "b": [0, 1]}}
+    assert select(trace, "usage", "en", top=2).experts == {"a": [0, 2], "b": [0, 1]}
+    assert select(trace, "reap", "en", top=2).scores["a"] == [0.25, 5.0, 2.0, 0.0]
+
+
+def test_collect_select_reap_and_prune_keep_from_the_command_line(tmp_path, run, monkeypatch):
+    """routes collect (--stream auto: on when the weights exceed half the available memory) -> select reap --top 4
+    -> prune --keep: a Qwen3-MoE with 4 experts per layer that transformers loads, whose logits equal the original's
+    with the other experts disabled; the streamed trace equals --stream off's."""
+    import transformers as tf
+
+    import moekit._fs
+    from moekit.routing.trace import RoutingTrace
+    from moekit.select.prune import prune
+    from moekit.select.selection import Selection
+    from moekit.testing import tiny_inputs, tiny_qwen3_moe
+
+    model = tiny_qwen3_moe().eval()
+    model.save_pretrained(tmp_path / "q3")
+    tiny_tokenizer().save_pretrained(tmp_path / "q3")
+    (tmp_path / "en.txt").write_text("the day was long\nthe light is good\nwe walk home\n")
+    monkeypatch.setattr(moekit._fs, "available_memory", lambda: 1000)  # --stream auto sees a model bigger than memory
+    rc, out, err = run("routes", "collect", "--model", tmp_path / "q3", "--texts", f"en={tmp_path / 'en.txt'}",
+                       "--out", tmp_path / "t.npz")
+    assert rc == 0, err
+    assert "one layer at a time" in out and "recording 3/3 model.layers.2" in err
+    streamed = RoutingTrace.load(tmp_path / "t.npz")
+    assert streamed.meta["streamed"] is True and streamed.saliency is not None
+    rc, _, err = run("routes", "collect", "--model", tmp_path / "q3", "--texts", f"en={tmp_path / 'en.txt'}",
+                     "--out", tmp_path / "t2.npz", "--stream", "off")
+    assert rc == 0, err
+    np.testing.assert_array_equal(RoutingTrace.load(tmp_path / "t2.npz").ids, streamed.ids)
+    rc, _, err = run("select", "reap", tmp_path / "t.npz", "--top", 4, "--out", tmp_path / "s.json")
+    assert rc == 0, err
+    kept = Selection.load(tmp_path / "s.json").experts
+    assert all(len(ids) == 4 for ids in kept.values())
+    rc, _, err = run("prune", "--model", tmp_path / "q3", "--experts", tmp_path / "s.json", "--keep",
+                     "--out", tmp_path / "p")
+    assert rc == 0, err
+    pruned = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "p").eval()
+    assert pruned.config.num_experts == 4
+    prune(model, {layer: [e for e in range(8) if e not in ids] for layer, ids in kept.items()})
+    x = tiny_inputs(model)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(**x).logits, model(**x).logits, rtol=1e-5, atol=1e-5)
