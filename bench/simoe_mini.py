@@ -30,13 +30,31 @@ SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycl
            "SIMoE mask lr 0.05": ("simoe_instruct", ["simoe.mask_lr=0.05"]),  # masks that move within 125 steps
            "SIMoE mask lr 0.1": ("simoe_instruct", ["simoe.mask_lr=0.1"]),  # faster; 0.585 of τ = 0.75 in 125 steps
            "SIMoE mask lr 0.1 250 steps": ("simoe_instruct", ["simoe.mask_lr=0.1", "train.steps=250"])}  # τ binds?
+# Issue 30: SIMoE and its ablations at the baselines' optimizer and budget (AdamW 1e-4, linear, 10 % warm-up, no
+# weight decay, 125 steps of 8), so that no row differs from full FT / sparse upcycling in the optimizer of the
+# weights they share. The masks' log α are parameters the baselines do not have: they get their own lr 0.5, enough
+# to reach τ = 0.75 in 125 steps under the linear decay (at 1e-4 the constraint could not bind: reaching τ takes a
+# move of 4.0 in log α). (c)'s real-valued masks are ordinary parameters at 1e-4 (Table 4: "freely optimized as
+# standard trainable parameters"), with no constraint.
+COMMON = ["optim.lr=1e-4", "optim.schedule=linear", "optim.warmup_ratio=0.1", "optim.weight_decay=0"]
+SYSTEMS.update({
+    "SIMoE (common optimizer)": ("simoe_instruct", [*COMMON, "simoe.mask_lr=0.5"]),
+    "SIMoE w/o ortho (b) (common optimizer)": ("simoe_instruct", [*COMMON, "simoe.mask_lr=0.5", "simoe.ortho=0"]),
+    "SIMoE real masks (c) (common optimizer)": ("simoe_instruct", COMMON),
+})
+# Mask variants the SIMoE config does not name yet (SIMoEConfig lives in simoe/model.py): the child gives
+# moekit.simoe.model.install a MaskInit of this kind / granularity (moekit.simoe.layer.MaskInit).
+MASK_VARIANTS = {"SIMoE real masks (c) (common optimizer)": {"kind": "real"}}
+COMMON_SYSTEMS = ["SIMoE (common optimizer)", "SIMoE w/o ortho (b) (common optimizer)",
+                  "SIMoE real masks (c) (common optimizer)", "full FT", "sparse upcycling"]
 OVERRIDES = ["train.steps=125", "train.batch_size=8", "data.train_per_task=200", "data.test_per_task=32",
              "eval.max_new_tokens=48", "train.save_every=25", "train.logging_steps=5"]
 MARK = ("<!-- simoe_mini -->", "<!-- /simoe_mini -->")
+COMMON_MARK = ("<!-- simoe_mini_common -->", "<!-- /simoe_mini_common -->")
 
 
 def folder_of(out: Path, label: str) -> Path:
-    return out / label.replace(" ", "_").replace("/", "")
+    return out / label.replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
 
 
 def child(label: str, out: Path) -> None:
@@ -46,6 +64,13 @@ def child(label: str, out: Path) -> None:
 
     recipe_name, extra = SYSTEMS[label]
     folder = folder_of(out, label)
+    if label in MASK_VARIANTS:
+        import functools
+
+        from moekit.simoe import model as simoe_model
+        from moekit.simoe.layer import MaskInit
+
+        simoe_model.MaskInit = functools.partial(MaskInit, **MASK_VARIANTS[label])  # this child process only
     recipe = load_recipe(Path("recipes") / f"{recipe_name}.yaml", [*OVERRIDES, *extra, f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)
@@ -100,33 +125,54 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/simoe_mini"))
     ap.add_argument("--write", type=Path)
-    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS))
+    ap.add_argument("--common", action="store_true",
+                    help="issue 30: SIMoE, ablations (b) and (c) at the baselines' optimizer and budget, then the "
+                         "baselines, into their own section (default systems: " + ", ".join(COMMON_SYSTEMS) + ")")
+    ap.add_argument("--report-only", action="store_true", help="report the systems finished so far, train nothing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.out)
-    summaries = {label: run_system(label, args.out) for label in args.systems}
+    systems = args.systems or (COMMON_SYSTEMS if args.common else [s for s in SYSTEMS if s not in COMMON_SYSTEMS[:3]])
+    if args.report_only:
+        summaries = {label: json.loads((folder_of(args.out, label) / "summary.json").read_text()) for label in systems
+                     if (folder_of(args.out, label) / "summary.json").is_file()}
+    else:
+        summaries = {label: run_system(label, args.out) for label in systems}
     simoe = {label: s for label, s in summaries.items() if "nonzero" in s}
-    cmd = (f".venv/bin/python bench/simoe_mini.py --out {args.out} --systems "
-           + " ".join(f"'{s}'" for s in args.systems) + (f" --write {args.write}" if args.write else ""))
+    mark = COMMON_MARK if args.common else MARK
+    cmd = (f".venv/bin/python bench/simoe_mini.py --out {args.out}" + (" --common" if args.common else "")
+           + ("" if args.systems is None else " --systems " + " ".join(f"'{s}'" for s in args.systems))
+           + (f" --write {args.write}" if args.write else ""))
+    missing = [s for s in systems if s not in summaries]
+    status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
+    title = ("SIMoE at one optimizer and budget: SIMoE, ablations (b) and (c), baselines (issue 30)" if args.common
+             else "SIMoE in miniature")
+    common = (" Every row: AdamW 1e-4, linear schedule, 10 % warm-up, no weight decay, 125 steps of 8 (the baselines' "
+              "optimizer; the SIMoE rows override simoe_instruct.yaml's Adam 2e-5 constant with `" + " ".join(COMMON)
+              + "`). What still differs, plainly: the hard-concrete masks' log α (parameters only SIMoE has) train at "
+              "their own lr 0.5 (`simoe.mask_lr=0.5`); (c)'s real-valued masks are ordinary parameters at 1e-4 with no "
+              "sparsity constraint (MaskInit kind real, given to the model by this script: the SIMoE config does not "
+              "name it yet).") if args.common else ""
     section = "\n".join([
-        MARK[0], "## SIMoE in miniature (bench/simoe_mini.py)", "",
+        mark[0], f"## {title} (bench/simoe_mini.py)", "",
         f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores, fp32. Overrides on every recipe: "
         f"`{' '.join(OVERRIDES)}`. Seen = held-out verses of the 5 trained tasks, unseen = 4 tasks of untrained "
-        "categories (reverse translation, book name, paraphrase); unweighted means over tasks.", "",
+        "categories (reverse translation, book name, paraphrase); unweighted means over tasks." + common + status, "",
         "| system | seen ROUGE-L | seen chrF | unseen ROUGE-L | unseen chrF | final mask sparsity (τ = 0.75) | λ max / "
         "final | total params | active params | pruned export | peak RSS (GiB) | wall (min) |", "|---" * 12 + "|",
         *[row(label, folder_of(args.out, label), s) for label, s in summaries.items()], "",
-        "ROUGE-L per task:", "", *per_task(args.out, args.systems), "",
+        *(["ROUGE-L per task:", "", *per_task(args.out, list(summaries)), ""] if summaries else []),
         *[f"{label}: non-zero expert parameters (Fig. 4, median gates) "
           + " · ".join(f"{k} {v:.2f}" for k, v in s["nonzero"]["by_type"].items())
           + f"; overall {s['nonzero']['overall']:.3f}; by depth "
           + " ".join(f"{v:.2f}" for _, v in sorted(s["nonzero"]["by_depth"].items(), key=lambda kv: int(kv[0])))
           + f"; mean mask overlap between experts (Fig. 5) {s['overlap']:.3f}.\n" for label, s in simoe.items()],
-        MARK[1]])
+        mark[1]])
     print(section)
     if args.write:
-        write_section(args.write, section, MARK)
+        write_section(args.write, section, mark)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,49 @@ CORPUS = dict(langs=["en"], voices=4, test_voices=2, train_per_lang=640, test_pe
               flite_test=True, seed=0)
 SYSTEMS = {"pretrained": None, "fmft": "fmft_whisper_tiny", "ume": "ume_whisper_tiny",
            "ume w/o freezing": "ume_whisper_tiny_nofreeze", "ume w/o balancing": "ume_whisper_tiny_nobalance"}
+# UME Table I's scratch-trained baselines (C2: a dense model of the MoE's total size, C3: the MoE itself, both
+# from random initialization), in miniature (issue 30): Whisper tiny.en's architecture with transformers' random
+# init (no pretrained weight), trained in full for the same steps and data. scratch dense: encoder/decoder FFN
+# widened 8× (1536 -> 12288) to UME's total parameters; scratch MoE: UME's architecture (8 experts, renormalized
+# top-2, balance α = 0.01) with freshly drawn experts (init scratch) and nothing frozen.
+SCRATCH = {"scratch dense": ("fmft_whisper_tiny", {"ffn": 8}, {}),
+           "scratch MoE": ("ume_whisper_tiny_nofreeze", {"ffn": 1},
+                                                {"moe.init": {"method": "scratch"}, "moe.router.scoring": "topk_softmax"})}
+SYSTEMS.update({name: recipe for name, (recipe, _, _) in SCRATCH.items()})
 # UME's headline claims (Table I-II: lower error rates than FMFT; §IV-D / Table III: less forgetting), as
 # paired WER comparisons on the in-domain and the unseen voice family: (A, B, family, claim); the paper
 # reports A < B.
 CLAIMS = [("ume", "fmft", "espeak-ng", "UME beats full fine-tuning (in-domain voices)"),
           ("ume", "fmft", "flite", "UME forgets less than full fine-tuning (unseen voice family)")]
 MARK = ("<!-- ume_whisper -->", "<!-- /ume_whisper -->")
+
+
+def scratch_whisper(out: Path, ffn_factor: int, seed: int = 0) -> Path:
+    """Whisper tiny.en's architecture (FFN widths × ffn_factor) with transformers' random init, saved once
+    beside the pretrained model's tokenizer, feature extractor and generation files."""
+    import shutil
+
+    import torch
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    from moekit.assets import resolve_model
+
+    folder = out / f"scratch_whisper_ffn{ffn_factor}_seed{seed}"
+    if (folder / "done").is_file():
+        return folder
+    src = resolve_model("whisper-tiny.en")
+    cfg = WhisperConfig.from_pretrained(src)
+    cfg.encoder_ffn_dim *= ffn_factor
+    cfg.decoder_ffn_dim *= ffn_factor
+    torch.manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    WhisperForConditionalGeneration(cfg).save_pretrained(folder)
+    for f in src.iterdir():  # tokenizer, feature extractor, generation config: everything but the weights
+        if f.is_file() and f.suffix not in (".safetensors", ".bin") and not f.name.endswith(".index.json") \
+                and f.name != "config.json":
+            shutil.copy2(f, folder / f.name)
+    (folder / "done").write_text("")
+    return folder
 
 
 def recipe_for(name: str, folder: Path, corpus_dir: Path, steps: int, seed: int = 0):
@@ -45,12 +82,19 @@ def recipe_for(name: str, folder: Path, corpus_dir: Path, steps: int, seed: int 
             "train.logging_steps": max(1, min(5, steps // 10)), "train.save_every": steps // 2, "eval.routing_batches": 2}
     if seed != 0:  # seed 0: the recipes as they are
         keys.update({"train.seed": seed, "data.seed": seed, **({"moe.seed": seed} if is_moe(name) else {})})
+    if name in SCRATCH:
+        _, arch, extra = SCRATCH[name]
+        keys.update({"model.path": str(scratch_whisper(folder.parent, arch["ffn"], seed)), **extra})
     return load_recipe(Path("recipes/asr") / f"{SYSTEMS[name] or 'fmft_whisper_tiny'}.yaml",
                        [f"{k}={json.dumps(v)}" for k, v in keys.items()])
 
 
 def is_moe(name: str) -> bool:
     return (SYSTEMS[name] or "").startswith("ume")
+
+
+def default_systems() -> list[str]:
+    return [n for n in SYSTEMS if n not in SCRATCH]
 
 
 def folder_of(out: Path, name: str, seed: int = 0) -> Path:
@@ -133,7 +177,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/ume_whisper"))
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--write", type=Path)
-    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=default_systems(),
+                    help=f"default: {', '.join(default_systems())}; also {', '.join(SCRATCH)} (UME Table I's "
+                         "scratch-trained baselines, issue 30)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="seeds to run, each one cached run per trained system (0: the recipes as they are); default 0")
     ap.add_argument("--report-only", action="store_true", help="report the (system, seed) runs finished so far, run nothing")
@@ -152,7 +198,7 @@ def main() -> None:
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
     info = json.loads((corpus_dir / "corpus.json").read_text())
     cmd = (f".venv/bin/python bench/ume_whisper.py --out {args.out} --steps {args.steps}"
-           + ("" if args.systems == list(SYSTEMS) else f" --systems {' '.join(args.systems)}")
+           + ("" if args.systems == default_systems() else " --systems " + " ".join(f"'{s}'" for s in args.systems))
            + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + (f" --write {args.write}" if args.write else ""))
     lines = [MARK[0], "## UME on Whisper tiny.en in miniature (bench/ume_whisper.py)", "",
@@ -163,7 +209,11 @@ def main() -> None:
              f"{CORPUS['test_voices']} held-out espeak-ng voice{'s' if CORPUS['test_voices'] > 1 else ''} (in-domain) and by the 4 flite voices (never seen "
              f"in training: the forgetting check); {info['hours']:.2f} h of audio in all. WER/CER after Whisper's "
              "English normalizer; RTF = decoding time / audio time (greedy, batch 8, 2 cores). Seed n > 0 adds "
-             f"`train.seed=n data.seed=n` and, for UME, `moe.seed=n` (same corpus and test utterances).{status}", "",
+             f"`train.seed=n data.seed=n` and, for UME, `moe.seed=n` (same corpus and test utterances)."
+             + (" Scratch rows (UME Table I's C2/C3 in miniature): Whisper tiny.en's architecture with transformers' "
+                "random init, every parameter trained, same data, steps and optimizer; scratch dense has 8× wider FFNs "
+                "(UME's total parameters), scratch MoE is UME's architecture with freshly drawn experts."
+                if any(n in SCRATCH for n, _ in summaries) else "") + status, "",
              "| system | WER espeak (in-domain) | WER flite (unseen family) | CER espeak | CER flite | final train loss "
              "| params | active | RTF | wall (min) |", "|---" * 10 + "|",
              *[row(n, seed, s) for (n, seed), s in summaries.items()], "", *claims(args.out, corpus_dir, set(summaries)), "", MARK[1]]

@@ -76,6 +76,16 @@ def test_real_masks_have_no_constraint(monkeypatch):
     assert float(density(model)) == pytest.approx(1 - share)
 
 
+def test_real_masks_stay_one_parameter_after_a_training_forward(monkeypatch):
+    """The gates kept for the orthogonality penalty (last_z) are not registered as parameters: the state
+    dict and the optimizer see each mask once (a saved model loads back)."""
+    model = upcycled(monkeypatch, kind="real").train()
+    n = len(list(model.parameters()))
+    model(**tiny_inputs(model))
+    assert len(list(model.parameters())) == n
+    assert not any(k.endswith("last_z") for k in model.state_dict())
+
+
 def test_real_mask_model_equals_the_pretrained_model_at_init(monkeypatch):
     ref_model = tiny_llama().eval()
     x = tiny_inputs(ref_model)

@@ -83,8 +83,9 @@ class SparseInterpolated(nn.Module):
         return self.log_alpha.shape[0]
 
     def gate_values(self) -> torch.Tensor:
-        """The deterministic gates: median gates z̄ (eqs. 6-7), or the real-valued masks themselves (c)."""
-        return self.log_alpha if self.real else hc.median(self.log_alpha)
+        """The deterministic gates: median gates z̄ (eqs. 6-7), or the real-valued masks themselves (c), as a
+        view (a plain tensor: kept as last_z it must not become a second registered parameter)."""
+        return self.log_alpha.view(self.log_alpha.shape) if self.real else hc.median(self.log_alpha)
 
     def gates(self) -> torch.Tensor:
         """(M, d_in) (or (M, d_out, d_in) per parameter): median gates z̄ (eqs. 6-7), or in training
