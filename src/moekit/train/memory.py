@@ -19,6 +19,9 @@ parameters' own size):
   (mixed precision is autocast over the stored parameters, which adds bf16 copies of the Linear weights while the
   graph holds them). DDP adds its gradient buckets, a second copy of the gradients (gradient_as_bucket_view=False is
   PyTorch's default and what accelerate passes).
+* selective fine-tuning (moekit.select.finetune): the full expert tensors of the selected layers are rebuilt from
+  the frozen tensor and the trainable rows in every forward and kept for the backward: counted as buffers in every
+  row.
 * DeepSpeed ZeRO-2: parameters (cast to c bytes) replicated; gradients (c bytes) and optimizer state sharded over N;
   the optimizer state is 12 bytes per trainable parameter (fp32 master copy, exp_avg, exp_avg_sq: "K = 12" of the
   ZeRO paper; DeepSpeed keeps the fp32 partition in fp32 training too). Its reduce and all-gather buckets
@@ -42,7 +45,7 @@ ADAM_STEP = 4  # torch AdamW (foreach and fused) keeps `step` as a float32 scala
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 ZERO_OPTIMIZER = 12  # bytes per trainable parameter in DeepSpeed ZeRO: fp32 master + exp_avg + exp_avg_sq
 GATHERED_LAYERS = 2  # decoder layers unsharded at a time under ZeRO-3 / FSDP2 (the running and the prefetched one)
-ACTIVATION_TOLERANCE = 0.15  # the estimate vs the tensors autograd saved on tiny models (tests/test_plan.py)
+ACTIVATION_TOLERANCE = 0.10  # the estimate vs the tensors autograd saved on tiny models (tests/test_plan.py)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Counts:
     routed_state_tensors: int = 0
     layer_params: int = 0  # elements of the largest decoder layer (what ZeRO-3 / FSDP2 gather at a time)
     linear_params: int = 0  # elements of Linear weights that autocast copies to the compute dtype
+    materialized_bytes: int = 0  # tensors rebuilt each step from frozen and trainable parts (a selection's experts)
 
     @property
     def grad_bytes(self) -> int:
@@ -101,14 +105,15 @@ def shares(c: Counts, activations: int, devices: int, expert_parallel: int | Non
     stored parameters; `mixed`: bf16/fp16 mixed precision; `expert_parallel` None: no EP rows (`ep_reason` says
     why)."""
     n, cast = devices, 2 if mixed else param_size
-    autocast = 2 * c.linear_params if mixed and param_size > 2 else 0  # bf16 copies of fp32 Linear weights
-    gathered = GATHERED_LAYERS * c.layer_params * cast
+    # bf16 copies of fp32 Linear weights; the full expert tensors a selection's parametrizations rebuild
+    autocast = (2 * c.linear_params if mixed and param_size > 2 else 0) + c.materialized_bytes
+    gathered = GATHERED_LAYERS * c.layer_params * cast + c.materialized_bytes
     rows = [
         Share("single device", c.param_bytes, c.grad_bytes, c.optimizer_bytes, autocast, activations),
         Share(f"DDP × {n}", c.param_bytes, c.grad_bytes, c.optimizer_bytes, autocast + c.grad_bytes, activations,
               "buffers: gradient buckets (a second copy of the gradients)"),
         Share(f"ZeRO-2 × {n}", c.params * cast, _over(c.trainable * cast, n),
-              _over(c.state * ZERO_OPTIMIZER, n), 0, activations),
+              _over(c.state * ZERO_OPTIMIZER, n), c.materialized_bytes, activations),
         Share(f"ZeRO-3 × {n}", _over((c.params - c.replicated) * cast, n) + c.replicated * cast,
               _over(c.trainable * cast, n),
               _over(c.state * ZERO_OPTIMIZER, n), gathered, activations,
@@ -156,18 +161,26 @@ class Ffn:
     experts: int = 0
     top_k: int = 0
     shared: int = 0  # shared expert's intermediate size (0: none)
-    trained: bool = True  # dense: its weights train; MoE: the routed experts train
+    trained: bool = True  # dense: its weights train; MoE: the routed experts' first projection (gate|up) trains
+    down_trained: bool = True  # MoE: the routed experts' down projection trains
     router_trained: bool = True
     shared_trained: bool = True
 
 
 @dataclass(frozen=True)
+class Lora:
+    role: str  # "qkv" (attention inputs), "o" (attention output), "in" (FFN gate/up), "down" (FFN down)
+    in_features: int
+    r: int
+
+
+@dataclass(frozen=True)
 class Layer:
     ffn: Ffn
-    attention_trained: bool = True
+    attention_trained: bool = True  # q/k/v/o weights
     norms_trained: bool = True
-    active: bool = True  # a trainable parameter at or before this layer: autograd records it
-    lora: tuple[tuple[int, int], ...] = ()  # (in_features, r) of each LoRA-wrapped Linear
+    active: bool = True  # gradients flow into the layer's input (something before it trains)
+    lora: tuple[Lora, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -183,62 +196,97 @@ class Geometry:
     head_trained: bool = True  # the final norm / lm_head (tied: the embedding)
     aux_losses: bool = True  # moekit's router losses (method moe) keep softmax and logsumexp of the logits
     lora_dropout: bool = True
+    mask_size: int = 1  # bytes per element of a dropout mask: CUDA's fused dropout keeps a bool (CPU: a float)
     notes: tuple[str, ...] = field(default=())
 
 
-def norm_bytes(h: int, p: int, trained: bool) -> int:
-    """RMSNorm (as Llama's): its float32 input and 1/rms, and, when its weight trains, x/rms in the parameter
-    dtype."""
-    return 4 * h + 4 + (p * h if trained else 0)
+def norm_bytes(h: int, p: int, trained: bool, grad: bool) -> int:
+    """RMSNorm (Llama's): when gradients flow through it, its float32 input and 1/rms; when its weight trains,
+    x/rms in the parameter dtype."""
+    return (4 * h + 4 if grad else 0) + (p * h if trained else 0)
 
 
-def ffn_bytes(f: Ffn, h: int, a: int, p: int, aux: bool, casts: bool = False) -> int:
-    """Per token. Dense FFN: gate and up outputs and act(gate) (3I; non-gated: act's input, I), plus when its
-    weights train the input of gate/up (H, one copy per projection under autocast, `casts`) and of down (I).
-    moekit MoE layer: the router input (H, if the router trains), per slot the gathered token (H, if the experts
-    train), [gate|up] (2I), silu(g) and silu(g)·u (2I), the weighted activation (I, if I ≤ H and the experts train) or
-    the unweighted output (H, if I > H), the output scattered back (H); ids, order and weights (32 B per slot); the
-    experts compute in the parameter dtype (grouped_mm runs outside autocast); the aux losses keep 4 float32 values
-    per expert."""
-    i = f.intermediate
-    if not f.experts:
-        inputs = (2 if casts and f.gated else 1) * h
-        return a * (3 * i if f.gated else i) + (a * (inputs + i) if f.trained else 0)
-    k = f.top_k
-    slot = p * (4 * i + h + (h if i > h else (i if f.trained else 0)) + (h if f.trained else 0)) + 32
-    shared = ffn_bytes(Ffn(f.shared, f.gated, trained=f.shared_trained), h, a, p, aux, casts) if f.shared else 0
-    return (a * h if f.router_trained else 0) + k * slot + shared + (16 * f.experts if aux else 0)
+def dense_ffn_bytes(i: int, gated: bool, trained: bool, grad: bool, h: int, a: int, casts: bool) -> int:
+    """Dense FFN per token: gate and up outputs and act(gate) (3I; non-gated: act's input, I) once anything in it
+    records, and when its weights train the input of gate/up (H, one cast per projection under autocast) and of
+    down (I)."""
+    if not (grad or trained):
+        return 0
+    inputs = (2 if casts and gated else 1) * h
+    return a * (3 * i if gated else i) + (a * (inputs + i) if trained else 0)
+
+
+def moe_bytes(f: Ffn, h: int, a: int, p: int, aux: bool, casts: bool, grad: bool) -> int:
+    """moekit MoE layer per token: the router's input (H, if the router trains); per routed slot (top-k per token)
+    the gathered token (H, if gate|up trains), [gate|up], silu(g), silu(g)·u (4I, once they record), the down
+    projection's input (I, if down trains and autograd keeps it apart: weighted for I ≤ H, or not recorded
+    before), the unweighted output (H, for I > H) and the output scattered back (H), 32 B of ids, order and
+    weights; the experts compute in the parameter dtype (grouped_mm runs outside autocast); the shared expert as a
+    dense FFN; the aux losses 4 float32 values per expert."""
+    i, k = f.intermediate, f.top_k
+    routed = grad or f.router_trained
+    recorded = grad or f.trained
+    if not (routed or recorded or f.down_trained):
+        slot = 0
+    else:
+        down_in = f.down_trained and (i <= h or not recorded)
+        slot = p * ((h if f.trained else 0) + (4 * i if recorded else 0) + (i if down_in else 0)
+                    + (h if i > h and routed else 0) + h) + 32
+    shared = dense_ffn_bytes(f.shared, f.gated, f.shared_trained, grad, h, a, casts) if f.shared else 0
+    return (a * h if f.router_trained else 0) + k * slot + shared + (16 * f.experts if aux and routed else 0)
+
+
+def lora_bytes(mods: list[Lora], grad: bool, kept: bool, a: int, g: Geometry) -> int:
+    """LoRA-wrapped Linears sharing one input: per module A·x (r); with dropout, its output (in) and, when the input
+    carries gradients, its mask; without, the shared input once unless it is kept anyway (`kept`)."""
+    if not mods:
+        return 0
+    rank = sum(m.r for m in mods) * a
+    if g.lora_dropout:
+        return rank + sum(m.in_features * (a + (g.mask_size if grad else 0)) for m in mods)
+    return rank + (0 if kept else max(m.in_features for m in mods) * a)
 
 
 def layer_bytes(g: Geometry, layer: Layer, a: int, p: int) -> int:
-    """One decoder layer per token: two norms, attention (SDPA keeps q, k, v, its output and a float32 log-sum-exp
-    per head; when q/k/v train, their input: one tensor, or one cast per projection under autocast), the FFN, and
-    per LoRA-wrapped Linear its dropout's output and mask and A·x."""
-    if not layer.active:
-        return 0
+    """One decoder layer per token, in forward order: norm, attention (SDPA keeps q, k, v, its output and a float32
+    log-sum-exp per head once anything records; when q/k/v train, their input: one tensor, or one cast per
+    projection under autocast), norm, FFN (dense or MoE), with LoRA's share where it wraps a projection."""
     h, q, kv, casts = g.hidden, g.heads * g.head_dim, g.kv_heads * g.head_dim, a < p
-    attention = a * (2 * q + 2 * kv) + 4 * g.heads + (a * h * (3 if casts else 1) if layer.attention_trained else 0)
-    lora = sum(d * (a + (1 if g.lora_dropout else 0)) + r * a for d, r in layer.lora)
-    return (2 * norm_bytes(h, p, layer.norms_trained) + attention
-            + ffn_bytes(layer.ffn, h, a, p, g.aux_losses, casts) + lora)
+    role = {r: [m for m in layer.lora if m.role == r] for r in ("qkv", "o", "in", "down")}
+    grad, trained = layer.active, layer.attention_trained
+    total = norm_bytes(h, p, layer.norms_trained, grad)
+    grad = grad or layer.norms_trained
+    total += lora_bytes(role["qkv"], grad, trained, a, g) + (a * h * (3 if casts else 1) if trained else 0)
+    grad = grad or trained or bool(role["qkv"])
+    total += (a * (2 * q + 2 * kv) + 4 * g.heads) if grad else 0
+    total += lora_bytes(role["o"], grad, grad, a, g)
+    grad = grad or bool(role["o"])
+    total += norm_bytes(h, p, layer.norms_trained, grad)
+    grad = grad or layer.norms_trained
+    f = layer.ffn
+    if f.experts:
+        return total + moe_bytes(f, h, a, p, g.aux_losses, casts, grad)
+    total += lora_bytes(role["in"], grad, f.trained, a, g)
+    mid = grad or bool(role["in"])
+    total += dense_ffn_bytes(f.intermediate, f.gated, f.trained, mid, h, a, casts)
+    return total + lora_bytes(role["down"], mid, f.trained, a, g)
 
 
-def head_bytes(g: Geometry, a: int, p: int) -> int:
+def head_bytes(g: Geometry, a: int, p: int, grad: bool) -> int:
     """Final norm, the lm_head input (if it trains), token ids and labels (int64), the logits (kept with the
     model's output) and cross-entropy's float32 log-softmax."""
     h = g.hidden
-    return norm_bytes(h, p, g.head_trained) + (a * h if g.head_trained else 0) + 16 + g.vocab * (a + 4)
+    return norm_bytes(h, p, g.head_trained, grad) + (a * h if g.head_trained else 0) + 16 + g.vocab * (a + 4)
 
 
 def token_bytes(g: Geometry, act_size: int, param_size: int, checkpointing: bool = False) -> int:
-    """Activation bytes per token: Σ over decoder layers + the head (see the functions above); with gradient
-    checkpointing, each active layer keeps only its input (H in the parameter dtype) and one layer is recomputed at a
-    time in the backward. `act_size`: 2 under bf16/fp16 autocast or for bf16 parameters, else 4."""
+    """Activation bytes per token: Σ over decoder layers + the head (the functions above); with gradient
+    checkpointing, each layer that records keeps only its input (H in the parameter dtype) and one layer is
+    recomputed at a time in the backward. `act_size`: 2 under bf16/fp16 autocast or for bf16 parameters, else 4."""
     per_layer = [layer_bytes(g, layer, act_size, param_size) for layer in g.layers]
     if checkpointing:
-        kept = sum(g.hidden * param_size for layer in g.layers if layer.active)
-        body = kept + max(per_layer, default=0)
+        body = sum(g.hidden * param_size for n in per_layer if n) + max(per_layer, default=0)
     else:
         body = sum(per_layer)
-    return body + head_bytes(g, act_size, param_size) if any(layer.active for layer in g.layers) or g.head_trained \
-        else 0
+    grad = any(per_layer)
+    return body + head_bytes(g, act_size, param_size, grad) if grad or g.head_trained else 0

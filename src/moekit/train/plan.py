@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moekit.errors import ConfigError
-from moekit.train.memory import ACTIVATION_TOLERANCE, Counts, Share, shares, token_bytes
+from moekit.train.memory import ACTIVATION_TOLERANCE, Counts, Geometry, Share, shares, token_bytes
 from moekit.train.plan_model import geometry, largest_layer, linear_params, routed_names, stages_of, unique_params
 
 Predicate = Callable[[str], bool]
@@ -54,6 +54,7 @@ class Plan:
     expert_parallel: int | None
     shares: list[Share]
     notes: list[str] = field(default_factory=list)
+    geometry: Geometry | None = None  # what the activation estimate saw
 
     @property
     def peak_stage(self) -> Stage:
@@ -109,7 +110,8 @@ def counts_of(model: nn.Module, stages: list[tuple[str, Predicate]],
                routed_state=total(routed_of(union.items()), False),
                routed_state_bytes=total(routed_of(union.items()), True),
                routed_state_tensors=len(routed_of(union.items())),
-               layer_params=largest_layer(model), linear_params=linear_params(model))
+               layer_params=largest_layer(model), linear_params=linear_params(model),
+               materialized_bytes=total(kept, True))
     return c, [Stage(name, total(group, False), total(group, True)) for name, group in made]
 
 
@@ -153,7 +155,7 @@ def plan(model: nn.Module, folder: Path, shapes: str, stages: list[tuple[str, Pr
     return Plan(s.title, str(folder), shapes, str(dtype).removeprefix("torch."), s.precision, c.params,
                 c.param_bytes, c.trainable, c.trainable_bytes, c.grad_bytes, c.optimizer_bytes, frozen, c.routed,
                 staged, s.micro_batch, s.max_length, s.gradient_checkpointing,
-                None if per_token is None else per_token * 1000, acts, s.devices, ep, rows, more)
+                None if per_token is None else per_token * 1000, acts, s.devices, ep, rows, more, geo)
 
 
 # ---------------------------------------------------------------------------------------------- recipes

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from moekit.errors import AssetError, ConfigError, UnsupportedModelError
-from moekit.train.memory import Ffn, Geometry, Layer
+from moekit.train.memory import Ffn, Geometry, Layer, Lora
 
 Predicate = Callable[[str], bool]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -216,20 +216,22 @@ def geometry(model: nn.Module, trains: Predicate, aux_losses: bool, lora_dropout
     name, layers = stack
     inside = f"{name}."
     outside = {n for n in trained if not n.startswith(inside)}
-    active = any("embed" in n for n in outside)
-    ffns = _ffns(model, name, trained)
+    before = any("embed" in n for n in outside)  # gradients flow from the first trainable parameter on
+    ffns = _ffns(model, name, trained, getattr(text, "intermediate_size", 0))
     out, notes = [], ["activations: SDPA attention assumed (eager attention keeps heads × length more per token and "
                       "layer); every example at the maximum length"]
     for i, layer in enumerate(layers):
         mine = {n for n in trained if n.startswith(f"{inside}{i}.")}
-        active = active or bool(mine)
         own = {n for n in mine if "lora_" not in n}
-        out.append(Layer(ffns.get(i, Ffn(0, trained=False)),
-                         attention_trained=any("attn" in n or "attention" in n for n in own),
-                         norms_trained=any("norm" in n for n in own), active=active,
-                         lora=_lora(layer) if any("lora_" in n for n in mine) else ()))
+        attention = {n for n in own if "attn" in n or "attention" in n}
+        out.append(Layer(ffns.get(i, Ffn(0, trained=False)), attention_trained=bool(attention),
+                         norms_trained=any("norm" in n for n in own), active=before,
+                         lora=_lora(layer) if len(own) < len(mine) else ()))
+        before = before or bool(mine)
     if any(f.experts and not _moekit_site(model, name, i) for i, f in ffns.items()):
         notes.append("activations: transformers' own experts estimated as moekit's grouped experts")
+    if lora_dropout and any(layer.lora for layer in out):
+        notes.append("activations: LoRA dropout masks as CUDA keeps them (1 byte; the CPU keeps a float)")
     return Geometry(h, heads, kv, head_dim, text.vocab_size, tuple(out), head_trained=bool(outside),
                     aux_losses=aux_losses, lora_dropout=lora_dropout, notes=tuple(notes))
 
@@ -240,17 +242,18 @@ def _moekit_site(model: nn.Module, stack: str, i: int) -> bool:
     return any(path.startswith(f"{stack}.{i}.") for path, _ in moe_layers(model))
 
 
-def _ffns(model: nn.Module, stack: str, trained: set[str]) -> dict[int, Ffn]:
-    """{decoder layer index: its FFN}: MoE layers (moekit's or transformers'), else the dense FFN slots."""
+def _ffns(model: nn.Module, stack: str, trained: set[str], intermediate: int) -> dict[int, Ffn]:
+    """{decoder layer index: its FFN}: MoE layers (moekit's or transformers'), else the dense FFN slots, else (e.g.
+    Linears wrapped by LoRA) a gated `mlp` of the config's intermediate size."""
     from moekit.routing.sites import moe_sites
     from moekit.surgery import find_slots
 
     paths, out = _paths(model), {}
     prefix = f"{stack}."
 
-    def trains(module: nn.Module | None) -> bool:
+    def trains(module: nn.Module | None, part: Callable[[str], bool] = lambda n: True) -> bool:
         path = paths.get(id(module))
-        return module is not None and path is not None and any(n.startswith(f"{path}.") for n in trained)
+        return module is not None and path is not None and any(n.startswith(f"{path}.") and part(n) for n in trained)
 
     for site in moe_sites(model):
         if site.name.startswith(prefix):
@@ -258,7 +261,8 @@ def _ffns(model: nn.Module, stack: str, trained: set[str]) -> dict[int, Ffn]:
             inter, gated = _expert_shape(site.experts, site.num_experts)
             shared = _shared(site.block)
             out[i] = Ffn(inter, gated, site.num_experts, site.top_k,
-                         0 if shared is None else shared.up_proj.out_features, trains(site.experts),
+                         0 if shared is None else shared.up_proj.out_features,
+                         trains(site.experts, lambda n: "down" not in n), trains(site.experts, lambda n: "down" in n),
                          trains(site.router), trains(shared))
     try:
         slots = find_slots(model)
@@ -268,11 +272,19 @@ def _ffns(model: nn.Module, stack: str, trained: set[str]) -> dict[int, Ffn]:
         if slot.stack == stack and slot.index not in out:
             w = slot.read()
             out[slot.index] = Ffn(w.intermediate_size, w.gated, trained=trains(model.get_submodule(slot.path)))
+    def own(n: str) -> bool:
+        return "lora_" not in n
+
+    for i, layer in enumerate(model.get_submodule(stack)):
+        mlp = getattr(layer, "mlp", None)
+        if i not in out and isinstance(mlp, nn.Module):
+            out[i] = Ffn(intermediate, hasattr(mlp, "gate_proj"), trained=trains(mlp, own))
     return out
 
 
 def _expert_shape(experts: nn.Module, n: int) -> tuple[int, bool]:
-    """(one expert's intermediate size, gated) from stacked tensors: down (E, H, I), gate_up (E, 2I, H) or up (E, I, H)."""
+    """(one expert's intermediate size, gated) from the stacked tensors: down (E, H, I), gate_up (E, 2I, H) or up
+    (E, I, H)."""
     inter = getattr(experts, "intermediate_size", None)
     gated = getattr(experts, "gated", None)
     stacked = {name: p for name, p in experts.named_parameters() if p.dim() == 3 and p.shape[0] == n}
@@ -292,12 +304,17 @@ def _shared(block: nn.Module) -> nn.Module | None:
     return None
 
 
-def _lora(layer: nn.Module) -> tuple[tuple[int, int], ...]:
-    """(in_features, r) of every LoRA-wrapped Linear in a decoder layer (peft's LoraLayer)."""
+def _lora(layer: nn.Module) -> tuple[Lora, ...]:
+    """Every LoRA-wrapped Linear of a decoder layer (peft's LoraLayer), by the input it reads: the attention's
+    (q/k/v), its output's (o), the FFN's (gate/up) or its intermediate (down)."""
     out = []
-    for m in layer.modules():
+    for name, m in layer.named_modules():
         a = getattr(m, "lora_A", None)
         if isinstance(a, nn.ModuleDict) and len(a):
-            lin = next(iter(a.values()))
-            out.append((lin.in_features, lin.out_features))
+            lin, last = next(iter(a.values())), name.rsplit(".", 1)[-1]
+            if "attn" in name or "attention" in name:
+                role = "o" if last in ("o_proj", "out_proj", "dense", "c_proj") else "qkv"
+            else:
+                role = "down" if last in ("down_proj", "fc2", "c_proj", "w2") else "in"
+            out.append(Lora(role, lin.in_features, lin.out_features))
     return tuple(out)
