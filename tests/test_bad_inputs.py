@@ -1544,7 +1544,26 @@ MESSAGES = [  # the outcome was right, the words misled
 ]
 
 
-CASES = [*GUARDS, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
+DRY_RUN = [  # `moekit train|finetune --dry-run` (moekit.train.plan): refused before any plan, nothing written
+    Case("train-dry-run-model-missing",
+         lambda t, f: ["train", recipe(t, f), f"model.path={t / 'nowhere'}", f"out={t / 'run'}", "--dry-run"],
+         r"'.*nowhere' is neither an existing model directory, a built-in model nor a Hugging Face repository id"),
+    Case("train-dry-run-devices-zero",
+         lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}", "--dry-run", "--devices", 0],
+         r"argument --devices: must be a positive count, got '0'"),
+    Case("train-dry-run-expert-parallel-not-dividing-devices",
+         lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}", "--dry-run", "--devices", 4, "--expert-parallel", 3],
+         r"expert parallelism over 3 ranks needs a device count it divides .* 4 devices given"),
+    Case("train-dry-run-expert-parallel-not-dividing-experts",
+         lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}", "--dry-run", "--devices", 8, "--expert-parallel", 8],
+         r"expert parallelism over 8 ranks must divide every MoE layer's expert count; .* 4 experts"),
+    Case("finetune-dry-run-devices-zero",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={text(t, f)}", "--out", t / "ft", "--dry-run", "--devices", 0],
+         r"argument --devices: must be a positive count, got '0'"),
+]
+
+CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY]
 
 

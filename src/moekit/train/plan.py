@@ -67,15 +67,16 @@ def check_devices(devices: int, expert_parallel: int | None, experts: list[int])
     if devices < 1:
         raise ConfigError(f"devices must be a positive count, got {devices}")
     if expert_parallel is not None:
+        ep = f"expert parallelism over {expert_parallel} ranks"
         if expert_parallel < 1 or expert_parallel > devices or devices % expert_parallel:
-            raise ConfigError(f"expert_parallel={expert_parallel} must divide devices={devices} (EP ranks are "
-                              "devices: EP × data-parallel replicas = devices)")
+            raise ConfigError(f"{ep} needs a device count it divides (EP ranks × data-parallel replicas = devices); "
+                              f"{devices} devices given")
         if not experts:
-            raise ConfigError(f"expert_parallel={expert_parallel} needs MoE layers; this model has none")
+            raise ConfigError(f"{ep} needs MoE layers; this model has none")
         bad = sorted({e for e in experts if e % expert_parallel})
         if bad:
-            raise ConfigError(f"expert_parallel={expert_parallel} does not divide the MoE layers' expert count "
-                              f"({', '.join(map(str, bad))})")
+            raise ConfigError(f"{ep} must divide every MoE layer's expert count; this model's layers have "
+                              f"{', '.join(map(str, bad))} experts")
         return expert_parallel, ""
     if not experts:
         return None, "no MoE layer"
