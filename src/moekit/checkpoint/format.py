@@ -230,18 +230,22 @@ def load(folder: str | Path) -> nn.Module:
     return adopt(read_state(model.eval(), folder))
 
 
-def load_model(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False) -> nn.Module:
+def load_model(path: str | Path, allow_pickle: bool = False, trust_remote_code: bool = False,
+               dtype: torch.dtype | None = None) -> nn.Module:
     """A moekit checkpoint (moekit.json), one in a state codec's own format (e.g. SIMoE's simoe.json;
-    moekit.checkpoint.codecs) or any local HF model directory (e.g. transformers' MoE families)."""
+    moekit.checkpoint.codecs) or any local HF model directory (e.g. transformers' MoE families). `dtype`: a
+    transformers directory is loaded in it (default float32); moekit's and the codecs' formats are cast to it."""
     path = Path(path)
     codec = own_format(path)
     if codec is not None:
-        return codec.load(path)
-    if (path / "moekit.json").is_file():
-        return load(path)
-    if not path.is_dir():
+        model = codec.load(path)
+    elif (path / "moekit.json").is_file():
+        model = load(path)
+    elif not path.is_dir():
         raise CheckpointError(f"{path} is not a model directory")
-    return load_dense(path, allow_pickle, trust_remote_code, allow_nonfinite=True)
+    else:
+        return load_dense(path, allow_pickle, trust_remote_code, dtype or torch.float32, allow_nonfinite=True)
+    return model if dtype is None else model.to(dtype)
 
 
 _ADOPTED: dict[type, type] = {}

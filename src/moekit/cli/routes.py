@@ -113,8 +113,8 @@ def collect(args: argparse.Namespace, batches, dtype, streamed: bool):
                                 trust_remote_code=args.trust_remote_code)
     from moekit.checkpoint.format import load_model
 
-    model = load_model(args.model, trust_remote_code=args.trust_remote_code).to(args.device)
-    return collect_in_memory(model if dtype is None else model.to(dtype), batches, args.layers)
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code, dtype=dtype).to(args.device)
+    return collect_in_memory(model, batches, args.layers)
 
 
 def run_report(args: argparse.Namespace) -> None:
