@@ -134,17 +134,19 @@ def _over(nbytes: int, n: int) -> int:
 
 
 def expert_rows(c: Counts, activations: int, devices: int, ep: int, autocast: int, gathered: int) -> list[Share]:
-    """Routed experts split over `ep` ranks; the rest replicated (DDP) or sharded over `devices` (FSDP2)."""
-    rest_p, rest_g = c.param_bytes - c.routed_bytes, c.grad_bytes - c.routed_trainable_bytes
+    """Routed experts split over `ep` ranks (a selection's full expert tensors and their rebuilt copies too); the rest
+    replicated (DDP) or sharded over `devices` (FSDP2)."""
+    experts = c.routed_bytes + c.replicated_bytes
+    rest_p, rest_g = c.param_bytes - experts, c.grad_bytes - c.routed_trainable_bytes
     rest_o = c.optimizer_bytes - (ADAM_STATES * c.routed_state_bytes + ADAM_STEP * c.routed_state_tensors)
     routed_o = c.optimizer_bytes - rest_o
-    ep_p, ep_g, ep_o = _over(c.routed_bytes, ep), _over(c.routed_trainable_bytes, ep), _over(routed_o, ep)
+    ep_p, ep_g, ep_o = _over(experts, ep), _over(c.routed_trainable_bytes, ep), _over(routed_o, ep)
+    rebuilt = c.materialized_bytes - _over(c.materialized_bytes, ep)  # what a rank does not rebuild
     return [
-        Share(f"EP {ep} + DDP", rest_p + ep_p, rest_g + ep_g, rest_o + ep_o, autocast + rest_g, activations,
+        Share(f"EP {ep} + DDP", rest_p + ep_p, rest_g + ep_g, rest_o + ep_o, autocast - rebuilt + rest_g, activations,
               "experts split over the EP ranks, the rest replicated; buffers: DDP buckets of the rest"),
-        Share(f"EP {ep} + FSDP2 × {devices}",
-              _over(rest_p - c.replicated_bytes, devices) + c.replicated_bytes + ep_p, _over(rest_g, devices) + ep_g,
-              _over(rest_o, devices) + ep_o, gathered, activations,
+        Share(f"EP {ep} + FSDP2 × {devices}", _over(rest_p, devices) + ep_p, _over(rest_g, devices) + ep_g,
+              _over(rest_o, devices) + ep_o, gathered - rebuilt, activations,
               "experts split over the EP ranks, the rest fully sharded"),
     ]
 

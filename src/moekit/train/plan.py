@@ -15,7 +15,8 @@ from torch import nn
 
 from moekit.errors import ConfigError
 from moekit.train.memory import ACTIVATION_TOLERANCE, Counts, Geometry, Share, shares, token_bytes
-from moekit.train.plan_model import geometry, largest_layer, linear_params, routed_names, stages_of, unique_params
+from moekit.train.plan_model import (geometry, largest_layer, linear_params, routed_names, stages_of, trains_now,
+                                     unique_params)
 
 Predicate = Callable[[str], bool]
 
@@ -43,7 +44,7 @@ class Plan:
     grad_bytes: int
     optimizer_bytes: int  # torch AdamW on one device, over every parameter that trains in some stage
     frozen_bytes: int  # parameters that never train, resident all the same
-    routed: int  # routed-expert elements (what expert parallelism splits)
+    routed: int  # routed-expert elements (what expert parallelism splits; a selection's full tensors included)
     stages: list[Stage]
     micro_batch: int  # examples per device and micro-batch
     max_length: int
@@ -91,7 +92,7 @@ def counts_of(model: nn.Module, stages: list[tuple[str, Predicate]],
     expert tensors behind a selection's trainable rows: buffers, which ZeRO-3 and FSDP2 do not shard)."""
     params = unique_params(model)
     routed = routed_names(model)
-    made = [(name, [(n, p) for n, p in params if p.requires_grad and trains(n)]) for name, trains in stages]
+    made = [(name, [(n, p) for n, p in params if trains_now(p, n, trains)]) for name, trains in stages]
     union = {n: p for _, group in made for n, p in group}
     peak = max(made, key=lambda m: sum(p.numel() for _, p in m[1]))[1]
 
@@ -154,7 +155,8 @@ def plan(model: nn.Module, folder: Path, shapes: str, stages: list[tuple[str, Pr
     if geo is None:
         more.append("activations: not estimated for this architecture (the per-device totals leave them out)")
     return Plan(s.title, str(folder), shapes, str(dtype).removeprefix("torch."), s.precision, c.params,
-                c.param_bytes, c.trainable, c.trainable_bytes, c.grad_bytes, c.optimizer_bytes, frozen, c.routed,
+                c.param_bytes, c.trainable, c.trainable_bytes, c.grad_bytes, c.optimizer_bytes, frozen,
+                c.routed + c.replicated,
                 staged, s.micro_batch, s.max_length, s.gradient_checkpointing,
                 None if per_token is None else per_token * 1000, acts, s.devices, ep, rows, more, geo)
 
@@ -220,14 +222,14 @@ def plan_finetune(model: str, experts: str, *, batch_size: int = 16, grad_accum:
         raise ConfigError(f"devices must be a positive count, got {devices}")
     selection = Selection.load(experts)
     meta, folder, shapes = finetune_model(model, trust_remote_code, log)
-    handle = attach(meta, selection)
+    attach(meta, selection)
     bases = [m.base for m in meta.modules() if isinstance(m, ExpertRows)]
     setting = Setting(f"moekit finetune {model}: {selection.count} experts in {len(selection.experts)} layers",
                       "fp32", batch_size // grad_accum, max_length, aux_losses=False, devices=devices,
                       expert_parallel=expert_parallel)
     notes = ["parameters: the full expert tensors stay resident (frozen) and the K selected rows are trainable "
-             "copies beside them"]
-    del handle
+             "copies beside them; the full tensors are buffers of the parametrization, which ZeRO-3 and FSDP2 do "
+             "not shard (counted whole on every device) and expert parallelism splits with the experts"]
     return plan(meta, folder, shapes, [("all steps", lambda name: True)], setting, bases, notes)
 
 

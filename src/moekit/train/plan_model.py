@@ -15,6 +15,23 @@ from moekit.errors import AssetError, ConfigError, UnsupportedModelError
 from moekit.train.memory import Ffn, Geometry, Layer, Lora
 
 Predicate = Callable[[str], bool]
+
+
+class Mask:
+    """A freeze schedule's stage (moekit.methods.freeze.apply_mask): it sets requires_grad of every parameter, so
+    what trains is the predicate alone, whatever the model set before (e.g. Whisper's fixed positions)."""
+
+    def __init__(self, trains: Predicate):
+        self.trains = trains
+
+    def __call__(self, name: str) -> bool:
+        return self.trains(name)
+
+
+def trains_now(p: nn.Parameter, name: str, trains: Predicate) -> bool:
+    return trains(name) if isinstance(trains, Mask) else p.requires_grad and trains(name)
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -143,7 +160,7 @@ def stages_of(recipe, model: nn.Module) -> list[tuple[str, Predicate]]:
     names = [n for n, _ in unique_params(model)]
     stages: list[tuple[int, int, Predicate, set[str]]] = []
     for start in sorted({s for s in (0, round(cfg.tau * total)) if s < total}):
-        trains = stage_predicate(model, cfg, start, total)
+        trains = Mask(stage_predicate(model, cfg, start, total))
         chosen = {n for n in names if trains(n)}
         if stages and stages[-1][3] == chosen:  # the schedule does not change here
             continue
@@ -212,7 +229,7 @@ def geometry(model: nn.Module, trains: Predicate, aux_losses: bool, lora_dropout
     h, heads = text.hidden_size, text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or h // heads
-    trained = {n for n, p in unique_params(model) if p.requires_grad and trains(n)}
+    trained = {n for n, p in unique_params(model) if trains_now(p, n, trains)}
     name, layers = stack
     inside = f"{name}."
     outside = {n for n in trained if not n.startswith(inside)}
