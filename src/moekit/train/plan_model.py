@@ -108,7 +108,7 @@ def recipe_model(recipe, log=None) -> tuple[nn.Module, Path, str]:
 
     m = recipe.model
     if recipe.task == "asr" and m.kind == "ctc":
-        raise ConfigError("--dry-run plans pretrained base models; a CTC model's vocabulary comes from its corpus, "
+        raise ConfigError("a dry run plans pretrained base models; a CTC model's vocabulary comes from its corpus, "
                           "so its size is known only once training reads the data")
     folder = model_folder(m.path, log)
     dtype = DTYPES[getattr(m, "dtype", "float32")]
