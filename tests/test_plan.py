@@ -92,7 +92,11 @@ def test_plan_equals_a_real_run(case, tiny_recipe_overrides, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
-    """A tiny moekit MoE checkpoint (4 experts, top-2, 2 MoE layers) and a few lines of text."""
+    """A tiny moekit MoE checkpoint (4 experts, top-2, MoE layers 1 and 3), a tiny Qwen3-MoE one saved by
+    transformers in bfloat16 (4 experts, top-2, layers 0 and 1; per-expert tensors on disk, fused on load), and a few
+    lines of text."""
+    import transformers as tf
+
     from moekit.checkpoint.format import save
     from moekit.moe.spec import MoESpec
     from moekit.testing import tiny_llama, tiny_tokenizer
@@ -100,21 +104,32 @@ def tiny_moe(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("plan_moe")
     save(upcycle(tiny_llama(), MoESpec(num_experts=4, top_k=2, every=2)), root / "moe", tokenizer=tiny_tokenizer())
+    cfg = tf.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=128, num_experts=4,
+                            num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "qwen3_moe")
+    tiny_tokenizer().save_pretrained(root / "qwen3_moe")
     (root / "en.txt").write_text("the day was long\nthe light is good\nwe walk home\nthe sea is calm\n")
     return root
 
 
-def selection(root: Path, k: int) -> Path:
+LAYERS = {"moe": ("model.layers.1.mlp", "model.layers.3.mlp"), "qwen3_moe": ("model.layers.0.mlp", "model.layers.1.mlp")}
+
+
+def selection(root: Path, k: int, kind: str = "moe") -> Path:
     from moekit.select.selection import Selection
 
     path = root / f"sel{k}.json"
-    experts = {"model.layers.1.mlp": list(range(k)), "model.layers.3.mlp": list(range(1, k + 1))}
+    first, second = LAYERS[kind]
+    experts = {first: list(range(k)), second: list(range(1, k + 1))}
     Selection(method="manual", budget=k, experts=experts).save(path, overwrite=True)
     return path
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_finetune_plan_equals_a_real_run_and_scales_with_k(k, tiny_moe, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, k", [("moe", 1), ("moe", 2), ("qwen3_moe", 2)])
+def test_finetune_plan_equals_a_real_run_and_scales_with_k(kind, k, tiny_moe, tmp_path, monkeypatch):
+    """moekit's own checkpoint in its dtype; a transformers one in float32, as finetune loads it."""
     import transformers
 
     from moekit.checkpoint.dense import load_tokenizer
@@ -123,11 +138,13 @@ def test_finetune_plan_equals_a_real_run_and_scales_with_k(k, tiny_moe, tmp_path
     from moekit.select.selection import Selection
     from moekit.train.plan import plan_finetune
 
-    sel = selection(tmp_path, k)
-    plan = plan_finetune(str(tiny_moe / "moe"), str(sel), batch_size=2, max_length=16, devices=2)
-    one = plan_finetune(str(tiny_moe / "moe"), str(selection(tmp_path, 1)), batch_size=2, max_length=16)
+    folder = tiny_moe / kind
+    sel = selection(tmp_path, k, kind)
+    plan = plan_finetune(str(folder), str(sel), batch_size=2, max_length=16, devices=2)
+    one = plan_finetune(str(folder), str(selection(tmp_path / "one", 1, kind)), batch_size=2, max_length=16)
     steps = 4 * 4  # AdamW's float32 step of each trainable tensor: gate_up and down rows in 2 layers
     assert plan.trainable == k * one.trainable and plan.optimizer_bytes - steps == k * (one.optimizer_bytes - steps)
+    assert plan.dtype == "float32" and "checked against" in plan.shapes
     probe = Probe()
 
     class Probed(transformers.Trainer):  # finetune builds its own Trainer: watch that one
@@ -137,8 +154,8 @@ def test_finetune_plan_equals_a_real_run_and_scales_with_k(k, tiny_moe, tmp_path
 
     monkeypatch.setattr(transformers, "Trainer", Probed)
     lines = (tiny_moe / "en.txt").read_text().splitlines()
-    train_selected(load_model(tiny_moe / "moe"), Selection.load(sel), load_tokenizer(tiny_moe / "moe"), lines,
-                   steps=1, batch_size=2, max_length=16, device="cpu")
+    train_selected(load_model(folder), Selection.load(sel), load_tokenizer(folder), lines, steps=1, batch_size=2,
+                   max_length=16, device="cpu")
     assert (plan.trainable, plan.param_bytes, plan.grad_bytes, plan.optimizer_bytes) == \
         (probe.trainable, probe.params, probe.grads, probe.state)
 
