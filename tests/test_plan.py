@@ -114,7 +114,8 @@ def tiny_moe(tmp_path_factory):
     return root
 
 
-LAYERS = {"moe": ("model.layers.1.mlp", "model.layers.3.mlp"), "qwen3_moe": ("model.layers.0.mlp", "model.layers.1.mlp")}
+LAYERS = {"moe": ("model.layers.1.mlp", "model.layers.3.mlp"),
+          "qwen3_moe": ("model.layers.0.mlp", "model.layers.1.mlp")}
 
 
 def selection(root: Path, k: int, kind: str = "moe") -> Path:
