@@ -94,8 +94,9 @@ def check_keep(keep: dict[int, list[int]], moe_layers: list[int], experts: int, 
     counts = {len(ids) for ids in keep.values()}
     if len(counts) != 1:
         raise ConfigError(f"the layers would keep different numbers of experts ({sorted(counts)}), but the config "
-                          "holds one expert count for every layer; keep the same number per layer (`moekit select "
-                          "usage|reap|ean --top N`), or disable experts instead (moekit prune without keep or drop)")
+                          "holds one expert count for every layer; keep the same number per layer (moekit select "
+                          "usage, reap or ean with top=N), or disable experts instead (moekit prune without keep or "
+                          "drop)")
     kept = counts.pop()
     bad = [i for ids in keep.values() for i in ids if not 0 <= i < experts]
     if bad or any(len(set(ids)) != len(ids) for ids in keep.values()):
