@@ -20,10 +20,10 @@ import torch
 import transformers as tf
 
 import clients_env
-from moekit import MoESpec, moe_layers, upcycle
+from moekit import MoESpec
 from moekit.checkpoint.export import EXPORTERS, export_model
 from moekit.checkpoint.export.base import LLAMA_CPP, TF4
-from moekit.testing import logits, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_tokenizer
+from moekit.testing import logits, randomized_moe, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_tokenizer
 
 HERE = os.path.dirname(__file__)
 IDS = [[5, 9, 17, 33, 60, 2, 70, 11, 40, 41, 3, 27]]
@@ -35,18 +35,6 @@ def clients():
     if os.environ.get("MOEKIT_SKIP_CLIENTS") == "1":
         pytest.skip("MOEKIT_SKIP_CLIENTS=1: the transformers 4.x / llama.cpp client tests were skipped on request")
     return clients_env.ensure()  # fails loudly (pip's output) when the environment cannot be built
-
-
-def moe_model(build, seed: int = 0, **spec):
-    """An upcycled tiny model with randomized routers and experts (routing and experts differ)."""
-    model = upcycle(build(), MoESpec(**{"num_experts": 4, "top_k": 2, "init": "drop", **spec}))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, moe in moe_layers(model):
-            moe.router.weight.copy_(torch.randn(moe.router.weight.shape, generator=g))
-            for p in [*moe.experts.parameters(), *(moe.shared.parameters() if moe.shared else [])]:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
 
 
 SOFTMAX_TOPK = {"router": {"scoring": "softmax_topk"}}
@@ -79,7 +67,7 @@ def exports(tmp_path_factory, clients):
     root = tmp_path_factory.mktemp("clients")
     out = {}
     for name, (build, spec, fmt, layout, _) in CASES.items():
-        model = moe_model(build, **spec)
+        model = randomized_moe(build, **spec)
         export_model(model, fmt, root / name, tokenizer=tiny_tokenizer(), layout=layout)
         exporter = EXPORTERS.get(fmt)
         out[name] = (root / name, model, exporter.reader_gaps(model, exporter.plan(model, layout)))

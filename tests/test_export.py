@@ -13,21 +13,9 @@ from moekit import MoESpec, moe_layers, upcycle
 from moekit.errors import ConfigError, ExportError, OutputExistsError
 from moekit.checkpoint.export import EXPORTERS, export_model
 from moekit.moe import Experts, Router, SharedExpert
-from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
+from moekit.testing import logits, randomized_moe, tiny_inputs, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
 
 TOL = 1e-5
-
-
-def moe_model(build, seed: int = 0, **spec):
-    """An upcycled tiny model whose routers and experts are randomized, so routing and experts differ."""
-    model = upcycle(build(), MoESpec(**{"num_experts": 4, "top_k": 2, "init": "drop", **spec}))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, moe in moe_layers(model):
-            moe.router.weight.copy_(torch.randn(moe.router.weight.shape, generator=g))
-            for p in [*moe.experts.parameters(), *(moe.shared.parameters() if moe.shared else [])]:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
 
 
 def roundtrip(model, fmt: str, out, cls: type) -> tuple[nn.Module, float]:
@@ -42,7 +30,7 @@ def roundtrip(model, fmt: str, out, cls: type) -> tuple[nn.Module, float]:
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_mistral])
 def test_mixtral(tmp_path, build):
-    model = moe_model(build, router={"jitter": 0.05})
+    model = randomized_moe(build, router={"jitter": 0.05})
     x = tiny_inputs(model)
     assert (logits(model, x) - logits(build(), x)).abs().max() > 1e-2  # the MoE differs from the dense model
     native, diff = roundtrip(model, "mixtral", tmp_path / "out", tf.MixtralForCausalLM)
@@ -52,7 +40,7 @@ def test_mixtral(tmp_path, build):
 
 @pytest.mark.parametrize("scoring", ["topk_softmax", "softmax_topk"])
 def test_qwen3_moe_with_dense_layers(tmp_path, scoring):
-    model = moe_model(tiny_qwen3, every=2, router={"scoring": scoring})
+    model = randomized_moe(tiny_qwen3, every=2, router={"scoring": scoring})
     native, diff = roundtrip(model, "qwen3_moe", tmp_path / "out", tf.Qwen3MoeForCausalLM)
     assert diff <= TOL
     assert native.config.mlp_only_layers == [0, 2]
@@ -62,7 +50,7 @@ def test_qwen3_moe_with_dense_layers(tmp_path, scoring):
 @pytest.mark.parametrize("spec", [dict(init="spri", shared_expert=True, every=2),
                                   dict(init="noise", router={"scoring": "softmax_topk"})])
 def test_qwen2_moe(tmp_path, spec):
-    model = moe_model(tiny_qwen2, **spec)
+    model = randomized_moe(tiny_qwen2, **spec)
     native, diff = roundtrip(model, "qwen2_moe", tmp_path / "out", tf.Qwen2MoeForCausalLM)
     assert diff <= TOL
     assert native.config.shared_expert_intermediate_size == native.config.moe_intermediate_size == 64
@@ -77,14 +65,14 @@ def test_qwen2_moe(tmp_path, spec):
 ])
 def test_source_variants(tmp_path, fmt, build, cls):
     """head_dim != hidden/heads, tied embeddings, sliding windows shorter than the input."""
-    assert roundtrip(moe_model(build), fmt, tmp_path / "out", cls)[1] <= TOL
+    assert roundtrip(randomized_moe(build), fmt, tmp_path / "out", cls)[1] <= TOL
 
 
 def test_tokenizer_and_overwrite(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    model = moe_model(tiny_llama)
+    model = randomized_moe(tiny_llama)
     with pytest.raises(OutputExistsError):
         export_model(model, "mixtral", out)
     assert (out / "keep.txt").exists()
@@ -97,7 +85,7 @@ def test_tokenizer_and_overwrite(tmp_path):
 def test_unknown_format(tmp_path):
     assert EXPORTERS.names() == ["mixtral", "qwen2_moe", "qwen3_moe"]
     with pytest.raises(ConfigError, match="export format"):
-        export_model(moe_model(tiny_llama), "gguf-moe", tmp_path / "out")
+        export_model(randomized_moe(tiny_llama), "gguf-moe", tmp_path / "out")
 
 
 def _layer(model, i: int):
@@ -148,26 +136,26 @@ def _dropout(model):
 
 
 REFUSALS = {
-    "dense layers": ("mixtral", lambda: moe_model(tiny_llama, every=2), "no dense layers.*qwen2_moe"),
-    "scoring": ("mixtral", lambda: moe_model(tiny_llama, router={"scoring": "softmax_topk"}), "renormalizes"),
-    "shared": ("mixtral", lambda: moe_model(tiny_llama, shared_expert=True, init="noise"), "shared expert"),
-    "family mixtral": ("mixtral", lambda: moe_model(tiny_qwen2), "LlamaForCausalLM or MistralForCausalLM"),
-    "family qwen3": ("qwen3_moe", lambda: moe_model(tiny_llama), "Qwen3ForCausalLM"),
-    "family qwen2": ("qwen2_moe", lambda: moe_model(tiny_qwen3), "Qwen2ForCausalLM or LlamaForCausalLM or MistralForCausalLM"),
-    "qwen3 shared": ("qwen3_moe", lambda: moe_model(tiny_qwen3, shared_expert=True, init="noise"), "shared expert"),
-    "router_sharing": ("qwen3_moe", lambda: moe_model(tiny_qwen3, router_sharing="all"), "routers are shared"),
-    "same router object": ("mixtral", lambda: _share_router(moe_model(tiny_llama)), "routers are shared"),
-    "expert bias": ("mixtral", lambda: moe_model(lambda: tiny_llama(mlp_bias=True)), "biases"),
-    "non-gated": ("mixtral", lambda: _non_gated(moe_model(tiny_llama)), "not gated"),
-    "activation": ("qwen2_moe", lambda: _act(moe_model(tiny_qwen2)), "activation 'gelu'"),
-    "experts": ("qwen2_moe", lambda: _fewer_experts(moe_model(tiny_qwen2)), "number of experts differs"),
-    "top_k": ("qwen3_moe", lambda: _top_k(moe_model(tiny_qwen3)), "top_k differs"),
-    "shared sizes": ("qwen2_moe", lambda: _other_shared_size(moe_model(tiny_qwen2, init="spri", shared_expert=True)),
+    "dense layers": ("mixtral", lambda: randomized_moe(tiny_llama, every=2), "no dense layers.*qwen2_moe"),
+    "scoring": ("mixtral", lambda: randomized_moe(tiny_llama, router={"scoring": "softmax_topk"}), "renormalizes"),
+    "shared": ("mixtral", lambda: randomized_moe(tiny_llama, shared_expert=True, init="noise"), "shared expert"),
+    "family mixtral": ("mixtral", lambda: randomized_moe(tiny_qwen2), "LlamaForCausalLM or MistralForCausalLM"),
+    "family qwen3": ("qwen3_moe", lambda: randomized_moe(tiny_llama), "Qwen3ForCausalLM"),
+    "family qwen2": ("qwen2_moe", lambda: randomized_moe(tiny_qwen3), "Qwen2ForCausalLM or LlamaForCausalLM or MistralForCausalLM"),
+    "qwen3 shared": ("qwen3_moe", lambda: randomized_moe(tiny_qwen3, shared_expert=True, init="noise"), "shared expert"),
+    "router_sharing": ("qwen3_moe", lambda: randomized_moe(tiny_qwen3, router_sharing="all"), "routers are shared"),
+    "same router object": ("mixtral", lambda: _share_router(randomized_moe(tiny_llama)), "routers are shared"),
+    "expert bias": ("mixtral", lambda: randomized_moe(lambda: tiny_llama(mlp_bias=True)), "biases"),
+    "non-gated": ("mixtral", lambda: _non_gated(randomized_moe(tiny_llama)), "not gated"),
+    "activation": ("qwen2_moe", lambda: _act(randomized_moe(tiny_qwen2)), "activation 'gelu'"),
+    "experts": ("qwen2_moe", lambda: _fewer_experts(randomized_moe(tiny_qwen2)), "number of experts differs"),
+    "top_k": ("qwen3_moe", lambda: _top_k(randomized_moe(tiny_qwen3)), "top_k differs"),
+    "shared sizes": ("qwen2_moe", lambda: _other_shared_size(randomized_moe(tiny_qwen2, init="spri", shared_expert=True)),
                      "different sizes"),
-    "jitter": ("qwen2_moe", lambda: moe_model(tiny_qwen2, router={"jitter": 0.1}), "jitter"),
-    "outside decoder": ("mixtral", lambda: _outside(moe_model(tiny_llama)), "not a decoder layer's MLP"),
-    "dropout": ("qwen3_moe", lambda: _dropout(moe_model(tiny_qwen3)), "dropout"),
-    "mixed windows": ("qwen3_moe", lambda: moe_model(lambda: tiny_qwen3(use_sliding_window=True, sliding_window=4,
+    "jitter": ("qwen2_moe", lambda: randomized_moe(tiny_qwen2, router={"jitter": 0.1}), "jitter"),
+    "outside decoder": ("mixtral", lambda: _outside(randomized_moe(tiny_llama)), "not a decoder layer's MLP"),
+    "dropout": ("qwen3_moe", lambda: _dropout(randomized_moe(tiny_qwen3)), "dropout"),
+    "mixed windows": ("qwen3_moe", lambda: randomized_moe(lambda: tiny_qwen3(use_sliding_window=True, sliding_window=4,
                                                                         max_window_layers=2)), "sliding-window"),
     "dense model": ("mixtral", tiny_llama, "no MoE layers"),
 }
@@ -208,7 +196,7 @@ def stored(folder) -> dict[str, torch.Tensor]:
 def test_classic_layout_uses_the_hub_names(tmp_path, fmt):
     """Default: one tensor per expert, named as mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen1.5-MoE-A2.7B and
     Qwen/Qwen3-30B-A3B name them; transformers 5 fuses them on load (equal logits, see roundtrip)."""
-    model = moe_model(SOURCES[fmt])
+    model = randomized_moe(SOURCES[fmt])
     _, diff = roundtrip(model, fmt, tmp_path / "out", EXPORTERS.get(fmt).native)
     names = set(stored(tmp_path / "out"))
     layer0 = {n for n in names if n.startswith("model.layers.0.") and ("expert" in n or ".gate." in n)}
@@ -220,7 +208,7 @@ def test_classic_layout_uses_the_hub_names(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", HUB_NAMES)
 def test_fused_layout(tmp_path, fmt):
     """layout="fused": transformers 5's stacked tensors, the same logits."""
-    model = moe_model(SOURCES[fmt])
+    model = randomized_moe(SOURCES[fmt])
     export_model(model, fmt, tmp_path / "out", layout="fused")
     names = set(stored(tmp_path / "out"))
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.experts.down_proj" in names
@@ -232,7 +220,7 @@ def test_fused_layout(tmp_path, fmt):
 
 def test_unknown_layout(tmp_path):
     with pytest.raises(ConfigError, match="unknown layout 'flat'; choose one of: classic, fused"):
-        export_model(moe_model(tiny_llama), "mixtral", tmp_path / "out", layout="flat")
+        export_model(randomized_moe(tiny_llama), "mixtral", tmp_path / "out", layout="flat")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -241,13 +229,13 @@ def test_config_carries_transformers_4_keys(tmp_path):
     num_local_experts: both are written, with the same values, and transformers 5 reads the same config."""
     import json
 
-    model = moe_model(lambda: tiny_qwen3(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}))
+    model = randomized_moe(lambda: tiny_qwen3(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}))
     export_model(model, "qwen3_moe", tmp_path / "out")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["rope_theta"] == 5e5 and cfg["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
     assert cfg["num_experts"] == cfg["num_local_experts"] == 4
     assert tf.AutoConfig.from_pretrained(tmp_path / "out").rope_parameters == model.config.rope_parameters
-    export_model(moe_model(tiny_llama), "mixtral", tmp_path / "mx")
+    export_model(randomized_moe(tiny_llama), "mixtral", tmp_path / "mx")
     assert json.loads((tmp_path / "mx" / "config.json").read_text())["rope_theta"] == 10000.0
 
 
@@ -258,7 +246,7 @@ def test_tokenizer_class_transformers_4_reads(tmp_path):
 
     from moekit.testing import tiny_tokenizer
 
-    export_model(moe_model(tiny_llama), "mixtral", tmp_path / "out", tokenizer=tiny_tokenizer())
+    export_model(randomized_moe(tiny_llama), "mixtral", tmp_path / "out", tokenizer=tiny_tokenizer())
     assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
         "PreTrainedTokenizerFast"
     tok = tf.AutoTokenizer.from_pretrained(tmp_path / "out")
@@ -304,14 +292,14 @@ def test_half_gate_is_one_half_in_transformers_and_llama_cpp():
 def test_qwen2_moe_gate_is_never_zero(tmp_path, spec):
     """An ungated shared expert (and the all-zero one that stands for no shared expert) gets the constant gate,
     not a zero row; the logits stay equal to moekit's."""
-    model = moe_model(tiny_qwen2, **spec)
+    model = randomized_moe(tiny_qwen2, **spec)
     _, diff = roundtrip(model, "qwen2_moe", tmp_path / "out", tf.Qwen2MoeForCausalLM)
     gates = {k: v for k, v in stored(tmp_path / "out").items() if k.endswith("shared_expert_gate.weight")}
     assert diff <= TOL and len(gates) == 4 and all((g != 0).all() for g in gates.values())
 
 
 def test_qwen2_moe_zero_learned_gate_written_as_the_constant_gate(tmp_path):
-    model = moe_model(tiny_qwen2, init="spri", shared_expert=True, shared_gate=True)
+    model = randomized_moe(tiny_qwen2, init="spri", shared_expert=True, shared_gate=True)
     with torch.no_grad():
         _layer(model, 0).shared_gate.weight.zero_()  # sigmoid(0) = 1/2: the same as the constant gate
     _, diff = roundtrip(model, "qwen2_moe", tmp_path / "out", tf.Qwen2MoeForCausalLM)
@@ -320,7 +308,7 @@ def test_qwen2_moe_zero_learned_gate_written_as_the_constant_gate(tmp_path):
 
 def test_qwen2_moe_writes_a_tied_lm_head(tmp_path):
     """llama.cpp's Qwen2-MoE loader needs output.weight: a tied head is stored too (transformers still ties it)."""
-    model = moe_model(lambda: tiny_llama(tie_word_embeddings=True), init="spri", shared_expert=True)
+    model = randomized_moe(lambda: tiny_llama(tie_word_embeddings=True), init="spri", shared_expert=True)
     native, diff = roundtrip(model, "qwen2_moe", tmp_path / "out", tf.Qwen2MoeForCausalLM)
     state = stored(tmp_path / "out")
     assert diff <= TOL and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
@@ -350,7 +338,7 @@ def test_reader_gaps(case):
     from moekit.checkpoint.export.base import LLAMA_CPP, TF4
 
     fmt, build, spec, layout, gap = READER_GAPS[case]
-    model = moe_model(build, **spec)
+    model = randomized_moe(build, **spec)
     exporter = EXPORTERS.get(fmt)
     gaps = exporter.reader_gaps(model, exporter.plan(model, layout))
     assert bool(gaps[TF4]) == (layout == "fused")

@@ -184,3 +184,20 @@ def save_tiny_whisper_asr(folder, multilingual: bool = True, seed: int = 0, **co
     tok.save_pretrained(folder)
     tf.WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)
     return folder
+
+
+def randomized_moe(build, seed: int = 0, **spec):
+    """A tiny model from `build` upcycled (4 experts, top-2, drop init; `spec` overrides MoESpec fields) with its
+    routers and experts randomized, so that routing and experts differ (export and client tests)."""
+    from moekit.moe.layer import moe_layers
+    from moekit.moe.spec import MoESpec
+    from moekit.upcycling import upcycle
+
+    model = upcycle(build(), MoESpec(**{"num_experts": 4, "top_k": 2, "init": "drop", **spec}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, moe in moe_layers(model):
+            moe.router.weight.copy_(torch.randn(moe.router.weight.shape, generator=g))
+            for p in [*moe.experts.parameters(), *(moe.shared.parameters() if moe.shared else [])]:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
