@@ -48,6 +48,19 @@ class TrainingMethod:
         """None: the Trainer's own AdamW."""
         return None
 
+    def own_optimizer(self, recipe) -> str | None:
+        """What the optimizer `optimizer` builds is for (None: the Trainer's own AdamW); an engine that would
+        replace it (a DeepSpeed `optimizer` section) is refused."""
+        return None
+
+    def zero3_units(self, model: nn.Module) -> list[nn.Module]:
+        """Modules besides the MoE blocks that DeepSpeed ZeRO-3 must gather as one unit (leaf modules)."""
+        return []
+
+    def fsdp_units(self, model: nn.Module) -> list[str]:
+        """Paths of modules called outside the decoder layers that FSDP2 must shard as units of their own."""
+        return []
+
     def find_unused_parameters(self, recipe) -> bool:
         """Whether DDP must look for parameters without a gradient (frozen stages, adapters)."""
         return False

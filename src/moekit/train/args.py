@@ -74,7 +74,12 @@ def training_args(recipe, out: Path):
     CPU DDP (gloo); without it every process would train alone on all the data."""
     from transformers import TrainingArguments
 
+    from moekit.train.parallel import deepspeed_config
+
     t, o = recipe.train, recipe.optim
+    extra = dict(t.trainer_args)
+    if extra.get("deepspeed") is not None:  # a fresh, checked copy: TrainingArguments fills its "auto" values in place
+        extra["deepspeed"] = deepspeed_config(extra["deepspeed"])
     return TrainingArguments(
         use_cpu=not has_accelerator(),
         output_dir=str(out / "checkpoints"), max_steps=t.steps, per_device_train_batch_size=t.batch_size,
@@ -86,17 +91,24 @@ def training_args(recipe, out: Path):
         save_steps=t.save_every or 500, save_total_limit=t.save_total_limit, report_to=list(t.report_to),
         activation_checkpointing=t.gradient_checkpointing, remove_unused_columns=False,
         ddp_find_unused_parameters=method(recipe.method).find_unused_parameters(recipe),
-        **{"dataloader_num_workers": 0, "dataloader_pin_memory": False, "disable_tqdm": True, **t.trainer_args},
+        **{"dataloader_num_workers": 0, "dataloader_pin_memory": False, "disable_tqdm": True, **extra},
     )
 
 
 def check_training_args(recipe) -> None:
     """Build the recipe's TrainingArguments once, before any work: a value TrainingArguments refuses, or a
-    setting that cannot run on this machine, is one ConfigError."""
+    setting that cannot run on this machine or in this launch (moekit.train.parallel), is one ConfigError."""
+    from moekit.train.parallel import check_deepspeed, check_engine
+
+    engine = engine_of(recipe)
+    check_engine(engine, expert_counts(recipe))
     try:
         args = training_args(recipe, Path(recipe.out))
+    except ConfigError:
+        raise
     except (ValueError, TypeError, ImportError, OSError) as e:
         raise ConfigError(f"train.trainer_args: {e}") from None
+    check_deepspeed(args, method(recipe.method), recipe)
     fsdp = args.fsdp_plugin_args or {}
     if fsdp.get("state_dict_type", "FULL_STATE_DICT") != "FULL_STATE_DICT":
         raise ConfigError("train.trainer_args.fsdp_config.state_dict_type must be FULL_STATE_DICT: moekit writes its "
@@ -114,4 +126,21 @@ def check_device(recipe, args) -> None:
     if args.fsdp:
         raise ConfigError("train.trainer_args.fsdp needs GPUs: accelerate selects FSDP only for GPU-type devices; "
                           "on the CPU a multi-process run would silently train with DDP instead (and a single "
-                          "process is refused by the Trainer)")
+                          "process is refused by the Trainer); train.fsdp shards with FSDP2 on any device")
+
+
+def engine_of(recipe):
+    """The engine a recipe trains on in this launch (moekit.train.parallel.Engine)."""
+    from moekit.train.parallel import engine_of as of
+
+    t = recipe.train
+    return of(t.trainer_args, t.fsdp, t.expert_parallel)
+
+
+def expert_counts(recipe) -> list[int] | None:
+    """The experts of each MoE layer the recipe trains, where the recipe says (method moe: the spec; none for
+    dense, LoRA and SIMoE, whose models have no MoE layers); None where only the model knows."""
+    if recipe.method != "moe":
+        return []
+    spec = recipe.moe
+    return [spec.num_experts * spec.granularity]

@@ -23,7 +23,8 @@ from moekit.eval.asr import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.train.args import check_training_args
 from moekit.train.recipe import ASRRecipe
-from moekit.train.common import (adapt, make_trainer, recipe_inputs, resume_from, run_directory, save_final, write_run_files)
+from moekit.train.common import (adapt, evaluation_model, make_trainer, recipe_inputs, resume_from, run_directory,
+                                 save_final, write_run_files)
 
 VOCAB_FILE = "ctc_vocab.json"
 
@@ -91,8 +92,8 @@ class LossCallback(TrainerCallback):
                         for lang, u in test.items()}
 
     def on_step_end(self, args, state, control, model=None, **kw):
-        if not self.every or state.global_step % self.every or not state.is_world_process_zero:
-            return
+        if not self.every or state.global_step % self.every or not (state.is_world_process_zero or self.trainer.sharded):
+            return  # sharded (ZeRO-3, FSDP2, EP): every rank runs the forwards
         was = model.training
         model.eval()
         logs = {f"eval_{lang}_loss": mean_loss(model, b) for lang, b in self.batches.items()}
@@ -121,8 +122,9 @@ def _train_asr(recipe: ASRRecipe, last: Path | None, callbacks, final_out: str):
     save_final(trainer, out)
     if trainer.is_world_process_zero():
         speech.save(out / "model")
-        write_run_files(recipe, trainer, final_out)
-        trainer.results = report(recipe, trainer.model, speech, test, trainer.state.log_history)
+        model = evaluation_model(recipe, trainer, out / "model")
+        write_run_files(recipe, trainer, final_out, model)
+        trainer.results = report(recipe, model, speech, test, trainer.state.log_history)
     return trainer
 
 

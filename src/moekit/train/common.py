@@ -53,11 +53,22 @@ def build_model(recipe: TranslationRecipe, path: Path) -> nn.Module:
     return adapt(recipe, load_base(recipe, path))
 
 
-def write_run_files(recipe: TranslationRecipe, trainer, final_out: str) -> None:
+def evaluation_model(recipe, trainer, folder: Path) -> nn.Module:
+    """The trained model to evaluate on the main process: the Trainer's own, or where no rank holds it whole
+    (ZeRO-3, FSDP2, EP) the one just saved in `folder`, loaded on this process's device."""
+    from moekit.train.parallel import no_zero_init
+
+    if not getattr(trainer, "sharded", False):
+        return trainer.model
+    with no_zero_init():
+        return method(recipe.method).load_trained(recipe, folder).to(trainer.args.device)
+
+
+def write_run_files(recipe: TranslationRecipe, trainer, final_out: str, model: nn.Module | None = None) -> None:
     """recipe.yaml (with the run's real `out`), log_history.json (losses, aux metrics) and README.md (the
-    trained model's card) in the run directory."""
+    trained model's card; `model`: the trained model if not the Trainer's) in the run directory."""
     out = Path(recipe.out)
-    write_model_card(trainer.accelerator.unwrap_model(trainer.model), out,
+    write_model_card(model if model is not None else trainer.accelerator.unwrap_model(trainer.model), out,
                      title=f"moekit training run {recipe.name} ({recipe.method}, {trainer.state.global_step} steps)",
                      extra={"recipe": "recipe.yaml (beside this card)", "model": "model/"},
                      base_model=hub_id(recipe.model.path))
@@ -68,11 +79,19 @@ def write_run_files(recipe: TranslationRecipe, trainer, final_out: str) -> None:
 
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
     """MoETrainer for a recipe (any task): its method's callbacks, optimizer and losses, and progress
-    (TrainProgress)."""
-    m = method(recipe.method)
+    (TrainProgress); the model prepared for the run's engine (moekit.train.parallel: sharded by transformers' FSDP2
+    or EP, or its MoE blocks declared ZeRO-3 leaves) before the optimizer sees its parameters."""
+    from moekit.train.args import engine_of
+    from moekit.train.parallel import distribute, zero3_leaves
+
+    m, engine = method(recipe.method), engine_of(recipe)
+    if engine.by_transformers:
+        distribute(model, engine, m.fsdp_units(model))
+    elif engine.zero == 3:
+        zero3_leaves(model, m.zero3_units(model))
     trainer = MoETrainer(model=model, args=training_args(recipe, Path(recipe.out)), train_dataset=dataset,
                          data_collator=collator, aux=recipe.aux, callbacks=[*callbacks, *m.callbacks(recipe, model)],
-                         optimizers=(m.optimizer(recipe, model), None), method=m)
+                         optimizers=(m.optimizer(recipe, model), None), method=m, engine=engine)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(TrainProgress)
     return trainer

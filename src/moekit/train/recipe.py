@@ -64,6 +64,10 @@ class TrainConfig(Config):
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory)
     report_to: list[str] = Field(default_factory=list)  # Trainer integrations, e.g. ["tensorboard"]
     trainer_args: dict[str, Any] = Field(default_factory=dict)  # other TrainingArguments fields (moekit.train.args)
+    # beyond one device (moekit.train.parallel; a distributed launch): FSDP2 full shard over every process, or the
+    # experts of each MoE layer split over `expert_parallel` ranks (all-to-all) with the rest FSDP2-sharded
+    fsdp: bool = False
+    expert_parallel: int = Field(1, ge=1)
     logging_steps: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0)  # 0: evaluate at the end only
     save_every: int = Field(0, ge=0)  # 0: no intermediate checkpoints

@@ -17,8 +17,8 @@ from moekit.methods.base import load_base
 from moekit.train.args import check_training_args
 from moekit.train.recipe import TranslationRecipe
 from moekit.train.trainer import MoETrainer
-from moekit.train.common import (adapt, is_main_process, load_tokenizer, make_trainer, recipe_inputs, resume_from,
-                                 run_directory, save_final, write_run_files)
+from moekit.train.common import (adapt, evaluation_model, is_main_process, load_tokenizer, make_trainer, recipe_inputs,
+                                 resume_from, run_directory, save_final, write_run_files)
 
 
 def load_data(recipe: TranslationRecipe) -> tuple[list, dict[str, list]]:
@@ -55,8 +55,8 @@ class EvalCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kw):
         every = self.recipe.train.eval_every
-        if not every or state.global_step % every or not state.is_world_process_zero:
-            return
+        if not every or state.global_step % every or not (state.is_world_process_zero or self.trainer.sharded):
+            return  # sharded (ZeRO-3, FSDP2, EP): every rank runs the forwards, whose collectives need them all
         d, bs = self.recipe.data, self.recipe.eval.batch_size
         logs = {f"eval_{lang}_loss": direction_loss(model, self.tok, pairs, d.template, d.max_length, bs)
                 for lang, pairs in self.test.items()}
@@ -68,14 +68,16 @@ class EvalCallback(TrainerCallback):
 
 
 def finish(recipe: TranslationRecipe, trainer, tok, test, ref, final_out: str) -> dict:
-    """Save the final model and evaluate it (main process): results.json/csv and PNG plots in `out`."""
+    """Save the final model and evaluate it (main process; from the saved model where no rank holds it whole):
+    results.json/csv and PNG plots in `out`."""
     out = Path(recipe.out)
     save_final(trainer, out)
     if not trainer.is_world_process_zero():
         return {}
     tok.save_pretrained(out / "model")
-    write_run_files(recipe, trainer, final_out)
-    return report(recipe, trainer.model, tok, test, ref, trainer.state.log_history)
+    model = evaluation_model(recipe, trainer, out / "model")
+    write_run_files(recipe, trainer, final_out, model)
+    return report(recipe, model, tok, test, ref, trainer.state.log_history)
 
 
 def evaluate(recipe: TranslationRecipe, model, tok, test, ref) -> dict:

@@ -16,7 +16,8 @@ from moekit.eval.text import report_text
 from moekit.eval.translation import examples_loss
 from moekit.train.recipe import TextRecipe
 from moekit.methods.base import load_base
-from moekit.train.common import adapt, load_tokenizer, make_trainer, resume_from, save_final, write_run_files
+from moekit.train.common import (adapt, evaluation_model, load_tokenizer, make_trainer, resume_from, save_final,
+                                 write_run_files)
 
 
 class LossCallback(TrainerCallback):
@@ -27,8 +28,8 @@ class LossCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kw):
         every = self.recipe.train.eval_every
-        if not every or state.global_step % every or not state.is_world_process_zero:
-            return
+        if not every or state.global_step % every or not (state.is_world_process_zero or self.trainer.sharded):
+            return  # sharded (ZeRO-3, FSDP2, EP): every rank runs the forwards
         should_log = control.should_log  # Trainer.log clears it; keep this step's training log
         self.trainer.log({"eval_loss": examples_loss(model, self.test, self.recipe.eval.batch_size)})
         control.should_log = should_log
@@ -49,6 +50,7 @@ def train_text(recipe: TextRecipe, last: Path | None, callbacks, final_out: str)
     trainer.results = {}
     if trainer.is_world_process_zero():
         tok.save_pretrained(out / "model")
-        write_run_files(recipe, trainer, final_out)
-        trainer.results = report_text(recipe, trainer.model, test, trainer.state.log_history)
+        model = evaluation_model(recipe, trainer, out / "model")
+        write_run_files(recipe, trainer, final_out, model)
+        trainer.results = report_text(recipe, model, test, trainer.state.log_history)
     return trainer

@@ -49,8 +49,10 @@ class MoETrainer(Trainer):
     load), SIMoE's penalty and Lagrangian term (logged as simoe/*), moekit or SIMoE checkpoints. `method`
     defaults to the one the model's structure implies (moekit.methods.method_for)."""
 
-    def __init__(self, *args, aux: AuxConfig | None = None, method: TrainingMethod | None = None, **kwargs):
+    def __init__(self, *args, aux: AuxConfig | None = None, method: TrainingMethod | None = None, engine=None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self.engine = engine  # moekit.train.parallel.Engine (None: the Trainer used directly)
         self.aux = aux or AuxConfig()
         self.method = method or method_for(self.accelerator.unwrap_model(self.model))
         self.aux_logs: dict[str, list[float]] = defaultdict(list)
@@ -71,15 +73,33 @@ class MoETrainer(Trainer):
             self.aux_logs.clear()
         super().log(logs, start_time)
 
+    @property
+    def sharded(self) -> bool:
+        """No rank holds the whole model (ZeRO-3, FSDP2, EP): evaluation runs on every rank or from the saved model."""
+        return self.engine is not None and self.engine.sharded
+
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """The method's own format (moekit, SIMoE) or save_pretrained. Under FSDP (FULL_STATE_DICT) or ZeRO-3,
-        Trainer.save_model gathers the full `state_dict` on every rank first; only the main process writes."""
+        """The method's own format (moekit, SIMoE) or save_pretrained. Under accelerate's FSDP (FULL_STATE_DICT) or
+        DeepSpeed, Trainer.save_model gathers the full `state_dict` on every rank first; a model sharded by
+        transformers (train.fsdp, train.expert_parallel) is gathered here, by every rank. Only the main process
+        writes."""
+        from moekit.train.parallel import full_state_dict, global_expert_counts, is_sharded_by_transformers
+
+        model = self.accelerator.unwrap_model(self.model)
+        if is_sharded_by_transformers(model):
+            if self.method.checkpoint_format() is None and not hasattr(model, "peft_config"):
+                return super()._save(output_dir, state_dict)  # save_pretrained gathers on every rank itself
+            state_dict = full_state_dict(model)
         if not self.args.should_save:  # Trainer calls _save on every rank and leaves the check to it
             return
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        if not self.method.write_checkpoint(self.accelerator.unwrap_model(self.model), out, state_dict):
-            super()._save(output_dir, state_dict)
+        with global_expert_counts(model):
+            if not self.method.write_checkpoint(model, out, state_dict):
+                if hasattr(model, "peft_config") and state_dict is not None and is_sharded_by_transformers(model):
+                    model.save_pretrained(out, state_dict=state_dict)  # the adapter from the gathered tensors
+                    return
+                super()._save(output_dir, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         with checkpoint_errors(resume_from_checkpoint):

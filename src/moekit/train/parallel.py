@@ -1,0 +1,315 @@
+"""Training beyond one device: which engine a run uses, and what moekit does so that its recipes run on it unchanged.
+
+One engine per run, chosen by the recipe (README "Training beyond one device"):
+
+- ddp: a distributed launch (torchrun, accelerate launch) without a sharding option: accelerate's DDP (gloo on CPU).
+- deepspeed: `train.trainer_args.deepspeed`, a DeepSpeed config as DeepSpeed's docs write it (a JSON path or a
+  mapping). moekit owns the keys it sets from the recipe (batch sizes, clipping, precision: they must be "auto" or
+  agree), gathers the full weights for every save (stage3_gather_16bit_weights_on_model_save, whatever the config
+  says) and, for stage 3, declares every MoE block (moekit's MoELayer with its router, routed and shared experts;
+  transformers' MoE blocks; the units a method names, e.g. SIMoE's interpolated layers) a ZeRO-3 leaf module, so
+  that its parameters are gathered once for the whole block, whichever experts the tokens pick.
+- fsdp: `train.fsdp`, FSDP2 full shard through transformers' DistributedConfig(fsdp_size=world): whole decoder
+  layers are the units (the model's FSDP plan), extra units a method names get their own.
+- ep: `train.expert_parallel: N`, transformers' expert parallelism (DistributedConfig(ep_size=N, fsdp_size=world)):
+  every MoE layer's experts split by expert over N ranks, tokens exchanged with all-to-all; the rest FSDP2-sharded.
+
+Under the sharded engines (ZeRO-3, FSDP2, EP) no rank holds the whole model: whatever runs during training on the
+model (evaluation callbacks) runs on every rank, and the evaluation after training runs on the main process from the
+saved model (`sharded`). transformers' own functions used here: DistributedMixin.prepare_distribute_model and
+maybe_distribute_model (apply a DistributedConfig to a model built in memory), gather_full_state_dict; the version is
+pinned (transformers==5.23.0) and tests/test_parallel.py runs them.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from weakref import WeakKeyDictionary
+
+from torch import nn
+
+from moekit.errors import ConfigError
+
+ZERO_STAGES = (0, 1, 2, 3)
+# DeepSpeed keys the Trainer fills from TrainingArguments -> the recipe key that sets them
+OWNED = {"train_micro_batch_size_per_gpu": "train.batch_size", "gradient_accumulation_steps": "train.grad_accum",
+         "train_batch_size": "train.batch_size × train.grad_accum × processes", "gradient_clipping": "optim.max_grad_norm",
+         "optimizer.params.lr": "optim.lr", "optimizer.params.weight_decay": "optim.weight_decay",
+         "scheduler.params.warmup_max_lr": "optim.lr", "fp16.enabled": "train.precision",
+         "bf16.enabled": "train.precision", "optimizer.params.betas": "train.trainer_args.adam_beta1/adam_beta2",
+         "optimizer.params.eps": "train.trainer_args.adam_epsilon"}
+
+
+def world_size() -> int:
+    """Processes of this launch (torchrun and accelerate set WORLD_SIZE); 1 without a distributed launch."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed config
+
+
+def read_deepspeed(value) -> dict:
+    """The DeepSpeed config of `train.trainer_args.deepspeed` (a JSON file or a mapping), as a fresh dict."""
+    if isinstance(value, dict):
+        return copy.deepcopy(value)
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"train.trainer_args.deepspeed must be a JSON file or a mapping, got {type(value).__name__}")
+    from moekit._fs import read_small
+
+    text = read_small(Path(value), "DeepSpeed config", ConfigError)
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"DeepSpeed config {value} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config {value} must hold a JSON object")
+    return config
+
+
+def zero_stage(config: dict) -> int:
+    """The config's ZeRO stage (0 without a zero_optimization section); an unknown stage is a ConfigError."""
+    zero = config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError("DeepSpeed config: zero_optimization must be a mapping")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        raise ConfigError(f"DeepSpeed config: zero_optimization.stage {stage!r} is no ZeRO stage "
+                          f"(DeepSpeed has {', '.join(map(str, ZERO_STAGES))})")
+    return stage
+
+
+def deepspeed_config(value) -> dict:
+    """The config moekit hands to DeepSpeed: the user's, checked (stage), with the full weights gathered for every
+    save under stage 3 (moekit writes its checkpoints from them)."""
+    config = read_deepspeed(value)
+    if zero_stage(config) == 3:
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    return config
+
+
+def check_deepspeed(args, method, recipe) -> None:
+    """What DeepSpeed would only find after the model is built: a key moekit sets from the recipe that the config
+    contradicts (instead of "auto"), and a DeepSpeed optimizer replacing one the training method builds itself."""
+    ds = getattr(args, "hf_deepspeed_config", None)
+    if ds is None:
+        return
+    for line in ds.mismatches:  # "- ds KEY=VALUE vs hf ARG=VALUE"
+        found = re.match(r"- ds (\S+)=(.*) vs hf \S+=(.*)$", line)
+        if found:
+            key, theirs, ours = found.groups()
+            raise ConfigError(f"DeepSpeed config: {key} is {theirs}, but moekit sets it from {OWNED.get(key, 'the recipe')}"
+                              f" ({ours}): write \"auto\" or leave it out")
+        raise ConfigError(f"DeepSpeed config contradicts the recipe: {line.lstrip('- ')}")
+    own = method.own_optimizer(recipe)
+    if "optimizer" in ds.config and own:
+        raise ConfigError(f"DeepSpeed config: an `optimizer` section would replace the optimizer method={method.name} "
+                          f"builds ({own}); leave it out")
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+@dataclass(frozen=True)
+class Engine:
+    kind: str  # "single", "ddp", "deepspeed", "fsdp", "ep"
+    zero: int | None = None  # DeepSpeed's ZeRO stage
+    expert_parallel: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        """No rank holds the whole model: evaluation runs on every rank or from the saved model."""
+        return self.kind in ("fsdp", "ep") or self.zero == 3
+
+    @property
+    def by_transformers(self) -> bool:
+        """Sharded through transformers' DistributedConfig (FSDP2, EP)."""
+        return self.kind in ("fsdp", "ep")
+
+    def describe(self) -> str:
+        return {"single": "one process", "ddp": "DDP", "deepspeed": f"DeepSpeed ZeRO-{self.zero}", "fsdp": "FSDP2",
+                "ep": f"expert parallelism over {self.expert_parallel} ranks + FSDP2"}[self.kind]
+
+
+def engine_of(trainer_args: dict, fsdp: bool = False, expert_parallel: int = 1) -> Engine:
+    """The engine of a run's settings (see the module docstring); contradictory settings are a ConfigError."""
+    ds = trainer_args.get("deepspeed")
+    stage = None if ds is None else zero_stage(read_deepspeed(ds))
+    if ds is not None and (expert_parallel > 1 or fsdp):
+        what = "train.expert_parallel" if expert_parallel > 1 else "train.fsdp"
+        extra = "transformers' expert parallelism splits the experts into DTensors" if expert_parallel > 1 \
+            else "FSDP2 shards the parameters itself"
+        raise ConfigError(f"{what} cannot run under DeepSpeed ZeRO-{stage} (train.trainer_args.deepspeed): {extra}, "
+                          "which DeepSpeed cannot partition; use one of them")
+    if trainer_args.get("fsdp") and (expert_parallel > 1 or fsdp):
+        raise ConfigError("train.trainer_args.fsdp (accelerate's FSDP) cannot be combined with train.fsdp or "
+                          "train.expert_parallel (transformers' FSDP2): use one")
+    if expert_parallel > 1:
+        return Engine("ep", expert_parallel=expert_parallel)
+    if fsdp:
+        return Engine("fsdp")
+    if ds is not None:
+        return Engine("deepspeed", zero=stage)
+    return Engine("ddp" if world_size() > 1 else "single")
+
+
+def check_engine(engine: Engine, expert_counts: list[int] | None = None) -> None:
+    """Refuse what the engine cannot do in this launch: FSDP2 or EP without a distributed launch, an EP size larger
+    than the launch or not dividing every MoE layer's expert count, EP on a model without MoE layers.
+    `expert_counts`: the experts of each MoE layer (None: not known yet)."""
+    world = world_size()
+    if engine.kind == "fsdp" and world < 2:
+        raise ConfigError("train.fsdp shards the model over the processes of a distributed launch; run it with "
+                          "torchrun --nproc-per-node N (or accelerate launch), N ≥ 2")
+    if engine.kind != "ep":
+        return
+    n = engine.expert_parallel
+    if world < 2:
+        raise ConfigError(f"expert parallelism over {n} ranks needs a distributed launch of at least {n} processes "
+                          f"(torchrun --nproc-per-node {n} ...); this is a single process")
+    if n > world or world % n:
+        raise ConfigError(f"expert parallelism over {n} ranks needs a process count it divides; this launch has {world}")
+    if expert_counts is not None and not expert_counts:
+        raise ConfigError(f"expert parallelism over {n} ranks needs MoE layers; this model has none")
+    bad = sorted({e for e in expert_counts or [] if e % n})
+    if bad:
+        raise ConfigError(f"expert parallelism over {n} ranks must divide every MoE layer's expert count; this "
+                          f"model's layers have {', '.join(map(str, bad))} experts")
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """Every MoE block: moekit's MoE layers (router, routed and shared experts) or transformers' MoE blocks."""
+    from moekit.routing.sites import moe_sites
+
+    return [s.block for s in moe_sites(model)]
+
+
+def zero3_leaves(model: nn.Module, extra: list[nn.Module] = ()) -> list[nn.Module]:
+    """Declare the MoE blocks (and `extra` units) ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules, by
+    instance): DeepSpeed gathers a leaf's parameters all at once when it runs and reduces their gradients after its
+    backward, instead of tracing the submodules, whose order changes with the routing. Returns the leaves."""
+    from deepspeed.utils import set_z3_leaf_modules_by_name
+
+    names = {id(m): n for n, m in model.named_modules()}
+    units = [m for m in [*moe_blocks(model), *extra] if id(m) in names]
+    if units:
+        set_z3_leaf_modules_by_name(model, [names[id(m)] for m in units])
+    return units
+
+
+def _wildcard(name: str) -> str:
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    return replace_layer_number_by_wildcard(name)
+
+
+def ep_plan(model: nn.Module, prefix: str = "") -> dict[str, str]:
+    """transformers' EP plan for every MoE layer of `model` (moekit's or transformers'): the experts module reached
+    by all-to-all token dispatch, each of its tensors with the expert dimension first split by expert."""
+    from moekit.routing.sites import moe_sites
+
+    plan = {}
+    for site in moe_sites(model):
+        path = _wildcard(f"{prefix}{site.name}.{_child_name(site.block, site.experts)}")
+        plan[path] = "ep_dispatch_experts"
+        for name, p in site.experts.named_parameters(recurse=False):
+            if p.dim() >= 1 and p.shape[0] == site.num_experts:
+                plan[f"{path}.{name}"] = "grouped_gemm"
+    return plan
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str:
+    return next(n for n, m in parent.named_children() if m is child)
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside `model` (a PEFT wrapper's base model), whose parallel plans apply."""
+    from transformers import PreTrainedModel
+
+    for m in (model, getattr(getattr(model, "base_model", None), "model", None)):
+        if isinstance(m, PreTrainedModel):
+            return m
+    raise ConfigError(f"{type(model).__name__} is no transformers model: train.fsdp and train.expert_parallel "
+                      "shard transformers models")
+
+
+def distribute(model: nn.Module, engine: Engine, units: list[str] = ()) -> nn.Module:
+    """Shard `model` in place with transformers' DistributedConfig (FSDP2, or EP + FSDP2) over every process of the
+    launch. `units`: module paths (relative to the transformers model) to give FSDP2 units of their own, e.g. a
+    module called outside any decoder layer."""
+    from transformers.distributed import DistributedConfig
+
+    from moekit.routing.sites import moe_sites
+
+    hf = hf_model(model)
+    world = world_size()
+    for site in moe_sites(hf):
+        _EXPERTS[site.experts] = site.num_experts
+    fsdp_plan = {_wildcard(u): "free_full_weight" for u in units}
+    kwargs = {"fsdp_size": world, "fsdp_plan": fsdp_plan or None}
+    if engine.kind == "ep":
+        kwargs.update(ep_size=engine.expert_parallel, ep_plan=ep_plan(hf), ep_implementation="all_to_all")
+    config = DistributedConfig(**kwargs)
+    config, _, mesh = type(hf).prepare_distribute_model(config)
+    type(hf).maybe_distribute_model(hf, config, mesh)
+    return model
+
+
+_EXPERTS: WeakKeyDictionary = WeakKeyDictionary()  # experts module -> its layer's expert count, before EP
+
+
+@contextlib.contextmanager
+def global_expert_counts(model: nn.Module) -> Iterator[None]:
+    """Expert parallelism sets each experts module's num_experts to its rank's share; while writing a checkpoint (of
+    every expert) the count is the layer's own again."""
+    changed = []
+    for experts in model.modules():
+        full = _EXPERTS.get(experts)
+        if full is not None and experts.num_experts != full:
+            changed.append((experts, experts.num_experts))
+            experts.num_experts = full
+    try:
+        yield
+    finally:
+        for experts, local in changed:
+            experts.num_experts = local
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The full state dict of a model sharded by transformers (FSDP2, EP), gathered from every rank (a collective:
+    every rank calls it); the tensors on the main process, {} elsewhere."""
+    from transformers.distributed import gather_full_state_dict
+
+    return gather_full_state_dict(model)
+
+
+@contextlib.contextmanager
+def no_zero_init() -> Iterator[None]:
+    """Build models normally while a ZeRO-3 Trainer exists: transformers would otherwise construct every model under
+    deepspeed.zero.Init, partitioned over the processes (a collective the other ranks do not join)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def is_sharded_by_transformers(model: nn.Module) -> bool:
+    try:
+        return bool(getattr(hf_model(model), "is_distributed_loading_by_transformers", False))
+    except ConfigError:
+        return False
