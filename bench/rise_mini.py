@@ -39,7 +39,7 @@ from moekit.checkpoint.dense import load_dense
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.report import write_report
-from moekit.routing.stats import activation_frequency, overlap_share
+from moekit.routing.stats import activation_frequency, overlap_mass, overlap_share
 from moekit.select.finetune import encode_lines, train_selected
 from moekit.select.prune import prune
 from moekit.select.registry import select
@@ -194,7 +194,9 @@ def run(out: Path, seed: int = 0, methods: list[str] = METHODS) -> dict:
             pruned = load(out / "base")
             prune(pruned, sel)
             pr = item_losses(pruned, tok, data)
+            mass = overlap_mass(a, trace.layers, sel.experts)  # (Λ,) eq. 12's raw sum (up to L·k)
             return {"count": sel.count, "omega": dict(zip(trace.languages, map(float, omega))),
+                    "omega_mass": dict(zip(trace.languages, map(float, mass))),
                     "ft": delta(mean_losses(ft), before), "prune": delta(mean_losses(pr), before), "ft_seconds": ft_s,
                     "per_layer": {k: len(v) for k, v in sel.experts.items()}, "ft_items": ft, "prune_items": pr}
         rows[method] = cached(out / f"method_{method}", go)
@@ -237,7 +239,21 @@ def claims(results: dict[int, dict], resamples: int = 2000) -> list[str]:
             "paired_bootstrap). " + VERDICT_RULE, "", *claims_table(rows, nd=3)]
 
 
-def render(results: dict[int, dict], cmd: str) -> str:
+def omega_mass(out: Path, seed: int, method: str, row: dict) -> dict[str, float]:
+    """Eq. 12's raw Ω per language: stored by runs of this version, else recomputed from the run's trace and
+    saved selection (runs that stored only the share)."""
+    if "omega_mass" in row:
+        return row["omega_mass"]
+    from moekit.routing.trace import RoutingTrace
+    from moekit.select.selection import Selection
+
+    folder = seed_dir(out, seed)
+    trace = RoutingTrace.load(folder / "trace.npz")
+    sel = Selection.load(folder / f"selection_{method}.json")
+    return dict(zip(trace.languages, map(float, overlap_mass(activation_frequency(trace), trace.layers, sel.experts))))
+
+
+def render(results: dict[int, dict], cmd: str, out: Path) -> str:
     """Seed 0's (else the first seed's) routing analysis, every seed's method rows, and the claims."""
     r = results[min(results)]
     m = r["metrics"]
@@ -275,15 +291,20 @@ def render(results: dict[int, dict], cmd: str) -> str:
         b = res["before"]
         lines.append(f"Loss before fine-tuning{'' if len(results) == 1 else f' (seed {seed})'}: {TARGET} "
                      f"{b[TARGET]:.3f}, others mean {np.mean([v for k, v in b.items() if k != TARGET]):.3f}.")
-    lines += ["", f"| method | experts | Ω_{TARGET} | Ω others (mean) | FT Δloss {TARGET} | FT Δloss others | "
-              f"prune Δloss {TARGET} | prune Δloss others |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", f"Ω: the routing overlap of each language with the selection S (RISE eq. 12), as its share of the "
+              f"language's (token, slot) assignments (overlap_share; 1 = every assignment lands on S) and as eq. 12's "
+              f"raw sum Σ_l Σ_(i∈S) a (overlap_mass; at most 10 MoE layers × top-2 = 20).", "",
+              f"| method | experts | Ω_{TARGET} share | Ω_{TARGET} raw (eq. 12) | Ω others share (mean) | Ω others raw "
+              f"(mean) | FT Δloss {TARGET} | FT Δloss others | prune Δloss {TARGET} | prune Δloss others |",
+              "|---" * 10 + "|"]
     for seed, res in sorted(results.items()):
         for name, row in res["methods"].items():
-            om = row["omega"]
+            om, raw = row["omega"], omega_mass(out, seed, name, row)
             others = np.mean([v for k, v in om.items() if k != TARGET])
+            others_raw = np.mean([v for k, v in raw.items() if k != TARGET])
             lines.append(f"| {name if seed == 0 else f'{name} (seed {seed})'} | {row['count']} | {om[TARGET]:.3f} | "
-                         f"{others:.3f} | {row['ft'][0]:+.4f} | {row['ft'][1]:+.4f} | {row['prune'][0]:+.4f} | "
-                         f"{row['prune'][1]:+.4f} |")
+                         f"{raw[TARGET]:.2f} | {others:.3f} | {others_raw:.2f} | {row['ft'][0]:+.4f} | "
+                         f"{row['ft'][1]:+.4f} | {row['prune'][0]:+.4f} | {row['prune'][1]:+.4f} |")
     lines += ["", *claims(results), "", MARK[1]]
     return "\n".join(lines)
 
@@ -309,7 +330,7 @@ def main() -> None:
            + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + ("" if args.methods == METHODS else f" --methods {' '.join(args.methods)}")
            + (f" --write {args.write}" if args.write else ""))
-    section = render(results, cmd)
+    section = render(results, cmd, args.out)
     if args.write:
         write_section(args.write, section, MARK)
     print(section)
