@@ -3,7 +3,8 @@ parameters train when, its extra losses and callbacks, and its checkpoint format
 the Trainer, `moekit train` and `moekit evaluate` ask the method instead of branching on its name."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import ClassVar, NamedTuple
 
@@ -20,6 +21,31 @@ def load_base(recipe, path: Path) -> nn.Module:
 
     dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
     return load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)
+
+
+@contextlib.contextmanager
+def gathered(params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Parameters partitioned by DeepSpeed ZeRO-3 gathered whole for use outside their module's forward (e.g. a
+    penalty computed on them after the model ran), gradients included; a collective: every rank enters it. Other
+    parameters as they are."""
+    parts = [p for p in params if hasattr(p, "ds_id")]
+    if not parts:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(parts, modifier_rank=None):
+        yield
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """torch's global generator seeded for a method's random init (LoRA's A, SIMoE's router), restored after: the
+    same recipe starts from the same weights whatever ran before it in the process (an engine's imports draw random
+    numbers too), and every rank from the same ones (ZeRO-3 and FSDP2 shard each rank's own copy)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 class CheckpointFormat(NamedTuple):

@@ -16,9 +16,12 @@ class LoRA(TrainingMethod):
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
+        from moekit.methods.base import seeded
+
         lc = recipe.lora
-        return get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                                target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+        with seeded(recipe.train.seed):  # the A matrices' init
+            return get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                                    target_modules=lc.target_modules, task_type="CAUSAL_LM"))
 
     def find_unused_parameters(self, recipe) -> bool:
         return True

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from moekit.errors import ConfigError
 
@@ -205,7 +206,18 @@ def zero3_leaves(model: nn.Module, extra: list[nn.Module] = ()) -> list[nn.Modul
     units = [m for m in [*moe_blocks(model), *extra] if id(m) in names]
     if units:
         set_z3_leaf_modules_by_name(model, [names[id(m)] for m in units])
+    for unit in units:
+        unit.register_forward_pre_hook(_input_requires_grad)
     return units
+
+
+def _input_requires_grad(module: nn.Module, args: tuple):
+    """A leaf's gradients are reduced by a full backward hook, which fires once the gradient of the leaf's input is
+    computed; an input that needs none (everything before it frozen: UME, SPRI's first stage) would fire it before
+    the leaf's own backward ran. A detached copy that requires grad costs one input gradient and changes no value."""
+    if not args or not isinstance(args[0], Tensor) or args[0].requires_grad or not torch.is_grad_enabled():
+        return None
+    return (args[0].detach().requires_grad_(), *args[1:])
 
 
 def _wildcard(name: str) -> str:
@@ -284,6 +296,28 @@ def global_expert_counts(model: nn.Module) -> Iterator[None]:
     finally:
         for experts, local in changed:
             experts.num_experts = local
+
+
+@contextlib.contextmanager
+def materialized(model: nn.Module, full: dict) -> Iterator[None]:
+    """The model's parameters replaced by the full tensors gathered from their shards (ZeRO-3 partitions, FSDP2 or EP
+    DTensors), for code that reads the model as a whole on one process (a checkpoint writer, its model card's
+    counts) without a collective; a parameter registered in several modules (tied embeddings, a shared router) stays
+    one tensor. No copy: the parameters are views of `full`. Put back afterwards."""
+    swapped, fresh = [], {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if fqn not in full:
+            continue
+        owner, _, name = fqn.rpartition(".")
+        module = model.get_submodule(owner)
+        new = fresh.setdefault(id(param), nn.Parameter(full[fqn], requires_grad=param.requires_grad))
+        swapped.append((module, name, param))
+        module._parameters[name] = new
+    try:
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
 
 
 def full_state_dict(model: nn.Module) -> dict:

@@ -53,6 +53,7 @@ class MoETrainer(Trainer):
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.engine = engine  # moekit.train.parallel.Engine (None: the Trainer used directly)
+        self.own_optimizer = self.optimizer  # the method's (optimizers=(...)): DeepSpeed's init drops the Trainer's
         self.aux = aux or AuxConfig()
         self.method = method or method_for(self.accelerator.unwrap_model(self.model))
         self.aux_logs: dict[str, list[float]] = defaultdict(list)
@@ -66,6 +67,20 @@ class MoETrainer(Trainer):
             # the task loss is already normalized over the accumulated batch; the aux loss is a per-batch mean
             loss = loss + (aux / self.current_gradient_accumulation_steps if scaled else aux)
         return (loss, outputs) if return_outputs else loss
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer (or the method's), its groups split by the step their parameters start training
+        at when a freeze schedule runs (moekit.methods.freeze.StagedSteps: exact under DeepSpeed too)."""
+        from moekit.methods.freeze import FreezeCallback
+
+        if self.optimizer is None and self.own_optimizer is not None:  # transformers' deepspeed_init reset it
+            self.optimizer = self.own_optimizer
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        for cb in self.callback_handler.callbacks:
+            if fresh and isinstance(cb, FreezeCallback) and cb.staged is None:
+                cb.stage_optimizer(optimizer, self.args.max_steps)
+        return optimizer
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.aux_logs:  # training logs: add the means since the last log
@@ -83,10 +98,11 @@ class MoETrainer(Trainer):
         DeepSpeed, Trainer.save_model gathers the full `state_dict` on every rank first; a model sharded by
         transformers (train.fsdp, train.expert_parallel) is gathered here, by every rank. Only the main process
         writes."""
-        from moekit.train.parallel import full_state_dict, global_expert_counts, is_sharded_by_transformers
+        from moekit.train.parallel import full_state_dict, global_expert_counts, is_sharded_by_transformers, materialized
 
         model = self.accelerator.unwrap_model(self.model)
-        if is_sharded_by_transformers(model):
+        by_transformers = is_sharded_by_transformers(model)
+        if by_transformers:
             if self.method.checkpoint_format() is None and not hasattr(model, "peft_config"):
                 return super()._save(output_dir, state_dict)  # save_pretrained gathers on every rank itself
             state_dict = full_state_dict(model)
@@ -94,12 +110,14 @@ class MoETrainer(Trainer):
             return
         out = Path(output_dir or self.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        with global_expert_counts(model):
-            if not self.method.write_checkpoint(model, out, state_dict):
-                if hasattr(model, "peft_config") and state_dict is not None and is_sharded_by_transformers(model):
-                    model.save_pretrained(out, state_dict=state_dict)  # the adapter from the gathered tensors
-                    return
-                super()._save(output_dir, state_dict)
+        whole = materialized(model, state_dict) if self.sharded and state_dict is not None else contextlib.nullcontext()
+        with whole, global_expert_counts(model):  # the writers read the model whole, on this process alone
+            if self.method.write_checkpoint(model, out, state_dict):
+                return
+            if hasattr(model, "peft_config") and by_transformers:
+                model.save_pretrained(out, state_dict=state_dict)  # the adapter, from the gathered tensors
+                return
+        super()._save(output_dir, state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         with checkpoint_errors(resume_from_checkpoint):
