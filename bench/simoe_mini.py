@@ -40,11 +40,8 @@ COMMON = ["optim.lr=1e-4", "optim.schedule=linear", "optim.warmup_ratio=0.1", "o
 SYSTEMS.update({
     "SIMoE (common optimizer)": ("simoe_instruct", [*COMMON, "simoe.mask_lr=0.5"]),
     "SIMoE w/o ortho (b) (common optimizer)": ("simoe_instruct", [*COMMON, "simoe.mask_lr=0.5", "simoe.ortho=0"]),
-    "SIMoE real masks (c) (common optimizer)": ("simoe_instruct", COMMON),
+    "SIMoE real masks (c) (common optimizer)": ("simoe_instruct", [*COMMON, "simoe.masks=real"]),
 })
-# Mask variants the SIMoE config does not name yet (SIMoEConfig lives in simoe/model.py): the child gives
-# moekit.simoe.model.install a MaskInit of this kind / granularity (moekit.simoe.layer.MaskInit).
-MASK_VARIANTS = {"SIMoE real masks (c) (common optimizer)": {"kind": "real"}}
 COMMON_SYSTEMS = ["SIMoE (common optimizer)", "SIMoE w/o ortho (b) (common optimizer)",
                   "SIMoE real masks (c) (common optimizer)", "full FT", "sparse upcycling"]
 OVERRIDES = ["train.steps=125", "train.batch_size=8", "data.train_per_task=200", "data.test_per_task=32",
@@ -64,13 +61,6 @@ def child(label: str, out: Path) -> None:
 
     recipe_name, extra = SYSTEMS[label]
     folder = folder_of(out, label)
-    if label in MASK_VARIANTS:
-        import functools
-
-        from moekit.simoe import model as simoe_model
-        from moekit.simoe.layer import MaskInit
-
-        simoe_model.MaskInit = functools.partial(MaskInit, **MASK_VARIANTS[label])  # this child process only
     recipe = load_recipe(Path("recipes") / f"{recipe_name}.yaml", [*OVERRIDES, *extra, f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)
@@ -153,8 +143,7 @@ def main() -> None:
               "optimizer; the SIMoE rows override simoe_instruct.yaml's Adam 2e-5 constant with `" + " ".join(COMMON)
               + "`). What still differs, plainly: the hard-concrete masks' log α (parameters only SIMoE has) train at "
               "their own lr 0.5 (`simoe.mask_lr=0.5`); (c)'s real-valued masks are ordinary parameters at 1e-4 with no "
-              "sparsity constraint (MaskInit kind real, given to the model by this script: the SIMoE config does not "
-              "name it yet).") if args.common else ""
+              "sparsity constraint (`simoe.masks=real`).") if args.common else ""
     section = "\n".join([
         mark[0], f"## {title} (bench/simoe_mini.py)", "",
         f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores, fp32. Overrides on every recipe: "

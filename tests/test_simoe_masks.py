@@ -1,10 +1,7 @@
 """SIMoE mask variants of the paper's ablations (issue 30): real-valued masks without the sparsity
 constraint (Table 4 (c)) and full-granular masks, one gate per weight entry (appendix C.1).
 
-The SIMoE config does not name them yet (SIMoEConfig lives in simoe/model.py); the tests build them the way
-bench/simoe_mini.py does, by giving `install` a MaskInit with the variant's kind or granularity."""
-import functools
-
+The SIMoE config names them: `simoe.masks: real` and `simoe.mask_granularity: parameter`."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +9,6 @@ from torch import nn
 
 from moekit import simoe
 from moekit.simoe import hard_concrete as hc
-from moekit.simoe import model as simoe_model
 from moekit.simoe.analysis import nonzero_fractions, overlaps
 from moekit.simoe.layer import MaskInit, Routing, SILinear, SINorm
 from moekit.simoe.objective import constrained, density, dual_step, orthogonality, penalty
@@ -21,9 +17,11 @@ from moekit.testing import logits, tiny_inputs, tiny_llama
 CFG = simoe.SIMoEConfig(num_experts=4, router_hidden=16)
 
 
-def upcycled(monkeypatch, **variant):
-    monkeypatch.setattr(simoe_model, "MaskInit", functools.partial(MaskInit, **variant))
-    return simoe.simoe_upcycle(tiny_llama(), CFG)
+KEYS = {"kind": "masks", "granularity": "mask_granularity"}
+
+
+def upcycled(**variant):
+    return simoe.simoe_upcycle(tiny_llama(), CFG.model_copy(update={KEYS[k]: v for k, v in variant.items()}))
 
 
 # --- (c): real-valued masks, no sparsity constraint ---
@@ -57,10 +55,10 @@ def test_real_masks_take_any_real_value_and_their_gradient_is_the_masks():
     torch.testing.assert_close(si.log_alpha.grad, expect, rtol=1e-5, atol=1e-5)
 
 
-def test_real_masks_have_no_constraint(monkeypatch):
+def test_real_masks_have_no_constraint():
     """Ablation (c): the penalty is β·orthogonality only, λ stays 0, nothing is pruned; density logs the
     share of non-zero mask entries."""
-    model = upcycled(monkeypatch, kind="real").train()
+    model = upcycled(kind="real").train()
     assert not constrained(model)
     x = tiny_inputs(model)
     model(**x)
@@ -76,21 +74,21 @@ def test_real_masks_have_no_constraint(monkeypatch):
     assert float(density(model)) == pytest.approx(1 - share)
 
 
-def test_real_masks_stay_one_parameter_after_a_training_forward(monkeypatch):
+def test_real_masks_stay_one_parameter_after_a_training_forward():
     """The gates kept for the orthogonality penalty (last_z) are not registered as parameters: the state
     dict and the optimizer see each mask once (a saved model loads back)."""
-    model = upcycled(monkeypatch, kind="real").train()
+    model = upcycled(kind="real").train()
     n = len(list(model.parameters()))
     model(**tiny_inputs(model))
     assert len(list(model.parameters())) == n
     assert not any(k.endswith("last_z") for k in model.state_dict())
 
 
-def test_real_mask_model_equals_the_pretrained_model_at_init(monkeypatch):
+def test_real_mask_model_equals_the_pretrained_model_at_init():
     ref_model = tiny_llama().eval()
     x = tiny_inputs(ref_model)
     ref = logits(ref_model, x)
-    assert torch.equal(logits(upcycled(monkeypatch, kind="real").eval(), x), ref)  # δ = 0
+    assert torch.equal(logits(upcycled(kind="real").eval(), x), ref)  # δ = 0
 
 
 # --- C.1: full-granular masks ---
@@ -151,14 +149,14 @@ def test_full_granular_prune_keeps_outputs_and_drops_unused_columns():
     assert si.full_gates().shape == (3, 5, 6) and (si.full_gates()[:, :, 2] == 0).all()
 
 
-def test_full_granular_model_objective_and_analysis(monkeypatch):
+def test_full_granular_model_objective_and_analysis():
     """At init the model equals the pretrained one; the orthogonality penalty is ‖Z Zᵀ − I‖₂ over the
     flattened per-entry gates; L0 counts every entry once (each gate switches one parameter); the analysis
     counts non-zero entries."""
     ref_model = tiny_llama().eval()
     x = tiny_inputs(ref_model)
     ref = logits(ref_model, x)
-    model = upcycled(monkeypatch, granularity="parameter")
+    model = upcycled(granularity="parameter")
     assert torch.equal(logits(model.eval(), x), ref)
     model.train()
     model(**x)
@@ -184,3 +182,20 @@ def test_unknown_mask_variants_are_refused():
         MaskInit(0.05, 0.0, torch.Generator(), kind="binary")
     with pytest.raises(ValueError, match="no hard-concrete draws"):
         MaskInit(0.05, 0.0, torch.Generator(), sampled=True, kind="real")
+    with pytest.raises(ValueError, match="masks"):
+        simoe.SIMoEConfig(masks="binary")
+
+
+@pytest.mark.parametrize("variant", [{"kind": "real"}, {"granularity": "parameter"}])
+def test_variants_merge_into_the_dense_model_of_fixed_routing(variant):
+    """merge folds W_pre + δ ⊙ Σ_i w_i z_i for real-valued and per-entry gates alike (§3.2)."""
+    torch.manual_seed(0)
+    model = upcycled(**variant).eval()
+    for _, m in simoe.si_modules(model):
+        m.delta.data.normal_(0, 0.02)
+        m.log_alpha.data.normal_(0, 2.0)
+    x = tiny_inputs(model)
+    w = torch.softmax(torch.randn(4), 0)
+    with simoe.fixed_routing(model, w):
+        fixed = logits(model, x)
+    torch.testing.assert_close(logits(simoe.merge(model, w), x), fixed, rtol=0, atol=1e-5)

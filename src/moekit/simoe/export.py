@@ -100,9 +100,11 @@ def merge(model: nn.Module, weights: torch.Tensor) -> nn.Module:
     for path, m in si_modules(model):
         base = m.base
         if isinstance(m, SILinear):
-            base.weight += m.full_delta() * (weights.to(m.log_alpha.dtype) @ m.full_gates()).to(base.weight.dtype)
+            z = m.full_gates()  # (M, in) or (M, out, in) with full-granular masks
+            mix = (weights.to(z.dtype) @ z.flatten(1)).view(z.shape[1:])
+            base.weight += m.full_delta() * mix.to(base.weight.dtype)
         else:
-            base.weight += (weights.to(m.log_alpha.dtype) @ hc.median(m.log_alpha)).to(base.weight.dtype) * m.delta
+            base.weight += (weights.to(m.log_alpha.dtype) @ m.gate_values()).to(base.weight.dtype) * m.delta
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, base)
     model.simoe.hook.remove()

@@ -44,6 +44,9 @@ class SIMoEConfig(Config):
     ortho_norm: Literal["spectral", "frobenius"] = "spectral"  # ‖ZZᵀ − I‖_2 (§3.1); frobenius: ‖·‖_F
     dual_lr: float = Field(0.01, gt=0.0)  # step of the projected gradient ascent on λ (eq. 13)
     mask_lr: float | None = Field(None, gt=0.0)  # the masks' own lr; None: the one lr of Table 6
+    masks: Literal["hard_concrete", "real"] = "hard_concrete"  # real: Table 4 ablation (c), unconstrained
+    #                                                            real-valued masks, no sparsity constraint
+    mask_granularity: Literal["input", "parameter"] = "input"  # parameter: appendix C.1's full-granular masks
 
 
 class SIMoE(nn.Module):
@@ -145,7 +148,8 @@ def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = No
     model.requires_grad_(False)
     s = SIMoE(cfg, model.config.get_text_config().hidden_size).to(next(model.parameters()).device)
     gen = torch.Generator().manual_seed(cfg.seed)
-    masks = MaskInit(cfg.p_zero, cfg.init_std, gen, sampled=cfg.gates == "sampled")
+    masks = MaskInit(cfg.p_zero, cfg.init_std, gen, sampled=cfg.gates == "sampled", kind=cfg.masks,
+                     granularity=cfg.mask_granularity)
     for path, mod in targets:
         parent, _, leaf = path.rpartition(".")
         if isinstance(mod, nn.Linear):
@@ -189,6 +193,6 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     masks = sum(m.log_alpha.numel() for _, m in si_modules(model))
     unused = 0
     for _, m in si_modules(model):
-        idle = int(hc.median(m.log_alpha).eq(0).all(0).sum())  # stored δ columns no expert uses
+        idle = int(m.gate_values().eq(0).flatten(0, -2).all(0).sum())  # stored δ columns no expert uses
         unused += idle * (m.delta.shape[0] if isinstance(m, SILinear) else 1)
     return {"total": total, "active": total - masks - unused}
