@@ -24,18 +24,34 @@ def load_base(recipe, path: Path) -> nn.Module:
 
 
 @contextlib.contextmanager
-def gathered(params: Iterable[nn.Parameter]) -> Iterator[None]:
-    """Parameters partitioned by DeepSpeed ZeRO-3 gathered whole for use outside their module's forward (e.g. a
-    penalty computed on them after the model ran), gradients included; a collective: every rank enters it. Other
-    parameters as they are."""
-    parts = [p for p in params if hasattr(p, "ds_id")]
-    if not parts:
-        yield
-        return
-    import deepspeed
+def gathered(params: Iterable[tuple[nn.Module, str]]) -> Iterator[None]:
+    """Sharded parameters (module, name) whole for use outside their module's forward (a penalty computed on them
+    after the model ran), gradients included; a collective: every rank enters it. DeepSpeed ZeRO-3 partitions are
+    gathered in place (deepspeed.zero.GatheredParameters); an FSDP2 shard (a DTensor) is replaced on its module by
+    its full tensor (DTensor.full_tensor, whose backward hands each rank its shard's gradient) and put back after.
+    Other parameters as they are."""
+    params = list(params)
+    partitioned = [getattr(m, n) for m, n in params if hasattr(getattr(m, n), "ds_id")]
+    shards = [(m, n, getattr(m, n)) for m, n in params if _is_dtensor(getattr(m, n))]
+    for m, n, p in shards:
+        m._parameters[n] = p.full_tensor()  # a plain tensor in the parameter's place, as transformers' EP does
+    try:
+        if partitioned:
+            import deepspeed
 
-    with deepspeed.zero.GatheredParameters(parts, modifier_rank=None):
-        yield
+            with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+                yield
+        else:
+            yield
+    finally:
+        for m, n, p in shards:
+            m._parameters[n] = p
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 @contextlib.contextmanager

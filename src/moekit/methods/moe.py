@@ -31,6 +31,14 @@ class MoE(TrainingMethod):
 
         return [FreezeCallback(model, recipe.freeze)] if recipe.freeze.schedule != "none" else []
 
+    def fsdp_units(self, model: nn.Module) -> list[str]:
+        """A router several MoE layers share (Omni-router) is one FSDP2 unit of its own: a parameter belongs to one
+        unit, and the decoder layers that call it are several."""
+        owners: dict[int, list[str]] = {}
+        for path, layer in moe_layers(model):
+            owners.setdefault(id(layer.router), []).append(f"{path}.router")
+        return [paths[0] for paths in owners.values() if len(paths) > 1]
+
     def find_unused_parameters(self, recipe) -> bool:
         return recipe.freeze.schedule != "none"
 

@@ -52,7 +52,8 @@ class SIMoEMethod(TrainingMethod):
         from moekit.simoe.objective import penalty
 
         per_param = model.simoe.cfg.sparsity == "params"  # L0 weighted by δ's rows: δ's shape is read too
-        with gathered(p for _, m in si_modules(model) for p in ([m.log_alpha, m.delta] if per_param else [m.log_alpha])):
+        names = ("log_alpha", "delta") if per_param else ("log_alpha",)
+        with gathered((m, n) for _, m in si_modules(model) for n in names):
             loss, logs = penalty(model)  # reads the masks outside the layers' forward
         for k, v in logs.items():
             trainer.aux_logs[k].append(v)
