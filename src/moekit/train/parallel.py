@@ -47,6 +47,19 @@ OWNED = {"train_micro_batch_size_per_gpu": "train.batch_size", "gradient_accumul
          "optimizer.params.eps": "train.trainer_args.adam_epsilon"}
 
 
+def is_main() -> bool:
+    """Whether this is the main process (rank 0) of the launch, the one that writes."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+# the same keys, set by `moekit finetune`'s options
+FINETUNE_OWNED = {"train_micro_batch_size_per_gpu": "--batch-size / --grad-accum",
+                  "gradient_accumulation_steps": "--grad-accum", "train_batch_size": "--batch-size × processes",
+                  "gradient_clipping": "the Trainer's default (1.0)", "optimizer.params.lr": "--lr",
+                  "optimizer.params.weight_decay": "--weight-decay", "scheduler.params.warmup_max_lr": "--lr",
+                  "fp16.enabled": "float32 training", "bf16.enabled": "float32 training"}
+
+
 def world_size() -> int:
     """Processes of this launch (torchrun and accelerate set WORLD_SIZE); 1 without a distributed launch."""
     try:
@@ -97,9 +110,10 @@ def deepspeed_config(value) -> dict:
     return config
 
 
-def check_deepspeed(args, method, recipe) -> None:
+def check_deepspeed(args, own_optimizer: str | None = None, owner: str = "", owned: dict[str, str] = OWNED) -> None:
     """What DeepSpeed would only find after the model is built: a key moekit sets from the recipe that the config
-    contradicts (instead of "auto"), and a DeepSpeed optimizer replacing one the training method builds itself."""
+    contradicts (instead of "auto"), and a DeepSpeed optimizer replacing the one `owner` builds (`own_optimizer`: what
+    it is for)."""
     ds = getattr(args, "hf_deepspeed_config", None)
     if ds is None:
         return
@@ -107,13 +121,12 @@ def check_deepspeed(args, method, recipe) -> None:
         found = re.match(r"- ds (\S+)=(.*) vs hf \S+=(.*)$", line)
         if found:
             key, theirs, ours = found.groups()
-            raise ConfigError(f"DeepSpeed config: {key} is {theirs}, but moekit sets it from {OWNED.get(key, 'the recipe')}"
+            raise ConfigError(f"DeepSpeed config: {key} is {theirs}, but moekit sets it from {owned.get(key, 'the recipe')}"
                               f" ({ours}): write \"auto\" or leave it out")
         raise ConfigError(f"DeepSpeed config contradicts the recipe: {line.lstrip('- ')}")
-    own = method.own_optimizer(recipe)
-    if "optimizer" in ds.config and own:
-        raise ConfigError(f"DeepSpeed config: an `optimizer` section would replace the optimizer method={method.name} "
-                          f"builds ({own}); leave it out")
+    if "optimizer" in ds.config and own_optimizer:
+        raise ConfigError(f"DeepSpeed config: an `optimizer` section would replace the optimizer {owner} builds "
+                          f"({own_optimizer}); leave it out")
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -168,14 +181,14 @@ def check_engine(engine: Engine, expert_counts: list[int] | None = None) -> None
     `expert_counts`: the experts of each MoE layer (None: not known yet)."""
     world = world_size()
     if engine.kind == "fsdp" and world < 2:
-        raise ConfigError("train.fsdp shards the model over the processes of a distributed launch; run it with "
-                          "torchrun --nproc-per-node N (or accelerate launch), N ≥ 2")
+        raise ConfigError("train.fsdp shards the model over the processes of a distributed launch; run it under torchrun "
+                          "or accelerate launch with at least 2 processes")
     if engine.kind != "ep":
         return
     n = engine.expert_parallel
     if world < 2:
         raise ConfigError(f"expert parallelism over {n} ranks needs a distributed launch of at least {n} processes "
-                          f"(torchrun --nproc-per-node {n} ...); this is a single process")
+                          f"(torchrun or accelerate launch); this is a single process")
     if n > world or world % n:
         raise ConfigError(f"expert parallelism over {n} ranks needs a process count it divides; this launch has {world}")
     if expert_counts is not None and not expert_counts:
@@ -256,10 +269,13 @@ def hf_model(model: nn.Module) -> nn.Module:
                       "shard transformers models")
 
 
-def distribute(model: nn.Module, engine: Engine, units: list[str] = ()) -> nn.Module:
+def distribute(model: nn.Module, engine: Engine, units: list[str] = (), between=None):
     """Shard `model` in place with transformers' DistributedConfig (FSDP2, or EP + FSDP2) over every process of the
-    launch. `units`: module paths (relative to the transformers model) to give FSDP2 units of their own, e.g. a
-    module called outside any decoder layer."""
+    launch; returns transformers' device meshes. `units`: module paths (relative to the transformers model) to give
+    FSDP2 units of their own, e.g. a module called outside any decoder layer. `between(model, ep_mesh)` runs after
+    the experts are split and before FSDP2 wraps the model (selective fine-tuning parametrizes each rank's share
+    there): it hooks transformers' private apply_fully_sharded_data_parallelism, which maybe_distribute_model calls
+    last (transformers==5.23.0 is pinned)."""
     from transformers.distributed import DistributedConfig
 
     from moekit.routing.sites import moe_sites
@@ -274,8 +290,29 @@ def distribute(model: nn.Module, engine: Engine, units: list[str] = ()) -> nn.Mo
         kwargs.update(ep_size=engine.expert_parallel, ep_plan=ep_plan(hf), ep_implementation="all_to_all")
     config = DistributedConfig(**kwargs)
     config, _, mesh = type(hf).prepare_distribute_model(config)
-    type(hf).maybe_distribute_model(hf, config, mesh)
-    return model
+    with _before_fsdp(None if between is None else lambda m: between(m, mesh.get_mesh("ep"))):
+        type(hf).maybe_distribute_model(hf, config, mesh)
+    return mesh
+
+
+@contextlib.contextmanager
+def _before_fsdp(hook) -> Iterator[None]:
+    if hook is None:
+        yield
+        return
+    from transformers.distributed import mixin
+
+    apply = mixin.apply_fully_sharded_data_parallelism
+
+    def hooked(model, *args, **kwargs):
+        hook(model)
+        return apply(model, *args, **kwargs)
+
+    mixin.apply_fully_sharded_data_parallelism = hooked
+    try:
+        yield
+    finally:
+        mixin.apply_fully_sharded_data_parallelism = apply
 
 
 _EXPERTS: WeakKeyDictionary = WeakKeyDictionary()  # experts module -> its layer's expert count, before EP
