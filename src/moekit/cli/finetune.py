@@ -3,6 +3,7 @@ native checkpoint)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -31,6 +32,12 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the data order")
     p.add_argument("--device", default="auto", type=device_arg,
                    help="auto (a CUDA device when torch sees one), cpu, cuda or cuda:N")
+    shard = p.add_mutually_exclusive_group()
+    shard.add_argument("--deepspeed", metavar="CONFIG",
+                       help="a DeepSpeed config (JSON) to train with, under torchrun or accelerate launch; ZeRO-3 "
+                            "shards the model (README: Training beyond one device)")
+    shard.add_argument("--fsdp", action="store_true",
+                       help="FSDP2 full shard over the processes of a distributed launch (transformers' FSDP2)")
     add_plan_args(p)
     p.set_defaults(run=run_finetune)
 
@@ -88,7 +95,8 @@ def read_lines(data: dict[str, Path]) -> list[str]:
 
 def run_finetune(args: argparse.Namespace) -> None:
     from moekit.select.common import save_model
-    from moekit.select.finetune import train_selected
+    from moekit.train.finetune import check_finetune, finetune
+    from moekit.train.parallel import engine_of, is_main
 
     from moekit._fs import reserve
 
@@ -106,28 +114,43 @@ def run_finetune(args: argparse.Namespace) -> None:
                                  devices=args.devices, expert_parallel=args.expert_parallel,
                                  log=err_console().print), args.device_memory)
         return
-    start = time.perf_counter()
-    with reserve(args.out, inputs_of(args), args.overwrite) as out:
+    engine = engine_of({} if args.deepspeed is None else {"deepspeed": args.deepspeed}, args.fsdp,
+                       args.expert_parallel or 1)
+    settings = dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                    grad_accum=args.grad_accum, weight_decay=args.weight_decay, seed=args.seed)
+    check_finetune(engine, args.model, args.deepspeed, _trainer_settings(settings), args.trust_remote_code)
+    start, main = time.perf_counter(), is_main()
+    # only the main process of a distributed launch reserves and writes the output
+    with reserve(args.out, inputs_of(args), args.overwrite) if main else contextlib.nullcontext(args.out) as out:
         lines = read_lines(data)
         selection, model, tokenizer = prepare(args)
         if tokenizer is None:
             raise CheckpointError(f"{args.model} has no tokenizer files; finetune needs one to read the text")
         with progress():
-            log = train_selected(model, selection, tokenizer, lines, steps=args.steps, epochs=args.epochs,
-                                 lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                                 max_length=args.max_length, weight_decay=args.weight_decay, seed=args.seed,
-                                 device=args.device)
+            trained, log = finetune(model, selection, tokenizer, lines, engine, lambda: prepare(args)[1],
+                                    max_length=args.max_length, device=args.device, deepspeed=args.deepspeed,
+                                    **settings)
+        if not main:
+            return
         losses = [e["loss"] for e in log if "loss" in e]
         steps = max((e["step"] for e in log if "step" in e), default=0)
         record = {"selection": selection.model_dump(), "data": {lang: str(p) for lang, p in data.items()},
                   "steps": steps, "epochs": None if args.steps else args.epochs, "lr": args.lr,
                   "batch_size": args.batch_size, "grad_accum": args.grad_accum, "max_length": args.max_length,
-                  "weight_decay": args.weight_decay, "seed": args.seed, "log_history": log}
+                  "weight_decay": args.weight_decay, "seed": args.seed, "engine": engine.describe(),
+                  "log_history": log}
         with err_console().status(f"saving {args.out}"):
-            save_model(model, out, args.overwrite, tokenizer, extra={"finetune.json": record})
+            save_model(trained, out, args.overwrite, tokenizer, extra={"finetune.json": record})
     loss = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, " if losses else ""
     out_console().print(f"trained {selection.count} experts in {len(selection.experts)} layers for {steps} "
                         f"steps ({loss}{time.perf_counter() - start:.1f} s); saved to {args.out}")
+
+
+def _trainer_settings(s: dict) -> dict:
+    from moekit.select.finetune import trainer_settings
+
+    return trainer_settings(1, s["steps"], s["epochs"], s["lr"], s["batch_size"], s["grad_accum"],
+                            s["weight_decay"], s["seed"])
 
 
 def run_prune(args: argparse.Namespace) -> None:

@@ -34,8 +34,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "headers, then exit: no weight read, nothing written")
     p.add_argument("--devices", type=positive, default=8, help="--dry-run: devices the engines spread over")
     p.add_argument("--expert-parallel", type=positive, metavar="N",
-                   help="--dry-run: expert-parallel ranks (default: --devices, where it divides every MoE "
-                        "layer's experts)")
+                   help="expert-parallel ranks: a run's under a distributed launch (train: the same as "
+                        "train.expert_parallel=N), or the plan's with --dry-run (default: --devices, where it divides "
+                        "every MoE layer's experts)")
     p.add_argument("--device-memory", type=memory_size, metavar="SIZE",
                    help="--dry-run: memory of one device (e.g. 80GB, 24GiB): says which engines fit")
 

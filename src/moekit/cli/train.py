@@ -39,13 +39,16 @@ def run_train(args: argparse.Namespace) -> None:
     from moekit.cli.tables import run_table
     from moekit.train.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    overrides = list(args.overrides)
+    if args.expert_parallel and not args.dry_run:  # --expert-parallel N runs as train.expert_parallel=N
+        overrides.append(f"train.expert_parallel={args.expert_parallel}")
+    recipe = load_recipe(args.recipe, overrides)
     if args.dry_run:
         from moekit.cli.plan import print_plan
         from moekit.train.plan import plan_recipe
 
-        print_plan(plan_recipe(recipe, args.devices, args.expert_parallel, log=err_console().print),
-                   args.device_memory)
+        ep = args.expert_parallel or (recipe.train.expert_parallel if recipe.train.expert_parallel > 1 else None)
+        print_plan(plan_recipe(recipe, args.devices, ep, log=err_console().print), args.device_memory)
         return
     if recipe.task == "asr":
         from moekit.train.asr import train_asr as train

@@ -87,8 +87,14 @@ def _expert_tensors(site: RouterSite) -> list[str]:
 
 
 def _attach_layer(site: RouterSite, ids: list[int]) -> tuple[list[nn.Parameter], list]:
-    experts, trainable, rows = site.experts, [], []
-    for name in _expert_tensors(site):
+    return attach_rows(site.experts, _expert_tensors(site), ids)
+
+
+def attach_rows(experts: nn.Module, names: list[str], ids: list[int]) -> tuple[list[nn.Parameter], list]:
+    """Parametrize the stacked tensors `names` of an experts module (as they are on this process: all experts, or an
+    expert-parallel rank's share) so that only rows `ids` train; (the trainable row parameters, the caching hooks)."""
+    trainable, rows = [], []
+    for name in names:
         full = getattr(experts, name)
         idx = torch.tensor(ids, dtype=torch.long, device=full.device)  # (K,)
         rows.append(ExpertRows(full, idx))
@@ -155,6 +161,43 @@ def encode_lines(lines: list[str], tokenizer, max_length: int) -> list[dict[str,
     return out
 
 
+def prepare_lines(lines: list[str], tokenizer, max_length: int, seed: int) -> list[dict[str, list[int]]]:
+    """The training examples of `lines` (encode_lines), in the order of `seed`; refuses text without a line."""
+    data = encode_lines(lines, tokenizer, max_length)
+    if not data:
+        raise ConfigError("no training text: every line is empty")
+    random.Random(seed).shuffle(data)
+    return data
+
+
+def trainer_settings(examples: int, steps: int | None, epochs: float, lr: float, batch_size: int, grad_accum: int,
+                     weight_decay: float, seed: int) -> dict:
+    """TrainingArguments of selective fine-tuning (causal LM, AdamW, linear schedule), besides where and on which
+    device: `steps` optimizer steps, or `epochs` passes over `examples`; `batch_size` examples per optimizer step,
+    split into `grad_accum` micro-batches (per process: a distributed launch multiplies it)."""
+    total = steps or max(1, math.ceil(epochs * math.ceil(examples / batch_size)))
+    return dict(max_steps=total, per_device_train_batch_size=batch_size // grad_accum,
+                gradient_accumulation_steps=grad_accum, learning_rate=lr, weight_decay=weight_decay,
+                lr_scheduler_type="linear", seed=seed, data_seed=seed, logging_steps=max(1, total // 10),
+                save_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False,
+                dataloader_num_workers=0, dataloader_pin_memory=False)
+
+
+def selective_trainer(model: nn.Module, args, data: list[dict], tokenizer):
+    """transformers' Trainer over the selected rows, reporting progress (TrainProgress), its log not printed."""
+    from transformers import Trainer
+    from transformers.trainer_callback import PrinterCallback
+
+    from ..data.parallel import TranslationCollator
+    from ..training_progress import TrainProgress
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad),
+                      callbacks=[TrainProgress()])
+    trainer.remove_callback(PrinterCallback)  # the log dicts are returned, not printed
+    return trainer
+
+
 def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]], tokenizer, lines: list[str],
                    steps: int | None = None, epochs: float = 3.0, lr: float = 2e-5, batch_size: int = 16,
                    grad_accum: int = 1, max_length: int = 128, weight_decay: float = 0.0, seed: int = 0,
@@ -163,35 +206,20 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history. Defaults are
     RISE's (§4.1: 3 epochs, effective batch 16 = 2 × 8 accumulation steps, lr 2e-5); `steps` replaces the
     epochs; `batch_size` counts examples per optimizer step, split into `grad_accum` micro-batches. `device`:
-    "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present)."""
-    from transformers import Trainer, TrainingArguments
-    from transformers.trainer_callback import PrinterCallback
+    "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present).
+    One process; `moekit finetune` also runs under a distributed launch (moekit.train.finetune)."""
+    from transformers import TrainingArguments
 
-    from ..data.parallel import TranslationCollator
-    from ..training_progress import TrainProgress
-
-    data = encode_lines(lines, tokenizer, max_length)
-    if not data:
-        raise ConfigError("no training text: every line is empty")
+    data = prepare_lines(lines, tokenizer, max_length, seed)
     if not experts_of(selection):
         raise ConfigError("the selection is empty")
-    random.Random(seed).shuffle(data)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     handle = attach(model, selection)
     model.train()
     try:
         with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
-            total = steps or max(1, math.ceil(epochs * math.ceil(len(data) / batch_size)))
-            args = TrainingArguments(
-                output_dir=tmp, max_steps=total, per_device_train_batch_size=batch_size // grad_accum,
-                gradient_accumulation_steps=grad_accum, learning_rate=lr,
-                weight_decay=weight_decay, lr_scheduler_type="linear", seed=seed, data_seed=seed,
-                logging_steps=max(1, total // 10), save_strategy="no", report_to=[], disable_tqdm=True,
-                remove_unused_columns=False, dataloader_num_workers=0, dataloader_pin_memory=False,
-                use_cpu=device == "cpu")
-            trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad),
-                              callbacks=[TrainProgress()])
-            trainer.remove_callback(PrinterCallback)  # the log dicts are returned, not printed
+            args = TrainingArguments(output_dir=tmp, use_cpu=device == "cpu", **trainer_settings(
+                len(data), steps, epochs, lr, batch_size, grad_accum, weight_decay, seed))
+            trainer = selective_trainer(model, args, data, tokenizer)
             trainer.train()
             return trainer.state.log_history
     finally:
