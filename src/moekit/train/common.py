@@ -55,17 +55,20 @@ def build_model(recipe: TranslationRecipe, path: Path) -> nn.Module:
 
 def evaluation_model(recipe, trainer, folder: Path) -> nn.Module:
     """The trained model to evaluate on the main process: the Trainer's own, or where no rank holds it whole
-    (ZeRO-3, FSDP2, EP) the one just saved in `folder`, loaded on this process's device."""
-    from moekit.train.parallel import no_zero_init
+    (ZeRO-3, FSDP2, EP) the one just saved in `folder`, loaded on this process's device. After a sharded run the
+    main process is alone: transformers forgets the ZeRO-3 config, so that the model builds whole and generate
+    does not wait for the ranks that have left (its synced_gpus)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     if not getattr(trainer, "sharded", False):
         return trainer.model
-    with no_zero_init():
-        return method(recipe.method).load_trained(recipe, folder).to(trainer.args.device)
+    unset_hf_deepspeed_config()
+    return method(recipe.method).load_trained(recipe, folder).to(trainer.args.device)
 
 
 def write_run_files(recipe: TranslationRecipe, trainer, final_out: str, model: nn.Module | None = None) -> None:
-    """recipe.yaml (with the run's real `out`), log_history.json (losses, aux metrics) and README.md (the
+    """recipe.yaml (with the run's real `out`), log_history.json (losses, aux metrics), engine.json (the engine and
+    the parameters each process held: moekit.train.parallel.engine_record) and README.md (the
     trained model's card; `model`: the trained model if not the Trainer's) in the run directory."""
     out = Path(recipe.out)
     write_model_card(model if model is not None else trainer.accelerator.unwrap_model(trainer.model), out,
@@ -75,6 +78,8 @@ def write_run_files(recipe: TranslationRecipe, trainer, final_out: str, model: n
     (out / "recipe.yaml").write_text(yaml.safe_dump({**recipe.model_dump(mode="json"), "out": final_out},
                                                     sort_keys=False))
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    if getattr(trainer, "engine_record", None):
+        (out / "engine.json").write_text(json.dumps(trainer.engine_record, indent=1))
 
 
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:

@@ -199,6 +199,41 @@ def check_engine(engine: Engine, expert_counts: list[int] | None = None) -> None
                           f"model's layers have {', '.join(map(str, bad))} experts")
 
 
+def held(model: nn.Module) -> tuple[int, int]:
+    """(parameter elements this process holds, elements of the whole model): a ZeRO-3 parameter counts its partition
+    (ds_tensor), a DTensor (FSDP2, EP) its local shard, anything else whole."""
+    from torch.distributed.tensor import DTensor
+
+    local = total = 0
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):
+            local, total = local + p.ds_tensor.numel(), total + p.ds_numel
+        elif isinstance(p, DTensor):
+            local, total = local + p.to_local().numel(), total + p.numel()
+        else:
+            local, total = local + p.numel(), total + p.numel()
+    return local, total
+
+
+def engine_record(engine: Engine, model: nn.Module) -> dict:
+    """What the run's engine did with the parameters (engine.json of a run): the engine, the processes and the
+    elements each one holds, of how many. A collective under a distributed launch (every rank calls it)."""
+    import torch.distributed as dist
+
+    local, total = held(model)
+    experts = [m.num_experts for m in model.modules() if m in _EXPERTS]  # EP: this rank's share of each layer's
+    counts = [(local, experts)]
+    if dist.is_available() and dist.is_initialized():
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, (local, experts))
+    record = {"engine": engine.describe(), "processes": len(counts), "parameters": total,
+              "held_per_process": [c[0] for c in counts]}
+    if engine.kind == "ep":
+        record["experts_per_process"] = [c[1] for c in counts]  # per MoE layer, of `experts_per_layer`
+        record["experts_per_layer"] = [_EXPERTS[m] for m in model.modules() if m in _EXPERTS]
+    return record
+
+
 # ---------------------------------------------------------------------------------------------- the model
 
 

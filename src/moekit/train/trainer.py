@@ -57,6 +57,14 @@ class MoETrainer(Trainer):
         self.aux = aux or AuxConfig()
         self.method = method or method_for(self.accelerator.unwrap_model(self.model))
         self.aux_logs: dict[str, list[float]] = defaultdict(list)
+        self.engine_record: dict | None = None  # moekit.train.parallel.engine_record, at the first step
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.engine_record is None and self.engine is not None:  # the model as the engine holds it
+            from moekit.train.parallel import engine_record
+
+            self.engine_record = engine_record(self.engine, model)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mask = inputs.get("attention_mask")
