@@ -1565,8 +1565,58 @@ DRY_RUN = [  # `moekit train|finetune --dry-run` (moekit.train.plan): refused be
          r"argument --devices: must be a positive count, got '0'"),
 ]
 
+
+def ds(t: Path, config: dict) -> str:
+    """train.trainer_args with a DeepSpeed config file `config`."""
+    return f"train.trainer_args={json.dumps({'deepspeed': str(write(t / 'ds.json', json.dumps(config)))})}"
+
+
+WORLD2 = lambda t: {"WORLD_SIZE": "2"}  # noqa: E731  (a launch of 2 processes, as torchrun sets it)
+ZERO3 = {"zero_optimization": {"stage": 3}}
+BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would stop every rank the same way)
+    Case("train-expert-parallel-without-launch",
+         lambda t, f: ["train", recipe(t, f), "train.expert_parallel=2", f"out={t / 'run'}"],
+         r"expert parallelism over 2 ranks needs a distributed launch of at least 2 processes .* single process"),
+    Case("train-expert-parallel-larger-than-world",
+         lambda t, f: ["train", recipe(t, f), "train.expert_parallel=4", f"out={t / 'run'}"],
+         r"expert parallelism over 4 ranks needs a process count it divides; this launch has 2", env=WORLD2),
+    Case("train-expert-parallel-not-dividing-experts",
+         lambda t, f: ["train", recipe(t, f), "train.expert_parallel=3", f"out={t / 'run'}"],
+         r"expert parallelism over 3 ranks must divide every MoE layer's expert count; this model's layers have "
+         r"4 experts", env=lambda t: {"WORLD_SIZE": "3"}),
+    Case("train-expert-parallel-dense-model",
+         lambda t, f: ["train", recipe(t, f, method="dense", moe=DELETE), "train.expert_parallel=2", f"out={t / 'run'}"],
+         r"expert parallelism over 2 ranks needs MoE layers; this model has none", env=WORLD2),
+    Case("finetune-expert-parallel-not-dividing-experts",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={text(t, f)}", "--out", t / "ft", "--expert-parallel", 3],
+         r"expert parallelism over 3 ranks must divide every MoE layer's expert count", env=lambda t: {"WORLD_SIZE": "3"}),
+    Case("train-fsdp-without-launch", lambda t, f: ["train", recipe(t, f), "train.fsdp=true", f"out={t / 'run'}"],
+         r"train.fsdp shards the model over the processes of a distributed launch"),
+    Case("train-deepspeed-unknown-stage",
+         lambda t, f: ["train", recipe(t, f), ds(t, {"zero_optimization": {"stage": 4}}), f"out={t / 'run'}"],
+         r"DeepSpeed config: zero_optimization.stage 4 is no ZeRO stage \(DeepSpeed has 0, 1, 2, 3\)"),
+    Case("train-deepspeed-batch-contradicts-recipe",
+         lambda t, f: ["train", recipe(t, f), ds(t, {**ZERO3, "train_micro_batch_size_per_gpu": 7}), f"out={t / 'run'}"],
+         r"DeepSpeed config: train_micro_batch_size_per_gpu is 7, but moekit sets it from train.batch_size \(2\): "
+         r"write \"auto\" or leave it out"),
+    Case("train-zero3-with-expert-parallel",
+         lambda t, f: ["train", recipe(t, f), ds(t, ZERO3), "train.expert_parallel=2", f"out={t / 'run'}"],
+         r"train.expert_parallel cannot run under DeepSpeed ZeRO-3 \(train.trainer_args.deepspeed\)", env=WORLD2),
+    Case("train-zero3-with-fsdp",
+         lambda t, f: ["train", recipe(t, f), ds(t, ZERO3), "train.fsdp=true", f"out={t / 'run'}"],
+         r"train.fsdp cannot run under DeepSpeed ZeRO-3 \(train.trainer_args.deepspeed\): FSDP2 shards the "
+         r"parameters itself"),
+    Case("finetune-deepspeed-unknown-stage",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts", f.copy(f.sel, t / "s.json"),
+                       "--data", f"en={text(t, f)}", "--out", t / "ft",
+                       "--deepspeed", write(t / "ds.json", json.dumps({"zero_optimization": {"stage": "three"}}))],
+         r"zero_optimization.stage 'three' is no ZeRO stage"),
+]
+
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
-         *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY]
+         *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
+         *BEYOND_ONE_DEVICE]
 
 
 def params(cases: list[Case]) -> list:

@@ -101,7 +101,7 @@ def check_training_args(recipe) -> None:
     from moekit.train.parallel import check_deepspeed, check_engine
 
     engine = engine_of(recipe)
-    check_engine(engine, expert_counts(recipe))
+    check_engine(engine, expert_counts(recipe) if engine.kind == "ep" else None)
     try:
         args = training_args(recipe, Path(recipe.out))
     except ConfigError:
@@ -138,10 +138,15 @@ def engine_of(recipe):
     return of(t.trainer_args, t.fsdp, t.expert_parallel)
 
 
-def expert_counts(recipe) -> list[int] | None:
-    """The experts of each MoE layer the recipe trains, where the recipe says (method moe: the spec; none for
-    dense, LoRA and SIMoE, whose models have no MoE layers); None where only the model knows."""
-    if recipe.method != "moe":
-        return []
-    spec = recipe.moe
-    return [spec.num_experts * spec.granularity]
+def expert_counts(recipe) -> list[int]:
+    """The experts of each MoE layer the recipe trains: method moe, its spec; dense and LoRA, the base model's own
+    (a native MoE checkpoint's, from its config); SIMoE's interpolated experts, none."""
+    if recipe.method == "moe":
+        spec = recipe.moe
+        return [spec.num_experts * spec.granularity]
+    if recipe.method in ("dense", "lora"):
+        from moekit.train.plan_model import model_expert_counts
+
+        m = recipe.model
+        return model_expert_counts(m.path, m.trust_remote_code)
+    return []

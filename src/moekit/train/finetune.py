@@ -178,6 +178,7 @@ def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_
     from transformers import TrainingArguments
 
     from moekit.train.parallel import FINETUNE_OWNED, check_deepspeed, check_engine
+    from moekit.train.plan_model import model_expert_counts
 
     check_engine(engine, model_expert_counts(model, trust_remote_code) if engine.kind == "ep" else None)
     if deepspeed is None:
@@ -191,14 +192,4 @@ def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_
     check_deepspeed(args, owned=FINETUNE_OWNED)
 
 
-def model_expert_counts(path, trust_remote_code: bool = False) -> list[int]:
-    """The experts of each MoE layer of a model directory (moekit's or transformers'), from its config on the meta
-    device (no weight read)."""
-    from moekit.routing.sites import moe_sites
-    from moekit.train.plan_model import finetune_model
-
-    model, _, _ = finetune_model(str(path), trust_remote_code)
-    return [s.num_experts for s in moe_sites(model)]
-
-
-__all__ = ["check_finetune", "finetune", "model_expert_counts"]
+__all__ = ["check_finetune", "finetune"]

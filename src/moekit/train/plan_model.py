@@ -346,3 +346,12 @@ def _lora(layer: nn.Module) -> tuple[Lora, ...]:
                 role = "down" if last in ("down_proj", "fc2", "c_proj", "w2") else "in"
             out.append(Lora(role, lin.in_features, lin.out_features))
     return tuple(out)
+
+
+def model_expert_counts(path, trust_remote_code: bool = False) -> list[int]:
+    """The experts of each MoE layer of a model directory (moekit's or transformers'), from its config on the meta
+    device (no weight read)."""
+    from moekit.routing.sites import moe_sites
+
+    model, _, _ = finetune_model(str(path), trust_remote_code)
+    return [s.num_experts for s in moe_sites(model)]
