@@ -142,3 +142,88 @@ def leaves(tree, prefix: str = "") -> dict:
     if isinstance(tree, list):
         return {k: v for i, sub in enumerate(tree) for k, v in leaves(sub, f"{prefix}/{i}").items()}
     return {prefix: tree}
+
+
+# ------------------------------------------------------------------------------------------- selective fine-tuning
+# `moekit finetune` (RISE / ESFT: only the selected experts train) of native MoE checkpoints and of a moekit model,
+# each engine against DDP: per-step loss and grad norm, every tensor of the written model, untouched tensors equal to
+# the input's bit for bit.
+FINETUNE = [("mixtral", "zero2"), ("mixtral", "fsdp2"), ("mixtral", "ep2"), ("qwen2_moe", "ep2"), ("qwen3_moe", "ep2"),
+            ("moekit", "fsdp2"), ("moekit", "ep2")]
+FINETUNE_FLAGS = {"zero2": lambda t: ["--deepspeed", str(t)], "fsdp2": lambda t: ["--fsdp"],
+                  "ep2": lambda t: ["--expert-parallel", "2"], "ddp": lambda t: []}
+
+
+@pytest.fixture(scope="module")
+def finetune_inputs(tmp_path_factory):
+    """{family: (model folder, selection, text)}: tiny random checkpoints with the character tokenizer."""
+    from moekit.checkpoint.format import save
+    from moekit.moe.spec import MoESpec
+    from moekit.routing.sites import find_sites
+    from moekit.select.selection import Selection
+    from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
+    from moekit.upcycling import upcycle
+
+    root = tmp_path_factory.mktemp("finetune")
+    text = root / "sw.txt"
+    text.write_text("habari ya asubuhi\nnakupenda sana\nasante sana rafiki\nkaribu nyumbani\n" * 4)
+    inputs = {}
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "moekit"):
+        folder = root / family
+        if family == "moekit":
+            spec = MoESpec(num_experts=4, top_k=2, every=1, init={"method": "noise", "std": 0.02},
+                           router={"init": "normal"})
+            model = upcycle(tiny_llama(), spec)
+            save(model, folder, tokenizer=tiny_tokenizer())
+        else:
+            model = TINY_HF_MOE[family]()
+            model.save_pretrained(folder)
+            tiny_tokenizer().save_pretrained(folder)
+        sites = find_sites(model)  # EP = 2: rows on both ranks' halves, and a layer with rows on rank 1 only
+        e, sel = sites[0].num_experts, root / f"{family}.json"
+        Selection(method="manual", budget=4, experts={sites[0].name: [0, e - 1, 1], sites[-1].name: [e - 2]}).save(sel)
+        inputs[family] = (folder, sel, text)
+    return inputs
+
+
+def finetune(inputs, family: str, engine: str, tmp_path: Path) -> Path:
+    folder, sel, text = inputs[family]
+    (tmp_path / "zero2.json").write_text(json.dumps({**ZERO3, "zero_optimization": {"stage": 2}}))
+    out = tmp_path / f"{family}_{engine}"
+    torchrun(["finetune", "--model", str(folder), "--experts", str(sel), "--data", f"sw={text}", "--out", str(out),
+              "--steps", "4", "--batch-size", "2", "--lr", "1e-3", "--max-length", "16",
+              *FINETUNE_FLAGS[engine](tmp_path / "zero2.json")], tmp_path)
+    return out
+
+
+@gloo
+@pytest.mark.parametrize("family,engine", FINETUNE)
+def test_finetune_sharded_equals_ddp(family, engine, finetune_inputs, tmp_path_factory, tmp_path):
+    from moekit.checkpoint.format import load_model
+
+    if engine == "zero2":
+        pytest.importorskip("deepspeed")
+    if family not in DDP_FINETUNE:  # one DDP run per family
+        DDP_FINETUNE[family] = finetune(finetune_inputs, family, "ddp", tmp_path_factory.mktemp(f"ddp_ft_{family}"))
+    base = DDP_FINETUNE[family]
+    out = finetune(finetune_inputs, family, engine, tmp_path)
+    ours, theirs = (json.loads((o / "finetune.json").read_text()) for o in (out, base))
+    assert ours["engine"] != theirs["engine"] == "DDP"
+    mine, ref = ([h for h in r["log_history"] if "loss" in h] for r in (ours, theirs))
+    assert [h["step"] for h in mine] == [h["step"] for h in ref] == [1, 2, 3, 4]
+    for a, b in zip(mine, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+    original = load_model(finetune_inputs[family][0]).state_dict()
+    tuned, reference = load_model(out).state_dict(), load_model(base).state_dict()
+    assert tuned.keys() == reference.keys() == original.keys()
+    changed = {k for k in original if not torch.equal(reference[k], original[k])}
+    assert changed and all(".experts." in k for k in changed)  # only the selected experts trained
+    for k in original:
+        if k in changed:
+            torch.testing.assert_close(tuned[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)
+        else:
+            assert torch.equal(tuned[k], original[k]), k
+
+
+DDP_FINETUNE: dict[str, Path] = {}

@@ -31,24 +31,36 @@ class ExpertRows(nn.Module):
 
     The full tensor is computed once per forward of the experts module (a forward pre-hook turns
     caching on), not once per attribute access: transformers' eager experts index it per expert.
+    `take`/`initial`/`shared` (expert parallelism): the parameter holds all K selected rows of the layer, `initial`,
+    while this process's tensor is its share of the experts; rows `take` of the parameter go to its experts `ids`,
+    and `shared(rows)` (identity forward) sums the rows' gradients over the ranks that share them.
     """
 
-    def __init__(self, base: Tensor, ids: Tensor):
+    def __init__(self, base: Tensor, ids: Tensor, take: Tensor | None = None, initial: Tensor | None = None,
+                 shared=None):
         super().__init__()
         self.register_buffer("base", base.detach(), persistent=False)  # (E, ...) frozen, shares storage
         self.register_buffer("ids", ids, persistent=False)  # (K,)
+        self.register_buffer("take", take, persistent=False)  # (K_local,) rows of the parameter, or None: all
+        self.initial = initial  # (K, ...), read once by right_inverse
+        self.shared = shared
         self.caching = False
         self._full: Tensor | None = None
 
     def forward(self, rows: Tensor) -> Tensor:
         if self._full is not None:
             return self._full
+        if self.take is not None:
+            rows = self.shared(rows).index_select(0, self.take)  # (K_local, ...)
         full = self.base.index_copy(0, self.ids, rows)  # (E, ...): rows in place, gradient to rows only
         if self.caching:
             self._full = full
         return full
 
     def right_inverse(self, full: Tensor) -> Tensor:
+        if self.initial is not None:
+            initial, self.initial = self.initial, None
+            return initial
         return full.index_select(0, self.ids)  # (K, ...)
 
     def set_caching(self, on: bool) -> None:
@@ -90,14 +102,21 @@ def _attach_layer(site: RouterSite, ids: list[int]) -> tuple[list[nn.Parameter],
     return attach_rows(site.experts, _expert_tensors(site), ids)
 
 
-def attach_rows(experts: nn.Module, names: list[str], ids: list[int]) -> tuple[list[nn.Parameter], list]:
-    """Parametrize the stacked tensors `names` of an experts module (as they are on this process: all experts, or an
-    expert-parallel rank's share) so that only rows `ids` train; (the trainable row parameters, the caching hooks)."""
+def attach_rows(experts: nn.Module, names: list[str], ids: list[int], take: list[int] | None = None,
+                initial: dict[str, Tensor] | None = None, shared=None) -> tuple[list[nn.Parameter], list]:
+    """Parametrize the stacked tensors `names` of an experts module so that only rows `ids` train; (the trainable row
+    parameters, the caching hooks). Expert parallelism: the module holds this rank's share, `ids` index it, and each
+    parameter holds `initial[name]`, every selected row of the layer, of which rows `take` are this share's;
+    `shared` sums their gradients over the ranks (ExpertRows)."""
     trainable, rows = [], []
     for name in names:
         full = getattr(experts, name)
-        idx = torch.tensor(ids, dtype=torch.long, device=full.device)  # (K,)
-        rows.append(ExpertRows(full, idx))
+        idx = torch.tensor(ids, dtype=torch.long, device=full.device)  # (K,) or (K_local,)
+        if initial is None:
+            rows.append(ExpertRows(full, idx))
+        else:
+            rows.append(ExpertRows(full, idx, torch.tensor(take, dtype=torch.long, device=full.device), initial[name],
+                                   shared))
         parametrize.register_parametrization(experts, name, rows[-1], unsafe=True)
         p = experts.parametrizations[name].original  # the same Parameter object, now (K, ...)
         p.requires_grad_(True)

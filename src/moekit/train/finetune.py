@@ -1,16 +1,19 @@
 """`moekit finetune` on any engine: selective fine-tuning (moekit.select.finetune: only the selected experts' rows
-train, inside the fused expert tensors) in one process, under DDP, DeepSpeed (ZeRO-3 included), FSDP2 or expert
-parallelism (moekit.train.parallel).
+train, inside the fused expert tensors) in one process, under DDP, DeepSpeed ZeRO-1/2, FSDP2 or expert parallelism
+(moekit.train.parallel). Not under ZeRO-3 (refused, check_finetune): the trainable rows are a parametrization of
+the fused expert tensors, and DeepSpeed's partitioned backward fails to accumulate their gradient ("The size of tensor
+a (0) must match the size of tensor b ..." in AccumulateGrad, transformers 5.23 / DeepSpeed 0.19.8); FSDP2 and EP
+shard the model instead.
 
 Everything but the selected rows is frozen, so the trained model is the input checkpoint with those rows replaced.
 Under DDP (or one process) the in-memory model is merged and saved. Where no rank holds the model whole, the trained
-rows are gathered (ZeRO-3: deepspeed.zero.GatheredParameters; FSDP2: DTensor.full_tensor; EP: each rank's share of
-the experts, rows in place, as a DTensor sharded by expert, made full) and the main process writes them into the
-checkpoint it reads again: no rank gathers the frozen parameters.
+rows are gathered (FSDP2 and EP: DTensor.full_tensor) and the main
+process writes them into the checkpoint it reads again: no rank gathers the frozen parameters.
 
-Under expert parallelism each rank holds a share of every MoE layer's experts, so each rank makes the selected rows
-of its own share trainable (wherever the selection puts them; a rank whose share has none trains no rows of that
-layer), between transformers' expert sharding and its FSDP2 wrapping (`distribute(..., between=...)`).
+Under expert parallelism each rank holds a share of every MoE layer's experts; every rank holds the same trainable
+parameters (all selected rows of each layer, sharded by FSDP2 like any other), and its share of the experts reads
+the rows that fall in it (`attach_local`, between transformers' expert split and its FSDP2 wrapping:
+`distribute(..., between=...)`).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from torch.nn.utils import parametrize
 
 from moekit.errors import ConfigError
 from moekit.train.args import has_accelerator
-from moekit.train.parallel import (Engine, deepspeed_config, distribute, is_main, no_zero_init, zero3_leaves)
+from moekit.train.parallel import Engine, deepspeed_config, distribute, input_requires_grad, is_main
 
 
 @dataclass
@@ -46,65 +49,55 @@ def targets_of(model: nn.Module, selection) -> list[Target]:
             for site, ids in resolve(model, selection) if ids]
 
 
-def attach_local(targets: list[Target], rank: int, ranks: int) -> tuple[list[nn.Parameter], list]:
-    """Expert parallelism: make trainable the selected rows of this rank's share of each layer's experts (transformers
-    split every stacked tensor by expert into `ranks` contiguous shares; rank r holds experts r·E/N ... (r+1)·E/N - 1)."""
+def attach_local(targets: list[Target], ep, initial: dict) -> tuple[list[nn.Parameter], list]:
+    """Expert parallelism over the mesh `ep`: make trainable the selected rows of each layer, on every rank the same
+    parameters (all K selected rows, `initial[layer][tensor]`), this rank's share of the experts reading those in it
+    (transformers split every stacked tensor by expert into N contiguous shares; rank r holds experts r·E/N ...
+    (r+1)·E/N - 1). transformers' FSDP2 does not shard what lives in an experts module over the EP ranks, so each
+    rank's copy gets the gradients of its own share's rows only: they are summed over the ranks in the backward
+    (SumGradients), which gives every rank the DDP gradient, the same update and the global gradient norm."""
     from moekit.select.finetune import attach_rows
 
+    rank, ranks, group = ep.get_local_rank(), ep.size(), ep.get_group()
     trainable, hooks = [], []
     for t in targets:
+        # every rank's experts take part in the backward of a layer with trainable rows anywhere: the all-to-all that
+        # returns their tokens' gradients runs on all ranks, also where this rank's share has nothing to train
+        hooks.append(t.experts.register_forward_pre_hook(input_requires_grad))
         share = t.num_experts // ranks
-        local = [i - rank * share for i in t.ids if rank * share <= i < (rank + 1) * share]
-        if not local:
-            continue
+        take = [j for j, i in enumerate(t.ids) if rank * share <= i < (rank + 1) * share]  # rows in this share
         for name in t.names:  # this rank's share as a plain tensor, parametrized like a whole one
             t.experts._parameters[name] = nn.Parameter(t.experts._parameters[name].to_local(), requires_grad=False)
-        params, h = attach_rows(t.experts, t.names, local)
+        params, h = attach_rows(t.experts, t.names, [t.ids[j] - rank * share for j in take], take, initial[t.layer],
+                                lambda rows: SumGradients.apply(rows, group))
         trainable += params
         hooks += h
     return trainable, hooks
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
-    """A (sharded) parameter's full value; collective for a DTensor (every rank calls it)."""
-    from torch.distributed.tensor import DTensor
+class SumGradients(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the process group (every rank calls it, in the same
+    order: each runs the same layers)."""
 
-    return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def trained_rows(targets: list[Target]) -> dict[tuple[str, str], torch.Tensor]:
-    """{(layer, tensor): trained rows (K, ...)} of the selected experts, gathered on every rank (ZeRO-3 partitions,
-    FSDP2 shards). A collective: every rank calls it, in the same order."""
-    out = {}
-    for t in targets:
-        for name in t.names:
-            p = t.experts.parametrizations[name].original
-            if hasattr(p, "ds_id"):
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                    out[t.layer, name] = p.detach().clone()
-            else:
-                out[t.layer, name] = _full(p)
-    return out
-
-
-def trained_experts(targets: list[Target], mesh) -> dict[tuple[str, str], torch.Tensor]:
-    """Expert parallelism: {(layer, tensor): every expert (E, ...), trained rows in place}: each rank's share (its
-    rows in place) as a DTensor sharded by expert over the EP mesh, made full. A collective, in the same order."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    out = {}
-    for t in targets:
-        plists = getattr(t.experts, "parametrizations", {})
-        for name in t.names:
-            if name in plists:
-                rows = plists[name][0]
-                share = rows.base.index_copy(0, rows.ids, _full(plists[name].original))
-            else:
-                share = t.experts._parameters[name].to_local().detach()
-            out[t.layer, name] = DTensor.from_local(share, mesh, [Shard(0)], run_check=False).full_tensor()
-    return out
+    """{(layer, tensor): trained rows (K, ...)} of the selected experts, gathered from their FSDP2 shards on every rank.
+    A collective: every rank calls it, in the same order."""
+    return {(t.layer, name): t.experts.parametrizations[name].original.full_tensor().detach()
+            for t in targets for name in t.names}
 
 
 def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: Engine, reload, *,
@@ -122,17 +115,16 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
     if not experts_of(selection):
         raise ConfigError("the selection is empty")
     targets = targets_of(model, selection)
-    handle, mesh = None, None
+    handle = None
     if engine.kind == "ep":
         model.requires_grad_(False)
-        meshes = distribute(model, engine, between=lambda m, ep: attach_local(targets, ep.get_local_rank(), ep.size()))
-        mesh = meshes.get_mesh("ep")
+        initial = {t.layer: {n: getattr(t.experts, n).index_select(0, torch.tensor(t.ids)).detach().clone()
+                             for n in t.names} for t in targets}  # (K, ...) each, before the experts are split
+        distribute(model, engine, between=lambda m, ep: attach_local(targets, ep, initial))
     else:
         handle = attach(model, selection)
         if engine.kind == "fsdp":
             distribute(model, engine)
-        elif engine.zero == 3:
-            zero3_leaves(model)
     model.train()
     with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
         settings = trainer_settings(len(data), steps, epochs, lr, batch_size, grad_accum, weight_decay, seed)
@@ -144,16 +136,15 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
         if not engine.sharded:
             handle.merge()
             return (model.eval() if is_main() else None), log
-        gathered = trained_experts(targets, mesh) if engine.kind == "ep" else trained_rows(targets)
+        gathered = trained_rows(targets)
         if not is_main():
             return None, log
-        with no_zero_init():
-            fresh = reload()
-    return write_rows(fresh, targets, gathered, whole=engine.kind == "ep"), log
+        fresh = reload()
+    return write_rows(fresh, targets, gathered), log
 
 
-def write_rows(model: nn.Module, targets: list[Target], trained: dict, whole: bool) -> nn.Module:
-    """`model` (the input checkpoint, read again) with the trained rows (or, `whole`, every expert) in place."""
+def write_rows(model: nn.Module, targets: list[Target], trained: dict) -> nn.Module:
+    """`model` (the input checkpoint, read again) with the trained rows in place."""
     from moekit.select.common import resolve
 
     sites = {site.name: site for site, _ in resolve(model, {t.layer: t.ids for t in targets})}
@@ -164,11 +155,7 @@ def write_rows(model: nn.Module, targets: list[Target], trained: dict, whole: bo
                 tensor = getattr(experts, name)
                 if parametrize.is_parametrized(experts, name):
                     raise ConfigError(f"{t.layer}.{name} is parametrized in the checkpoint read again")
-                values = trained[t.layer, name].to(tensor.dtype)
-                if whole:
-                    tensor.copy_(values)
-                else:
-                    tensor.index_copy_(0, torch.tensor(t.ids, device=tensor.device), values)
+                tensor.index_copy_(0, torch.tensor(t.ids, device=tensor.device), trained[t.layer, name].to(tensor.dtype))
     return model.eval()
 
 
@@ -181,6 +168,10 @@ def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_
     from moekit.train.plan_model import model_expert_counts
 
     check_engine(engine, model_expert_counts(model, trust_remote_code) if engine.kind == "ep" else None)
+    if engine.zero == 3:
+        raise ConfigError("selective fine-tuning does not run under DeepSpeed ZeRO-3: DeepSpeed's partitioned backward "
+                          "cannot accumulate the gradient of the selected rows inside the fused expert tensors; shard "
+                          "the model with FSDP2 or expert parallelism, or use ZeRO-1/2")
     if deepspeed is None:
         return
     config = deepspeed_config(deepspeed)

@@ -255,14 +255,16 @@ def zero3_leaves(model: nn.Module, extra: list[nn.Module] = ()) -> list[nn.Modul
     if units:
         set_z3_leaf_modules_by_name(model, [names[id(m)] for m in units])
     for unit in units:
-        unit.register_forward_pre_hook(_input_requires_grad)
+        unit.register_forward_pre_hook(input_requires_grad)
     return units
 
 
-def _input_requires_grad(module: nn.Module, args: tuple):
-    """A leaf's gradients are reduced by a full backward hook, which fires once the gradient of the leaf's input is
-    computed; an input that needs none (everything before it frozen: UME, SPRI's first stage) would fire it before
-    the leaf's own backward ran. A detached copy that requires grad costs one input gradient and changes no value."""
+def input_requires_grad(module: nn.Module, args: tuple):
+    """A forward pre-hook: the module's input as a detached copy that requires grad (costs one input gradient, changes
+    no value) where it needs none (everything before it frozen: UME, SPRI's first stage, selective fine-tuning).
+    ZeRO-3 reduces a leaf's gradients in a full backward hook, which fires once the gradient of the leaf's input is
+    computed, so before the leaf's own backward without it; under EP it makes every rank run the backward of the
+    all-to-all, also a rank with nothing of its own to train in that layer."""
     if not args or not isinstance(args[0], Tensor) or args[0].requires_grad or not torch.is_grad_enabled():
         return None
     return (args[0].detach().requires_grad_(), *args[1:])
