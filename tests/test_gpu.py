@@ -1,6 +1,8 @@
 """The CUDA path (marked `gpu`, skipped without a CUDA device; CI is CPU-only): the MoE layer's grouped dispatch in
 float32, bfloat16 and under autocast against a per-token eager reference, `upcycle --device cuda` against the CPU
-result, one training step of a recipe, and routing capture. Run them where a GPU is: `pytest -m gpu tests/test_gpu.py`.
+result, one training step of a recipe, routing capture, and on 2 GPUs the sharded engines with NCCL
+(tests/test_parallel.py). Run them where a GPU is: `pytest -m gpu tests/test_gpu.py`. The single-GPU tests passed on
+an NVIDIA H200 on 2026-11-26 (torch 2.11.0+cu130); the 2-GPU one has not run (no such machine was lent).
 """
 from __future__ import annotations
 
@@ -158,3 +160,17 @@ def test_moekit_model_on_cuda_matches_cpu_logits(dense):
     want = logits(model, x)
     got = logits(model.to(CUDA), {k: v.to(CUDA) for k, v in x.items()}).cpu()
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL ranks cannot share one)")
+def test_sharded_engines_on_two_gpus_with_nccl():
+    """tests/test_parallel.py on 2 GPUs: every engine (ZeRO-3, FSDP2, EP = 2) against DDP with NCCL (its engine.json
+    must name the nccl backend)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(Path(__file__).with_name("test_parallel.py"))], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-6000:]
+

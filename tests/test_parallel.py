@@ -1,5 +1,6 @@
 """Beyond one device (issue 31): moekit's recipes on the engines that shard the model itself, against plain DDP on
-the same data. 2 CPU processes (torchrun, gloo), the tiny Llama upcycled by each recipe, 4 steps of global batch
+the same data. 2 processes (torchrun): on the CPU with gloo, or on 2 GPUs with NCCL where torch sees two or more
+(tests/test_gpu.py runs this module there, marked `gpu`), the tiny Llama upcycled by each recipe, 4 steps of global batch
 2 × 2 (SPRI's two stages switch after step 2).
 
 - ZeRO-3 with `stage3_param_persistence_threshold: 0` (every parameter really partitioned; DeepSpeed's default of
@@ -39,8 +40,13 @@ gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distri
                           reason="needs torch.distributed with gloo")
 
 
+GPUS = torch.cuda.device_count() >= 2  # then NCCL on 2 GPUs (tests/test_gpu.py runs this module there); else CPU
+BACKEND = "nccl" if GPUS else "gloo"
+
+
 def torchrun(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **({} if GPUS else {"CUDA_VISIBLE_DEVICES": ""})}  # one GPU cannot hold 2 NCCL ranks: CPU processes
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moekit",
            *args]
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -93,7 +99,8 @@ def overrides(tiny, out: Path, method: str, **extra) -> list[str]:
     _, task, keys = METHODS[method]
     # lr 1e-3: Adam moves an element whose gradient is near 0 by up to lr whatever its rounding, and the engines sum
     # in other orders (at lr 1e-2 one element in 10^4 of Omni-router's experts under EP is 4e-5 off DDP's)
-    common = {"train.steps": 4, "optim.warmup_ratio": 0.0, "optim.lr": 1e-3}  # evaluation: KL and greedy decoding
+    # a checkpoint at step 2 (under FSDP2 and EP: the model only), evaluation: KL and greedy decoding
+    common = {"train.steps": 4, "train.save_every": 2, "optim.warmup_ratio": 0.0, "optim.lr": 1e-3}
     return tiny(out, task, **common, **keys, **extra)
 
 
@@ -115,6 +122,7 @@ def test_sharded_engine_equals_ddp(method, engine, ddp, tiny_recipe_overrides, t
     record, replicated = (json.loads((o / "engine.json").read_text()) for o in (out, base))
     assert replicated["engine"] == "DDP" and replicated["held_per_process"] == [replicated["parameters"]] * 2
     assert record["parameters"] == replicated["parameters"] and record["processes"] == 2
+    assert record["backend"] == replicated["backend"] == BACKEND
     assert max(record["held_per_process"]) < 0.6 * record["parameters"], record  # really partitioned
     if engine == "ep2":  # each rank holds half of every MoE layer's experts
         layers = record["experts_per_layer"]
@@ -128,11 +136,27 @@ def test_sharded_engine_equals_ddp(method, engine, ddp, tiny_recipe_overrides, t
     assert sharded.keys() == reference.keys()
     for k in reference:
         torch.testing.assert_close(sharded[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert (out / "checkpoints" / "checkpoint-2").is_dir()
     results, expected = (leaves(json.loads((o / "results.json").read_text())) for o in (out, base))
     assert results.keys() == expected.keys()
     numbers = {k for k, v in expected.items() if isinstance(v, float)}
     assert {k: results[k] for k in numbers} == pytest.approx({k: expected[k] for k in numbers}, rel=1e-4, abs=1e-6)
     assert all(results[k] == expected[k] for k in expected.keys() - numbers)
+
+
+def test_resume_is_refused_where_transformers_shards(tiny_recipe_overrides, tmp_path):
+    """transformers checkpoints a model it shards (FSDP2, EP) without its optimizer state: no resuming from them."""
+    from moekit.errors import ConfigError
+    from moekit.train.common import run_directory
+    from moekit.train.recipe import load_recipe
+
+    for key in ("train.fsdp", "train.expert_parallel"):
+        recipe = load_recipe(recipe_of("naive"), tiny_recipe_overrides(tmp_path / "run", **{key: 2 if "expert" in key
+                                                                                             else True}))
+        with pytest.raises(ConfigError, match="cannot resume: transformers checkpoints a model it shards without"):
+            with run_directory(recipe, overwrite=False, resume=True, inputs=[]):
+                pass
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def leaves(tree, prefix: str = "") -> dict:
@@ -148,9 +172,10 @@ def leaves(tree, prefix: str = "") -> dict:
 # `moekit finetune` (RISE / ESFT: only the selected experts train) of native MoE checkpoints and of a moekit model,
 # each engine against DDP: per-step loss and grad norm, every tensor of the written model, untouched tensors equal to
 # the input's bit for bit.
-FINETUNE = [("mixtral", "zero2"), ("mixtral", "fsdp2"), ("mixtral", "ep2"), ("qwen2_moe", "ep2"), ("qwen3_moe", "ep2"),
-            ("moekit", "fsdp2"), ("moekit", "ep2")]
-FINETUNE_FLAGS = {"zero2": lambda t: ["--deepspeed", str(t)], "fsdp2": lambda t: ["--fsdp"],
+FINETUNE = [("mixtral", "zero3"), ("mixtral", "zero2"), ("mixtral", "fsdp2"), ("mixtral", "ep2"), ("qwen2_moe", "ep2"),
+            ("qwen3_moe", "ep2"), ("moekit", "zero3"), ("moekit", "fsdp2"), ("moekit", "ep2")]
+FINETUNE_FLAGS = {"zero3": lambda t: ["--deepspeed", str(t / "zero3.json")],
+                  "zero2": lambda t: ["--deepspeed", str(t / "zero2.json")], "fsdp2": lambda t: ["--fsdp"],
                   "ep2": lambda t: ["--expert-parallel", "2"], "ddp": lambda t: []}
 
 
@@ -173,7 +198,7 @@ def finetune_inputs(tmp_path_factory):
         if family == "moekit":
             spec = MoESpec(num_experts=4, top_k=2, every=1, init={"method": "noise", "std": 0.02},
                            router={"init": "normal"})
-            model = upcycle(tiny_llama(), spec)
+            model = upcycle(tiny_llama(tie_word_embeddings=True), spec)  # tied, as SmolLM2's
             save(model, folder, tokenizer=tiny_tokenizer())
         else:
             model = TINY_HF_MOE[family]()
@@ -188,11 +213,12 @@ def finetune_inputs(tmp_path_factory):
 
 def finetune(inputs, family: str, engine: str, tmp_path: Path) -> Path:
     folder, sel, text = inputs[family]
+    (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
     (tmp_path / "zero2.json").write_text(json.dumps({**ZERO3, "zero_optimization": {"stage": 2}}))
     out = tmp_path / f"{family}_{engine}"
     torchrun(["finetune", "--model", str(folder), "--experts", str(sel), "--data", f"sw={text}", "--out", str(out),
               "--steps", "4", "--batch-size", "2", "--lr", "1e-3", "--max-length", "16",
-              *FINETUNE_FLAGS[engine](tmp_path / "zero2.json")], tmp_path)
+              *FINETUNE_FLAGS[engine](tmp_path)], tmp_path)
     return out
 
 
@@ -201,7 +227,7 @@ def finetune(inputs, family: str, engine: str, tmp_path: Path) -> Path:
 def test_finetune_sharded_equals_ddp(family, engine, finetune_inputs, tmp_path_factory, tmp_path):
     from moekit.checkpoint.format import load_model
 
-    if engine == "zero2":
+    if engine.startswith("zero"):
         pytest.importorskip("deepspeed")
     if family not in DDP_FINETUNE:  # one DDP run per family
         DDP_FINETUNE[family] = finetune(finetune_inputs, family, "ddp", tmp_path_factory.mktemp(f"ddp_ft_{family}"))

@@ -34,9 +34,8 @@ def add_parser(sub) -> None:
                    help="auto (a CUDA device when torch sees one), cpu, cuda or cuda:N")
     shard = p.add_mutually_exclusive_group()
     shard.add_argument("--deepspeed", metavar="CONFIG",
-                       help="a DeepSpeed config (JSON) to train with, under torchrun or accelerate launch: ZeRO-1/2 "
-                            "(ZeRO-3 is refused; --fsdp and --expert-parallel shard the model; README: Training "
-                            "beyond one device)")
+                       help="a DeepSpeed config (JSON) to train with, under torchrun or accelerate launch; ZeRO-3 "
+                            "shards the model, with --weight-decay 0 (README: Training beyond one device)")
     shard.add_argument("--fsdp", action="store_true",
                        help="FSDP2 full shard over the processes of a distributed launch (transformers' FSDP2)")
     add_plan_args(p)

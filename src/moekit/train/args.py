@@ -91,6 +91,8 @@ def training_args(recipe, out: Path):
         save_steps=t.save_every or 500, save_total_limit=t.save_total_limit, report_to=list(t.report_to),
         activation_checkpointing=t.gradient_checkpointing, remove_unused_columns=False,
         ddp_find_unused_parameters=method(recipe.method).find_unused_parameters(recipe),
+        # a model transformers shards itself (train.fsdp, train.expert_parallel) is checkpointed without its optimizer
+        save_only_model=engine_of(recipe).by_transformers,
         **{"dataloader_num_workers": 0, "dataloader_pin_memory": False, "disable_tqdm": True, **extra},
     )
 

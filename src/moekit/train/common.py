@@ -155,8 +155,13 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     on a finished run continues from its last checkpoint and replaces it when done. Only the main process
     (rank 0) locks and renames; the other ranks of a multi-process run use the same working directory.
     """
+    from moekit.train.args import engine_of
+
     out = Path(recipe.out)
     partial = out.parent / f".{out.name}{PARTIAL}"
+    if resume and engine_of(recipe).by_transformers:
+        raise ConfigError("a run under train.fsdp or train.expert_parallel cannot resume: transformers checkpoints a "
+                          "model it shards without its optimizer state (its checkpoints hold the model only)")
     if resume and (partial.exists() or out.exists()):
         last = resume_point(out, partial, overwrite)
     else:

@@ -1,13 +1,13 @@
 """`moekit finetune` on any engine: selective fine-tuning (moekit.select.finetune: only the selected experts' rows
-train, inside the fused expert tensors) in one process, under DDP, DeepSpeed ZeRO-1/2, FSDP2 or expert parallelism
-(moekit.train.parallel). Not under ZeRO-3 (refused, check_finetune): the trainable rows are a parametrization of
-the fused expert tensors, and DeepSpeed's partitioned backward fails to accumulate their gradient ("The size of tensor
-a (0) must match the size of tensor b ..." in AccumulateGrad, transformers 5.23 / DeepSpeed 0.19.8); FSDP2 and EP
-shard the model instead.
+train, inside the fused expert tensors) in one process, under DDP, DeepSpeed (ZeRO-3 included), FSDP2 or expert
+parallelism (moekit.train.parallel). Under ZeRO-3 the rows are not a parametrization (DeepSpeed's partitioned backward
+fails to accumulate its gradient: "The size of tensor a (0) must match the size of tensor b ..." in AccumulateGrad,
+transformers 5.23 / DeepSpeed 0.19.8): the selected layers' whole tensors train with the other rows' gradients zeroed
+(`mask_rows`), which leaves those rows exactly as they were without weight decay (refused under ZeRO-3).
 
 Everything but the selected rows is frozen, so the trained model is the input checkpoint with those rows replaced.
 Under DDP (or one process) the in-memory model is merged and saved. Where no rank holds the model whole, the trained
-rows are gathered (FSDP2 and EP: DTensor.full_tensor) and the main
+rows are gathered (FSDP2 and EP: DTensor.full_tensor; ZeRO-3: deepspeed.zero.GatheredParameters) and the main
 process writes them into the checkpoint it reads again: no rank gathers the frozen parameters.
 
 Under expert parallelism each rank holds a share of every MoE layer's experts; every rank holds the same trainable
@@ -27,7 +27,8 @@ from torch.nn.utils import parametrize
 
 from moekit.errors import ConfigError
 from moekit.train.args import has_accelerator
-from moekit.train.parallel import Engine, deepspeed_config, distribute, input_requires_grad, is_main
+from moekit.train.parallel import (Engine, deepspeed_config, distribute, input_requires_grad, is_main, no_zero_init,
+                                   zero3_leaves)
 
 
 @dataclass
@@ -93,11 +94,34 @@ class SumGradients(torch.autograd.Function):
         return grad, None
 
 
+def mask_rows(targets: list[Target]) -> None:
+    """ZeRO-3: the selected layers' whole stacked expert tensors train, the gradient of every row not selected zeroed
+    by a hook before DeepSpeed reduces it. AdamW moves an element only by its gradient's moments and by weight decay
+    (refused under ZeRO-3: check_finetune), so those rows keep their values exactly."""
+    for t in targets:
+        for name in t.names:
+            p = getattr(t.experts, name)  # (E, ...)
+            keep = torch.zeros(p.shape[0], *[1] * (p.dim() - 1), dtype=p.dtype)  # (E, 1, ...)
+            keep[t.ids] = 1
+            p.requires_grad_(True)
+            p.register_hook(lambda grad, keep=keep: grad * keep.to(grad.device))
+
+
 def trained_rows(targets: list[Target]) -> dict[tuple[str, str], torch.Tensor]:
-    """{(layer, tensor): trained rows (K, ...)} of the selected experts, gathered from their FSDP2 shards on every rank.
-    A collective: every rank calls it, in the same order."""
-    return {(t.layer, name): t.experts.parametrizations[name].original.full_tensor().detach()
-            for t in targets for name in t.names}
+    """{(layer, tensor): trained rows (K, ...)} of the selected experts, gathered on every rank (FSDP2 and EP: the
+    rows' shards; ZeRO-3: the whole tensor's partitions). A collective: every rank calls it, in the same order."""
+    out = {}
+    for t in targets:
+        for name in t.names:
+            if parametrize.is_parametrized(t.experts, name):
+                out[t.layer, name] = t.experts.parametrizations[name].original.full_tensor().detach()
+                continue
+            import deepspeed
+
+            p = getattr(t.experts, name)
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                out[t.layer, name] = p.detach().index_select(0, torch.tensor(t.ids, device=p.device)).clone()
+    return out
 
 
 def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: Engine, reload, *,
@@ -121,6 +145,10 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
         initial = {t.layer: {n: getattr(t.experts, n).index_select(0, torch.tensor(t.ids)).detach().clone()
                              for n in t.names} for t in targets}  # (K, ...) each, before the experts are split
         distribute(model, engine, between=lambda m, ep: attach_local(targets, ep, initial))
+    elif engine.zero == 3:
+        model.requires_grad_(False)
+        mask_rows(targets)
+        zero3_leaves(model)
     else:
         handle = attach(model, selection)
         if engine.kind == "fsdp":
@@ -139,7 +167,8 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
         gathered = trained_rows(targets)
         if not is_main():
             return None, log
-        fresh = reload()
+        with no_zero_init():
+            fresh = reload()
     return write_rows(fresh, targets, gathered), log
 
 
@@ -168,10 +197,10 @@ def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_
     from moekit.train.plan_model import model_expert_counts
 
     check_engine(engine, model_expert_counts(model, trust_remote_code) if engine.kind == "ep" else None)
-    if engine.zero == 3:
-        raise ConfigError("selective fine-tuning does not run under DeepSpeed ZeRO-3: DeepSpeed's partitioned backward "
-                          "cannot accumulate the gradient of the selected rows inside the fused expert tensors; shard "
-                          "the model with FSDP2 or expert parallelism, or use ZeRO-1/2")
+    if engine.zero == 3 and settings["weight_decay"]:
+        raise ConfigError("selective fine-tuning under DeepSpeed ZeRO-3 trains the selected layers' whole expert "
+                          "tensors with the other experts' gradients zeroed, so weight decay would move the experts "
+                          "not selected: it needs weight decay 0 (or FSDP2, expert parallelism, ZeRO-1/2)")
     if deepspeed is None:
         return
     config = deepspeed_config(deepspeed)

@@ -216,17 +216,17 @@ def held(model: nn.Module) -> tuple[int, int]:
 
 
 def engine_record(engine: Engine, model: nn.Module) -> dict:
-    """What the run's engine did with the parameters (engine.json of a run): the engine, the processes and the
-    elements each one holds, of how many. A collective under a distributed launch (every rank calls it)."""
+    """What the run's engine did with the parameters (engine.json of a run): the engine, its communication backend
+    (gloo, nccl; None in one process), the processes and the elements each one holds, of how many. A collective under a distributed launch (every rank calls it)."""
     import torch.distributed as dist
 
     local, total = held(model)
     experts = [m.num_experts for m in model.modules() if m in _EXPERTS]  # EP: this rank's share of each layer's
-    counts = [(local, experts)]
+    counts, backend = [(local, experts)], None
     if dist.is_available() and dist.is_initialized():
-        counts = [None] * dist.get_world_size()
+        counts, backend = [None] * dist.get_world_size(), dist.get_backend()
         dist.all_gather_object(counts, (local, experts))
-    record = {"engine": engine.describe(), "processes": len(counts), "parameters": total,
+    record = {"engine": engine.describe(), "backend": backend, "processes": len(counts), "parameters": total,
               "held_per_process": [c[0] for c in counts]}
     if engine.kind == "ep":
         record["experts_per_process"] = [c[1] for c in counts]  # per MoE layer, of `experts_per_layer`
@@ -311,8 +311,10 @@ def distribute(model: nn.Module, engine: Engine, units: list[str] = (), between=
     launch; returns transformers' device meshes. `units`: module paths (relative to the transformers model) to give
     FSDP2 units of their own, e.g. a module called outside any decoder layer. `between(model, ep_mesh)` runs after
     the experts are split and before FSDP2 wraps the model (selective fine-tuning parametrizes each rank's share
-    there): it hooks transformers' private apply_fully_sharded_data_parallelism, which maybe_distribute_model calls
-    last (transformers==5.23.0 is pinned)."""
+    there); tied input and output embeddings (one Parameter) become one FSDP2 unit there too (transformers, which
+    ties them only after loading, would shard them apart). Both hook transformers' private
+    apply_fully_sharded_data_parallelism, which maybe_distribute_model calls last (transformers==5.23.0 is
+    pinned)."""
     from transformers.distributed import DistributedConfig
 
     from moekit.routing.sites import moe_sites
@@ -322,14 +324,35 @@ def distribute(model: nn.Module, engine: Engine, units: list[str] = (), between=
     for site in moe_sites(hf):
         _EXPERTS[site.experts] = site.num_experts
     fsdp_plan = {_wildcard(u): "free_full_weight" for u in units}
+    tied = tied_embeddings(hf)
+    if tied:  # transformers shards them apart (it ties them only after loading): one unit of their own, made below
+        hf.fsdp_plan = {k: v for k, v in hf.fsdp_plan.items() if k not in tied}
     kwargs = {"fsdp_size": world, "fsdp_plan": fsdp_plan or None}
     if engine.kind == "ep":
         kwargs.update(ep_size=engine.expert_parallel, ep_plan=ep_plan(hf), ep_implementation="all_to_all")
     config = DistributedConfig(**kwargs)
     config, _, mesh = type(hf).prepare_distribute_model(config)
-    with _before_fsdp(None if between is None else lambda m: between(m, mesh.get_mesh("ep"))):
+
+    def before_fsdp(m: nn.Module) -> None:
+        if between is not None:
+            between(m, mesh.get_mesh("ep"))
+        if tied:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard([hf.get_submodule(p) for p in tied], mesh=mesh.get_mesh("fsdp"), reshard_after_forward=False)
+
+    with _before_fsdp(before_fsdp if between is not None or tied else None):
         type(hf).maybe_distribute_model(hf, config, mesh)
     return mesh
+
+
+def tied_embeddings(model: nn.Module) -> list[str]:
+    """The paths of the input embedding and the output head when they share one Parameter, else []."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or out is None or getattr(out, "weight", None) is not inp.weight:
+        return []
+    names = {m: n for n, m in model.named_modules()}
+    return [names[inp], names[out]]
 
 
 @contextlib.contextmanager
