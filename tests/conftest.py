@@ -92,21 +92,23 @@ def tiny_speech(tmp_path_factory):
     return {"corpus": root / "corpus", "whisper": save_tiny_whisper_asr(root / "whisper")}
 
 
+def run_checked(cmd, timeout=180, cwd=None, env=None) -> str:
+    """The stdout of a command that must succeed (its output is shown when it does not); it runs in its own process
+    group, killed whole when it hangs. OMP_NUM_THREADS=1; `env`: more variables."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    return stdout
+
+
 @pytest.fixture
 def run_command():
-    """run_command(cmd, timeout=180, cwd=None) -> stdout of a command that must succeed (its output is shown
-    when it does not); it runs in its own process group, killed whole when it hangs. OMP_NUM_THREADS=1."""
-
-    def call(cmd, timeout=180, cwd=None):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-        return stdout
-    return call
+    """run_command(cmd, timeout=180, cwd=None) -> run_checked(...)."""
+    return run_checked

@@ -354,6 +354,11 @@ def trace_with(t: Path, fx: Fx, name: str = "trace.npz", **changes) -> Path:
     return path
 
 
+def link_out(t: Path, name: str, dest: str):
+    """A change for moe_with / dense_with: the checkpoint's file `name` moved out to t/dest, a symlink to it left."""
+    return lambda d: (shutil.move(d / name, t / dest), symlink(d / name, t / dest))
+
+
 def set_item(index_, value):
     def fn(a):
         a[index_] = value
@@ -710,8 +715,7 @@ CHECKPOINT_FILES = [
          lambda t, f: ["prune", "--model", moe_with(t, f, lambda d: index(d, "../moe2/model.safetensors")),
                        "--experts", f.copy(f.sel, t / "s.json"), "--out", t / "p"], r"is not a plain file name"),
     Case("moe-weights-symlink-outside",
-         lambda t, f: ["inspect", moe_with(t, f, lambda d: (shutil.move(d / "model.safetensors", t / "w.safetensors"),
-                                                            symlink(d / "model.safetensors", t / "w.safetensors")))],
+         lambda t, f: ["inspect", moe_with(t, f, link_out(t, "model.safetensors", "w.safetensors"))],
          r"model\.safetensors leads outside the checkpoint directory"),
     Case("moe-weights-missing", lambda t, f: ["inspect", moe_with(t, f, lambda d: (d / "model.safetensors").unlink())],
          r"no safetensors weights in .*moe"),
@@ -1323,24 +1327,19 @@ LOCKS_AND_KINDS = [
 LINKS_OUT = r"leads outside the checkpoint directory"
 CONTAINMENT = [  # every file read from a checkpoint lies inside it, symbolic links included
     Case("meta-symlink-outside-export",
-         lambda t, f: ["export", moe_with(t, f, lambda d: (shutil.move(d / "moekit.json", t / "outside.json"),
-                                                           symlink(d / "moekit.json", t / "outside.json"))),
+         lambda t, f: ["export", moe_with(t, f, link_out(t, "moekit.json", "outside.json")),
                        "--format", "mixtral", "--out", t / "o"], r"moekit\.json " + LINKS_OUT),
     Case("meta-symlink-outside-inspect",
-         lambda t, f: ["inspect", moe_with(t, f, lambda d: (shutil.move(d / "moekit.json", t / "outside.json"),
-                                                            symlink(d / "moekit.json", t / "outside.json")))],
+         lambda t, f: ["inspect", moe_with(t, f, link_out(t, "moekit.json", "outside.json"))],
          r"moekit\.json " + LINKS_OUT),
     Case("config-symlink-outside-upcycle",
-         lambda t, f: upc(dense_with(t, f, lambda d: (shutil.move(d / "config.json", t / "outside.json"),
-                                                      symlink(d / "config.json", t / "outside.json"))), t / "o"),
+         lambda t, f: upc(dense_with(t, f, link_out(t, "config.json", "outside.json")), t / "o"),
          r"config\.json " + LINKS_OUT),
     Case("config-symlink-outside-inspect",
-         lambda t, f: ["inspect", moe_with(t, f, lambda d: (shutil.move(d / "config.json", t / "outside.json"),
-                                                            symlink(d / "config.json", t / "outside.json")))],
+         lambda t, f: ["inspect", moe_with(t, f, link_out(t, "config.json", "outside.json"))],
          r"config\.json " + LINKS_OUT),
     Case("tokenizer-symlink-outside-collect",
-         lambda t, f: collect(moe_with(t, f, lambda d: (shutil.move(d / "tokenizer.json", t / "tok.json"),
-                                                        symlink(d / "tokenizer.json", t / "tok.json"))),
+         lambda t, f: collect(moe_with(t, f, link_out(t, "tokenizer.json", "tok.json")),
                               t / "t.npz", *texts(("en", text(t, f)))), r"tokenizer\.json " + LINKS_OUT),
     Case("generation-config-symlink-outside-train",
          lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}", "model.path=" + str(dense_with(t, f, lambda d: (

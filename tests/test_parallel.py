@@ -11,14 +11,12 @@ the same data. 2 processes (torchrun): on the CPU with gloo, or on 2 GPUs with N
 Each run against DDP's: per-step loss and grad norm within 1e-5 relative, the saved model within rtol 1e-4 /
 atol 1e-5 (every tensor), the evaluation after training written."""
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_checked
 
 from moekit.checkpoint.format import load
 
@@ -44,21 +42,11 @@ GPUS = torch.cuda.device_count() >= 2  # then NCCL on 2 GPUs (tests/test_gpu.py 
 BACKEND = "nccl" if GPUS else "gloo"
 
 
-def torchrun(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           **({} if GPUS else {"CUDA_VISIBLE_DEVICES": ""})}  # one GPU cannot hold 2 NCCL ranks: CPU processes
+def torchrun(args: list[str], cwd: Path, timeout: int = 300) -> str:
+    """The stdout of `python -m moekit ARGS` on 2 processes (torchrun), which must succeed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moekit",
-           *args]
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a hung run is killed whole
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, out[-3000:] + err[-6000:]
-    return subprocess.CompletedProcess(cmd, 0, out, err)
+           *args]  # one GPU cannot hold 2 NCCL ranks: CPU processes then
+    return run_checked(cmd, timeout, cwd, {} if GPUS else {"CUDA_VISIBLE_DEVICES": ""})
 
 
 def steps(out: Path) -> list[dict]:
@@ -114,10 +102,10 @@ def test_sharded_engine_equals_ddp(method, engine, ddp, tiny_recipe_overrides, t
         pytest.skip(f"{method} has no MoE layer whose experts could be split")
     (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
     out = tmp_path / "run"
-    proc = torchrun(["train", recipe_of(method),
+    stdout = torchrun(["train", recipe_of(method),
                      *overrides(tiny_recipe_overrides, out, method, **ENGINES[engine](tmp_path / "zero3.json"))],
                     tmp_path)
-    assert f"trained {METHODS[method][0]}: 4 steps" in proc.stdout
+    assert f"trained {METHODS[method][0]}: 4 steps" in stdout
     base = ddp(method)
     record, replicated = (json.loads((o / "engine.json").read_text()) for o in (out, base))
     assert replicated["engine"] == "DDP" and replicated["held_per_process"] == [replicated["parameters"]] * 2
