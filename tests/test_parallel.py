@@ -124,7 +124,7 @@ def test_sharded_engine_equals_ddp(method, engine, ddp, tiny_recipe_overrides, t
     assert sharded.keys() == reference.keys()
     for k in reference:
         torch.testing.assert_close(sharded[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)
-    assert (out / "checkpoints" / "checkpoint-2").is_dir()
+    assert (out / "checkpoints" / "checkpoint-4").is_dir()
     results, expected = (leaves(json.loads((o / "results.json").read_text())) for o in (out, base))
     assert results.keys() == expected.keys()
     numbers = {k for k, v in expected.items() if isinstance(v, float)}

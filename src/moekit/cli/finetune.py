@@ -93,6 +93,14 @@ def read_lines(data: dict[str, Path]) -> list[str]:
     return lines
 
 
+# DeepSpeed keys the Trainer fills -> the options of `moekit finetune` that set them
+FINETUNE_OWNED = {"train_micro_batch_size_per_gpu": "--batch-size / --grad-accum",
+                  "gradient_accumulation_steps": "--grad-accum", "train_batch_size": "--batch-size × processes",
+                  "gradient_clipping": "the Trainer's default (1.0)", "optimizer.params.lr": "--lr",
+                  "optimizer.params.weight_decay": "--weight-decay", "scheduler.params.warmup_max_lr": "--lr",
+                  "fp16.enabled": "float32 training", "bf16.enabled": "float32 training"}
+
+
 def run_finetune(args: argparse.Namespace) -> None:
     from moekit.select.common import save_model
     from moekit.train.finetune import check_finetune, finetune
@@ -118,7 +126,8 @@ def run_finetune(args: argparse.Namespace) -> None:
                        args.expert_parallel or 1)
     settings = dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                     grad_accum=args.grad_accum, weight_decay=args.weight_decay, seed=args.seed)
-    check_finetune(engine, args.model, args.deepspeed, _trainer_settings(settings), args.trust_remote_code)
+    check_finetune(engine, args.model, args.deepspeed, _trainer_settings(settings), args.trust_remote_code,
+                   FINETUNE_OWNED)
     start, main = time.perf_counter(), is_main()
     # only the main process of a distributed launch reserves and writes the output
     with reserve(args.out, inputs_of(args), args.overwrite) if main else contextlib.nullcontext(args.out) as out:

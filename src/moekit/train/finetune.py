@@ -188,12 +188,13 @@ def write_rows(model: nn.Module, targets: list[Target], trained: dict) -> nn.Mod
     return model.eval()
 
 
-def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_remote_code: bool = False) -> None:
+def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_remote_code: bool = False,
+                   owned: dict[str, str] | None = None) -> None:
     """Everything about the engine that can be refused before any work: the launch (moekit.train.parallel.check_engine,
-    with the model's expert counts for EP) and a DeepSpeed config (stage; batch keys that contradict the command's)."""
+    with the model's expert counts for EP) and a DeepSpeed config (stage; batch keys that contradict the command's).; `owned`: the DeepSpeed keys the caller sets -> what sets them, named when the config contradicts one"""
     from transformers import TrainingArguments
 
-    from moekit.train.parallel import FINETUNE_OWNED, check_deepspeed, check_engine
+    from moekit.train.parallel import check_deepspeed, check_engine
     from moekit.train.plan_model import model_expert_counts
 
     check_engine(engine, model_expert_counts(model, trust_remote_code) if engine.kind == "ep" else None)
@@ -208,8 +209,8 @@ def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_
         try:
             args = TrainingArguments(output_dir=tmp, use_cpu=not has_accelerator(), deepspeed=config, **settings)
         except (ValueError, TypeError, ImportError, OSError) as e:
-            raise ConfigError(f"--deepspeed: {e}") from None
-    check_deepspeed(args, owned=FINETUNE_OWNED)
+            raise ConfigError(f"the DeepSpeed config: {e}") from None
+    check_deepspeed(args, owned=owned or {})
 
 
 __all__ = ["check_finetune", "finetune"]

@@ -52,14 +52,6 @@ def is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-# the same keys, set by `moekit finetune`'s options
-FINETUNE_OWNED = {"train_micro_batch_size_per_gpu": "--batch-size / --grad-accum",
-                  "gradient_accumulation_steps": "--grad-accum", "train_batch_size": "--batch-size × processes",
-                  "gradient_clipping": "the Trainer's default (1.0)", "optimizer.params.lr": "--lr",
-                  "optimizer.params.weight_decay": "--weight-decay", "scheduler.params.warmup_max_lr": "--lr",
-                  "fp16.enabled": "float32 training", "bf16.enabled": "float32 training"}
-
-
 def world_size() -> int:
     """Processes of this launch (torchrun and accelerate set WORLD_SIZE); 1 without a distributed launch."""
     try:
@@ -402,7 +394,8 @@ def materialized(model: nn.Module, full: dict) -> Iterator[None]:
     counts) without a collective; a parameter registered in several modules (tied embeddings, a shared router) stays
     one tensor. No copy: the parameters are views of `full`. Put back afterwards."""
     swapped, fresh = [], {}
-    for fqn, param in model.named_parameters(remove_duplicate=False):
+    for fqn, param in list(model.named_parameters(remove_duplicate=False)):  # listed first: a shared module's
+        # parameter is met once per path, and must be swapped (and put back) as the original each time
         if fqn not in full:
             continue
         owner, _, name = fqn.rpartition(".")
@@ -413,7 +406,7 @@ def materialized(model: nn.Module, full: dict) -> Iterator[None]:
     try:
         yield
     finally:
-        for module, name, param in swapped:
+        for module, name, param in reversed(swapped):
             module._parameters[name] = param
 
 
