@@ -66,6 +66,7 @@ def probed(self, *args, **kwargs):
         return train(self, *args, **kwargs)
     finally:
         record["train_peak_gib"] = status("VmHWM")
+        record["rss_after_train_gib"] = status("VmRSS")  # what the engine keeps once training runs
 
 
 transformers.Trainer.train = probed
@@ -109,6 +110,7 @@ def run_engine(work: Path, engine: str) -> dict:
             "runtime_s": summary["train_runtime"], "tokens_per_s": tokens / summary["train_runtime"],
             "peak_rss_gib": [r["peak_rss_gib"] for r in ranks], "train_peak_gib": [r["train_peak_gib"] for r in ranks],
             "before_train_gib": [r["rss_before_train_gib"] for r in ranks],
+            "after_train_gib": [r["rss_after_train_gib"] for r in ranks],
             "held": record["held_per_process"], "parameters": record["parameters"],
             "losses": [h["loss"] for h in history if "loss" in h]}
 
@@ -116,7 +118,7 @@ def run_engine(work: Path, engine: str) -> dict:
 def section(results: dict) -> str:
     ddp = results["DDP"]
     rows = ["| engine | tokens/s (2 ranks) | × DDP | peak RSS in training, rank 0 / 1 (GiB) | × DDP | RSS when training "
-            "starts (GiB) | whole command's peak (GiB) | parameters held per rank | loss at step 1 / last |",
+            "starts / ends (GiB) | whole command's peak (GiB) | parameters held per rank | loss at step 1 / last |",
             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         held = " / ".join(f"{h / r['parameters']:.0%}" for h in r["held"])
@@ -124,7 +126,8 @@ def section(results: dict) -> str:
                     f"{r['tokens_per_s'] / ddp['tokens_per_s']:.2f} | "
                     f"{r['train_peak_gib'][0]:.2f} / {r['train_peak_gib'][1]:.2f} | "
                     f"{max(r['train_peak_gib']) / max(ddp['train_peak_gib']):.2f} | "
-                    f"{' / '.join(f'{g:.2f}' for g in r['before_train_gib'])} | "
+                    f"{' / '.join(f'{g:.2f}' for g in r['before_train_gib'])} → "
+                    f"{' / '.join(f'{g:.2f}' for g in r['after_train_gib'])} | "
                     f"{' / '.join(f'{g:.2f}' for g in r['peak_rss_gib'])} | {held} of {r['parameters'] / 1e6:.0f}M | "
                     f"{r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |")
     return "\n".join([
@@ -138,7 +141,7 @@ def section(results: dict) -> str:
         "/proc/self/clear_refs): the engine's setup, the weights it keeps, gradients, AdamW state and activations. "
         "Each process first builds the upcycled model whole (moekit upcycles in memory), which the whole command's "
         "peak includes, and memory the engine frees when it partitions may stay with the process (glibc), which the "
-        "RSS when training starts shows. CPU ratios say little about GPUs: both ranks share 2 cores and gloo "
+        "RSS when training starts shows; the RSS when it ends is what the engine keeps resident while it trains. CPU ratios say little about GPUs: both ranks share 2 cores and gloo "
         "moves tensors through shared memory.", MARK[1]])
 
 

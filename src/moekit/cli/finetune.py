@@ -104,7 +104,7 @@ FINETUNE_OWNED = {"train_micro_batch_size_per_gpu": "--batch-size / --grad-accum
 def run_finetune(args: argparse.Namespace) -> None:
     from moekit.select.common import save_model
     from moekit.train.finetune import check_finetune, finetune
-    from moekit.train.parallel import engine_of, is_main
+    from moekit.train.parallel import engine_of, is_main, leave_launch
 
     from moekit._fs import reserve
 
@@ -139,6 +139,7 @@ def run_finetune(args: argparse.Namespace) -> None:
             trained, log = finetune(model, selection, tokenizer, lines, engine, lambda: prepare(args)[1],
                                     max_length=args.max_length, device=args.device, deepspeed=args.deepspeed,
                                     **settings)
+        leave_launch()
         if not main:
             return
         losses = [e["loss"] for e in log if "loss" in e]

@@ -54,8 +54,11 @@ def run_train(args: argparse.Namespace) -> None:
         from moekit.train.asr import train_asr as train
     else:
         from moekit.train.run import train
+    from moekit.train.parallel import leave_launch
+
     with progress():
         trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])
+    leave_launch()
     if trainer.is_world_process_zero():
         out_console().print(run_table(recipe, trainer.results))
         out_console().print(f"trained {recipe.name}: {trainer.state.global_step} steps, output in {recipe.out}")

@@ -52,6 +52,15 @@ def is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def leave_launch() -> None:
+    """This process's part of a distributed launch is done: its process group is shut down now (a non-main rank ends
+    while the main one still evaluates; left to the interpreter's exit, gloo's threads could abort it)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def world_size() -> int:
     """Processes of this launch (torchrun and accelerate set WORLD_SIZE); 1 without a distributed launch."""
     try:
