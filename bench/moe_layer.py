@@ -13,6 +13,8 @@ touched (each one's weights must be read once). The router column is moekit's Ro
 and z-loss, forward and backward, in fwd+bwd rows) as a share of the whole MoE layer (router + experts).
 
     .venv/bin/python bench/moe_layer.py --write BENCHMARKS.md
+    python bench/moe_layer.py --device cuda --dtype bfloat16 --tokens 16384 --write BENCHMARKS.md   # a GPU
+(its own section; every step synchronized with the GPU before the clock is read).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ SHAPES = [  # (name, E, k, H, I)
 ]
 DECODE = (1, 8, 64)
 MARK = ("<!-- moe_layer -->", "<!-- /moe_layer -->")
+MARK_CUDA = ("<!-- moe_layer_cuda -->", "<!-- /moe_layer_cuda -->")
 
 
 def make_inputs(E, k, H, I, T, seed=0):
@@ -107,6 +110,11 @@ def step(m, x, ids, w, grad, backward):
     return y, x.grad
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def weight_grads(m):
     return [p.grad for p in m.parameters()]
 
@@ -117,7 +125,7 @@ def check_equal(mods, x, ids, w, grad):
     for name in ("hf_eager", "hf_grouped_mm"):
         y, gx = step(mods[name], x, ids, w, grad, True)
         for a, b in [(y, ref_y), (gx, ref_gx), *zip(weight_grads(mods[name]), ref_gw)]:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a, b, rtol=TOL[a.dtype], atol=TOL[a.dtype])
     for m in mods.values():
         m.zero_grad(set_to_none=True)
 
@@ -127,14 +135,17 @@ def time_all(mods, inputs, backward, repeats):
     rotated every repeat: in a fixed order, moekit and transformers' grouped_mm (the same CPU kernel at E=8
     decode sizes) read 3-5 % apart in three runs but equal when timed by themselves."""
     times, names = {n: [] for n in mods}, list(mods)
+    device = next(iter(inputs.values()))[0].device
     for n, m in mods.items():  # warm-up
         step(m, *inputs[n], backward)
     for r in range(repeats):
         for n in names[r % len(names):] + names[:r % len(names)]:
             m = mods[n]
             m.zero_grad(set_to_none=True)
+            sync(device)
             t0 = time.perf_counter()
             step(m, *inputs[n], backward)
+            sync(device)
             times[n].append(time.perf_counter() - t0)
     return {n: spread(t) for n, t in times.items()}
 
@@ -162,26 +173,34 @@ def timed_row(label, mode, mods, x, ids, w, grad, E, repeats, decode):
 
 
 IMPLS = ("moekit", "hf_eager", "hf_grouped_mm")
+TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # outputs and gradients equal across implementations
 
 
-def run_shape(label, E, k, H, I, T, repeats, decode_repeats):
+def on(device, dtype, x, ids, w, grad):
+    return x.to(device, dtype), ids.to(device), w.to(device, dtype), grad.to(device, dtype)
+
+
+def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device, dtype):
     x, ids, w, gate_up, down, grad = make_inputs(E, k, H, I, T)
-    mods = {n: build(n, E, k, H, I, gate_up, down) for n in ("dense", "router", *IMPLS)}
+    mods = {n: build(n, E, k, H, I, gate_up, down).to(device, dtype) for n in ("dense", "router", *IMPLS)}
+    x, ids, w, grad = on(device, dtype, x, ids, w, grad)
     check_equal(mods, x, ids, w, grad)
     rows = [timed_row(label, mode, mods, x, ids, w, grad, E, repeats, False) for mode in ("fwd+bwd", "fwd")]
     for t in DECODE:
         xd, idsd, wd, *_, gradd = make_inputs(E, k, H, I, t, seed=t)
-        rows.append(timed_row(label, "fwd", mods, xd, idsd, wd, gradd, E, decode_repeats, True))
+        rows.append(timed_row(label, "fwd", mods, *on(device, dtype, xd, idsd, wd, gradd), E, decode_repeats, True))
     return rows
 
 
-def render(rows, T, repeats, decode_repeats, cmd, load):
-    out = [MARK[0], "## MoE layer speed (bench/moe_layer.py)", "",
-           f"`{cmd}` — {date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
-           f"{torch.__version__}, transformers {transformers.__version__}, fp32, median of "
+def render(rows, T, repeats, decode_repeats, cmd, load, device, dtype, mark):
+    where = (f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else
+             f"{platform.machine()}, {torch.get_num_threads()} threads")
+    out = [mark[0], "## MoE layer speed" + (" on a GPU" if device.type == "cuda" else "") + " (bench/moe_layer.py)", "",
+           f"`{cmd}` — {date.today()}, {where}, torch "
+           f"{torch.__version__}, transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}, median of "
            f"{repeats} interleaved repeats after warm-up ({decode_repeats} at decode sizes); load average {load} "
            "before → after. Outputs and "
-           "gradients of all three implementations checked equal (rtol/atol 1e-4) before timing.", "",
+           f"gradients of all three implementations checked equal (rtol/atol {TOL[dtype]:g}) before timing.", "",
            f"Ratio = time / limit. At {T} tokens the limit is k × the time of one dense FFN of the same shape "
            "on the same tokens; at decode sizes it is n_hit × one dense FFN on ⌈T·k/n_hit⌉ tokens (n_hit = "
            "distinct experts touched). router = moekit's router (+ load-balance and z-loss in fwd+bwd) as a "
@@ -192,7 +211,7 @@ def render(rows, T, repeats, decode_repeats, cmd, load):
         cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" for n in IMPLS]
         out.append(f"| {label} | {t} | {mode} | {1000 * limit:.3g} | " + " | ".join(cells)
                    + f" | {100 * router:.1f} % | {100 * noise:.0f} % |")
-    return "\n".join(out + ["", MARK[1]])
+    return "\n".join(out + ["", mark[1]])
 
 
 def loadavg():
@@ -204,18 +223,25 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--decode-repeats", type=int, default=200, help="repeats of the decode rows (milliseconds each)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--write", type=Path, help="update this markdown file's moe_layer section")
     args = ap.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     load, rows = loadavg(), []
     for label, E, k, H, I in SHAPES:
-        rows += run_shape(label, E, k, H, I, args.tokens, args.repeats, args.decode_repeats)
-    cmd = (f".venv/bin/python bench/moe_layer.py --tokens {args.tokens} --repeats {args.repeats} "
-           f"--decode-repeats {args.decode_repeats}") + (
-        f" --write {args.write}" if args.write else "")
-    section = render(rows, args.tokens, args.repeats, args.decode_repeats, cmd, f"{load} → {loadavg()}")
+        rows += run_shape(label, E, k, H, I, args.tokens, args.repeats, args.decode_repeats, device, dtype)
+    gpu = device.type == "cuda"
+    cmd = (f"{'python' if gpu else '.venv/bin/python'} bench/moe_layer.py --tokens {args.tokens} --repeats "
+           f"{args.repeats} --decode-repeats {args.decode_repeats}"
+           + (f" --device {args.device} --dtype {args.dtype}" if gpu or args.dtype != "float32" else "")
+           + (f" --write {args.write}" if args.write else ""))
+    mark = MARK_CUDA if gpu else MARK
+    section = render(rows, args.tokens, args.repeats, args.decode_repeats, cmd, f"{load} → {loadavg()}", device,
+                     dtype, mark)
     print(section)
     if args.write:
-        write_section(args.write, section, MARK)
+        write_section(args.write, section, mark)
 
 
 if __name__ == "__main__":
