@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
