@@ -183,7 +183,7 @@ def on(device, dtype, x, ids, w, grad):
     return x.to(device, dtype), ids.to(device), w.to(device, dtype), grad.to(device, dtype)
 
 
-def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device, dtype):
+def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device=torch.device("cpu"), dtype=torch.float32):
     x, ids, w, gate_up, down, grad = make_inputs(E, k, H, I, T)
     mods = {n: build(n, E, k, H, I, gate_up, down).to(device, dtype) for n in ("dense", "router", *IMPLS)}
     x, ids, w, grad = on(device, dtype, x, ids, w, grad)
