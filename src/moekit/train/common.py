@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,13 +19,10 @@ from moekit.errors import CheckpointError, ConfigError, OutputExistsError
 from moekit.methods import method
 from moekit.methods.base import load_base
 from moekit.train.args import training_args
+from moekit.train.parallel import is_main
 from moekit.training_progress import TrainProgress
 from moekit.train.recipe import RecipeBase, TranslationRecipe
 from moekit.train.trainer import MoETrainer
-
-
-def is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
@@ -169,9 +165,9 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     continues = last is not None and last.parent.parent == partial  # the interrupted run goes on in place
     if last is not None and not continues:  # continuing a finished run replaces it
         overwrite = True
-    if last is None and partial.exists() and not overwrite and is_main_process():
+    if last is None and partial.exists() and not overwrite and is_main():
         raise OutputExistsError(partial, f"{partial} holds an interrupted run of {out} (resume=True continues it)")
-    if not is_main_process():
+    if not is_main():
         yield recipe.model_copy(update={"out": str(partial)}), last
         return
     with output(out, inputs, overwrite, partial=True, keep=lambda work: last_checkpoint(work) is not None,

@@ -218,7 +218,8 @@ def held(model: nn.Module) -> tuple[int, int]:
 
 def engine_record(engine: Engine, model: nn.Module) -> dict:
     """What the run's engine did with the parameters (engine.json of a run): the engine, its communication backend
-    (gloo, nccl; None in one process), the processes and the elements each one holds, of how many. A collective under a distributed launch (every rank calls it)."""
+    (gloo, nccl; None in one process), the processes and the elements each one holds, of how many. A collective
+    under a distributed launch (every rank calls it)."""
     import torch.distributed as dist
 
     local, total = held(model)

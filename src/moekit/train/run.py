@@ -15,9 +15,10 @@ from moekit.eval.translation import DenseReference, direction_loss, encode_pairs
 from moekit.eval.plots import plot_curves, plot_usage
 from moekit.methods.base import load_base
 from moekit.train.args import check_training_args
+from moekit.train.parallel import is_main
 from moekit.train.recipe import TranslationRecipe
 from moekit.train.trainer import MoETrainer
-from moekit.train.common import (adapt, evaluation_model, is_main_process, load_tokenizer, make_trainer, recipe_inputs,
+from moekit.train.common import (adapt, evaluation_model, load_tokenizer, make_trainer, recipe_inputs,
                                  resume_from, run_directory, save_final, write_run_files)
 
 
@@ -41,7 +42,7 @@ def dense_reference(recipe: TranslationRecipe, dense: nn.Module, tok, test, save
         return None
     ref = (DenseReference.load(saved) if saved is not None and (saved / DenseReference.FILE).is_file() else
            DenseReference.compute(dense, kl_examples(recipe, test, tok), recipe.eval.batch_size))
-    if is_main_process():
+    if is_main():
         ref.save(out)
     return ref
 
