@@ -220,13 +220,15 @@ def selective_trainer(model: nn.Module, args, data: list[dict], tokenizer):
 def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]], tokenizer, lines: list[str],
                    steps: int | None = None, epochs: float = 3.0, lr: float = 2e-5, batch_size: int = 16,
                    grad_accum: int = 1, max_length: int = 128, weight_decay: float = 0.0, seed: int = 0,
-                   device: str = "auto") -> list[dict]:
+                   device: str = "auto", deepspeed: dict | None = None) -> list[dict]:
     """Train only the selected experts of `model` (in place) on plain text lines with transformers'
     Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history. Defaults are
     RISE's (§4.1: 3 epochs, effective batch 16 = 2 × 8 accumulation steps, lr 2e-5); `steps` replaces the
     epochs; `batch_size` counts examples per optimizer step, split into `grad_accum` micro-batches. `device`:
     "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present).
-    One process; `moekit finetune` also runs under a distributed launch (moekit.train.finetune)."""
+    Under a distributed launch the Trainer runs DDP (on the CPU: gloo, every process its share of the data), or
+    DeepSpeed ZeRO-1/2 with `deepspeed` (a resolved config dict); moekit.train.finetune adds the engines that
+    shard the model (ZeRO-3, FSDP2, expert parallelism)."""
     from transformers import TrainingArguments
 
     data = prepare_lines(lines, tokenizer, max_length, seed)
@@ -236,8 +238,9 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     model.train()
     try:
         with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
-            args = TrainingArguments(output_dir=tmp, use_cpu=device == "cpu", **trainer_settings(
-                len(data), steps, epochs, lr, batch_size, grad_accum, weight_decay, seed))
+            args = TrainingArguments(output_dir=tmp, use_cpu=device == "cpu" or not torch.accelerator.is_available(),
+                                     deepspeed=deepspeed, **trainer_settings(len(data), steps, epochs, lr, batch_size,
+                                                                             grad_accum, weight_decay, seed))
             trainer = selective_trainer(model, args, data, tokenizer)
             trainer.train()
             return trainer.state.log_history

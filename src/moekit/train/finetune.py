@@ -132,26 +132,27 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
     from transformers import TrainingArguments
 
     from moekit.select.common import experts_of
-    from moekit.select.finetune import attach, prepare_lines, selective_trainer, trainer_settings
+    from moekit.select.finetune import attach, prepare_lines, selective_trainer, train_selected, trainer_settings
 
+    if not engine.sharded:  # one process, DDP or ZeRO-1/2: every rank holds the model whole
+        log = train_selected(model, selection, tokenizer, lines, steps, epochs, lr, batch_size, grad_accum, max_length,
+                             weight_decay, seed, device, None if deepspeed is None else deepspeed_config(deepspeed))
+        return (model if is_main() else None), log
     data = prepare_lines(lines, tokenizer, max_length, seed)
     if not experts_of(selection):
         raise ConfigError("the selection is empty")
     targets = targets_of(model, selection)
-    handle = None
+    model.requires_grad_(False)
     if engine.kind == "ep":
-        model.requires_grad_(False)
         initial = {t.layer: {n: getattr(t.experts, n).index_select(0, torch.tensor(t.ids)).detach().clone()
                              for n in t.names} for t in targets}  # (K, ...) each, before the experts are split
         distribute(model, engine, between=lambda m, ep: attach_local(targets, ep, initial))
     elif engine.zero == 3:
-        model.requires_grad_(False)
         mask_rows(targets)
         zero3_leaves(model)
-    else:
-        handle = attach(model, selection)
-        if engine.kind == "fsdp":
-            distribute(model, engine)
+    else:  # FSDP2
+        attach(model, selection)
+        distribute(model, engine)
     model.train()
     with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
         settings = trainer_settings(len(data), steps, epochs, lr, batch_size, grad_accum, weight_decay, seed)
@@ -160,16 +161,12 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
         trainer = selective_trainer(model, args, data, tokenizer)
         trainer.train()
         log = trainer.state.log_history
-        if not engine.sharded:
-            handle.merge()
-            return (model.eval() if is_main() else None), log
         gathered = trained_rows(targets)
         if not is_main():
             return None, log
         with no_zero_init():
             fresh = reload()
     return write_rows(fresh, targets, gathered), log
-
 
 def write_rows(model: nn.Module, targets: list[Target], trained: dict) -> nn.Module:
     """`model` (the input checkpoint, read again) with the trained rows in place."""
