@@ -1,4 +1,5 @@
-"""bench/report.py's paired bootstrap over seeds × test items and its verdict rule, against hand-computed cases."""
+"""bench/report.py's paired bootstrap over seeds × test items and its verdict rule, against hand-computed cases;
+bench/claims.py's copy of the claims tables into README.md, against BENCHMARKS.md as it is."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +10,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from claims import MARK, claim_tables, section  # noqa: E402
 from report import claims_table, paired_bootstrap, seed_folder, verdict  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_constant_difference_gives_a_degenerate_interval_even_with_noisy_items():
@@ -71,3 +75,22 @@ def test_claims_table_row():
 def test_seed_folder_keeps_seed_0_where_it_was():
     assert seed_folder(Path("runs/x"), "spri", 0) == Path("runs/x/spri")
     assert seed_folder(Path("runs/x"), "spri", 2) == Path("runs/x/seed2/spri")
+
+
+def test_claim_tables_finds_each_table_under_its_heading():
+    row = claims_table([{"claim": "X beats Y", "a": "x", "b": "y", "metric": "m", "direction": -1, "seeds": [0, 1],
+                         "stat": paired_bootstrap([[1.0], [1.0]], [[2.0], [2.0]])}])
+    text = "\n".join(["# B", "## One (bench/one.py)", "| a | b |", "|---|---|", "", *row, "", "text",
+                      "## Two", "no table", "## Three", *row, "|x|"])
+    assert claim_tables(text) == [("One (bench/one.py)", row), ("Three", [*row, "|x|"])]
+    assert row[2].endswith("| reproduced |")
+
+
+def test_readme_claims_are_benchmarks_words():
+    """README's claims section is bench/claims.py's output for BENCHMARKS.md as committed: each verdict row the same
+    line in both files."""
+    readme, benchmarks = (ROOT / "README.md").read_text(), (ROOT / "BENCHMARKS.md").read_text()
+    inside = MARK[0] + readme.split(MARK[0], 1)[1].split(MARK[1], 1)[0] + MARK[1]
+    assert inside == section(benchmarks)
+    rows = [line for line in inside.splitlines() if line.startswith("| ")]
+    assert set(rows) <= set(benchmarks.splitlines())
