@@ -32,7 +32,8 @@ def claim_tables(text: str) -> list[tuple[str, list[str]]]:
 
 
 def section(benchmarks: str) -> str:
-    parts = [MARK[0], f"Measured in miniature over the seeds named in each row; copied from BENCHMARKS.md by bench/claims.py. {VERDICT_RULE}"]
+    parts = [MARK[0], "Measured in miniature over the seeds named in each row; copied from BENCHMARKS.md by "
+                      f"bench/claims.py. {VERDICT_RULE}"]
     tables = claim_tables(benchmarks)
     if not tables:
         parts.append("\nNo claim has been measured over seeds yet.")

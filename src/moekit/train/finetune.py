@@ -134,9 +134,10 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
     from moekit.select.common import experts_of
     from moekit.select.finetune import attach, prepare_lines, selective_trainer, train_selected, trainer_settings
 
+    config = None if deepspeed is None else deepspeed_config(deepspeed)
     if not engine.sharded:  # one process, DDP or ZeRO-1/2: every rank holds the model whole
         log = train_selected(model, selection, tokenizer, lines, steps, epochs, lr, batch_size, grad_accum, max_length,
-                             weight_decay, seed, device, None if deepspeed is None else deepspeed_config(deepspeed))
+                             weight_decay, seed, device, config)
         return (model if is_main() else None), log
     data = prepare_lines(lines, tokenizer, max_length, seed)
     if not experts_of(selection):
@@ -157,7 +158,7 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
     with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
         settings = trainer_settings(len(data), steps, epochs, lr, batch_size, grad_accum, weight_decay, seed)
         args = TrainingArguments(output_dir=tmp, use_cpu=device == "cpu" or not has_accelerator(),
-                                 deepspeed=None if deepspeed is None else deepspeed_config(deepspeed), **settings)
+                                 deepspeed=config, **settings)
         trainer = selective_trainer(model, args, data, tokenizer)
         trainer.train()
         log = trainer.state.log_history
