@@ -55,6 +55,22 @@ def cached(folder: Path, run) -> dict:
     return summary
 
 
+def device_name() -> str:
+    """What this process computes on, for a run's summary: the GPU's name, or the CPU and its thread count."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s)"
+
+
+def measured_on(summaries) -> str:
+    """The devices a table's runs were measured on (runs summarized before this was recorded: "CPU")."""
+    return ", ".join(sorted({s.get("device", "CPU") for s in summaries}))
+
+
 def corpus(out: Path, **cfg) -> Path:
     """A speech corpus (moekit.speech.corpus) built once into `out`."""
     from moekit.speech.corpus import CorpusConfig, build_corpus

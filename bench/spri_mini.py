@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from datetime import date
 from pathlib import Path
-from report import VERDICT_RULE, log_progress, claims_table, paired_bootstrap, seed_folder, write_section  # bench/report.py
+from report import (VERDICT_RULE, device_name, log_progress, claims_table, measured_on, paired_bootstrap, seed_folder,
+                    write_section)  # bench/report.py
 
 SYSTEMS = {name: (name, []) for name in
            ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]}  # name: (recipe, overrides)
@@ -138,6 +138,7 @@ def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: i
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
     summary = {"seconds": time.perf_counter() - t0, "mean_kl": statistics.mean(kls) if kls else None,
+               "device": device_name(),
                **({"branch_seconds": branch_seconds} if recipe_name == "btx" else {})}
     (folder / "summary.json").write_text(json.dumps(summary))
     return summary
@@ -300,7 +301,7 @@ def main() -> None:
                    + (f" {' and '.join(REFERENCES)}: copied from {args.reference_from} (seed 0)." if args.reference_from
                       else ""))
     lines = [mark[0], f"## {title} (bench/spri_mini.py)", "",
-             f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Overrides on every recipe: "
+             f"`{cmd}` — {date.today()}, measured on {measured_on(summaries.values())}. Overrides on every recipe: "
              f"`{' '.join(OVERRIDES)}`" + (" and `aux.layer_reduction=mean`" if args.ablations else "")
              + f"; per-row overrides in the script; seed n > 0 adds `train.seed=n` and `moe.seed=n` (test "
              f"verses fixed).{status}", "", *table(args.out, summaries), "",
