@@ -1,6 +1,7 @@
 """SPRI Table 2 in miniature: every system fine-tuned on the same data-constrained En->XX subset for
 the same number of steps, then evaluated (BLEU/chrF per direction, KL to the dense model, diversity,
-parameters, wall time). Each system is one recipe from recipes/ with the shared overrides below;
+parameters, wall time; each run's summary records the device it computed on, and the table's header names
+them). Each system is one recipe from recipes/ with the shared overrides below;
 finished systems are cached (their summary.json), so an interrupted run resumes where it stopped.
 
     .venv/bin/python bench/spri_mini.py --out runs/spri_mini --write BENCHMARKS.md

@@ -11,9 +11,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from claims import MARK, claim_tables, section  # noqa: E402
-from report import claims_table, paired_bootstrap, seed_folder, verdict  # noqa: E402
+from report import claims_table, device_name, measured_on, paired_bootstrap, seed_folder, verdict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_table_names_every_device_its_runs_were_measured_on_once():
+    # runs summarized before the device was recorded count as "CPU"
+    runs = [{"device": "NVIDIA H100 80GB HBM3"}, {}, {"device": "NVIDIA H100 80GB HBM3"}, {"device": device_name()}]
+    assert measured_on(runs) == ", ".join(sorted({"NVIDIA H100 80GB HBM3", "CPU", device_name()}))
+    assert measured_on([{}]) == "CPU"
 
 
 def test_constant_difference_gives_a_degenerate_interval_even_with_noisy_items():
