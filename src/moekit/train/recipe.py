@@ -46,7 +46,7 @@ class AuxConfig(Config):
 
 class OptimConfig(Config):
     """AdamW (Adam with weight_decay 0) with warm-up and a `schedule` (SPRI §3.3: linear; SIMoE Table 6:
-    constant; Omni-router §5.2: cosine)."""
+    constant; Omni-router §5.3: cosine)."""
 
     lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
