@@ -7,8 +7,9 @@ Drop-Upcycling, re-initialization ratio 0.2 (E=8, top-2, every 3rd block: 10 MoE
 (experts + routers, UME-style) trained as a causal LM for STAGE1_STEPS steps on 4 high-resource
 languages (HIGH_N verses each) and 4 low-resource ones (LOW_N verses each), λ_lb = 1e-2, λ_z = 1e-3.
 Stages 2-5 start from the cached model; the trace, the losses before fine-tuning and each selection's
-fine-tuning and pruning are cached too (OUT/trace.npz, OUT/before.json, OUT/method_<name>/summary.json), so
-an interrupted run resumes with what it has not finished.
+fine-tuning and pruning are cached too (OUT/trace.npz, OUT/before.json, OUT/method_<name>/summary.json), and
+stage 1 itself saves a checkpoint every STAGE1_SAVE_EVERY steps, so an interrupted run resumes with what it has
+not finished (tests/test_bench_resume.py).
 
     .venv/bin/python bench/rise_mini.py --out runs/rise_mini --write BENCHMARKS.md
 
@@ -45,7 +46,7 @@ from moekit.select.prune import prune
 from moekit.select.registry import select
 from moekit.methods.freeze import FreezeCallback, FreezeConfig
 from moekit.train.recipe import AuxConfig
-from moekit.train.common import load_tokenizer
+from moekit.train.common import last_checkpoint, load_tokenizer, resume_from
 from moekit.train.trainer import MoETrainer
 from moekit.upcycling import upcycle
 from report import VERDICT_RULE, log_progress, cached, claims_table, paired_bootstrap, write_section  # bench/report.py
@@ -55,6 +56,7 @@ HIGH, LOW, TARGET = ["en", "fr", "de", "es"], ["sw", "tl", "id", "vi"], "sw"
 HIGH_N, LOW_N = 400, 40  # 10:1 imbalance in the stage-1 mix
 TRACE_N, EVAL_N, TARGET_N = 48, 32, 160  # held-out verses: traces, loss evaluation; target fine-tuning set
 STAGE1_STEPS, FT_STEPS, BATCH, MAX_LEN = 120, 30, 8, 64
+STAGE1_SAVE_EVERY = 40  # stage 1's checkpoints: a run stopped mid-way resumes from the last one
 BUDGET, METHODS = 16, ["rise", "esft", "topk", "random"]
 MARK = ("<!-- rise_mini -->", "<!-- /rise_mini -->")
 # RISE's headline claims (abstract, Table 3, Obs. 1-2), as paired comparisons of held-out mean token NLL
@@ -91,7 +93,9 @@ def corpus() -> dict[str, dict[str, list[str]]]:
 
 
 def stage1(out: Path, data, tok, seed: int = 0) -> float:
-    """Upcycle and train the MoE layers on the imbalanced mix; cached as a moekit checkpoint."""
+    """Upcycle and train the MoE layers on the imbalanced mix; cached as a moekit checkpoint. A stage 1 stopped
+    mid-way continues from its last checkpoint in OUT/stage1_tmp (the Trainer restores weights, optimizer,
+    schedule, RNG and data order)."""
     if (out / "base" / "moekit.json").is_file() and (out / "stage1.json").is_file():
         return json.loads((out / "stage1.json").read_text())["seconds"]
     from transformers import TrainingArguments
@@ -101,14 +105,15 @@ def stage1(out: Path, data, tok, seed: int = 0) -> float:
     model = upcycle(load_dense(resolve_model("smollm2-135m")), spec(seed))
     lines = [line for lang in LANGS for line in data[lang]["train"]]
     random.Random(seed).shuffle(lines)
-    args = TrainingArguments(output_dir=str(out / "stage1_tmp"), max_steps=STAGE1_STEPS, per_device_train_batch_size=BATCH,
-                             learning_rate=2e-4, warmup_steps=0.1, lr_scheduler_type="linear", weight_decay=0.01,
-                             logging_steps=10, save_strategy="no", report_to=[], seed=seed, data_seed=seed,
+    args = TrainingArguments(output_dir=str(out / "stage1_tmp" / "checkpoints"), max_steps=STAGE1_STEPS,
+                             per_device_train_batch_size=BATCH, learning_rate=2e-4, warmup_steps=0.1,
+                             lr_scheduler_type="linear", weight_decay=0.01, logging_steps=10, save_strategy="steps",
+                             save_steps=STAGE1_SAVE_EVERY, save_total_limit=1, report_to=[], seed=seed, data_seed=seed,
                              remove_unused_columns=False, dataloader_num_workers=0, disable_tqdm=True)
     trainer = MoETrainer(model=model, args=args, train_dataset=encode_lines(lines, tok, MAX_LEN),
                          data_collator=TranslationCollator(tok.pad_token_id), aux=AuxConfig(),
                          callbacks=[FreezeCallback(model, FreezeConfig(schedule="ume"))])
-    trainer.train()
+    resume_from(trainer, last_checkpoint(out / "stage1_tmp"))
     save(model.eval(), out / "base", overwrite=True, tokenizer=tok)
     seconds = time.perf_counter() - t0
     (out / "stage1.json").write_text(json.dumps({"seconds": seconds, "log": trainer.state.log_history}))
