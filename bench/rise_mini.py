@@ -26,6 +26,7 @@ import argparse
 import json
 import platform
 import random
+import shutil
 import time
 from datetime import date
 from pathlib import Path
@@ -117,6 +118,8 @@ def stage1(out: Path, data, tok, seed: int = 0) -> float:
     save(model.eval(), out / "base", overwrite=True, tokenizer=tok)
     seconds = time.perf_counter() - t0
     (out / "stage1.json").write_text(json.dumps({"seconds": seconds, "log": trainer.state.log_history}))
+    if (out / "stage1_tmp").exists():  # its checkpoints (weights and optimizer state) are not needed once cached
+        shutil.rmtree(out / "stage1_tmp")
     return seconds
 
 
