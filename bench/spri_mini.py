@@ -93,7 +93,7 @@ def btx_branches(out: Path) -> tuple[list[str], float]:
     paths, seconds = [], 0.0
     for d in directions():
         folder = out / "btx_branches" / d
-        if not (folder / "done").is_file():
+        if not ((folder / "done").is_file() and (folder / "model").is_dir()):  # a branch whose model went is retrained
             t0 = time.perf_counter()
             recipe = load_yaml(Path("recipes/dense_ft.yaml"), TranslationRecipe,
                                [*OVERRIDES, f"data.directions=[{d}]", f"train.steps={BRANCH_STEPS}", "train.eval_every=0",

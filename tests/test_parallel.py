@@ -11,6 +11,8 @@ the same data. 2 processes (torchrun): on the CPU with gloo, or on 2 GPUs with N
 Each run against DDP's: per-step loss and grad norm within 1e-5 relative, the saved model within rtol 1e-4 /
 atol 1e-5 (every tensor), the evaluation after training written."""
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -241,3 +243,29 @@ def test_finetune_sharded_equals_ddp(family, engine, finetune_inputs, tmp_path_f
 
 
 DDP_FINETUNE: dict[str, Path] = {}
+
+
+END = """
+import atexit
+import torch.distributed as dist
+from moekit.cli.main import end_process
+from moekit.train.parallel import leave_launch
+atexit.register(print, "teardown ran")
+print("outside a launch", end_process(3))  # the code is returned
+dist.init_process_group("gloo", init_method="file://{rendezvous}", rank=0, world_size=1)
+held = dist.group.WORLD  # kept past destroy_process_group, as DeepSpeed keeps its groups (and their threads)
+leave_launch()
+print("trained")  # stdout is a pipe: block-buffered until flushed
+end_process(3)
+print("not reached")
+"""
+
+
+@gloo
+def test_a_process_whose_launch_is_over_ends_with_its_code_its_output_and_no_teardown(tmp_path):
+    """moekit.cli.main.end_process: after leave_launch the process ends at once with the command's exit code, its
+    buffered output flushed, no teardown run (atexit, interpreter finalization); before, it only returns the code."""
+    proc = subprocess.run([sys.executable, "-c", END.format(rendezvous=tmp_path / "rendezvous")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "outside a launch 3\ntrained\n"

@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     quiet_hub_progress()
     install_signal_handlers()
+    return end_process(run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; its exit code."""
     try:
         args.run(args)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (Terminated)
@@ -111,6 +116,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moekit: error: {message(e)}", file=sys.stderr)
         return 2
     return 0
+
+
+def end_process(code: int) -> int:
+    """`code`, returned; but a process whose distributed launch is over (moekit.train.parallel.leave_launch) ends
+    here with `code`, its output flushed, without the interpreter's teardown. DeepSpeed keeps its gloo process
+    groups referenced past destroy_process_group, so their worker threads outlive it, and a C++ thread that still
+    touches Python once the interpreter finalizes aborts the process ("terminate called without an active
+    exception", SIGABRT): CI saw it once on a ZeRO-2 rank that had finished, and torchrun then reported the whole
+    launch failed. Everything the command writes is written and renamed into place before this point."""
+    launch = sys.modules.get("moekit.train.parallel")  # imported by every command that trains
+    if launch is None or not launch.left_launch():
+        return code
+    import logging
+
+    logging.shutdown()  # flushes and closes the handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def quiet_hub_progress() -> None:

@@ -52,13 +52,25 @@ def is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+_left_launch = False  # set by leave_launch: this process took part in a distributed launch, now over
+
+
 def leave_launch() -> None:
     """This process's part of a distributed launch is done: its process group is shut down now (a non-main rank ends
-    while the main one still evaluates; left to the interpreter's exit, gloo's threads could abort it)."""
+    while the main one still evaluates). destroy_process_group does not stop gloo's worker threads while anything
+    still references the group, and DeepSpeed does (its ZeRO optimizer, engine and groups module), so the process
+    is also marked to end without the interpreter's teardown (moekit.cli.main.end_process)."""
+    global _left_launch
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        _left_launch = True
+
+
+def left_launch() -> bool:
+    """Whether `leave_launch` shut down this process's distributed launch."""
+    return _left_launch
 
 
 def world_size() -> int:
