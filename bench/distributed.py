@@ -37,10 +37,12 @@ ENGINES = {"DDP": {}, "ZeRO-2": {"zero_optimization": {"stage": 2}},
 # each rank writes its peak RSS over the whole command, and over Trainer.train alone (the peak reset as it starts:
 # the engine's own state, after the model was built)
 PROBE = r'''
-import atexit, json, os, runpy
+import json, os, runpy
 from pathlib import Path
 
 import transformers
+
+import moekit.cli.main as cli
 
 record = {}
 
@@ -69,8 +71,13 @@ def probed(self, *args, **kwargs):
         record["rss_after_train_gib"] = status("VmRSS")  # what the engine keeps once training runs
 
 
+def probed_end(code):
+    save()  # a rank whose launch is over ends inside end_process (os._exit): no atexit runs
+    return end_process(code)
+
+
 transformers.Trainer.train = probed
-atexit.register(save)
+end_process, cli.end_process = cli.end_process, probed_end
 runpy.run_module("moekit", run_name="__main__", alter_sys=True)
 '''
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import peft
 import transformers
 
+import moekit.cli.main as cli
 import moekit.train.run as run
 import moekit.checkpoint.format as io_module
 
@@ -68,7 +69,17 @@ def probe(owner, name, folder_arg):
     setattr(owner, name, probed)
 
 
+def save_record():
+    (Path(os.environ["PROBE_DIR"]) / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def probed_end(code):
+    save_record()  # a rank whose launch is over ends inside end_process (os._exit): nothing after it runs
+    return end_process(code)
+
+
 run.train = probed_train
+end_process, cli.end_process = cli.end_process, probed_end
 probe(io_module, "write_checkpoint", 1)  # moekit-format MoE models
 probe(transformers.PreTrainedModel, "save_pretrained", 1)  # dense models
 probe(peft.PeftModel, "save_pretrained", 1)  # LoRA adapters
@@ -76,7 +87,7 @@ probe(transformers.PreTrainedTokenizerBase, "save_pretrained", 1)
 try:
     runpy.run_module("moekit", run_name="__main__", alter_sys=True)  # = python -m moekit
 finally:
-    (Path(os.environ["PROBE_DIR"]) / f"rank{rank}.json").write_text(json.dumps(record))
+    save_record()
 '''
 
 
