@@ -69,12 +69,10 @@ def probe(owner, name, folder_arg):
     setattr(owner, name, probed)
 
 
-def save_record():
-    (Path(os.environ["PROBE_DIR"]) / f"rank{rank}.json").write_text(json.dumps(record))
-
-
 def probed_end(code):
-    save_record()  # a rank whose launch is over ends inside end_process (os._exit): nothing after it runs
+    """Every command ends through end_process (on success and on error); a rank whose launch is over ends inside it
+    (os._exit), so nothing after the command runs: the record is written here."""
+    (Path(os.environ["PROBE_DIR"]) / f"rank{rank}.json").write_text(json.dumps(record))
     return end_process(code)
 
 
@@ -84,10 +82,7 @@ probe(io_module, "write_checkpoint", 1)  # moekit-format MoE models
 probe(transformers.PreTrainedModel, "save_pretrained", 1)  # dense models
 probe(peft.PeftModel, "save_pretrained", 1)  # LoRA adapters
 probe(transformers.PreTrainedTokenizerBase, "save_pretrained", 1)
-try:
-    runpy.run_module("moekit", run_name="__main__", alter_sys=True)  # = python -m moekit
-finally:
-    save_record()
+runpy.run_module("moekit", run_name="__main__", alter_sys=True)  # = python -m moekit
 '''
 
 
