@@ -19,7 +19,6 @@ and z-loss, forward and backward, in fwd+bwd rows) as a share of the whole MoE l
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from datetime import date
 from pathlib import Path
@@ -33,7 +32,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from moekit.losses import load_balance, z_loss
 from moekit.moe.experts import Experts
 from moekit.moe.router import Router
-from report import spread, write_section  # bench/report.py
+from report import device_name, spread, write_section  # bench/report.py
 
 SHAPES = [  # (name, E, k, H, I)
     ("E=8/top-2/H=1024/I=3072", 8, 2, 1024, 3072),
@@ -196,10 +195,8 @@ def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device=torch.device
 
 
 def render(rows, T, repeats, decode_repeats, cmd, load, device, dtype, mark):
-    where = (f"{torch.cuda.get_device_name(device)}" if device.type == "cuda" else
-             f"{platform.machine()}, {torch.get_num_threads()} threads")
     out = [mark[0], "## MoE layer speed" + (" on a GPU" if device.type == "cuda" else "") + " (bench/moe_layer.py)", "",
-           f"`{cmd}` — {date.today()}, {where}, torch "
+           f"`{cmd}` — {date.today()}, {device_name(device)}, torch "
            f"{torch.__version__}, transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}, median of "
            f"{repeats} interleaved repeats after warm-up ({decode_repeats} at decode sizes); load average {load} "
            "before → after. Outputs and "

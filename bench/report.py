@@ -55,14 +55,16 @@ def cached(folder: Path, run) -> dict:
     return summary
 
 
-def device_name() -> str:
-    """What this process computes on, for a run's summary: the GPU's name, or the CPU and its thread count."""
+def device_name(device=None) -> str:
+    """What this process computes on (`device`, or by default the first GPU if there is one), for a run's summary:
+    the GPU's name, or the CPU and its thread count."""
     import platform
 
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
     return f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s)"
 
 

@@ -23,6 +23,15 @@ def test_a_table_names_every_device_its_runs_were_measured_on_once():
     assert measured_on([{}]) == "CPU"
 
 
+def test_a_device_is_named_as_asked_and_the_default_is_the_gpu_when_there_is_one():
+    import platform
+
+    import torch
+
+    assert device_name("cpu") == f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s)"
+    assert device_name() == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else device_name("cpu"))
+
+
 def test_constant_difference_gives_a_degenerate_interval_even_with_noisy_items():
     # paired: the items' own noise is shared by both systems, so a constant difference has no spread
     a = np.random.default_rng(1).normal(size=(3, 20))

@@ -231,6 +231,8 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     shard the model (ZeRO-3, FSDP2, expert parallelism)."""
     from transformers import TrainingArguments
 
+    from moekit.train.args import use_cpu
+
     data = prepare_lines(lines, tokenizer, max_length, seed)
     if not experts_of(selection):
         raise ConfigError("the selection is empty")
@@ -238,7 +240,7 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     model.train()
     try:
         with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
-            args = TrainingArguments(output_dir=tmp, use_cpu=device == "cpu" or not torch.accelerator.is_available(),
+            args = TrainingArguments(output_dir=tmp, use_cpu=use_cpu(device),
                                      deepspeed=deepspeed, **trainer_settings(len(data), steps, epochs, lr, batch_size,
                                                                              grad_accum, weight_decay, seed))
             trainer = selective_trainer(model, args, data, tokenizer)

@@ -68,6 +68,11 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
 
+def use_cpu(device: str | None = None) -> bool:
+    """TrainingArguments.use_cpu for a run asked to train on `device` ("cpu", or None for the default)."""
+    return device == "cpu" or not has_accelerator()
+
+
 def training_args(recipe, out: Path):
     """The TrainingArguments of `recipe` (translation, text or ASR) writing to `out`/checkpoints. On a machine
     without an accelerator use_cpu is set: accelerate then runs bf16 autocast on the CPU and, under torchrun,
@@ -81,7 +86,7 @@ def training_args(recipe, out: Path):
     if extra.get("deepspeed") is not None:  # a fresh, checked copy: TrainingArguments fills its "auto" values in place
         extra["deepspeed"] = deepspeed_config(extra["deepspeed"])
     return TrainingArguments(
-        use_cpu=not has_accelerator(),
+        use_cpu=use_cpu(),
         output_dir=str(out / "checkpoints"), max_steps=t.steps, per_device_train_batch_size=t.batch_size,
         gradient_accumulation_steps=t.grad_accum, learning_rate=o.lr, weight_decay=o.weight_decay,
         lr_scheduler_type="constant_with_warmup" if o.schedule == "constant" else o.schedule,

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from moekit.errors import ConfigError
-from moekit.train.args import has_accelerator
+from moekit.train.args import use_cpu
 from moekit.train.parallel import (Engine, deepspeed_config, distribute, input_requires_grad, is_main, no_zero_init,
                                    zero3_leaves)
 
@@ -157,7 +157,7 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
     model.train()
     with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
         settings = trainer_settings(len(data), steps, epochs, lr, batch_size, grad_accum, weight_decay, seed)
-        args = TrainingArguments(output_dir=tmp, use_cpu=device == "cpu" or not has_accelerator(),
+        args = TrainingArguments(output_dir=tmp, use_cpu=use_cpu(device),
                                  deepspeed=config, **settings)
         trainer = selective_trainer(model, args, data, tokenizer)
         trainer.train()
@@ -204,7 +204,7 @@ def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_
     config = deepspeed_config(deepspeed)
     with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
         try:
-            args = TrainingArguments(output_dir=tmp, use_cpu=not has_accelerator(), deepspeed=config, **settings)
+            args = TrainingArguments(output_dir=tmp, use_cpu=use_cpu(), deepspeed=config, **settings)
         except (ValueError, TypeError, ImportError, OSError) as e:
             raise ConfigError(f"the DeepSpeed config: {e}") from None
     check_deepspeed(args, owned=owned or {})
