@@ -23,7 +23,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from report import write_section  # bench/report.py
+from report import paired_bootstrap, write_section  # bench/report.py
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
            "SIMoE": ("simoe_instruct", []), "SIMoE w/o ortho": ("simoe_instruct", ["simoe.mask_lr=0.1", "simoe.ortho=0"]),  # ablation (b) of "SIMoE mask lr 0.1"
@@ -111,6 +111,40 @@ def per_task(out: Path, labels: list[str]) -> list[str]:
               for t in tasks]]
 
 
+def item_rouge(out: Path, label: str) -> dict[str, list[float]]:
+    """{"seen"/"unseen": per-item ROUGE-L of one run's test outputs, tasks in order}; checked against the run's
+    own task means (equal items per task, so the item mean is the unweighted task mean the table reports)."""
+    from moekit.data.instruct import load_instruct_pairs
+    from moekit.eval.instruct import rouge_l
+    from moekit.train.recipe import load_recipe
+
+    folder = folder_of(out, label)
+    results = json.loads((folder / "results.json").read_text())
+    data = load_recipe(folder / "recipe.yaml").data
+    unseen = data.task_names()[1]
+    scores = {"seen": [], "unseen": []}
+    for task, pairs in load_instruct_pairs(data)[1].items():
+        hyps = results["translations"][task]
+        scores["unseen" if task in unseen else "seen"] += [rouge_l([h], [p.tgt]) for h, p in zip(hyps, pairs)]
+    for group, items in scores.items():
+        if abs(sum(items) / len(items) - results["groups"][group]["rougeL"]) > 1e-6:
+            raise ValueError(f"{label}: per-item ROUGE-L does not average to the run's {group} mean")
+    return scores
+
+
+def paired(out: Path, labels: list[str], base: str = "full FT") -> list[str]:
+    """Each system − `base` in ROUGE-L, mean and 95 % paired bootstrap interval over test items (one seed)."""
+    ref = item_rouge(out, base)
+    lines = [f"ROUGE-L difference to {base}, 95 % paired bootstrap interval over test items (one seed, 2000 "
+             "resamples):", "", "| system | seen | unseen |", "|---|---|---|"]
+    for label in labels:
+        scores = item_rouge(out, label)
+        cells = [paired_bootstrap([scores[g]], [ref[g]]) for g in ("seen", "unseen")]
+        lines.append(f"| {label} | " + " | ".join(f"{c['mean']:+.1f} [{c['lo']:+.1f}, {c['hi']:+.1f}]" for c in cells)
+                     + " |")
+    return [*lines, ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/simoe_mini"))
@@ -153,6 +187,8 @@ def main() -> None:
         "final | total params | active params | pruned export | peak RSS (GiB) | wall (min) |", "|---" * 12 + "|",
         *[row(label, folder_of(args.out, label), s) for label, s in summaries.items()], "",
         *(["ROUGE-L per task:", "", *per_task(args.out, list(summaries)), ""] if summaries else []),
+        *(paired(args.out, [s for s in summaries if s != "full FT"]) if args.common and "full FT" in summaries
+          else []),
         *[f"{label}: non-zero expert parameters (Fig. 4, median gates) "
           + " · ".join(f"{k} {v:.2f}" for k, v in s["nonzero"]["by_type"].items())
           + f"; overall {s['nonzero']['overall']:.3f}; by depth "
