@@ -231,8 +231,6 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     shard the model (ZeRO-3, FSDP2, expert parallelism)."""
     from transformers import TrainingArguments
 
-    from moekit.train.args import use_cpu
-
     data = prepare_lines(lines, tokenizer, max_length, seed)
     if not experts_of(selection):
         raise ConfigError("the selection is empty")
@@ -240,7 +238,7 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     model.train()
     try:
         with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
-            args = TrainingArguments(output_dir=tmp, use_cpu=use_cpu(device),
+            args = TrainingArguments(output_dir=tmp, use_cpu=device == "cpu" or not torch.accelerator.is_available(),
                                      deepspeed=deepspeed, **trainer_settings(len(data), steps, epochs, lr, batch_size,
                                                                              grad_accum, weight_decay, seed))
             trainer = selective_trainer(model, args, data, tokenizer)
