@@ -93,9 +93,13 @@ def run_system(label: str, out: Path) -> dict:
 
 
 def row(label: str, folder: Path, s: dict) -> str:
+    from moekit.train.recipe import load_recipe
+
     r = json.loads((folder / "results.json").read_text())
     g, p = r["groups"], r["params"]
     sparsity = "–" if s["sparsity"] is None else f"{s['sparsity']:.3f}"
+    if s["sparsity"] is not None and s["sparsity"] < load_recipe(folder / "recipe.yaml").simoe.tau:
+        sparsity += " (below τ)"
     lam = "–" if not s.get("lambda") else f"{max(s['lambda']):.3g} / {s['lambda'][-1]:.3g}"
     pruned = f"{s['pruned_params']:,} ({s['pruned_params'] / s['unpruned_params']:.3f}×)" if "pruned_params" in s else "–"
     return (f"| {label} | {g['seen']['rougeL']:.1f} | {g['seen']['chrf']:.1f} | {g['unseen']['rougeL']:.1f} | "
