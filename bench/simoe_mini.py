@@ -115,19 +115,23 @@ def per_task(out: Path, labels: list[str]) -> list[str]:
               for t in tasks]]
 
 
-def item_rouge(out: Path, label: str) -> dict[str, list[float]]:
-    """{"seen"/"unseen": per-item ROUGE-L of one run's test outputs, tasks in order}; checked against the run's
-    own task means (equal items per task, so the item mean is the unweighted task mean the table reports)."""
+def held_out(out: Path, label: str) -> tuple[dict, list[str]]:
+    """({task: test pairs}, unseen task names) of a system's run; every system shares them (same data overrides)."""
     from moekit.data.instruct import load_instruct_pairs
-    from moekit.eval.instruct import rouge_l
     from moekit.train.recipe import load_recipe
 
-    folder = folder_of(out, label)
-    results = json.loads((folder / "results.json").read_text())
-    data = load_recipe(folder / "recipe.yaml").data
-    unseen = data.task_names()[1]
+    data = load_recipe(folder_of(out, label) / "recipe.yaml").data
+    return load_instruct_pairs(data)[1], data.task_names()[1]
+
+
+def item_rouge(out: Path, label: str, test: dict, unseen: list[str]) -> dict[str, list[float]]:
+    """{"seen"/"unseen": per-item ROUGE-L of one run's test outputs, tasks in order}; checked against the run's
+    own task means (equal items per task, so the item mean is the unweighted task mean the table reports)."""
+    from moekit.eval.instruct import rouge_l
+
+    results = json.loads((folder_of(out, label) / "results.json").read_text())
     scores = {"seen": [], "unseen": []}
-    for task, pairs in load_instruct_pairs(data)[1].items():
+    for task, pairs in test.items():
         hyps = results["translations"][task]
         scores["unseen" if task in unseen else "seen"] += [rouge_l([h], [p.tgt]) for h, p in zip(hyps, pairs)]
     for group, items in scores.items():
@@ -138,11 +142,12 @@ def item_rouge(out: Path, label: str) -> dict[str, list[float]]:
 
 def paired(out: Path, labels: list[str], base: str = "full FT") -> list[str]:
     """Each system − `base` in ROUGE-L, mean and 95 % paired bootstrap interval over test items (one seed)."""
-    ref = item_rouge(out, base)
+    test, unseen = held_out(out, base)  # built once: the same verses for every system
+    ref = item_rouge(out, base, test, unseen)
     lines = [f"ROUGE-L difference to {base}, 95 % paired bootstrap interval over test items (one seed, 2000 "
              "resamples):", "", "| system | seen | unseen |", "|---|---|---|"]
     for label in labels:
-        scores = item_rouge(out, label)
+        scores = item_rouge(out, label, test, unseen)
         cells = [paired_bootstrap([scores[g]], [ref[g]]) for g in ("seen", "unseen")]
         lines.append(f"| {label} | " + " | ".join(f"{c['mean']:+.1f} [{c['lo']:+.1f}, {c['hi']:+.1f}]" for c in cells)
                      + " |")
