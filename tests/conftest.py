@@ -8,6 +8,11 @@ import subprocess
 import pytest
 import torch
 
+# moekit's Triton kernels (moe/triton_experts.py) run on CPU tensors under Triton's interpreter, which Triton reads
+# when a kernel is decorated, i.e. when moekit is first imported: set before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Under pytest-xdist every worker would otherwise start one OpenMP thread per core: with n workers on
 # n cores the threads oversubscribe the CPU and OpenMP's spin-waiting makes tiny ops ~100x slower.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -33,6 +33,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from transformers.activations import ACT2FN
 
 from moekit.ffn import ExpertWeights
+from moekit.moe import triton_experts
+from moekit.moe.permute import Combine, Gather, sort_by_expert
 
 
 def _groupable(x: Tensor, weight: Tensor) -> bool:
@@ -53,13 +55,16 @@ def _contiguous_grad(t: Tensor) -> Tensor:
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether F.grouped_mm computes forward and backward in `dtype` on `device`: always on the CPU; on CUDA it
     depends on the GPU's architecture and the dtype, so it is tried once on a tiny product (16 x 16, 2 experts).
-    Where it fails, grouped_linear runs one matmul per expert instead (same result, more kernel launches)."""
+    Where it fails, grouped_linear runs one matmul per expert instead (same result, more kernel launches).
+    The probe's upstream gradient is a dense tensor, as a real one is: `.sum().backward()` would hand
+    grouped_mm's backward a stride-0 gradient, which it always rejects (so the probe said no on every GPU)."""
     if device.type == "cpu":
         return True
     try:
         x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
         w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        F.grouped_mm(x, w, offs=torch.tensor([8, 16], device=device, dtype=torch.int32)).sum().backward()
+        y = F.grouped_mm(x, w, offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+        y.backward(torch.ones_like(y))
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -257,7 +262,8 @@ class Experts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
         self.act, self.gated = act, gated
         self.act_fn = ACT2FN[act]
-        self.dispatch: Literal["auto", "grouped", "loop"] = "auto"  # "auto": by device and size (_use_loop)
+        # "auto": by device and size (_use_triton, _use_loop); the others force a path
+        self.dispatch: Literal["auto", "grouped", "loop", "triton"] = "auto"
         first = 2 * I if gated else I
         self.register_parameter("gate_up" if gated else "up", nn.Parameter(torch.zeros(E, first, H)))
         self.down = nn.Parameter(torch.zeros(E, H, I))
@@ -305,26 +311,38 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """x (T, H), topk_ids (T, k), topk_weights (T, k) -> (T, H)."""
-        T, k = topk_ids.shape
-        flat = topk_ids.reshape(-1)  # (S,) S = T*k, slot s belongs to token s // k
-        order = torch.argsort(flat, stable=True)  # (S,) slots sorted by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
-        token = order // k  # (S,)
+        k = topk_ids.shape[1]
+        order, counts = sort_by_expert(topk_ids, self.num_experts)  # (S,) slots by expert, S = T*k; (E,)
         weight = topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (S, 1)
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                             or any(p.requires_grad for p in self.parameters()))
+        if self._use_triton(x):
+            return triton_experts.triton_experts(x, weight, self.first, self.down, order, counts, k)
         if self._use_loop(x, counts, grad):
             offs = [0, *itertools.accumulate(counts.tolist())]  # (E+1,)
             with torch.autocast(x.device.type, enabled=False):  # in x's dtype, as grouped_mm (autocast skips it)
                 if grad:
-                    return ExpertLoop.apply(x, weight, self.first, self.down, token, offs)
-                return self._loop(x, weight, token, offs)
+                    return ExpertLoop.apply(x, weight, self.first, self.down, order // k, offs)
+                return self._loop(x, weight, order // k, offs)
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,)
-        return self._grouped(x, weight, token, flat[order], offs)
+        return self._grouped(x, weight, order, k, topk_ids.reshape(-1)[order], offs)
 
     def _loop_trainable(self) -> bool:
         """ExpertLoop's hand-written backward covers gated SiLU experts without biases."""
         return self.gated and self.act == "silu" and self.first_bias is None and self.down_bias is None
+
+    def _use_triton(self, x: Tensor) -> bool:
+        """moekit's Triton kernels (moe/triton_experts.py): on CUDA where triton imports, for gated SiLU
+        experts without biases in x's dtype and grouped_mm for the backward; or forced by `dispatch`."""
+        if self.dispatch not in ("auto", "triton"):
+            return False
+        fits = (self._loop_trainable() and x.dtype == self.first.dtype and triton_experts.available(x.device)
+                and _groupable(x, self.first) and self.intermediate_size % (16 // x.element_size()) == 0
+                and grouped_mm_runs(x.device, x.dtype))
+        if self.dispatch == "triton" and not fits:
+            raise ValueError("dispatch='triton' needs gated SiLU experts without biases, triton on a CUDA device "
+                             "(or TRITON_INTERPRET=1), x in the experts' dtype and 16-byte aligned rows")
+        return fits and (self.dispatch == "triton" or x.device.type == "cuda")
 
     def _use_loop(self, x: Tensor, counts: Tensor, grad: bool) -> bool:
         """The per-expert loop: on CPU, when each hit expert has ≥ LOOP_WORK multiply-adds (or forced by
@@ -359,14 +377,18 @@ class Experts(nn.Module):
 
         return _sum(_by_expert_threads(run, _hit_groups(offs), x))
 
-    def _grouped(self, x: Tensor, weight: Tensor, token: Tensor, expert: Tensor, offs: Tensor) -> Tensor:
-        """grouped_mm dispatch; expert (S,) the sorted slots' expert ids, offs (E,) int32 cumulative counts."""
-        h = grouped_linear(x.index_select(0, token), self.first, offs)  # (S, 2I | I)
+    def _grouped(self, x: Tensor, weight: Tensor, order: Tensor, k: int, expert: Tensor, offs: Tensor) -> Tensor:
+        """grouped_mm dispatch; order (S,) the slots by expert, expert (S,) their expert ids, offs (E,) int32
+        cumulative counts. The token gather and the sum over each token's k slots are deterministic (permute)."""
+        h = grouped_linear(Gather.apply(x, order, k), self.first, offs)  # (S, 2I | I)
         if self.first_bias is not None:
             h = h + self.first_bias.index_select(0, expert)  # (S, 2I | I)
         # scale by the routing weight on the narrower side: w·(D h) = D (w·h) when there is no down bias
         early = self.down_bias is None and self.intermediate_size <= self.hidden_size
-        if self.gated and self.act == "silu":
+        if self.gated and self.act == "silu" and triton_experts.available(h.device) and h.device.type == "cuda":
+            early = self.down_bias is None  # fused into the kernel: the weight costs no pass of its own
+            h = triton_experts.SwiGLU.apply(h, weight if early else None)  # (S, I)
+        elif self.gated and self.act == "silu":
             h = WeightedSwiGLU.apply(h, weight if early else None)  # (S, I)
         else:
             if self.gated:
@@ -381,7 +403,7 @@ class Experts(nn.Module):
             y = y + self.down_bias.index_select(0, expert)  # (S, H)
         if not early:
             y = y * weight  # (S, H)
-        return x.new_zeros(x.shape).index_add(0, token, y)  # (T, H)
+        return Combine.apply(y, order, k)  # (T, H)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "

@@ -1,0 +1,308 @@
+"""moekit's Triton kernels for gated-SiLU experts (the GPU path of `Experts`; optional: needs `triton`).
+
+Two levels, both deterministic (no atomics) and free of host syncs:
+
+- `swiglu` / `combine`: the element-wise parts around transformers-style `grouped_mm` GEMMs. `swiglu` is
+  silu(g) ⊙ u ⊙ w in one pass over h = [g | u] (S, 2I), its backward recomputes the activation from the
+  saved pre-activation h (one read of h and dy, one write of dh; dw reduced per row in float32).
+  `combine` sums each token's k rows in float32 in one pass (src (S, H), an optional row index) -> (T, H).
+- `TritonExperts`: the forward as two grouped GEMM kernels in the layout of vLLM's fused_moe / ScatterMoE:
+  (1) the token gather fused into the gate_up GEMM, SwiGLU and the routing weight in its epilogue; (2) the
+  down projection writing each row back to its (token, slot) position, so the k-sum is a plain `combine`.
+  A program's expert and rows come from the per-expert counts inside the kernel (a prefix sum over E), so
+  the grid is an upper bound (⌈S/BM⌉ + E blocks) and blocks past the last expert return at once: no
+  padding, no host read-back, and only hit experts' weights are read (the decode case). Its backward runs
+  torch's `grouped_mm` (CUTLASS) for the four GEMMs and the `swiglu` backward kernel.
+
+Under `TRITON_INTERPRET=1` the kernels run on CPU tensors (tests/test_triton_experts.py). Triton's
+interpreter computes bf16 `tl.dot` wrongly, so CI checks the GEMM kernels in fp32/fp16 and the GPU tests
+(tests/test_gpu.py) in bf16.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheel of torch comes without triton: moekit's other paths run
+    triton = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on `device`: CUDA with triton installed, or any CPU tensor under the
+    interpreter."""
+    return triton is not None and (device.type == "cuda" or interpreting())
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# (BM, BN, BK, warps, stages); the interpreter gets one small config (each program instance costs ~17 ms there)
+_CONFIGS = [(16, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
+            (128, 128, 64, 8, 3), (128, 128, 32, 4, 4)]
+
+
+def _tuned(kernel):
+    if interpreting():
+        configs = [triton.Config({"BM": 16, "BN": 16, "BK": 16})]
+    else:
+        configs = [triton.Config({"BM": m, "BN": n, "BK": k}, num_warps=w, num_stages=s)
+                   for m, n, k, w, s in _CONFIGS]
+    return triton.autotune(configs, key=["S_KEY", "N" if "N" in kernel.arg_names else "I", "K"])(kernel)
+
+
+if triton is not None:  # module level: a jitted kernel calls another through the module's globals, and
+    # TRITON_INTERPRET is read when a kernel is decorated (tests set it before importing moekit)
+
+    @triton.jit
+    def swiglu_fwd(h, w, a, S, I, s_h, s_a, HAS_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)  # (BM,)
+        rmask = rows < S
+        wv = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32) if HAS_W else 1.0
+        for n0 in range(0, I, BN):
+            cols = n0 + tl.arange(0, BN)
+            m = rmask[:, None] & (cols < I)[None, :]
+            g = tl.load(h + rows[:, None] * s_h + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.load(h + rows[:, None] * s_h + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            out = g * tl.sigmoid(g) * u
+            if HAS_W:
+                out = out * wv[:, None]
+            tl.store(a + rows[:, None] * s_a + cols[None, :], out.to(a.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def swiglu_bwd(dy, h, w, dh, dw, S, I, s_dy, s_h, HAS_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rmask = rows < S
+        wv = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32) if HAS_W else 1.0
+        acc = tl.zeros((BM,), dtype=tl.float32)  # dw per row
+        for n0 in range(0, I, BN):
+            cols = n0 + tl.arange(0, BN)
+            m = rmask[:, None] & (cols < I)[None, :]
+            d = tl.load(dy + rows[:, None] * s_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            g = tl.load(h + rows[:, None] * s_h + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.load(h + rows[:, None] * s_h + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(g)
+            act = g * sig  # silu(g)
+            acc += tl.sum(d * act * u, axis=1)
+            dw_ = d * wv[:, None] if HAS_W else d
+            tl.store(dh + rows[:, None] * s_h + cols[None, :],
+                     (dw_ * u * sig * (1.0 + g * (1.0 - sig))).to(dh.dtype.element_ty), mask=m)
+            tl.store(dh + rows[:, None] * s_h + I + cols[None, :], (dw_ * act).to(dh.dtype.element_ty), mask=m)
+        if HAS_W:
+            tl.store(dw + rows, acc.to(dw.dtype.element_ty), mask=rmask)
+
+    @triton.jit
+    def combine_k(src, idx, out, T, H, k, s_src, s_out, HAS_IDX: tl.constexpr, BT: tl.constexpr,
+                  BH: tl.constexpr):
+        toks = tl.program_id(0) * BT + tl.arange(0, BT)
+        cols = tl.program_id(1) * BH + tl.arange(0, BH)
+        tmask = toks < T
+        m = tmask[:, None] & (cols < H)[None, :]
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for j in range(0, k):
+            slot = toks * k + j
+            row = tl.load(idx + slot, mask=tmask, other=0) if HAS_IDX else slot
+            acc += tl.load(src + row[:, None] * s_src + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(out + toks[:, None] * s_out + cols[None, :], acc.to(out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _block(counts, E, BM: tl.constexpr, BE: tl.constexpr):
+        """This program's expert, the sorted position of its expert's first row, its rows (BM,) within the
+        expert and their mask: block pid of the experts' ⌈count/BM⌉ blocks laid end to end."""
+        pid = tl.program_id(0)
+        eidx = tl.arange(0, BE)
+        cnt = tl.load(counts + eidx, mask=eidx < E, other=0)  # (BE,)
+        nb = (cnt + BM - 1) // BM
+        cum = tl.cumsum(nb, 0)
+        e = tl.sum((cum <= pid).to(tl.int32))
+        start = tl.sum(tl.where(eidx < e, cnt, 0))
+        n_e = tl.sum(tl.where(eidx == e, cnt, 0))
+        rows = (pid - tl.sum(tl.where(eidx < e, nb, 0))) * BM + tl.arange(0, BM)
+        return e, start, rows, rows < n_e
+
+    @triton.jit
+    def gate_up_kernel(x, W, order, counts, w, a, h, E, I, K, k, s_x, s_we, s_wn, s_a, s_h,
+                SAVE_H: tl.constexpr, IEEE: tl.constexpr, S_KEY, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, BE: tl.constexpr):
+        """a[pos] = silu(x[tok] W_e,gᵀ) ⊙ (x[tok] W_e,uᵀ) · w[pos] for the rows of one expert; h[pos] = [g | u]."""
+        e, start, rows, rmask = _block(counts, E, BM, BE)
+        if e >= E:
+            return
+        pos = start + rows
+        tok = tl.load(order + pos, mask=rmask, other=0) // k  # the gather, fused
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < I
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        wbase = W + e.to(tl.int64) * s_we
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < K
+            xa = tl.load(x + tok[:, None].to(tl.int64) * s_x + ks[None, :], mask=rmask[:, None] & kmask[None, :],
+                         other=0.0)
+            bm = kmask[:, None] & cmask[None, :]
+            wg = tl.load(wbase + cols[None, :] * s_wn + ks[:, None], mask=bm, other=0.0)  # (BK, BN)
+            wu = tl.load(wbase + (I + cols)[None, :] * s_wn + ks[:, None], mask=bm, other=0.0)
+            if IEEE:
+                acc_g = tl.dot(xa, wg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(xa, wu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(xa, wg, acc_g)
+                acc_u = tl.dot(xa, wu, acc_u)
+        m = rmask[:, None] & cmask[None, :]
+        wv = tl.load(w + pos, mask=rmask, other=0.0).to(tl.float32)
+        out = acc_g * tl.sigmoid(acc_g) * acc_u * wv[:, None]
+        tl.store(a + pos[:, None].to(tl.int64) * s_a + cols[None, :], out.to(a.dtype.element_ty), mask=m)
+        if SAVE_H:
+            hp = h + pos[:, None].to(tl.int64) * s_h + cols[None, :]
+            tl.store(hp, acc_g.to(h.dtype.element_ty), mask=m)
+            tl.store(hp + I, acc_u.to(h.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def down_kernel(a, W, order, counts, y, E, N, K, s_a, s_we, s_wn, s_y, IEEE: tl.constexpr, S_KEY,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+        """y[slot] = a[pos] W_eᵀ, written at each row's (token, slot) position."""
+        e, start, rows, rmask = _block(counts, E, BM, BE)
+        if e >= E:
+            return
+        pos = start + rows
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        wbase = W + e.to(tl.int64) * s_we
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < K
+            aa = tl.load(a + pos[:, None].to(tl.int64) * s_a + ks[None, :], mask=rmask[:, None] & kmask[None, :],
+                         other=0.0)
+            wd = tl.load(wbase + cols[None, :] * s_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :],
+                         other=0.0)
+            if IEEE:
+                acc = tl.dot(aa, wd, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(aa, wd, acc)
+        slot = tl.load(order + pos, mask=rmask, other=0).to(tl.int64)
+        tl.store(y + slot[:, None] * s_y + cols[None, :], acc.to(y.dtype.element_ty),
+                 mask=rmask[:, None] & cmask[None, :])
+
+    gate_up_kernel, down_kernel = _tuned(gate_up_kernel), _tuned(down_kernel)
+
+
+
+
+def _rows_grid(S: int, E: int, n: int):
+    return lambda meta: (triton.cdiv(S, meta["BM"]) + E, triton.cdiv(n, meta["BN"]))
+
+
+class SwiGLU(torch.autograd.Function):
+    """a = silu(g) ⊙ u [⊙ w] for h = [g | u] (S, 2I), w (S, 1) or None; saves h (and w) only."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, w: Tensor | None) -> Tensor:
+        S, I = h.shape[0], h.shape[1] // 2
+        h = h.contiguous()
+        a = h.new_empty(S, I)
+        if S:
+            bm, bn = (16, 16) if interpreting() else (32, min(256, _pow2(I)))
+            swiglu_fwd[(triton.cdiv(S, bm),)](h, h if w is None else w, a, S, I, h.stride(0), a.stride(0),
+                                              HAS_W=w is not None, BM=bm, BN=bn)
+        ctx.save_for_backward(h, w)
+        return a
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        h, w = ctx.saved_tensors
+        dh, dw = swiglu_backward(dy, h, w)
+        return dh, dw
+
+
+def swiglu_backward(dy: Tensor, h: Tensor, w: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """dh (S, 2I) and dw (S, 1) (None without w) of a = silu(g) ⊙ u ⊙ w, the activation recomputed from h."""
+    S, I = h.shape[0], h.shape[1] // 2
+    dy = dy.contiguous()
+    dh = torch.empty_like(h)
+    dw = None if w is None else torch.empty_like(w)
+    if S:
+        bm, bn = (16, 16) if interpreting() else (32, min(256, _pow2(I)))
+        swiglu_bwd[(triton.cdiv(S, bm),)](dy, h, h if w is None else w, dh, dh if dw is None else dw, S, I,
+                                             dy.stride(0), h.stride(0), HAS_W=w is not None, BM=bm, BN=bn)
+    return dh, dw
+
+
+def combine(src: Tensor, k: int, idx: Tensor | None = None) -> Tensor:
+    """out[t] = Σ_j src[idx[t·k + j]] (idx None: row t·k + j), summed in float32; src (S, H) -> (T, H)."""
+    S, H = src.shape
+    T = S // k
+    src = src.contiguous()
+    out = src.new_empty(T, H)
+    if T:
+        bt, bh = (16, 16) if interpreting() else (16, min(256, _pow2(H)))
+        combine_k[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+            src, src if idx is None else idx, out, T, H, k, src.stride(0), out.stride(0), HAS_IDX=idx is not None,
+            BT=bt, BH=bh)
+    return out
+
+
+def inverse(order: Tensor) -> Tensor:
+    """inv (S,) with inv[order[i]] = i: where each slot's row sits in expert order."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+class TritonExperts(torch.autograd.Function):
+    """Gated-SiLU experts without biases, forward in two fused Triton kernels (module docstring).
+
+    x (T, H), w (S, 1) routing weights in expert order, first (E, 2I, H), down (E, H, I), order (S,) slots by
+    expert, counts (E,), k -> (T, H). Saves x, h = [g | u] (S, 2I) and the weighted activation a (S, I),
+    what the backward's grouped GEMMs read; x's rows are gathered again there rather than kept (S, H).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, first: Tensor, down: Tensor, order: Tensor, counts: Tensor,
+                k: int) -> Tensor:
+        S, (E, H, I) = order.numel(), down.shape
+        x, counts32 = x.contiguous(), counts.to(torch.int32)
+        save_h = any(ctx.needs_input_grad[:4])
+        a = x.new_empty(S, I)
+        h = x.new_empty(S, 2 * I) if save_h else a
+        y = x.new_empty(S, H)  # (S, H) in slot order
+        meta = dict(IEEE=x.dtype == torch.float32, S_KEY=_pow2(S), BE=_pow2(E))
+        if S:
+            gate_up_kernel[_rows_grid(S, E, I)](x, first, order, counts32, w, a, h, E, I, H, k, x.stride(0),
+                                                first.stride(0), first.stride(1), a.stride(0), h.stride(0),
+                                                SAVE_H=save_h, **meta)
+            down_kernel[_rows_grid(S, E, H)](a, down, order, counts32, y, E, H, I, a.stride(0), down.stride(0),
+                                               down.stride(1), y.stride(0), **meta)
+        if save_h:
+            ctx.save_for_backward(x, w, first, down, order, counts, h, a)
+            ctx.k = k
+        return combine(y, k)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        x, w, first, down, order, counts, h, a = ctx.saved_tensors
+        need_x, need_w, need_first, need_down = ctx.needs_input_grad[:4]
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,)
+        token = order // ctx.k  # (S,)
+        dy = dout.contiguous().index_select(0, token)  # (S, H) upstream gradient of each row
+        da = F.grouped_mm(dy, down, offs=offs)  # (S, I): dy @ down_e
+        dh, dw = swiglu_backward(da, h, w)  # (S, 2I), (S, 1)
+        ddown = F.grouped_mm(dy.t(), a, offs=offs) if need_down else None  # (E, H, I)
+        dfirst = F.grouped_mm(dh.t(), x.index_select(0, token), offs=offs) if need_first else None  # (E, 2I, H)
+        dx = combine(F.grouped_mm(dh, first, offs=offs), ctx.k, inverse(order)) if need_x else None  # (T, H)
+        return dx, dw if need_w else None, dfirst, ddown, None, None, None
+
+
+def triton_experts(x: Tensor, w: Tensor, first: Tensor, down: Tensor, order: Tensor, counts: Tensor,
+                   k: int) -> Tensor:
+    return TritonExperts.apply(x, w, first, down, order, counts, k)
+

@@ -1,0 +1,181 @@
+"""moekit's Triton kernels (moe/triton_experts.py) against eager references, forward and backward.
+
+Without a GPU they run on CPU tensors under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before moekit is imported). The interpreter multiplies bf16 `tl.dot` operands as raw bits, so the GEMM kernels
+are checked in float32 and float16 here, bf16 on the GPU (tests/test_gpu.py); the element-wise kernels in all
+three. Shapes stay tiny: each program instance costs ~17 ms under the interpreter.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.moe import Experts
+from moekit.moe import triton_experts as tx
+from moekit.moe.permute import Combine, Gather, combine, sort_by_expert
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not tx.available(DEVICE), reason="needs triton (and TRITON_INTERPRET=1 on CPU)")
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _swiglu_ref(h, w):
+    g, u = h.float().chunk(2, dim=-1)
+    a = F.silu(g) * u
+    return a if w is None else a * w.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("S, I, weighted", [(37, 24, True), (1, 5, True), (16, 16, False), (0, 8, True)])
+def test_swiglu_forward_and_backward_equal_autograd(dtype, S, I, weighted):
+    g = torch.Generator().manual_seed(S * 100 + I)
+    h = torch.randn(S, 2 * I, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = torch.rand(S, 1, generator=g).to(DEVICE, dtype).requires_grad_() if weighted else None
+    dy = torch.randn(S, I, generator=g).to(DEVICE, dtype)
+    a = tx.SwiGLU.apply(h, w)
+    a.backward(dy)
+    hr = h.detach().float().requires_grad_()
+    wr = None if w is None else w.detach().float().requires_grad_()
+    ar = _swiglu_ref(hr, wr)
+    ar.backward(dy.float())
+    assert a.dtype == dtype and a.shape == (S, I)
+    if S == 0:
+        return
+    assert _rel(a, ar) <= TOL[dtype]
+    assert _rel(h.grad, hr.grad) <= TOL[dtype]
+    if weighted:
+        assert _rel(w.grad, wr.grad) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, k, H", [(5, 2, 24), (1, 1, 7), (9, 3, 16)])
+def test_combine_sums_each_tokens_rows_in_float32(dtype, T, k, H):
+    g = torch.Generator().manual_seed(T + k + H)
+    src = torch.randn(T * k, H, generator=g).to(DEVICE, dtype)
+    idx = torch.randperm(T * k, generator=g).to(DEVICE)
+    want = src.float()[idx].view(T, k, H).sum(1)
+    got = tx.combine(src, k, idx)
+    assert got.dtype == dtype
+    # one rounding, at the end: exact in float32; bf16 within one unit in the last place (the interpreter's
+    # float32 -> bf16 cast truncates where the GPU rounds to nearest)
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2**-7, atol=0)
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), **tol)
+    torch.testing.assert_close(tx.combine(src, k).float(), src.float().view(T, k, H).sum(1).to(dtype).float(), **tol)
+
+
+def test_inverse_permutation():
+    order = torch.randperm(11, generator=torch.Generator().manual_seed(0))
+    inv = tx.inverse(order)
+    assert torch.equal(order[inv], torch.arange(11)) and torch.equal(inv[order], torch.arange(11))
+
+
+def _eager(first, down, x, ids, w):
+    """y_t = Σ_j w_tj · down_e (silu(g) ⊙ u), e = ids_tj, one (token, slot) at a time, in float32."""
+    I = down.shape[2]
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            h = first[ids[t, j]].float() @ x[t].float()  # (2I,)
+            y[t] += w[t, j].float() * (down[ids[t, j]].float() @ (F.silu(h[:I]) * h[I:]))
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("E, k, H, I, T", [
+    (5, 2, 32, 48, 7),   # E not a power of two, one expert never chosen
+    (3, 1, 16, 16, 1),   # one token, k = 1
+    (4, 4, 24, 40, 3),   # every expert for every token
+])
+def test_triton_experts_forward_and_backward_equal_eager(dtype, E, k, H, I, T):
+    g = torch.Generator().manual_seed(E * 1000 + T)
+    first = (torch.randn(E, 2 * I, H, generator=g) * 0.3).to(DEVICE, dtype).requires_grad_()
+    down = (torch.randn(E, H, I, generator=g) * 0.3).to(DEVICE, dtype).requires_grad_()
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype).requires_grad_()
+    ids = torch.stack([torch.randperm(E - 1 if E > k else E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE, dtype).requires_grad_()
+    dy = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    order, counts = sort_by_expert(ids, E)
+    ws = w.reshape(-1)[order].unsqueeze(-1)
+    y = tx.triton_experts(x, ws, first, down, order, counts, k)
+    y.backward(dy)
+    leaves = [x, w, first, down]
+    refs = [t.detach().float().requires_grad_() for t in leaves]
+    yr = _eager(refs[2], refs[3], refs[0], ids, refs[1])
+    yr.backward(dy.float())
+    assert y.dtype == dtype and _rel(y, yr) <= TOL[dtype]
+    for got, want in zip(leaves, refs):
+        assert _rel(got.grad, want.grad) <= TOL[dtype]
+    if E > k:  # the expert no token chose gets exact zero gradients
+        assert torch.count_nonzero(first.grad[E - 1]) == 0 and torch.count_nonzero(down.grad[E - 1]) == 0
+
+
+@pytest.mark.parametrize("H, I", [(17, 9), (8, 3)])
+def test_triton_experts_forward_with_odd_sizes(H, I):
+    """The forward kernels mask every tile edge: odd H and I compute the eager result (the backward's grouped_mm
+    needs 16-byte rows, so Experts trains such shapes on its grouped path)."""
+    g = torch.Generator().manual_seed(H)
+    E, k, T = 6, 2, 5
+    first, down = torch.randn(E, 2 * I, H, generator=g).to(DEVICE), torch.randn(E, H, I, generator=g).to(DEVICE)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    w = torch.rand(T, k, generator=g).to(DEVICE)
+    order, counts = sort_by_expert(ids, E)
+    with torch.no_grad():
+        y = tx.triton_experts(x, w.reshape(-1)[order].unsqueeze(-1), first, down, order, counts, k)
+    assert _rel(y, _eager(first, down, x, ids, w)) <= 1e-5
+
+
+def test_triton_experts_without_grad_matches_grouped():
+    g = torch.Generator().manual_seed(3)
+    E, k, H, I, T = 4, 2, 16, 32, 6
+    m = Experts(E, H, I, "silu")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    m = m.to(DEVICE)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    w = torch.rand(T, k, generator=g).to(DEVICE)
+    with torch.no_grad():
+        m.dispatch = "triton"
+        got = m(x, ids, w)
+        m.dispatch = "grouped"
+        want = m(x, ids, w)
+    assert _rel(got, want) <= 1e-5
+
+
+def test_dispatch_triton_refuses_what_it_cannot_run():
+    m = Experts(4, 16, 32, "gelu", gated=False).to(DEVICE)
+    m.dispatch = "triton"
+    x = torch.randn(3, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="gated SiLU"):
+        m(x, torch.zeros(3, 1, dtype=torch.long, device=DEVICE), torch.ones(3, 1, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_and_combine_are_adjoint_and_deterministic(dtype):
+    """The torch permutation ops (moe/permute.py, every device): Combine(Gather(x)) = k·x, and their gradients
+    are each other's (gather ↔ sum over the k slots), computed without atomics: two runs agree bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    T, k, E, H = 7, 3, 5, 8
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    order, counts = sort_by_expert(ids, E)
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=E))
+    x = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
+    rows = Gather.apply(x, order, k)  # (S, H)
+    assert torch.equal(rows, x.detach()[order // k])
+    out = Combine.apply(rows, order, k)
+    torch.testing.assert_close(out.float(), (k * x.detach()).float(), rtol=1e-2 if dtype == torch.bfloat16 else 0,
+                               atol=0)
+    dy = torch.randn(T, H, generator=g).to(dtype)
+    out.backward(dy)
+    first = x.grad.clone()
+    x.grad = None
+    Combine.apply(Gather.apply(x, order, k), order, k).backward(dy)
+    assert torch.equal(first, x.grad)
+    assert torch.equal(combine(dy.index_select(0, order // k), order, k), (dy.float() * k).to(dtype))
