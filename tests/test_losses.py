@@ -1,6 +1,7 @@
 """Router aux losses against hand-computed values."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -92,12 +93,15 @@ def test_masked_tokens_are_excluded():
     keep = torch.tensor([0, 1, 3, 4])
     sub = _info(logits[keep], ids[keep])
     full = _info(logits, ids)
-    for variant in ("topk", "argmax"):
-        assert torch.equal(load_balance(full, mask, variant=variant), load_balance(sub, variant=variant))
+    # equal up to float32 rounding: the mask weights the padding by 0 in the sums (no boolean indexing, which
+    # would read the kept count back to the host) rather than leaving it out
+    same = functools.partial(torch.testing.assert_close, rtol=1e-6, atol=0)
+    for variant in ("topk", "argmax", "omni"):
+        same(load_balance(full, mask, variant=variant), load_balance(sub, variant=variant))
         assert load_balance(full, mask, variant=variant) != load_balance(full, variant=variant)
-    assert torch.equal(z_loss(full, mask), z_loss(sub))
+    same(z_loss(full, mask), z_loss(sub))
     assert z_loss(full, mask) != z_loss(full)
-    assert torch.equal(z_loss(full, mask.bool().reshape(-1)), z_loss(sub))
+    same(z_loss(full, mask.bool().reshape(-1)), z_loss(sub))
     # everything masked: 0, not NaN
     none = torch.zeros(6)
     assert load_balance(full, none).item() == 0.0 and z_loss(full, none).item() == 0.0

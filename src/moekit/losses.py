@@ -11,15 +11,19 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from moekit.moe.permute import expert_counts
 from moekit.moe.router import RoutingInfo
 
 
-def _select(info: RoutingInfo, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    logits, ids = info.logits.float(), info.topk_ids  # (T, E), (T, k)
-    if mask is not None:
-        keep = mask.reshape(-1).bool()  # (T,)
-        logits, ids = logits[keep], ids[keep]
-    return logits, ids
+def _keep(logits: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(T,) float32 weights of the kept tokens (1 or 0) and their number (at least 1, so an all-padding batch
+    gives 0, not NaN). A mask weights the tokens instead of indexing them: boolean indexing reads the count
+    back to the host, a sync in every training step on a GPU."""
+    if mask is None:
+        keep = logits.new_ones(logits.shape[0], dtype=torch.float32)
+    else:
+        keep = mask.reshape(-1).to(device=logits.device, dtype=torch.float32)  # (T,)
+    return keep, keep.sum().clamp_min(1.0)
 
 
 def load_balance(info: RoutingInfo, mask: Tensor | None = None,
@@ -32,28 +36,29 @@ def load_balance(info: RoutingInfo, mask: Tensor | None = None,
     Omni-router eq. 3.4 (variant="omni"), (1/T) Σ over the tokens whose argmax is j of their probability of j.
     The Switch forms equal 1 for perfectly uniform routing.
     """
-    logits, ids = _select(info, mask)
+    logits = info.logits.float()  # (T, E)
     E = logits.shape[-1]
     if logits.shape[0] == 0:
         return logits.new_zeros(())
+    keep, n = _keep(logits, mask)  # (T,), ()
     probs = torch.softmax(logits, dim=-1)  # (T, E)
     top = probs.argmax(dim=-1, keepdim=True)  # (T, 1)
-    chosen = ids if variant == "topk" else top  # (T, k) or (T, 1)
-    f = torch.bincount(chosen.reshape(-1), minlength=E).float() / chosen.numel()  # (E,)
+    chosen = info.topk_ids if variant == "topk" else top  # (T, k) or (T, 1)
+    dropped = torch.where(keep[:, None] > 0, chosen, E)  # (T, c): padding's slots go to a bin that is not counted
+    f = expert_counts(dropped, E).float() / (n * chosen.shape[1])  # (E,)
     if variant == "omni":  # eq. 3.4: only each token's argmax probability counts, toward its argmax expert
-        rho = torch.zeros(E, device=probs.device).index_add(0, top[:, 0], probs.gather(1, top)[:, 0])  # (E,)
-        rho = rho / probs.shape[0]
-    else:
-        rho = probs.mean(dim=0)  # (E,)
+        probs = probs * torch.zeros_like(probs).scatter_(1, top, 1.0)  # (T, E): p_tj where j is t's argmax
+    rho = (probs * keep[:, None]).sum(dim=0) / n  # (E,)
     return E * torch.sum(f * rho)
 
 
 def z_loss(info: RoutingInfo, mask: Tensor | None = None) -> Tensor:
     """Router z-loss mean_t (logsumexp_i logits_ti)² (Zoph et al. 2022, ST-MoE eq. 5)."""
-    logits, _ = _select(info, mask)
+    logits = info.logits.float()  # (T, E)
     if logits.shape[0] == 0:
         return logits.new_zeros(())
-    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+    keep, n = _keep(logits, mask)
+    return (torch.logsumexp(logits, dim=-1).pow(2) * keep).sum() / n
 
 
 def over_layers(fn, infos: Sequence[RoutingInfo], mask: Tensor | None = None,

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.moe.permute import expert_counts
+
 Scoring = Literal["softmax_topk", "topk_softmax"]
 
 
@@ -24,9 +26,12 @@ class RoutingInfo:
         return self.logits.shape[-1]
 
     def tokens_per_expert(self, mask: Tensor | None = None) -> Tensor:
-        """(E,) how many (token, slot) assignments each expert got; `mask` (T,) drops padding."""
-        ids = self.topk_ids if mask is None else self.topk_ids[mask.reshape(-1).bool()]  # (T', k)
-        return torch.bincount(ids.reshape(-1), minlength=self.num_experts)  # (E,)
+        """(E,) how many (token, slot) assignments each expert got; `mask` (T,) drops padding (without a host
+        sync: the padding's slots go to a bin that is not counted)."""
+        ids = self.topk_ids  # (T, k)
+        if mask is not None:
+            ids = torch.where(mask.reshape(-1, 1).to(ids.device).bool(), ids, self.num_experts)  # (T, k)
+        return expert_counts(ids, self.num_experts)  # (E,)
 
 
 def route(logits: Tensor, top_k: int, scoring: Scoring) -> tuple[Tensor, Tensor]:
