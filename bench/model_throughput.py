@@ -18,6 +18,11 @@ configuration, so an interrupted run (the full table took 32 minutes on 2 idle c
 
     .venv/bin/python bench/model_throughput.py --write BENCHMARKS.md
     .venv/bin/python bench/model_throughput.py --quick      # sanity run: 4 layers, small batches
+
+On a GPU (`--device cuda --dtype bfloat16`, its own section): peak memory per task beside tokens/s, every step
+synchronized before the clock is read, and `--qwen3` adds a random Qwen3-MoE-shaped model (a Qwen3 dense of
+--qwen3-layers layers, H=1024, FFN 384, upcycled to E=64 top-8 in every layer, against transformers' native
+Qwen3-MoE holding the same Parameters).
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from moekit.upcycling import upcycle
 from report import spread, write_section  # bench/report.py
 
 MARK = ("<!-- model_throughput -->", "<!-- /model_throughput -->")
+MARK_CUDA = ("<!-- model_throughput_cuda -->", "<!-- /model_throughput_cuda -->")
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
                     rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu")
@@ -67,6 +73,19 @@ def moekit_model(layers: int, every: int | None, dense_dir: Path | None):
     return upcycle(dense_model(layers, dense_dir), spec)
 
 
+def qwen3_moe_model(layers: int):
+    """A random Qwen3 dense model (H=1024, FFN 384, 16 heads, 8 KV heads) upcycled to E=64 top-8 in every layer:
+    Qwen3-MoE's layer shape at 1-2B parameters, exported against transformers' Qwen3-MoE."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=384, num_hidden_layers=layers, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+    spec = MoESpec(num_experts=64, top_k=8, init="noise", shared_expert=False,
+                   router={"init": "normal", "scoring": "topk_softmax"})
+    return upcycle(Qwen3ForCausalLM(cfg), spec)
+
+
 def native_model(model, fmt: str):
     """`fmt`'s native class holding the moekit model's own Parameter objects (no copy of the weights)."""
     exporter = EXPORTERS.get(fmt)
@@ -79,29 +98,35 @@ def native_model(model, fmt: str):
             name = re.sub(pattern, repl, name)
         state[name] = p
     native.load_state_dict(state, strict=True, assign=True)
+    native.to(next(model.parameters()).device)  # its buffers (rotary frequencies) were made on the CPU
     native.generation_config = model.generation_config
     return native
 
 
-def systems(model, every: int | None) -> dict:
+def systems(model, every: int | None, fmt: str | None = None, impls=("eager", "grouped_mm")) -> dict:
     """{name: (model, experts implementation or None)}; Mixtral only where every layer is MoE."""
     out = {"moekit": (model, None)}
-    for fmt in ("mixtral",) if every is None else ("qwen2_moe",):
-        native = native_model(model, fmt)
-        for impl in ("eager", "grouped_mm"):
-            out[f"{fmt} {impl}"] = (native, impl)
+    fmt = fmt or ("mixtral" if every is None else "qwen2_moe")
+    native = native_model(model, fmt)
+    for impl in impls:
+        out[f"{fmt} {impl}"] = (native, impl)
     return out
 
 
-def check_equal(syss: dict, ids: torch.Tensor) -> None:
+def check_equal(syss: dict, ids: torch.Tensor, tol: float = 1e-4) -> None:
+    """Every system's logits equal moekit's: elementwise (fp32), or as a whole (bf16: ‖a − b‖ / ‖b‖ ≤ tol)."""
     with torch.no_grad():
         ref = None
         for name, (m, impl) in syss.items():
             select(m, impl).eval()
-            logits = m(ids).logits
+            logits = m(ids).logits.float()
             if ref is None:
                 ref = logits
-            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4, msg=lambda s: f"{name}: {s}")
+            if tol == 1e-4:
+                torch.testing.assert_close(logits, ref, rtol=tol, atol=tol, msg=lambda s: f"{name}: {s}")
+            else:
+                err = ((logits - ref).norm() / ref.norm()).item()
+                assert err <= tol, f"{name}: logits differ from moekit's by {err:.3g} (relative norm)"
 
 
 def select(m, impl: str | None):
@@ -128,29 +153,43 @@ def generate(m, ids, new):
     m.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(syss: dict, fn, repeats: int) -> dict:
-    """{system: (median s, IQR / median)}: fn(model) interleaved across systems, one warm-up each."""
-    times = {n: [] for n in syss}
+    """{system: (median s, IQR / median, peak GPU bytes or None)}: fn(model) interleaved across systems, one
+    warm-up each; on a GPU each call is synchronized and the allocator's peak is reset before it."""
+    times, peak = {n: [] for n in syss}, {n: None for n in syss}
+    cuda = torch.cuda.is_available()
     for r in range(repeats + 1):
         for name, (m, impl) in syss.items():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
             t0 = time.perf_counter()
             fn(select(m, impl))
+            sync()
             if r:
                 times[name].append(time.perf_counter() - t0)
-    return {n: spread(t) for n, t in times.items()}
+                peak[name] = torch.cuda.max_memory_allocated() if cuda else None
+    return {n: (*spread(t), peak[n]) for n, t in times.items()}
 
 
 TASKS = ("train step", "prefill", "generate b=1", "generate b=8")
 
 
-def measure(label: str, model, every: int | None, args, done: dict, save) -> None:
+def measure(label: str, model, every: int | None, args, done: dict, save, fmt: str | None = None) -> None:
     """Time every task of TASKS not yet in `done` ({task: row}, rows of an earlier interrupted run), adding
     each row to it and calling save() as soon as it is measured."""
-    syss = systems(model, every)
+    device = torch.device(args.device)
+    model.to(device, getattr(torch, args.dtype))
+    syss = systems(model, every, fmt, ("grouped_mm",) if device.type == "cuda" else ("eager", "grouped_mm"))
     g = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
-    prompts = {b: torch.randint(0, model.config.vocab_size, (b, PROMPT), generator=g) for b in (1, 8)}
-    check_equal(syss, batch[:2, :32])
+    batch = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+    prompts = {b: torch.randint(0, model.config.vocab_size, (b, PROMPT), generator=g).to(device) for b in (1, 8)}
+    check_equal(syss, batch[:2, :32], 1e-4 if args.dtype == "float32" else 2e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tasks = [("train step", args.batch * args.seq, lambda m: train_step(m, opt, batch)),
              ("prefill", args.batch * args.seq, lambda m: prefill(m, batch))]
@@ -158,7 +197,7 @@ def measure(label: str, model, every: int | None, args, done: dict, save) -> Non
     for task, tokens, fn in tasks:
         if task not in done:
             t = timed(syss, fn, args.repeats)
-            done[task] = (label, task, {n: (tokens / s, noise) for n, (s, noise) in t.items()})
+            done[task] = (label, task, {n: (tokens / s, noise, mem) for n, (s, noise, mem) in t.items()})
             print(done[task], flush=True)
             save()
 
@@ -180,6 +219,27 @@ def render(rows: list[tuple], args, cmd: str, load: str) -> str:
     return "\n".join(out + ["", MARK[1]])
 
 
+def render_cuda(rows: list[tuple], args, cmd: str) -> str:
+    from report import device_name
+
+    names = sorted({n for _, _, res in rows for n in res}, key=lambda n: n != "moekit")
+    out = [MARK_CUDA[0], "## Whole-model throughput on a GPU (bench/model_throughput.py)", "",
+           f"`{cmd}` — {date.today()}, {device_name()}, torch {torch.__version__}, transformers "
+           f"{transformers.__version__}, {args.dtype} weights and AdamW states (no fp32 master copy), SmolLM2 rows "
+           f"{args.layers} layers. Tokens/s (peak GPU memory of the step, GiB), median of {args.repeats} interleaved "
+           f"repeats after one warm-up, each synchronized (noise = (p75 − p25) / median). Train step and prefill: "
+           f"{args.batch} × {args.seq} tokens; generate: greedy, {PROMPT}-token prompt + {args.new} new tokens. ratio "
+           "= moekit's tokens/s / the native model's with grouped_mm experts (the same Parameters); logits checked "
+           "against moekit's before timing (relative norm ≤ 2e-2 in bf16).", "",
+           "| model | task | " + " | ".join(names) + " | ratio | memory ratio |", "|---|---|" + "---|" * (len(names) + 2)]
+    for label, task, res in rows:
+        cells = [f"{res[n][0]:.0f} ({res[n][2] / 2**30:.2f} GiB, ±{100 * res[n][1]:.0f} %)" for n in names]
+        native = next(v for n, v in res.items() if n != "moekit")
+        out.append(f"| {label} | {task} | " + " | ".join(cells) + f" | {res['moekit'][0] / native[0]:.2f}× | "
+                   f"{res['moekit'][2] / native[2]:.2f}× |")
+    return "\n".join(out + ["", MARK_CUDA[1]])
+
+
 def loadavg() -> str:
     p = Path("/proc/loadavg")
     return p.read_text().split()[0] if p.exists() else "?"
@@ -196,11 +256,17 @@ def main():
     ap.add_argument("--quick", action="store_true", help="sanity run: 4 layers, batch 2 × 64, 8 new tokens, 3 repeats")
     ap.add_argument("--write", type=Path, help="update this markdown file's model_throughput section")
     ap.add_argument("--out", type=Path, default=Path("runs/model_throughput"), help="finished rows, for resuming")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--qwen3", action="store_true", help="add the Qwen3-MoE-shaped model (E=64 top-8)")
+    ap.add_argument("--qwen3-layers", type=int, default=24)
+    ap.add_argument("--only-every-layer", action="store_true", help="skip the every-4th-layer SmolLM2 model")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.batch, args.seq, args.new, args.repeats = 4, 2, 64, 8, 3
     # finished rows are kept in --out (one file per configuration), so an interrupted run resumes
-    config = f"layers{args.layers}-b{args.batch}-s{args.seq}-new{args.new}-r{args.repeats}-{args.dense or 'random'}"
+    config = (f"layers{args.layers}-b{args.batch}-s{args.seq}-new{args.new}-r{args.repeats}-{args.dense or 'random'}"
+              f"-{args.device}-{args.dtype}")
     cache = args.out / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', config)}.json"
     done = json.loads(cache.read_text()) if cache.is_file() else {}
 
@@ -209,17 +275,28 @@ def main():
         write_text_atomic(cache, json.dumps(done))
 
     load, rows = loadavg(), []
-    for label, every in (("E=8 top-2 + gated shared, every 4th layer", 4), ("E=8 top-2, every layer", None)):
+    models = [] if args.only_every_layer else [("E=8 top-2 + gated shared, every 4th layer", 4, None)]
+    models.append(("E=8 top-2, every layer", None, None))
+    if args.qwen3:
+        models.append((f"Qwen3-MoE shape, {args.qwen3_layers} layers, E=64 top-8", None, "qwen3_moe"))
+    for label, every, fmt in models:
         rows_of = done.setdefault(label, {})
         if any(t not in rows_of for t in TASKS):
-            measure(label, moekit_model(args.layers, every, args.dense), every, args, rows_of, save)
+            model = (qwen3_moe_model(args.qwen3_layers) if fmt else moekit_model(args.layers, every, args.dense))
+            measure(label, model, every, args, rows_of, save, fmt)
+            del model
         rows += [rows_of[t] for t in TASKS]
-    cmd = ".venv/bin/python bench/model_throughput.py" + (" --quick" if args.quick else
-                                                          f" --layers {args.layers} --repeats {args.repeats}")
-    section = render(rows, args, cmd + (f" --write {args.write}" if args.write else ""), f"{load} → {loadavg()}")
+    gpu = args.device != "cpu"
+    cmd = (f"{'python' if gpu else '.venv/bin/python'} bench/model_throughput.py"
+           + (" --quick" if args.quick else f" --layers {args.layers} --repeats {args.repeats}")
+           + (f" --batch {args.batch} --seq {args.seq} --device {args.device} --dtype {args.dtype}" if gpu else "")
+           + (f" --qwen3 --qwen3-layers {args.qwen3_layers}" if args.qwen3 else "")
+           + (" --only-every-layer" if args.only_every_layer else "")
+           + (f" --write {args.write}" if args.write else ""))
+    section = render_cuda(rows, args, cmd) if gpu else render(rows, args, cmd, f"{load} → {loadavg()}")
     print(section)
     if args.write:
-        write_section(args.write, section, MARK)
+        write_section(args.write, section, MARK_CUDA if gpu else MARK)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ and z-loss, forward and backward, in fwd+bwd rows) as a share of the whole MoE l
     .venv/bin/python bench/moe_layer.py --write BENCHMARKS.md
     python bench/moe_layer.py --device cuda --dtype bfloat16 --tokens 16384 --write BENCHMARKS.md   # a GPU
 (its own section; every step synchronized with the GPU before the clock is read).
+
+On a GPU the table gains moekit's two CUDA paths side by side ("moekit" = the default dispatch, moekit's
+Triton kernels; "moekit grouped_mm" = torch's grouped_mm GEMMs with moekit's Triton SwiGLU) and the limit is
+the roofline of the card as measured in the same run: max(model FLOPs / the measured dense bf16 GEMM rate,
+bytes of the hit experts' weights / the measured device-to-device copy bandwidth). `--profile DIR` writes
+torch.profiler's kernel-by-kernel table of each implementation's fwd+bwd step there.
 """
 from __future__ import annotations
 
@@ -87,10 +93,11 @@ def build(name, E, k, H, I, gate_up, down):
         return Dense(gate_up, down)
     if name == "router":
         return RouterAux(E, k, H)
-    if name == "moekit":
+    if name.startswith("moekit"):
         m = Experts(E, H, I, "silu", gated=True)
         m.gate_up.data.copy_(gate_up)
         m.down.data.copy_(down)
+        m.dispatch = "grouped" if name == "moekit grouped_mm" else "auto"
         return m
     cfg = MixtralConfig(num_local_experts=E, num_experts_per_tok=k, hidden_size=H, intermediate_size=I,
                         hidden_act="silu", experts_implementation=name.removeprefix("hf_"))
@@ -118,10 +125,10 @@ def weight_grads(m):
     return [p.grad for p in m.parameters()]
 
 
-def check_equal(mods, x, ids, w, grad):
+def check_equal(mods, impls, x, ids, w, grad):
     ref_y, ref_gx = step(mods["moekit"], x, ids, w, grad, True)
     ref_gw = weight_grads(mods["moekit"])
-    for name in ("hf_eager", "hf_grouped_mm"):
+    for name in impls[1:]:
         y, gx = step(mods[name], x, ids, w, grad, True)
         for a, b in [(y, ref_y), (gx, ref_gx), *zip(weight_grads(mods[name]), ref_gw)]:
             if a.dtype == torch.float32:
@@ -162,40 +169,96 @@ def dense_tokens(ids, E, decode):
     return hit, -(-T * k // hit)
 
 
-def timed_row(label, mode, mods, x, ids, w, grad, E, repeats, decode):
+def roofline(x, ids, H, I, bwd, peak):
+    """Seconds no implementation can beat on this card: max(model FLOPs / GEMM rate, hit experts' weight bytes /
+    copy bandwidth); model FLOPs = 2·T·k·3·H·I per pass (gate, up, down), 3 passes with the backward."""
+    T, k = ids.shape
+    flops = 2 * T * k * 3 * H * I * (3 if bwd else 1)
+    weight_bytes = int(torch.unique(ids).numel()) * 3 * H * I * x.element_size()
+    return max(flops / peak["flops"], weight_bytes / peak["bandwidth"])
+
+
+def timed_row(label, mode, mods, impls, x, ids, w, grad, E, repeats, decode, peak=None):
     bwd = mode == "fwd+bwd"
     units, m = dense_tokens(ids, E, decode)
     inputs = {n: (x, ids, w, grad) for n in mods}
     inputs["dense"] = (x[:m], ids[:m], w[:m], grad[:m])
     with torch.set_grad_enabled(bwd):
         t = time_all(mods, inputs, bwd, repeats)
-    limit = units * t["dense"][0]
+    H, I = mods["moekit"].hidden_size, mods["moekit"].intermediate_size
+    limit = units * t["dense"][0] if peak is None else roofline(x, ids, H, I, bwd, peak)
     router = t["router"][0] / (t["router"][0] + t["moekit"][0])
     noise = max(v[1] for v in t.values())
-    return (label, x.shape[0], mode, limit, {n: t[n][0] for n in IMPLS}, router, noise)
+    return (label, x.shape[0], mode, limit, {n: t[n][0] for n in impls}, router, noise)
 
 
 IMPLS = ("moekit", "hf_eager", "hf_grouped_mm")
+IMPLS_CUDA = ("moekit", "moekit grouped_mm", "hf_eager", "hf_grouped_mm")
+NAMES = {"moekit": "moekit", "moekit grouped_mm": "moekit (grouped_mm GEMMs)", "hf_eager": "transformers eager",
+         "hf_grouped_mm": "transformers grouped_mm"}
+
+
+def peaks(device, dtype) -> dict:
+    """The card's ceilings, measured now: an 8192³ matrix product's rate (FLOP/s) and a 2 GiB device-to-device
+    copy's bandwidth (bytes read + written per second), medians of 10 after 3 warm-ups on random data."""
+    from triton.testing import do_bench
+
+    a, b = (torch.randn(8192, 8192, device=device, dtype=dtype) for _ in range(2))
+    mm = do_bench(lambda: a @ b, warmup=25, rep=100, return_mode="median") / 1e3
+    src = torch.randn(2**30 // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    cp = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median") / 1e3
+    return {"flops": 2 * 8192**3 / mm, "bandwidth": 2 * src.nbytes / cp}
+
+
+def profile(mods, impls, x, ids, w, grad, label, folder: Path):
+    """torch.profiler's per-kernel table of each implementation's fwd+bwd step (5 steps after 2 warm-ups)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for n in impls:
+        m = mods[n]
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            step(m, x, ids, w, grad, True)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                m.zero_grad(set_to_none=True)
+                step(m, x, ids, w, grad, True)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+        with open(folder / "profile.txt", "a") as f:
+            f.write(f"\n### {label} fwd+bwd, {n}, 5 steps\n{table}\n")
 
 
 def on(device, dtype, x, ids, w, grad):
     return x.to(device, dtype), ids.to(device), w.to(device, dtype), grad.to(device, dtype)
 
 
-def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device=torch.device("cpu"), dtype=torch.float32):
+def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device=torch.device("cpu"), dtype=torch.float32,
+              peak=None, profile_dir=None):
+    impls = IMPLS_CUDA if device.type == "cuda" else IMPLS
     x, ids, w, gate_up, down, grad = make_inputs(E, k, H, I, T)
-    mods = {n: build(n, E, k, H, I, gate_up, down).to(device, dtype) for n in ("dense", "router", *IMPLS)}
+    mods = {n: build(n, E, k, H, I, gate_up, down).to(device, dtype) for n in ("dense", "router", *impls)}
     x, ids, w, grad = on(device, dtype, x, ids, w, grad)
-    check_equal(mods, x, ids, w, grad)
-    rows = [timed_row(label, mode, mods, x, ids, w, grad, E, repeats, False) for mode in ("fwd+bwd", "fwd")]
+    check_equal(mods, impls, x, ids, w, grad)
+    if profile_dir is not None:
+        profile(mods, impls, x, ids, w, grad, label, profile_dir)
+    rows = [timed_row(label, mode, mods, impls, x, ids, w, grad, E, repeats, False, peak)
+            for mode in ("fwd+bwd", "fwd")]
     for t in DECODE:
         xd, idsd, wd, *_, gradd = make_inputs(E, k, H, I, t, seed=t)
-        rows.append(timed_row(label, "fwd", mods, *on(device, dtype, xd, idsd, wd, gradd), E, decode_repeats, True))
+        rows.append(timed_row(label, "fwd", mods, impls, *on(device, dtype, xd, idsd, wd, gradd), E, decode_repeats,
+                              True, peak))
     return rows
 
 
-def render(rows, T, repeats, decode_repeats, cmd, load, device, dtype, mark):
-    out = [mark[0], "## MoE layer speed" + (" on a GPU" if device.type == "cuda" else "") + " (bench/moe_layer.py)", "",
+def render(rows, T, repeats, decode_repeats, cmd, load, device, dtype, mark, peak=None):
+    impls = list(rows[0][4])
+    if peak is not None:
+        return render_cuda(rows, impls, T, repeats, decode_repeats, cmd, load, device, dtype, mark, peak)
+    out = [mark[0], "## MoE layer speed (bench/moe_layer.py)", "",
            f"`{cmd}` — {date.today()}, {device_name(device)}, torch "
            f"{torch.__version__}, transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}, median of "
            f"{repeats} interleaved repeats after warm-up ({decode_repeats} at decode sizes); load average {load} "
@@ -209,9 +272,35 @@ def render(rows, T, repeats, decode_repeats, cmd, load, device, dtype, mark):
            "| shape | T | pass | limit (ms) | moekit | transformers eager | transformers grouped_mm | router | noise |",
            "|---|---|---|---|---|---|---|---|---|"]
     for label, t, mode, limit, times, router, noise in rows:
-        cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" for n in IMPLS]
+        cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" for n in impls]
         out.append(f"| {label} | {t} | {mode} | {1000 * limit:.3g} | " + " | ".join(cells)
                    + f" | {100 * router:.1f} % | {100 * noise:.0f} % |")
+    return "\n".join(out + ["", mark[1]])
+
+
+def render_cuda(rows, impls, T, repeats, decode_repeats, cmd, load, device, dtype, mark, peak):
+    import triton
+
+    out = [mark[0], "## MoE layer speed on a GPU (bench/moe_layer.py)", "",
+           f"`{cmd}` — {date.today()}, {device_name(device)}, torch {torch.__version__}, Triton {triton.__version__}, "
+           f"transformers {transformers.__version__}, {str(dtype).removeprefix('torch.')}, median of {repeats} "
+           f"interleaved repeats after warm-up ({decode_repeats} at decode sizes), each step timed from its launch "
+           f"to a device synchronize (host overhead included); load average {load} before → after. Outputs and "
+           "gradients of every implementation checked against moekit's before timing (‖a − b‖ / ‖b‖ ≤ 1e-2 per "
+           "tensor).", "",
+           f"Ceilings measured in this run: an 8192³ {str(dtype).removeprefix('torch.')} matrix product at "
+           f"{peak['flops'] / 1e12:.0f} TFLOP/s, a device-to-device copy at {peak['bandwidth'] / 1e12:.2f} TB/s "
+           "(bytes read + written). limit = max(model FLOPs / that rate, the hit experts' weight bytes / that "
+           "bandwidth); model FLOPs = 2·T·k·3·H·I per pass, 3 passes with the backward. Each cell: time / limit "
+           "(time); \"vs grouped_mm\" = moekit's time / transformers grouped_mm's. router = moekit's router (+ "
+           "load-balance and z-loss in fwd+bwd) as a share of router + experts. noise = the largest (p75 − p25) / "
+           "median of the row's timings.", "",
+           "| shape | T | pass | limit (ms) | " + " | ".join(NAMES[n] for n in impls)
+           + " | moekit vs grouped_mm | router | noise |", "|---" * (len(impls) + 7) + "|"]
+    for label, t, mode, limit, times, router, noise in rows:
+        cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" for n in impls]
+        out.append(f"| {label} | {t} | {mode} | {1000 * limit:.3g} | " + " | ".join(cells)
+                   + f" | {times['moekit'] / times['hf_grouped_mm']:.2f}× | {100 * router:.1f} % | {100 * noise:.0f} % |")
     return "\n".join(out + ["", mark[1]])
 
 
@@ -227,19 +316,22 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--write", type=Path, help="update this markdown file's moe_layer section")
+    ap.add_argument("--profile", type=Path, help="on a GPU: write torch.profiler's kernel tables to DIR/profile.txt")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    gpu = device.type == "cuda"
+    peak = peaks(device, dtype) if gpu else None
     load, rows = loadavg(), []
     for label, E, k, H, I in SHAPES:
-        rows += run_shape(label, E, k, H, I, args.tokens, args.repeats, args.decode_repeats, device, dtype)
-    gpu = device.type == "cuda"
+        rows += run_shape(label, E, k, H, I, args.tokens, args.repeats, args.decode_repeats, device, dtype, peak,
+                          args.profile if gpu else None)
     cmd = (f"{'python' if gpu else '.venv/bin/python'} bench/moe_layer.py --tokens {args.tokens} --repeats "
            f"{args.repeats} --decode-repeats {args.decode_repeats}"
            + (f" --device {args.device} --dtype {args.dtype}" if gpu or args.dtype != "float32" else "")
            + (f" --write {args.write}" if args.write else ""))
     mark = MARK_CUDA if gpu else MARK
     section = render(rows, args.tokens, args.repeats, args.decode_repeats, cmd, f"{load} → {loadavg()}", device,
-                     dtype, mark)
+                     dtype, mark, peak)
     print(section)
     if args.write:
         write_section(args.write, section, mark)
