@@ -60,11 +60,13 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     grouped_mm's backward a stride-0 gradient, which it always rejects (so the probe said no on every GPU)."""
     if device.type == "cpu":
         return True
+    # autograd on: a first call under no_grad (a prefill, an evaluation) made the backward fail and cached "no"
     try:
-        x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        y = F.grouped_mm(x, w, offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
-        y.backward(torch.ones_like(y))
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            y = F.grouped_mm(x, w, offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+            y.backward(torch.ones_like(y))
         return True
     except (RuntimeError, NotImplementedError):
         return False
