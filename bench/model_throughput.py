@@ -219,24 +219,23 @@ def render(rows: list[tuple], args, cmd: str, load: str) -> str:
     return "\n".join(out + ["", MARK[1]])
 
 
-def render_cuda(rows: list[tuple], args, cmd: str) -> str:
-    from report import device_name
-
-    names = sorted({n for _, _, res in rows for n in res}, key=lambda n: n != "moekit")
+def render_cuda(rows: list[tuple], args, cmd: str, env: dict) -> str:
     out = [MARK_CUDA[0], "## Whole-model throughput on a GPU (bench/model_throughput.py)", "",
-           f"`{cmd}` — {date.today()}, {device_name()}, torch {torch.__version__}, transformers "
-           f"{transformers.__version__}, {args.dtype} weights and AdamW states (no fp32 master copy), SmolLM2 rows "
-           f"{args.layers} layers. Tokens/s (peak GPU memory of the step, GiB), median of {args.repeats} interleaved "
-           f"repeats after one warm-up, each synchronized (noise = (p75 − p25) / median). Train step and prefill: "
-           f"{args.batch} × {args.seq} tokens; generate: greedy, {PROMPT}-token prompt + {args.new} new tokens. ratio "
-           "= moekit's tokens/s / the native model's with grouped_mm experts (the same Parameters); logits checked "
-           "against moekit's before timing (relative norm ≤ 2e-2 in bf16).", "",
-           "| model | task | " + " | ".join(names) + " | ratio | memory ratio |", "|---|---|" + "---|" * (len(names) + 2)]
+           f"`{cmd}` — {env['date']}, {env['device']}, torch {env['torch']}, transformers {env['transformers']}, "
+           f"{args.dtype} weights and AdamW states (no fp32 master copy), SmolLM2 rows {args.layers} layers. "
+           f"Tokens/s (peak GPU memory allocated during the task), median of {args.repeats} interleaved repeats after "
+           f"one warm-up, each synchronized (noise = (p75 − p25) / median). Train step and prefill: {args.batch} × "
+           f"{args.seq} tokens; generate: greedy, {PROMPT}-token prompt + {args.new} new tokens. native = "
+           "transformers' own class with `grouped_mm` experts holding the same Parameters; ratio = moekit's "
+           "tokens/s / native's; logits checked against moekit's before timing (relative norm ≤ 2e-2 in bf16).", "",
+           "| model (native class) | task | moekit | native grouped_mm | ratio | peak memory moekit / native |",
+           "|---|---|---|---|---|---|"]
     for label, task, res in rows:
-        cells = [f"{res[n][0]:.0f} ({res[n][2] / 2**30:.2f} GiB, ±{100 * res[n][1]:.0f} %)" for n in names]
-        native = next(v for n, v in res.items() if n != "moekit")
-        out.append(f"| {label} | {task} | " + " | ".join(cells) + f" | {res['moekit'][0] / native[0]:.2f}× | "
-                   f"{res['moekit'][2] / native[2]:.2f}× |")
+        (native_name, native), = [(n, v) for n, v in res.items() if n != "moekit"]
+        ours = res["moekit"]
+        cell = lambda v: f"{v[0]:,.0f} ({v[2] / 2**30:.2f} GiB, ±{100 * v[1]:.0f} %)"  # noqa: E731
+        out.append(f"| {label} ({native_name.split()[0]}) | {task} | {cell(ours)} | {cell(native)} | "
+                   f"{ours[0] / native[0]:.2f}× | {ours[2] / native[2]:.2f}× |")
     return "\n".join(out + ["", MARK_CUDA[1]])
 
 
@@ -261,6 +260,7 @@ def main():
     ap.add_argument("--qwen3", action="store_true", help="add the Qwen3-MoE-shaped model (E=64 top-8)")
     ap.add_argument("--qwen3-layers", type=int, default=24)
     ap.add_argument("--only-every-layer", action="store_true", help="skip the every-4th-layer SmolLM2 model")
+    ap.add_argument("--report-only", action="store_true", help="render the table from --out's finished rows")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.batch, args.seq, args.new, args.repeats = 4, 2, 64, 8, 3
@@ -269,6 +269,11 @@ def main():
               f"-{args.device}-{args.dtype}")
     cache = args.out / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', config)}.json"
     done = json.loads(cache.read_text()) if cache.is_file() else {}
+    if args.device != "cpu" and "env" not in done:  # what the rows were measured on, for --report-only
+        from report import device_name
+
+        done["env"] = {"device": device_name(torch.device(args.device)), "torch": torch.__version__,
+                       "transformers": transformers.__version__, "date": str(date.today())}
 
     def save():
         args.out.mkdir(parents=True, exist_ok=True)
@@ -281,6 +286,8 @@ def main():
         models.append((f"Qwen3-MoE shape, {args.qwen3_layers} layers, E=64 top-8", None, "qwen3_moe"))
     for label, every, fmt in models:
         rows_of = done.setdefault(label, {})
+        if args.report_only and any(t not in rows_of for t in TASKS):
+            raise SystemExit(f"{cache} has no finished rows of {label}: run it without --report-only")
         if any(t not in rows_of for t in TASKS):
             model = (qwen3_moe_model(args.qwen3_layers) if fmt else moekit_model(args.layers, every, args.dense))
             measure(label, model, every, args, rows_of, save, fmt)
@@ -293,7 +300,7 @@ def main():
            + (f" --qwen3 --qwen3-layers {args.qwen3_layers}" if args.qwen3 else "")
            + (" --only-every-layer" if args.only_every_layer else "")
            + (f" --write {args.write}" if args.write else ""))
-    section = render_cuda(rows, args, cmd) if gpu else render(rows, args, cmd, f"{load} → {loadavg()}")
+    section = render_cuda(rows, args, cmd, done["env"]) if gpu else render(rows, args, cmd, f"{load} → {loadavg()}")
     print(section)
     if args.write:
         write_section(args.write, section, MARK_CUDA if gpu else MARK)

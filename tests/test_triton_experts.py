@@ -179,3 +179,16 @@ def test_gather_and_combine_are_adjoint_and_deterministic(dtype):
     Combine.apply(Gather.apply(x, order, k), order, k).backward(dy)
     assert torch.equal(first, x.grad)
     assert torch.equal(combine(dy.index_select(0, order // k), order, k), (dy.float() * k).to(dtype))
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_grouped_mm_probe_answers_the_same_in_every_autograd_mode(mode):
+    """The probe that decides grouped_mm on a GPU, run here on the CPU: its answer must not depend on the caller's
+    autograd mode (under no_grad its backward failed, and "no" was cached for the process)."""
+    from contextlib import nullcontext
+
+    from moekit.moe.experts import _grouped_mm_works
+
+    ctx = {"grad": nullcontext(), "no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}[mode]
+    with ctx:
+        assert _grouped_mm_works(torch.device("cpu"), torch.float32)

@@ -58,9 +58,12 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     Where it fails, grouped_linear runs one matmul per expert instead (same result, more kernel launches).
     The probe's upstream gradient is a dense tensor, as a real one is: `.sum().backward()` would hand
     grouped_mm's backward a stride-0 gradient, which it always rejects (so the probe said no on every GPU)."""
-    if device.type == "cpu":
-        return True
-    # autograd on: a first call under no_grad (a prefill, an evaluation) made the backward fail and cached "no"
+    return device.type == "cpu" or _grouped_mm_works(device, dtype)
+
+
+def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """The probe itself, with autograd on whatever the caller's mode: a first call under no_grad (a prefill, an
+    evaluation) made its backward fail and cached "no", so every later call took the per-expert fallback."""
     try:
         with torch.inference_mode(False), torch.enable_grad():
             x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
