@@ -52,8 +52,10 @@ class RoutingCapture:
     def __enter__(self) -> RoutingCapture:
         for i, site in enumerate(self.sites):
             self._handles.append(site.on_decision(self._keeper(i)))
-            if self.saliency:
+            if self.saliency and site.experts_take_routing:
                 self._handles.append(site.experts.register_forward_pre_hook(self._summer(i, site)))
+            elif self.saliency:  # Llama 4: the block's input, with the decision its router just made
+                self._handles.append(site.block.register_forward_pre_hook(self._block_summer(i, site)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -74,20 +76,25 @@ class RoutingCapture:
     def _summer(self, i: int, site: RouterSite):
         def pre_hook(experts: nn.Module, args) -> None:
             if not self._inside:  # the hook's own calls of the experts below
-                self._add_sums(i, site, experts, *args[:3])
+                self._add_sums(i, site, *args[:3])
+        return pre_hook
+
+    def _block_summer(self, i: int, site: RouterSite):
+        def pre_hook(block: nn.Module, args) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1])  # (T, H)
+            logits, ids, w = site.decision(site.router(x))  # the router is deterministic: its decision for x
+            self._add_sums(i, site, x, ids, w)
         return pre_hook
 
     @torch.no_grad()
-    def _add_sums(self, i: int, site: RouterSite, experts: nn.Module, x: Tensor, ids: Tensor, w: Tensor) -> None:
+    def _add_sums(self, i: int, site: RouterSite, x: Tensor, ids: Tensor, w: Tensor) -> None:
         """Saliency sums of layer i from its experts' input x (T, H), ids (T, k), weights (T, k)."""
         if self._mask is not None:
             keep = self._mask.to(x.device)  # (T,)
             x, ids, w = x[keep], ids[keep], w[keep]
-        ones = torch.ones_like(w[:, :1])  # (T', 1)
         self._inside = True
         try:
-            norms = torch.stack([experts(x, ids[:, s:s + 1], ones).float().norm(dim=-1)
-                                 for s in range(ids.shape[1])], dim=1)  # (T', k) ‖f‖ per slot
+            norms = site.expert_norms(x, ids)  # (T', k) ‖f‖ per slot
         finally:
             self._inside = False
         g = w.float()  # (T', k)

@@ -1,13 +1,17 @@
 """Where a model routes: one RouterSite per MoE layer, for moekit models and transformers v5 MoE families.
 
 transformers v5 MoE blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3, ...) hold a
-router child whose forward returns `(logits, weights, indices)` and a fused `experts` child with
-3-D parameters (expert dimension first). Llama 4's router returns `(scores, logits)` instead, with scores
-(T, E) zero outside each token's top-k; its decision is the top-k of the scores. Sites are found by that
-structure, not by class name, and the decision is read from the router's output, never recomputed.
+router child (an int `top_k` and either a weight with one row per expert or a `num_experts` equal to the
+experts') whose forward returns `(logits, weights, indices, ...)` (some families add a fourth output: Inkling's
+shared-expert gammas, Zaya's router state) and a fused `experts` child with 3-D parameters (expert dimension
+first). Llama 4's router returns `(scores, logits)` instead, with scores (T, E) zero outside each token's top-k;
+its decision is the top-k of the scores, and its experts take the score-scaled input of every expert rather than
+(x, ids, weights). Sites are found by that structure, not by class name, and the decision is read from the
+router's output, never recomputed.
 """
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -57,13 +61,13 @@ class RouterSite:
 
     def decision(self, out) -> tuple[Tensor, Tensor, Tensor]:
         """(logits (T, E), ids (T, k), weights (T, k)) from a transformers router's output."""
-        if isinstance(out, tuple) and len(out) == 3:  # (logits, weights, indices)
+        if isinstance(out, tuple) and len(out) >= 3 and not out[2].is_floating_point():  # (logits, weights, ids, ...)
             return out[0], out[2], out[1]
         if isinstance(out, tuple) and len(out) == 2:  # Llama 4: (scores (T, E), logits (T, E))
             weights, ids = out[0].topk(self.top_k, dim=-1)  # (T, k)
             return out[1], ids, weights
         raise UnsupportedModelError(f"the router of {self.name} ({type(self.router).__name__}) returns "
-                                    f"{type(out).__name__}; moekit reads (logits, weights, indices) or (scores, logits)")
+                                    f"{type(out).__name__}; moekit reads (logits, weights, indices, ...) or (scores, logits)")
 
     def on_decision(self, fn: DecisionFn) -> RemovableHandle:
         """Call fn with this layer's decision after every forward (a shared router still reports per layer)."""
@@ -95,9 +99,26 @@ class RouterSite:
             if len(out) == 2:  # Llama 4: scores (T, E), zero outside the top-k
                 scores = torch.zeros_like(out[0]).scatter(-1, new_ids, new_weights.to(out[0].dtype))
                 return scores, out[1]
-            return out[0], new_weights.to(out[1].dtype), new_ids
+            return (out[0], new_weights.to(out[1].dtype), new_ids.to(out[2].dtype), *out[3:])
 
         return self.router.register_forward_hook(hook)
+
+    @property
+    def experts_take_routing(self) -> bool:
+        """Whether the experts module is called as experts(x, ids, weights) (moekit, transformers v5 blocks), not
+        on the score-scaled input of every expert (Llama 4)."""
+        return self.is_moekit or len(inspect.signature(self.experts.forward).parameters) >= 3
+
+    def expert_norms(self, x: Tensor, ids: Tensor) -> Tensor:
+        """‖f_j(x_t)‖₂ (T, k) of each token's routed experts j = ids[t, s], unweighted, computed by the layer's own
+        experts module: one call per slot, or for Llama 4's experts one call on every expert's copy of x."""
+        if self.experts_take_routing:
+            ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)  # (T, 1)
+            return torch.stack([self.experts(x, ids[:, s:s + 1], ones).float().norm(dim=-1)
+                                for s in range(ids.shape[1])], dim=1)  # (T, k)
+        out = self.experts(x.repeat(self.num_experts, 1))  # (E·T, H): expert e on rows e·T .. e·T + T - 1
+        norms = out.float().view(self.num_experts, x.shape[0], -1).norm(dim=-1)  # (E, T)
+        return norms.t().gather(1, ids)  # (T, k)
 
 
 def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
@@ -107,10 +128,11 @@ def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
         return None
     if not any(p.dim() == 3 and p.shape[0] == num for p in experts.parameters(recurse=False)):
         return None  # not fused 3-D experts (e.g. transformers 4.x ModuleList experts)
-    for child_name, child in block.named_children():
+    for child in block.children():
         w = getattr(child, "weight", None)
-        if child is not experts and isinstance(w, Tensor) and w.dim() == 2 and w.shape[0] == num \
-                and isinstance(getattr(child, "top_k", None), int):
+        rows = isinstance(w, Tensor) and w.dim() == 2 and w.shape[0] == num
+        if child is not experts and isinstance(getattr(child, "top_k", None), int) \
+                and (rows or getattr(child, "num_experts", None) == num):
             return RouterSite(name, block, child, experts, num, child.top_k)
     return None
 

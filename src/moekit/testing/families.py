@@ -1,0 +1,113 @@
+"""Every MoE family of the installed transformers, as a tiny random model: for the routing-capture family test.
+
+The families are discovered from transformers itself (every causal-LM config whose fields name experts), so a family
+added by a new transformers release shows up in tests/test_families.py without a hand-written list. A tiny instance
+is the family's default config with its sizes shrunk by name (hidden and FFN sizes, heads, layers, experts, MLA
+ranks, vocabulary); where a family's layer pattern mixes layer kinds (linear attention, Mamba, dense), the first
+layers that hold every kind are kept.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+SMALL = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 128, "max_position_embeddings": 64,
+         "shared_expert_intermediate_size": 24, "expert_ffn_hidden_size": 24, "moe_shared_expert_intermediate_size": 24,
+         "shared_experts_intermediate_size": 24, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
+         "moe_num_experts": 4, "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_k": 2, "top_k": 2,
+         "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "num_expert_group": 1, "q_lora_rank": 16,
+         "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "qk_head_dim": 8,
+         "ffn_hidden_size": 48, "d_model": 32, "n_heads": 4, "kv_n_heads": 4, "moe_top_k": 2, "moe_topk": 2,
+         "zero_expert_num": 2, "top_k_experts": 2}
+MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config is dense
+
+
+def moe_model_types() -> dict[str, str]:
+    """{model_type: causal-LM class name} of every transformers family whose config names experts (one model type per
+    class: the text-only variant where a multimodal one shares its class)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out: dict[str, str] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+            try:
+                cfg = AutoConfig.for_model(model_type)
+            except Exception:  # noqa: BLE001 - a config that needs arguments is no MoE we can build by name
+                continue
+            if re.search(r"['\"][a-z_]*expert[a-z_]*['\"]\s*:\s*\d", str(cfg.to_dict())) and cls not in out.values():
+                out[model_type] = cls
+    return out
+
+
+def _set(cfg, key: str, value) -> None:
+    try:
+        setattr(cfg, key, value)
+    except (AttributeError, ValueError, TypeError):  # a derived property, or a per-layer attribute
+        pass
+
+
+def _shrink(cfg, cut_lists: bool = True) -> None:
+    switched = any(getattr(cfg, key, None) is False for key in MOE_SWITCHES)
+    for key in MOE_SWITCHES:
+        if getattr(cfg, key, None) is False:
+            _set(cfg, key, True)
+    if isinstance(getattr(cfg, "per_layer_config", None), dict):
+        _set(cfg, "per_layer_config", {})
+    for key, value in SMALL.items():
+        current = getattr(cfg, key, "absent")
+        if (isinstance(current, int) and not isinstance(current, bool)) or (current is None and (
+                switched or "expert" in key)):
+            _set(cfg, key, value)
+    if isinstance(getattr(cfg, "qk_rope_head_dim", None), int) and isinstance(getattr(cfg, "qk_nope_head_dim", None), int):
+        _set(cfg, "head_dim", cfg.qk_rope_head_dim)  # multi-head latent attention: rotary embeddings span the rope part
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(cfg, key, None), int):
+            _set(cfg, key, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[key])
+    for sub in ("text_config", "ffn_config", "attn_config"):
+        if getattr(cfg, sub, None) is not None and not isinstance(getattr(cfg, sub), dict):
+            _shrink(getattr(cfg, sub), cut_lists)
+    layers_key = "num_hidden_layers" if isinstance(getattr(cfg, "num_hidden_layers", None), int) else "num_layers"
+    total = getattr(cfg, layers_key, None)
+    # every per-layer list (attention kinds, dense/sparse MLPs) cut to the first layers that hold each kind
+    lists = {k: v for k, v in vars(cfg).items() if cut_lists and isinstance(v, list) and v and len(v) == total
+             and all(isinstance(x, str) for x in v)}
+    n = max([2, *(max(v.index(x) for x in set(v)) + 1 for v in lists.values())])
+    for key, kinds in lists.items():
+        _set(cfg, key, kinds[:n])
+    if isinstance(total, int):
+        _set(cfg, layers_key, n)
+
+
+def tiny_config(model_type: str, cut_lists: bool = True):
+    """The family's default config, shrunk (module docstring); cut_lists=False keeps its per-layer lists whole
+    (families whose layer kinds are derived from periods rather than listed)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    _shrink(cfg, cut_lists)
+    return cfg
+
+
+def tiny_family_model(model_type: str, seed: int = 0):
+    """A tiny random instance of the family's causal LM in float32, eval mode; raises what transformers raises when
+    the shrunk config does not build or run (tests/test_families.py names those families)."""
+    from transformers import AutoModelForCausalLM
+
+    error = None
+    for cut_lists in (True, False):
+        torch.manual_seed(seed)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = AutoModelForCausalLM.from_config(tiny_config(model_type, cut_lists)).float().eval()
+                with torch.no_grad():
+                    model(input_ids=torch.randint(3, 100, (2, 5)))
+            return model
+        except Exception as e:  # noqa: BLE001 - the other variant may build; the first error is raised
+            error = error or e
+    raise error

@@ -1,0 +1,110 @@
+"""Routing capture on every MoE family of the installed transformers (discovered from transformers itself:
+moekit.testing.families), in memory and streamed one layer at a time, against an independent forward hook on what
+each family passes its own experts. Each family is read exactly or refused with one line that says what is missing;
+the families the tiny-model harness cannot build, and those moekit refuses, are listed here with the reason, so a
+family that a new transformers adds or fixes shows up as a failure to update this list."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moekit.errors import MoekitError, UnsupportedModelError
+from moekit.routing.sites import find_sites
+from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
+from moekit.testing.families import moe_model_types, tiny_family_model
+
+FAMILIES = sorted(moe_model_types())
+# the shrunk default config does not build or run in transformers 5.23 (the error it raises)
+HARNESS_CANNOT_BUILD = {
+    "dbrx": "DbrxAttentionConfig has no rope_theta",
+    "dots3_note": "per-layer attributes (num_attention_heads)",
+    "granitemoehybrid": "no attention layer in the first layers of the shrunk pattern",
+    "hunyuan_v1_moe": "a None rope parameter in the default config",
+    "jamba": "no attention layer in the first layers of the shrunk pattern",
+    "lfm2_moe": "layer_types None in the default config",
+    "mimo_v2_flash": "its attention's head sizes (shape mismatch)",
+    "qwen4_exp": "a None size in the default config",
+}
+# moekit cannot read these families' routing (README, "Routing capture: families")
+REFUSED = {
+    "doge": "product-key routing over a bank of single-neuron experts (no top-k over E experts)",
+    "jetmoe": "JetMoE's own layout (ParallelExperts input/output linears with a TopKGating router)",
+    "longcat_flash": "zero-computation experts beside the routed ones",
+}
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    return [Batch("en", ids, mask), Batch("fr", torch.randint(3, 100, (1, 4), generator=g), torch.ones(1, 4).long())]
+
+
+def _reference(model, batches):
+    """(ids, weights) per MoE layer at the kept positions, from hooks on each family's experts (what they are passed)
+    or, where experts are not passed the decision (Llama 4), on the router's (scores, logits)."""
+    sites = find_sites(model)
+    got = [[] for _ in sites]
+    handles = []
+    for i, s in enumerate(sites):
+        if s.experts_take_routing:
+            handles.append(s.experts.register_forward_pre_hook(
+                lambda m, args, i=i: got[i].append((args[1].detach().clone(), args[2].detach().clone()))))
+        else:
+            def hook(m, args, out, i=i, k=s.top_k):
+                w, ids = out[0].topk(k, dim=-1)
+                got[i].append((ids, w))
+            handles.append(s.router.register_forward_hook(hook))
+    try:
+        for b in batches:
+            with torch.no_grad():
+                model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    finally:
+        for h in handles:
+            h.remove()
+    keep = torch.cat([b.attention_mask.reshape(-1).bool() for b in batches])
+    return [(torch.cat([c[0] for c in calls])[keep], torch.cat([c[1] for c in calls])[keep]) for calls in got]
+
+
+def test_every_discovered_family_is_built_or_listed():
+    assert set(HARNESS_CANNOT_BUILD) <= set(FAMILIES) and set(REFUSED) <= set(FAMILIES)
+    for family in HARNESS_CANNOT_BUILD:
+        with pytest.raises(Exception):  # noqa: B017 - the day it builds, it must join the test below
+            tiny_family_model(family)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in HARNESS_CANNOT_BUILD])
+def test_capture_in_memory_equals_the_familys_own_decision(family):
+    model = tiny_family_model(family)
+    if family in REFUSED:
+        with pytest.raises(UnsupportedModelError, match="no MoE layer moekit can read") as e:
+            find_sites(model)
+        assert "\n" not in str(e.value)
+        return
+    trace = collect_in_memory(model, _batches())
+    for layer, (ids, w) in enumerate(_reference(model, _batches())):
+        k = ids.shape[1]
+        assert np.array_equal(trace.ids[layer, :, :k], ids.numpy()), family
+        np.testing.assert_allclose(trace.weights[layer, :, :k], w.float().numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in HARNESS_CANNOT_BUILD and f not in REFUSED])
+def test_capture_streamed_equals_in_memory_or_refuses_in_one_line(family, tmp_path):
+    model = tiny_family_model(family)
+    model.save_pretrained(tmp_path)
+    want = collect_in_memory(model, _batches())
+    try:
+        got = collect_streamed(tmp_path, _batches(), dtype=torch.float32)
+    except MoekitError as e:  # a clean refusal, never a crash
+        assert "\n" not in str(e) and STREAM_REFUSED.get(family, "<none>") in str(e), (family, str(e))
+        return
+    assert family not in STREAM_REFUSED
+    assert got.layers == want.layers
+    assert np.array_equal(got.ids, want.ids), family
+    np.testing.assert_allclose(got.weights, want.weights, rtol=1e-5, atol=1e-6)
+
+
+# families whose layers moekit cannot stream one at a time, with the words of the refusal
+STREAM_REFUSED: dict[str, str] = {}
