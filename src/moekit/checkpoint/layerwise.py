@@ -97,6 +97,20 @@ class LayerStream:
         self.folder = Path(folder)
         self.model = _meta_model(self.folder, dtype, trust_remote_code)
         self.reader = ShardReader(self.folder)
+        self._names = self._model_names()
+
+    def _model_names(self) -> dict[str, str]:
+        """{checkpoint key: the model parameter it loads into}, by transformers' own renaming for the family (e.g.
+        NemotronH's backbone.* -> model.*), so a part's tensors are found under the model's names."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        mapping = get_model_conversion_mapping(self.model)
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
+        meta = self.model.state_dict()
+        prefix = getattr(self.model, "base_model_prefix", None)
+        return {k: rename_source_key(k, renamings, converters, prefix, meta)[0] for k in self.reader.keys()}
 
     def load(self, path: str, device: str | torch.device = "cpu") -> nn.Module:
         """Load the parameters and persistent buffers of submodule `path` (a model name: "model.layers.3") from the
@@ -110,7 +124,8 @@ class LayerStream:
         done = set()
         for name, experts in module.named_modules():
             done |= self._fill_experts(f"{prefix}{name}", experts, device)
-        tensors = {k: self.reader.get(k).to(device) for k in self.reader.keys() if k.startswith(prefix) and k not in done}
+        tensors = {k: self.reader.get(k).to(device) for k, name in self._names.items()
+                   if (name.startswith(prefix) or k.startswith(prefix)) and k not in done}
         config = LoadStateDictConfig(dtype=self.dtype, weight_mapping=get_model_conversion_mapping(self.model))
         with _no_load_bars():
             convert_and_load_state_dict_in_model(self.model, tensors, config)

@@ -26,6 +26,7 @@ from moekit.checkpoint.layerwise import LayerStream
 from moekit.errors import UnsupportedModelError
 from moekit.progress import report
 from moekit.routing.capture import RoutingCapture
+from moekit.routing.sites import find_sites
 from moekit.routing.trace import RoutingTrace
 
 
@@ -114,6 +115,18 @@ def first_pass(stream: LayerStream, batches: list[Batch], layers: nn.ModuleList,
                           use_cache=False)
                 except _Stop as stop:
                     inputs.append(stop.args[0].cpu())
+                except (ValueError, TypeError) as e:  # the model unpacked more than the hidden states
+                    raise UnsupportedModelError(
+                        f"{type(model).__name__}'s decoder layers return more than their hidden states (state "
+                        f"passed from layer to layer: {e}), which capture one layer at a time cannot rebuild; "
+                        "capture it with the whole model loaded (--stream off)") from None
+                except RuntimeError as e:
+                    if "meta" not in str(e):
+                        raise
+                    raise UnsupportedModelError(
+                        f"{type(model).__name__} uses weights besides its input embeddings before its first decoder "
+                        "layer, which capture one layer at a time does not load; capture it with the whole model "
+                        "loaded (--stream off)") from None
             calls.append([_detached(c) for c in recorded])
     finally:
         stream.drop(emb)
@@ -141,6 +154,7 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
     resident at a time (module docstring). Progress: "recording" per decoder layer."""
     with LayerStream(folder, dtype, trust_remote_code) as stream:
         model = stream.model
+        find_sites(model, layers)  # a model without an MoE layer moekit reads is refused before anything runs
         path, stack = decoder_stack(model)
         inputs, calls = first_pass(stream, batches, stack, device)
         store = HiddenStates(needs_spill(batches, model.config.hidden_size, stream.dtype) if spill is None else spill)

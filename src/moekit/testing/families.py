@@ -23,6 +23,7 @@ SMALL = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24
          "ffn_hidden_size": 48, "d_model": 32, "n_heads": 4, "kv_n_heads": 4, "moe_top_k": 2, "moe_topk": 2,
          "zero_expert_num": 2, "top_k_experts": 2}
 MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config is dense
+OVERRIDES = {"zaya": {"num_experts_per_tok": 1}}  # its config validation (on reload) allows top-1 only
 
 
 def moe_model_types() -> dict[str, str]:
@@ -75,7 +76,7 @@ def _shrink(cfg, cut_lists: bool = True) -> None:
     total = getattr(cfg, layers_key, None)
     # every per-layer list (attention kinds, dense/sparse MLPs) cut to the first layers that hold each kind
     lists = {k: v for k, v in vars(cfg).items() if cut_lists and isinstance(v, list) and v and len(v) == total
-             and all(isinstance(x, str) for x in v)}
+             and all(isinstance(x, (str, int)) for x in v)}
     n = max([2, *(max(v.index(x) for x in set(v)) + 1 for v in lists.values())])
     for key, kinds in lists.items():
         _set(cfg, key, kinds[:n])
@@ -90,6 +91,8 @@ def tiny_config(model_type: str, cut_lists: bool = True):
 
     cfg = AutoConfig.for_model(model_type)
     _shrink(cfg, cut_lists)
+    for key, value in OVERRIDES.get(model_type, {}).items():
+        setattr(cfg, key, value)
     return cfg
 
 
