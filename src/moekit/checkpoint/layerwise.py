@@ -135,6 +135,38 @@ class LayerStream:
                                   "of that part); the checkpoint does not match its config")
         return module.to(device)
 
+    def load_outside(self, stack: str, skip: tuple[str, ...], device: str | torch.device = "cpu") -> list[str]:
+        """Load every parameter outside the module `stack` and the modules `skip` (the output head): what a model's
+        forward uses before its first decoder layer (embeddings, Gemma 4's per-layer embeddings, input scales).
+        Returns their names, for `drop_params`."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        inside = tuple(f"{p}." for p in (stack, *skip))
+        tensors = {k: self.reader.get(k).to(device) for k, name in self._names.items() if not name.startswith(inside)}
+        config = LoadStateDictConfig(dtype=self.dtype, weight_mapping=get_model_conversion_mapping(self.model))
+        with _no_load_bars():
+            convert_and_load_state_dict_in_model(self.model, tensors, config)
+        names = [n for n, _ in self.model.named_parameters() if not n.startswith(inside)]
+        left = [n for n in names if self.model.get_parameter(n).is_meta]
+        if left:
+            raise CheckpointError(f"{self.folder} has no weights for {left[0]} (and {len(left) - 1} more outside "
+                                  f"{stack}); the checkpoint does not match its config")
+        for n in names:
+            module, _, leaf = n.rpartition(".")
+            param = self.model.get_parameter(n)
+            if param.device != torch.device(device):
+                setattr(self.model.get_submodule(module), leaf, nn.Parameter(param.to(device), False))
+        return names
+
+    def drop_params(self, names: list[str]) -> None:
+        """Put these parameters back on the meta device."""
+        for n in names:
+            module, _, leaf = n.rpartition(".")
+            p = self.model.get_parameter(n)
+            setattr(self.model.get_submodule(module), leaf, nn.Parameter(torch.empty_like(p, device="meta"), False))
+
     def _fill_experts(self, path: str, experts: nn.Module, device) -> set[str]:
         """Fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)) of a checkpoint with the Hub's per-expert
         tensors, filled one expert at a time (transformers' conversion would hold every expert's tensors and the

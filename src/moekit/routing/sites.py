@@ -121,6 +121,16 @@ class RouterSite:
         return norms.t().gather(1, ids)  # (T, k)
 
 
+def _top_k(router: nn.Module) -> int | None:
+    """The router's k: its own `top_k`, or (Gemma 4) its config's."""
+    for obj, keys in ((router, ("top_k",)), (getattr(router, "config", None), ("top_k_experts", "num_experts_per_tok"))):
+        for key in keys:
+            value = getattr(obj, key, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
 def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
     experts = getattr(block, "experts", None)
     num = getattr(experts, "num_experts", None)
@@ -131,9 +141,11 @@ def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
     for child in block.children():
         w = getattr(child, "weight", None)
         rows = isinstance(w, Tensor) and w.dim() == 2 and w.shape[0] == num
-        if child is not experts and isinstance(getattr(child, "top_k", None), int) \
-                and (rows or getattr(child, "num_experts", None) == num):
-            return RouterSite(name, block, child, experts, num, child.top_k)
+        named = "router" in type(child).__name__.lower() and any(  # a router whose row weight sits one level down
+            p.dim() == 2 and p.shape[0] == num for p in child.parameters())
+        k = _top_k(child) if child is not experts else None
+        if k is not None and (rows or getattr(child, "num_experts", None) == num or named):
+            return RouterSite(name, block, child, experts, num, k)
     return None
 
 

@@ -100,11 +100,13 @@ def _stubbed(layers: nn.ModuleList, calls: list[tuple[tuple, dict]]) -> Iterator
 
 
 def first_pass(stream: LayerStream, batches: list[Batch], layers: nn.ModuleList, device) -> tuple[list, list]:
-    """([first layer input (B, S, H) per batch], [[(args, kwargs) per layer] per batch]) with only the input
-    embeddings loaded (and dropped after)."""
+    """([first layer input (B, S, H) per batch], [[(args, kwargs) per layer] per batch]) with only the weights
+    outside the decoder stack and the output head loaded (the embeddings, and what some families use before their
+    first layer: Gemma 4's per-layer embeddings), dropped after."""
     model = stream.model
-    emb = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    stream.load(emb, device)
+    stack = next(n for n, m in model.named_modules() if m is layers)
+    head = [n for n, m in model.named_modules() if m is model.get_output_embeddings()]
+    loaded = stream.load_outside(stack, tuple(head), device)
     inputs, calls = [], []
     try:
         for batch in batches:
@@ -120,16 +122,9 @@ def first_pass(stream: LayerStream, batches: list[Batch], layers: nn.ModuleList,
                         f"{type(model).__name__}'s decoder layers return more than their hidden states (state "
                         f"passed from layer to layer: {e}), which capture one layer at a time cannot rebuild; "
                         "capture it with the whole model loaded (--stream off)") from None
-                except RuntimeError as e:
-                    if "meta" not in str(e):
-                        raise
-                    raise UnsupportedModelError(
-                        f"{type(model).__name__} uses weights besides its input embeddings before its first decoder "
-                        "layer, which capture one layer at a time does not load; capture it with the whole model "
-                        "loaded (--stream off)") from None
             calls.append([_detached(c) for c in recorded])
     finally:
-        stream.drop(emb)
+        stream.drop_params(loaded)
     return inputs, calls
 
 

@@ -36,11 +36,16 @@ def moe_model_types() -> dict[str, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+            if f"{model_type}_text" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                continue  # a multimodal family's causal LM: its text-only config is the one to shrink
             try:
                 cfg = AutoConfig.for_model(model_type)
             except Exception:  # noqa: BLE001 - a config that needs arguments is no MoE we can build by name
                 continue
-            if re.search(r"['\"][a-z_]*expert[a-z_]*['\"]\s*:\s*\d", str(cfg.to_dict())) and cls not in out.values():
+            text = str(cfg.to_dict())
+            moe = re.search(r"['\"][a-z_]*expert[a-z_]*['\"]\s*:\s*\d", text) or any(
+                re.search(rf"['\"]{key}['\"]\s*:", text) for key in MOE_SWITCHES)
+            if moe and cls not in out.values():
                 out[model_type] = cls
     return out
 
@@ -57,8 +62,6 @@ def _shrink(cfg, cut_lists: bool = True) -> None:
     for key in MOE_SWITCHES:
         if getattr(cfg, key, None) is False:
             _set(cfg, key, True)
-    if isinstance(getattr(cfg, "per_layer_config", None), dict):
-        _set(cfg, "per_layer_config", {})
     for key, value in SMALL.items():
         current = getattr(cfg, key, "absent")
         if (isinstance(current, int) and not isinstance(current, bool)) or (current is None and (
@@ -90,6 +93,8 @@ def tiny_config(model_type: str, cut_lists: bool = True):
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(model_type)
+    if cfg.to_dict().get("per_layer_config"):  # per-layer sizes (Gemma 4): one size for every layer instead
+        cfg = AutoConfig.for_model(model_type, per_layer_config={})
     _shrink(cfg, cut_lists)
     for key, value in OVERRIDES.get(model_type, {}).items():
         setattr(cfg, key, value)
