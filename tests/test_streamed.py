@@ -242,3 +242,48 @@ def test_collect_select_reap_and_prune_keep_from_the_command_line(tmp_path, run,
     x = tiny_inputs(model)
     with torch.no_grad():
         torch.testing.assert_close(pruned(**x).logits, model(**x).logits, rtol=1e-5, atol=1e-5)
+
+
+def _bf16_qwen3_moe(folder):
+    from moekit.testing import tiny_qwen3_moe
+
+    tiny_qwen3_moe().to(torch.bfloat16).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_stream_on_and_off_give_one_trace(tmp_path, run):
+    """Both modes compute in --dtype (default float32) and record it: a bf16 checkpoint gives one trace whichever mode
+    --stream auto picks on a given machine (they once differed in 3 % of the ids: streamed ran in bf16)."""
+    from moekit.routing.trace import RoutingTrace
+
+    model = _bf16_qwen3_moe(tmp_path / "m")
+    (tmp_path / "en.txt").write_text("the day was long\nthe light is good and the world\nwe walk home\n")
+    traces = {}
+    for mode in ("on", "off"):
+        rc, _, err = run("routes", "collect", "--model", model, "--texts", f"en={tmp_path / 'en.txt'}", "--stream", mode,
+                         "--out", tmp_path / f"{mode}.npz")
+        assert rc == 0, err
+        traces[mode] = RoutingTrace.load(tmp_path / f"{mode}.npz")
+    a, b = traces["on"], traces["off"]
+    assert a.meta["dtype"] == b.meta["dtype"] == "float32" and a.meta["streamed"] and not b.meta["streamed"]
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.weights, b.weights)
+
+
+def test_stream_auto_decides_from_the_whole_models_predicted_peak(tmp_path, monkeypatch):
+    """auto: the whole model when LOAD_PEAK × its weights in the compute dtype fit in IN_MEMORY_SHARE of the memory
+    available (not the checkpoint's bytes: a bf16 checkpoint loads in float32 at twice its size)."""
+    import argparse
+
+    import moekit._fs
+    from moekit.cli import routes
+
+    model = _bf16_qwen3_moe(tmp_path / "m")
+    numel = sum(p.numel() for p in loaded(model).parameters())
+    peak = routes.in_memory_peak(model, torch.float32)
+    assert peak == int(routes.LOAD_PEAK * numel * 4)
+    args = argparse.Namespace(stream="auto", model=model)
+    for memory, streamed in ((peak / routes.IN_MEMORY_SHARE * 1.01, False), (peak / routes.IN_MEMORY_SHARE * 0.99, True)):
+        monkeypatch.setattr(moekit._fs, "available_memory", lambda memory=memory: int(memory))
+        assert routes.streaming(args, torch.float32) is streamed
+    assert routes.streaming(argparse.Namespace(stream="on", model=model), torch.float32) is True
