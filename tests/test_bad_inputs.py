@@ -896,7 +896,7 @@ SELECTIONS = [
          r"model\.layers\.1\.mlp: expert ids must be distinct and in \[0, 4\), got \[1, 4\]"),
     Case("prune-selection-negative-id",
          lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {f.layers[1]: [-1]})),
-                       "--out", t / "p"], r"expert ids must be distinct and in \[0, 4\), got \[-1\]"),
+                       "--out", t / "p"], r"model\.layers\.3\.mlp: expert ids must be ≥ 0, got -1"),
     Case("prune-selection-unknown-layer",
          lambda t, f: ["prune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {"model.layers.0.mlp": [0]})),
                        "--out", t / "p"],
@@ -918,7 +918,7 @@ SELECTIONS = [
     Case("finetune-selection-duplicate-ids",
          lambda t, f: ["finetune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {f.layers[0]: [2, 2]})),
                        "--data", f"en={text(t, f)}", "--steps", 1, "--out", t / "ft"],
-         r"model\.layers\.1\.mlp: expert ids must be distinct and in \[0, 4\), got \[2, 2\]"),
+         r"model\.layers\.1\.mlp: expert 2 is named twice"),
     Case("finetune-selection-unknown-layer",
          lambda t, f: ["finetune", "--model", moe(t, f), "--experts", selection(t, sel_of(f, {"lm_head": [0]})),
                        "--data", f"en={text(t, f)}", "--steps", 1, "--out", t / "ft"],
@@ -1449,6 +1449,13 @@ def prune_native(t: Path, f: Fx, sel: Path, mode: str = "--keep", out: str = "p"
     return ["prune", "--model", f.copy(f.native, t / "q3"), "--experts", sel, mode, "--out", t / out]
 
 
+def prune_damaged(t: Path, f: Fx, damage: Callable[[Path], object]) -> list:
+    """prune --keep on a copy of the tiny Qwen3-MoE that `damage` changed first."""
+    model = f.copy(f.native, t / "q3")
+    damage(model)
+    return ["prune", "--model", model, "--experts", native_sel(t), "--keep", "--out", t / "p"]
+
+
 BIGGER_THAN_MEMORY = [
     Case("prune-keep-layer-the-checkpoint-lacks",
          lambda t, f: prune_native(t, f, native_sel(t, layers=(0, 1, 2, 9))),
@@ -1464,7 +1471,36 @@ BIGGER_THAN_MEMORY = [
          r"the layers would keep different numbers of experts \(\[3, 4\]\), but the config holds one expert "
          r"count for every layer; keep the same number per layer \(moekit select usage, reap or ean with top=N\)"),
     Case("prune-keep-expert-out-of-range", lambda t, f: prune_native(t, f, native_sel(t, ids=(0, 1, 2, 8))),
-         r"expert ids must be distinct and in \[0, 8\)"),
+         r"the selection's layer 'model\.layers\.0\.mlp' names expert 8, outside \[0, 8\)"),
+    # issue 37 §5: selection entries of the wrong type, repeated, out of range, or naming no MoE block
+    Case("prune-drop-expert-out-of-range", lambda t, f: prune_native(t, f, native_sel(t, ids=(99,)), "--drop"),
+         r"the selection's layer 'model\.layers\.0\.mlp' names expert 99, outside \[0, 8\)"),
+    Case("prune-drop-duplicate-id", lambda t, f: prune_native(t, f, native_sel(t, ids=(5, 5, 6)), "--drop"),
+         r"model\.layers\.0\.mlp: expert 5 is named twice"),
+    Case("prune-keep-ids-booleans", lambda t, f: prune_native(t, f, native_sel(t, ids=(True, False))),
+         r"experts\.model\.layers\.0\.mlp\.0: Input should be a valid integer"),
+    Case("prune-keep-ids-floats", lambda t, f: prune_native(t, f, native_sel(t, ids=(0.0, 1.0, 2.0, 3.0))),
+         r"experts\.model\.layers\.0\.mlp\.0: Input should be a valid integer"),
+    Case("prune-keep-ids-strings", lambda t, f: prune_native(t, f, native_sel(t, ids=("0", "1", "2", "3"))),
+         r"experts\.model\.layers\.0\.mlp\.0: Input should be a valid integer"),
+    Case("prune-keep-layer-not-an-moe-block",
+         lambda t, f: prune_native(t, f, selection(t, {"method": "m", "budget": 4, "experts": {
+             "x.layers.0.y": [0, 1, 2, 3]}})),
+         r"the selection's layer 'x\.layers\.0\.y' is not a decoder layer's MoE block"),
+    Case("prune-keep-same-layer-twice",
+         lambda t, f: prune_native(t, f, selection(t, {"method": "m", "budget": 8, "experts": {
+             "model.layers.0.mlp": [0, 1, 2, 3], "model.layers.0.block_sparse_moe": [0, 1, 2, 3]}})),
+         r"the selection names decoder layer 0 twice \('model\.layers\.0\.mlp' and "
+         r"'model\.layers\.0\.block_sparse_moe'\)"),
+    Case("prune-keep-config-top-k-a-string",
+         lambda t, f: prune_damaged(t, f, lambda d: edit_json(d / "config.json",
+                                                              lambda c: c.update(num_experts_per_tok="2"))),
+         r"invalid config\.json: num_experts_per_tok: Input should be a valid integer"),
+    Case("prune-keep-config-n-group-a-float",
+         lambda t, f: prune_damaged(t, f, lambda d: edit_json(d / "config.json", lambda c: c.update(n_group=2.0))),
+         r"invalid config\.json: n_group: Input should be a valid integer"),
+    Case("prune-keep-config-a-list", lambda t, f: prune_damaged(t, f, lambda d: write(d / "config.json", "[1, 2]")),
+         r"invalid config\.json: <root>: Input should be a valid dictionary"),
     Case("prune-keep-moekit-checkpoint",
          lambda t, f: ["prune", "--model", moe(t, f), "--experts", native_sel(t), "--keep", "--out", t / "p"],
          r"is a moekit checkpoint: removing experts needs a native transformers checkpoint \(`moekit export`"),

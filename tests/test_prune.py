@@ -162,3 +162,32 @@ def test_moekit_save_keeps_pruning(tmp_path):
     loaded = load_model(tmp_path / "plain")
     assert model_state(loaded).pruned == disabled(model)
     assert torch.equal(logits(loaded), logits(model))
+
+
+def test_keep_prunes_moekits_own_qwen3_moe_export(tmp_path, run):
+    """moekit's Qwen3-MoE export writes both num_experts and num_local_experts (one count): `prune --keep` reads it as
+    one count and updates both (issue 37: it refused "not a transformers MoE config with one expert count")."""
+    import json
+
+    from moekit.testing import tiny_qwen3, tiny_tokenizer
+
+    tiny_qwen3().save_pretrained(tmp_path / "dense")
+    tiny_tokenizer().save_pretrained(tmp_path / "dense")
+    rc, _, err = run("upcycle", "--model", tmp_path / "dense", "--method", "drop", "--experts", 4, "--top-k", 2,
+                     "--format", "qwen3_moe", "--out", tmp_path / "q3")
+    assert rc == 0, err
+    config = json.loads((tmp_path / "q3" / "config.json").read_text())
+    assert config["num_experts"] == config["num_local_experts"] == 4
+    layers = config["num_hidden_layers"]
+    sel = {"method": "manual", "budget": 2 * layers,
+           "experts": {f"model.layers.{i}.mlp": [0, 2] for i in range(layers)}}
+    (tmp_path / "keep.json").write_text(json.dumps(sel))
+    rc, _, err = run("prune", "--model", tmp_path / "q3", "--experts", tmp_path / "keep.json", "--keep",
+                     "--out", tmp_path / "p")
+    assert rc == 0, err
+    pruned = json.loads((tmp_path / "p" / "config.json").read_text())
+    assert pruned["num_experts"] == pruned["num_local_experts"] == 2
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "p")  # plain transformers loads the output
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 2

@@ -22,16 +22,20 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
 from moekit._fs import output
 from moekit.checkpoint.card import hub_id, write_card
 from moekit.checkpoint.dense import check_dense_dir
 from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, read_headers, read_text
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
+from moekit.config import validate
 from moekit.errors import ConfigError
 from moekit.progress import report
 
 COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config's expert count, by family
-_MOE = r"(model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward))\."
+MOE_BLOCK = r"(model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward))"  # a decoder layer's MoE block
+_MOE = MOE_BLOCK + r"\."
 _PER_EXPERT = re.compile(_MOE + r"experts\.(\d+)\.(.+)")  # classic: prefix, layer, expert, rest
 _STACKED = re.compile(_MOE + r"(experts|gate|router)\.([^.]+(?:\.[^.]+)*)")  # fused experts, router tensors
 OTHER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -53,11 +57,30 @@ class Cut:
         return self.info.shape if self.rows is None else (len(self.rows), *self.info.shape[1:])
 
 
+class NativeConfig(BaseModel):
+    """The fields of a native config.json that expert removal reads, strictly typed (the rest passes through)."""
+
+    model_config = ConfigDict(extra="allow")
+    num_local_experts: StrictInt | None = Field(None, ge=1)
+    num_experts: StrictInt | None = Field(None, ge=1)
+    n_routed_experts: StrictInt | None = Field(None, ge=1)
+    num_experts_per_tok: StrictInt | None = Field(None, ge=1)
+    n_group: StrictInt | None = Field(None, ge=1)
+
+
+def native_config(config) -> dict:
+    """config.json's content, its expert fields validated (NativeConfig): ConfigError naming the bad field."""
+    validate(NativeConfig, config, source="config.json")
+    return config
+
+
 def expert_count(config: dict) -> tuple[str, int]:
-    found = [(k, config[k]) for k in COUNT_KEYS if isinstance(config.get(k), int)]
-    if len(found) != 1:
+    """(key, E) of the config's expert count. Several keys holding one number (moekit's Qwen3-MoE export writes
+    both num_experts and num_local_experts) are one count; the first key is the one updated."""
+    found = [(k, config[k]) for k in COUNT_KEYS if config.get(k) is not None]
+    if not found or len({n for _, n in found}) != 1:
         raise ConfigError("not a transformers MoE config with one expert count (num_local_experts, num_experts or "
-                          "n_routed_experts)")
+                          f"n_routed_experts): found {dict(found) or 'none'}")
     return found[0]
 
 
@@ -121,7 +144,7 @@ def remove_experts(src: str | Path, out: str | Path, keep: dict[int, list[int]],
     if Path(os.path.realpath(src)) in Path(os.path.realpath(out)).parents:
         raise ConfigError(f"the output {out} is inside the checkpoint {src}: write it elsewhere (a checkpoint "
                           "directory holds only its own files)")
-    config = json.loads(read_text(src, "config.json", "config"))
+    config = native_config(json.loads(read_text(src, "config.json", "config")))
     key, experts = expert_count(config)
     headers = read_headers(src)
     moe_layers = sorted({i for n in headers if (i := _expert_layer(n)) is not None})
@@ -139,7 +162,8 @@ def remove_experts(src: str | Path, out: str | Path, keep: dict[int, list[int]],
             writer.abort()
             raise
         writer.close()
-        (tmp / "config.json").write_text(json.dumps({**config, key: kept}, indent=2))
+        counts = {k: kept for k in COUNT_KEYS if config.get(k) is not None}  # every key that held the count
+        (tmp / "config.json").write_text(json.dumps({**config, **counts}, indent=2))
         for name in OTHER_FILES:
             if (src / name).is_file():
                 copy_file(src, name, tmp / name)

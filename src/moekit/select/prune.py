@@ -174,19 +174,28 @@ def kept_experts(model_dir: str | Path, selection: Selection, mode: str) -> dict
     import json
 
     from moekit.checkpoint.files import read_text
-    from moekit.checkpoint.remove import expert_count
+    from moekit.checkpoint.remove import MOE_BLOCK, expert_count, native_config
 
     if (Path(model_dir) / "moekit.json").is_file():
         raise ConfigError(f"{model_dir} is a moekit checkpoint: removing experts needs a native transformers "
                           "checkpoint (`moekit export` writes one), or disable them (moekit prune without keep or "
                           "drop)")
-    experts = expert_count(json.loads(read_text(model_dir, "config.json", "config")))[1]
-    out = {}
+    experts = expert_count(native_config(json.loads(read_text(model_dir, "config.json", "config"))))[1]
+    out, named = {}, {}
     for name, ids in selection.experts.items():
-        m = re.search(r"\.layers\.(\d+)\.", name + ".")
+        m = re.fullmatch(MOE_BLOCK, name)
         if m is None:
-            raise ConfigError(f"the selection's layer {name!r} is not a decoder layer's MoE block (model.layers.N...)")
-        out[int(m.group(1))] = sorted(ids) if mode == "keep" else [e for e in range(experts) if e not in ids]
+            raise ConfigError(f"the selection's layer {name!r} is not a decoder layer's MoE block "
+                              "(model.layers.N.mlp, .block_sparse_moe or .feed_forward)")
+        layer = int(m.group(2))
+        if layer in named:
+            raise ConfigError(f"the selection names decoder layer {layer} twice ({named[layer]!r} and {name!r})")
+        bad = [e for e in ids if not 0 <= e < experts]
+        if bad:
+            raise ConfigError(f"the selection's layer {name!r} names expert {bad[0]}, outside [0, {experts}) of "
+                              f"{model_dir}")
+        named[layer] = name
+        out[layer] = sorted(ids) if mode == "keep" else [e for e in range(experts) if e not in ids]
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, StrictInt, field_validator
 
 from .._fs import output, read_small
 from ..config import Config, validate
@@ -17,9 +17,19 @@ class Selection(Config):
     method: str
     target: str | None = None
     budget: int = Field(ge=0)
-    experts: dict[str, list[int]]
+    experts: dict[str, list[StrictInt]]  # JSON integers only: true, 2.0 and "2" are refused
     scores: dict[str, list[float]] = {}  # per layer, one score per expert (method-specific)
     params: dict = {}  # the method's settings (alpha, ratios, top_p, seed, ...)
+
+    @field_validator("experts")
+    @classmethod
+    def _distinct(cls, experts: dict[str, list[int]]) -> dict[str, list[int]]:
+        for layer, ids in experts.items():
+            if any(e < 0 for e in ids):
+                raise ValueError(f"{layer}: expert ids must be ≥ 0, got {min(ids)}")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{layer}: expert {next(e for e in ids if ids.count(e) > 1)} is named twice")
+        return experts
 
     @property
     def count(self) -> int:
