@@ -199,15 +199,17 @@ def test_second_writer_fails_at_once_and_the_first_finishes(dense, tmp_path):
 def test_temporaries_of_dead_processes_are_removed_live_ones_kept(dense, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f".moe{_fs.TMP}{dead.pid}-dead"
+    stale = tmp_path / f".moe{_fs.TMP}{dead.pid}-deadbeef"  # named as moekit names its temporaries
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")
-    live = tmp_path / f".moe{_fs.TMP}{os.getpid()}-live"  # this test process is alive
+    live = tmp_path / f".moe{_fs.TMP}{os.getpid()}-0123abcd"  # this test process is alive
     live.mkdir()
+    notes = tmp_path / f".moe{_fs.TMP}{dead.pid}-notes"  # a user's file that only starts like one
+    notes.write_text("mine")
     proc = cli(tmp_path, *upcycle_args(dense, tmp_path / "moe"))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert not stale.exists() and live.is_dir()
+    assert not stale.exists() and live.is_dir() and notes.read_text() == "mine"
 
 
 def remote_code_dir(tmp_path: Path, marker: Path, where: str) -> Path:

@@ -113,13 +113,20 @@ def guard(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), over
     given = Path(out)
     if given.is_symlink():
         raise UnsafeOutputError(f"the {what} {given} is a symbolic link; give the path it points to")
+    if kind == "file" and str(out).endswith(("/", os.sep)):
+        raise UnsafeOutputError(f"the {what} {out} names a directory (a trailing '/'), and the {what} is a file")
     real = _real(given)
     exists = real.exists()
     for name, path in [*((f"input {p}", _real(p)) for p in inputs), ("the working directory", _real(os.getcwd()))]:
         inside = exists and path in real.parents and name.startswith("input")  # an existing file of an input
-        if real == path or real in path.parents or inside:
-            holds = "is" if real == path else "contains" if real in path.parents else "is inside"
+        if real == path or real in path.parents or inside or (exists and _same_file(real, path)):
+            holds = "is" if real == path or _same_file(real, path) else "contains" if real in path.parents \
+                else "is inside"
             raise UnsafeOutputError(f"the {what} {given} {holds} {name}; choose another {what} path")
+    hub = _real(hub_cache())
+    if real == hub or hub in real.parents:
+        raise UnsafeOutputError(f"the {what} {given} is inside the Hugging Face cache {hub}, which only "
+                                f"huggingface_hub writes; choose another {what} path")
     if exists and not overwrite and (not real.is_dir() or any(real.iterdir())):
         raise OutputExistsError(real, f"{given} exists{' and is not empty' if real.is_dir() else ''}")
     if exists and (real.is_dir() if kind == "file" else not real.is_dir() if kind == "dir" else False):
@@ -135,6 +142,20 @@ def guard(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), over
         raise WriteError(f"cannot write {given}: {anchor} is not writable")
     check_space(given, need_bytes)
     return real
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two existing paths are one file (a hard link of an input is that input)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def hub_cache() -> Path:
+    """The Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub), read now."""
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(os.environ.get("HF_HUB_CACHE") or Path(home) / "hub")
 
 
 def check_space(out: str | os.PathLike, need_bytes: int) -> None:
@@ -215,12 +236,14 @@ def remove(path: Path) -> None:
 
 
 def _remove_stale(parent: Path, name: str) -> None:
-    """Temporaries and lock temporaries of `name` left by processes that died (e.g. SIGKILL, power loss)."""
-    pattern = re.compile(f"{re.escape(f'.{name}{TMP}')}(\\d+)-|{re.escape(f'.{name}{LOCK}')}-(\\d+)-")
+    """Temporaries and lock temporaries of `name` left by processes that died (e.g. SIGKILL, power loss): only
+    entries named exactly as moekit names them (its pid and an 8-hex-digit token) and owned by this user, so a
+    user's file that merely starts like one (`.s.json.moekit-tmp-999999-notes`) is never touched."""
+    pattern = re.compile(f"(?:{re.escape(f'.{name}{TMP}')}|{re.escape(f'.{name}{LOCK}')}-)(\\d+)-[0-9a-f]{{8}}")
     for entry in parent.iterdir():
-        m = pattern.match(entry.name)
-        pid = m and int(m.group(1) or m.group(2))
-        if pid and pid != os.getpid() and not _pid_alive(pid):
+        m = pattern.fullmatch(entry.name)
+        pid = m and int(m.group(1))
+        if pid and pid != os.getpid() and not _pid_alive(pid) and entry.lstat().st_uid == os.getuid():
             remove(entry)
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from moekit.checkpoint.card import HUB_ID, hub_id as card_hub_id
 from moekit.ct2 import convert_whisper
 from moekit.errors import AssetError
-from moekit._fs import output
+from moekit._fs import hub_cache, output, read_small
 
 Log = Callable[[str], None]
 
@@ -185,12 +185,6 @@ def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # no pickles, no code
 
 
-def hub_cache() -> Path:
-    """The Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub), read now."""
-    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
-    return Path(os.environ.get("HF_HUB_CACHE") or Path(home) / "hub")
-
-
 def model_inputs(name_or_path: str | Path | None) -> list[Path]:
     """The paths a model argument reads, without fetching anything: a local directory, a built-in asset's
     cache entry, or a Hub repository's entry in the Hugging Face cache (for the output guards of moekit._fs)."""
@@ -229,13 +223,32 @@ def resolve_hub(repo: str, log: Log | None = None) -> Path:
                          "'.' or '..' parts")
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     _say(log, f"{'looking up' if offline else 'fetching'} {repo} in the Hugging Face cache {hub_cache()}")
+    entry = hub_cache() / f"models--{repo_id.replace('/', '--')}"
+    _check_ref(entry / "refs" / (revision or "main"))
     try:
-        return Path(snapshot_download(repo_id, revision=revision or None, cache_dir=hub_cache(),
-                                      allow_patterns=HUB_FILES, local_files_only=offline))
+        found = Path(snapshot_download(repo_id, revision=revision or None, cache_dir=hub_cache(),
+                                       allow_patterns=HUB_FILES, local_files_only=offline))
     except LocalEntryNotFoundError:
         raise AssetError(_cache_miss(repo_id, revision or "main")) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise AssetError(f"cannot fetch {repo} from the Hugging Face Hub: {' '.join(str(e).split())[:300]}") from None
+    snapshots = Path(os.path.realpath(entry / "snapshots"))
+    if snapshots not in Path(os.path.realpath(found)).parents:
+        raise AssetError(f"{repo} resolved to {found}, outside its cache folder {snapshots}: a damaged or tampered "
+                         "Hugging Face cache; download the repository again")
+    return found
+
+
+def _check_ref(ref: Path) -> None:
+    """A cache ref (refs/main, refs/<branch>) holds one commit hash in a small regular file: a path, a FIFO or a
+    device (reads forever) is refused before huggingface_hub follows it."""
+    if not (ref.exists() or ref.is_symlink()):
+        return
+
+    commit = read_small(ref, "Hugging Face cache ref", AssetError, limit=256).strip()
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        raise AssetError(f"{ref} holds {commit[:60]!r}, not a commit hash: a damaged or tampered Hugging Face cache; "
+                         "download the repository again")
 
 
 def _cache_miss(repo_id: str, revision: str) -> str:

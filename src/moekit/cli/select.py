@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     given = {k: getattr(args, k) for k in settings_of(args.method) if getattr(args, k) is not None}
-    with reserve(out, [args.trace], args.overwrite, what="selection", kind="file"):
+    with reserve(args.out, [args.trace], args.overwrite, what="selection", kind="file"):  # as typed: "s.json/"
         trace = RoutingTrace.load(args.trace)
         selection = select(trace, args.method, args.target, args.budget, **given)
         selection.save(out, overwrite=args.overwrite)
