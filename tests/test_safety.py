@@ -363,3 +363,16 @@ def test_read_small_refuses_devices_and_huge_files(tmp_path):
         f.truncate(2 << 20)
     with pytest.raises(MoekitError, match="refused"):
         _fs.read_small(big, "index", limit=1 << 20)
+
+
+@pytest.mark.parametrize("command", ["list", "upcycle"])
+def test_closed_standard_output_is_one_error_before_any_work(dense, tmp_path, command):
+    """`moekit ... >&-`: one error line (standard output is closed) and no output written, where the command once
+    wrote its output and then failed with AttributeError on sys.stdout.isatty."""
+    args = ["list", "formats"] if command == "list" else upcycle_args(dense, tmp_path / "moe")
+    proc = cli(tmp_path, *args, preexec_fn=lambda: os.close(1))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert err.strip().splitlines() == ["moekit: error: standard output is closed: moekit prints its results there; "
+                                        "redirect it to a file or /dev/null instead of closing it"]
+    assert not (tmp_path / "moe").exists()

@@ -36,8 +36,8 @@ def parse_size(text: str | int) -> int:
         value = float(number)
     except ValueError:
         value = -1
-    if unit not in units or value <= 0:
-        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MB, 2GiB)")
+    if unit not in units or not 0 < value < float("inf") or value * units[unit] >= 2**63:
+        raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MB, 2GiB; under 8 EiB)")
     return int(value * units[unit])
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from moekit.errors import ConfigError
+from moekit.errors import ConfigError, WriteError
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -74,9 +74,18 @@ class PlainConsole(Console):
         self.file.flush()
 
 
+def check_stdout() -> None:
+    """Standard output closed (`moekit ... >&-`, where Python sets sys.stdout to None): one clear error, raised by
+    moekit.cli.main before the command runs, so no command writes an output and then fails to report it."""
+    if sys.stdout is None:
+        raise WriteError("standard output is closed: moekit prints its results there; redirect it to a file or "
+                         "/dev/null instead of closing it")
+
+
 def out_console() -> Console:
     """Results go to stdout (created per call so redirected/captured streams are honoured): at the terminal's
     width on a terminal, else at the content's natural width (PlainConsole)."""
+    check_stdout()
     return (Console if sys.stdout.isatty() else PlainConsole)(highlight=False, soft_wrap=True)
 
 

@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command; its exit code."""
+    from moekit.cli.common import check_stdout
+
     try:
+        check_stdout()
         args.run(args)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP (Terminated)
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
