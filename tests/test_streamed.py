@@ -287,3 +287,22 @@ def test_stream_auto_decides_from_the_whole_models_predicted_peak(tmp_path, monk
         monkeypatch.setattr(moekit._fs, "available_memory", lambda memory=memory: int(memory))
         assert routes.streaming(args, torch.float32) is streamed
     assert routes.streaming(argparse.Namespace(stream="on", model=model), torch.float32) is True
+
+
+def test_routes_collect_resolves_a_hub_id_from_the_cache(tmp_path, run, monkeypatch):
+    """`routes collect --model org/name` reads the model from the Hugging Face cache (filled by huggingface_hub from a
+    fake Hub on 127.0.0.1), as upcycle does: the trace equals the one of the same model given as a directory."""
+    from moekit.routing.trace import RoutingTrace
+    from moekit.testing.fake_hub import download
+
+    model = _bf16_qwen3_moe(tmp_path / "m")
+    download(tmp_path / "hub", {"org/moe": model})
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "en.txt").write_text("the day was long\nwe walk home\n")
+    for name, source in (("hub", "org/moe"), ("dir", model)):
+        rc, _, err = run("routes", "collect", "--model", source, "--texts", f"en={tmp_path / 'en.txt'}",
+                         "--out", tmp_path / f"{name}.npz")
+        assert rc == 0, err
+    a, b = RoutingTrace.load(tmp_path / "hub.npz"), RoutingTrace.load(tmp_path / "dir.npz")
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.weights, b.weights)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moekit.cli.common import device_arg, lang_file, lang_files, out_console
+from moekit.cli.common import device_arg, err_console, lang_file, lang_files, out_console
 from moekit.cli.progress import progress
 from moekit.errors import CheckpointError, ConfigError
 
@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     c = rsub.add_parser("collect", help="record a routing trace (.npz) of per-language text files",
                         description="Run the model on every line of each FILE (one text per line) and save the "
                                     "top-k experts and weights of every MoE layer for every token.")
-    c.add_argument("--model", required=True, help="moekit checkpoint or HF MoE model directory (with tokenizer)")
+    c.add_argument("--model", required=True, help="moekit checkpoint or HF MoE model directory (with tokenizer), or a "
+                                                 "Hugging Face Hub id org/name[@revision]")
     c.add_argument("--texts", required=True, nargs="+", action="extend", type=lang_file, metavar="LANG=FILE",
                    help="one text per line per language; several per flag or one flag per language")
     c.add_argument("--out", required=True, help="trace file (.npz)")
@@ -66,6 +67,7 @@ def run_collect(args: argparse.Namespace) -> None:
     import torch
 
     from moekit._fs import peak_memory, reserve
+    from moekit.assets import model_inputs, resolve_model
     from moekit.checkpoint.dense import load_tokenizer
     from moekit.routing.streamed import batches_of
 
@@ -73,7 +75,8 @@ def run_collect(args: argparse.Namespace) -> None:
         raise ConfigError("--max-length, --batch-size and --max-texts must be ≥ 1")
     files = lang_files(args.texts, "--texts")
     start = time.perf_counter()
-    with reserve(args.out, [args.model, *files.values()], args.overwrite, what="trace", kind="file"):
+    with reserve(args.out, [*model_inputs(args.model), *files.values()], args.overwrite, what="trace", kind="file"):
+        args.model = resolve_model(args.model, log=err_console().print)  # a directory, built-in asset or Hub id
         texts = {lang: read_texts(path, args.max_texts) for lang, path in files.items()}
         tok = load_tokenizer(args.model, args.trust_remote_code)
         if tok is None:

@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
                     "moekit upcycle mergekit.yml OUT.")
     p.add_argument("recipe", nargs="?", help="YAML recipe file, or a mergekit-moe config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of the recipe")
-    p.add_argument("--model", help="model directory or built-in asset name (e.g. smollm2-135m)")
+    p.add_argument("--model", help="model directory, built-in asset name (e.g. smollm2-135m), or Hugging Face Hub id "
+                                   "org/name[@revision] (looked up in the Hugging Face cache, downloaded when online)")
     p.add_argument("--out", help="output directory")
     p.add_argument("--method", choices=list(declared("moekit.init", "EXPERT_INITS")),
                    help="expert-init method; its parameters: `moekit list methods` (default: naive)")
