@@ -1662,6 +1662,19 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
          lambda t, f: ["train", recipe(t, f), ds(t, {**ZERO3, "train_micro_batch_size_per_gpu": 7}), f"out={t / 'run'}"],
          r"DeepSpeed config: train_micro_batch_size_per_gpu is 7, but moekit sets it from train.batch_size \(2\): "
          r"write \"auto\" or leave it out"),
+    # issue 37 §3: sections that would replace the recipe's optimizer or schedule; a mistyped ZeRO key
+    Case("train-deepspeed-optimizer-section",
+         lambda t, f: ["train", recipe(t, f), ds(t, {**ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}),
+                       f"out={t / 'run'}"],
+         r"DeepSpeed config: an `optimizer` section would replace the optimizer moekit builds from the recipe"),
+    Case("train-deepspeed-scheduler-section",
+         lambda t, f: ["train", recipe(t, f), ds(t, {**ZERO3, "scheduler": {"type": "WarmupDecayLR"}}),
+                       f"out={t / 'run'}"],
+         r"a `scheduler` section would replace the learning-rate schedule moekit builds from the recipe"),
+    Case("train-deepspeed-mistyped-zero-key",
+         lambda t, f: ["train", recipe(t, f), ds(t, {"zero_optimization": {
+             "stage": 3, "stage3_param_persistance_threshold": 10}}), f"out={t / 'run'}"],
+         r"DeepSpeed config: zero_optimization.stage3_param_persistance_threshold: Extra inputs are not permitted"),
     Case("train-zero3-with-expert-parallel",
          lambda t, f: ["train", recipe(t, f), ds(t, ZERO3), "train.expert_parallel=2", f"out={t / 'run'}"],
          r"train.expert_parallel cannot run under DeepSpeed ZeRO-3 \(train.trainer_args.deepspeed\)", env=WORLD2),

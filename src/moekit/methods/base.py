@@ -90,11 +90,6 @@ class TrainingMethod:
         """None: the Trainer's own AdamW."""
         return None
 
-    def own_optimizer(self, recipe) -> str | None:
-        """What the optimizer `optimizer` builds is for (None: the Trainer's own AdamW); an engine that would
-        replace it (a DeepSpeed `optimizer` section) is refused."""
-        return None
-
     def zero3_units(self, model: nn.Module) -> list[nn.Module]:
         """Modules besides the MoE blocks that DeepSpeed ZeRO-3 must gather as one unit (leaf modules)."""
         return []

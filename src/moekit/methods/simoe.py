@@ -26,9 +26,6 @@ class SIMoEMethod(TrainingMethod):
 
         return [DualCallback(model)]
 
-    def own_optimizer(self, recipe) -> str:
-        return "the masks' own AdamW group without weight decay"
-
     def zero3_units(self, model: nn.Module) -> list[nn.Module]:
         """Every interpolated layer (its norm variant calls its base module with substituted weights, functional_call,
         which ZeRO-3's per-module hooks would try to gather) and the instance router (called from the model's forward

@@ -115,8 +115,7 @@ def check_training_args(recipe) -> None:
         raise
     except (ValueError, TypeError, ImportError, OSError) as e:
         raise ConfigError(f"train.trainer_args: {e}") from None
-    m = method(recipe.method)
-    check_deepspeed(args, m.own_optimizer(recipe), f"method={m.name}")
+    check_deepspeed(args)
     fsdp = args.fsdp_plugin_args or {}
     if fsdp.get("state_dict_type", "FULL_STATE_DICT") != "FULL_STATE_DICT":
         raise ConfigError("train.trainer_args.fsdp_config.state_dict_type must be FULL_STATE_DICT: moekit writes its "

@@ -114,19 +114,43 @@ def zero_stage(config: dict) -> int:
     return stage
 
 
+def check_zero_keys(config: dict) -> None:
+    """The zero_optimization section against DeepSpeed's own schema, before any work: a mistyped key
+    (stage3_param_persistance_threshold) is one line naming it, not DeepSpeed's ValidationError after the model
+    is built."""
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from pydantic import ValidationError
+    except ImportError:  # DeepSpeed not installed: train refuses the config elsewhere
+        return
+    try:
+        DeepSpeedZeroConfig(**{k: v for k, v in zero.items() if v != "auto"})
+    except ValidationError as e:
+        problems = [f"zero_optimization.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("DeepSpeed config: " + "; ".join(problems)) from None
+
+
 def deepspeed_config(value) -> dict:
     """The config moekit hands to DeepSpeed: the user's, checked (stage), with the full weights gathered for every
     save under stage 3 (moekit writes its checkpoints from them)."""
     config = read_deepspeed(value)
+    for key, what in (("optimizer", "an `optimizer` section would replace the optimizer"),
+                      ("scheduler", "a `scheduler` section would replace the learning-rate schedule")):
+        if key in config:  # DeepSpeed would silently replace the recipe's own (issue 37: warm-up lost)
+            raise ConfigError(f"DeepSpeed config: {what} moekit builds from the recipe (optim.lr, its warm-up and "
+                              "schedule); leave it out")
+    check_zero_keys(config)
     if zero_stage(config) == 3:
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     return config
 
 
-def check_deepspeed(args, own_optimizer: str | None = None, owner: str = "", owned: dict[str, str] = OWNED) -> None:
+def check_deepspeed(args, owned: dict[str, str] = OWNED) -> None:
     """What DeepSpeed would only find after the model is built: a key moekit sets from the recipe that the config
-    contradicts (instead of "auto"), and a DeepSpeed optimizer replacing the one `owner` builds (`own_optimizer`: what
-    it is for)."""
+    contradicts (instead of "auto"). Optimizer and scheduler sections are refused earlier (deepspeed_config)."""
     ds = getattr(args, "hf_deepspeed_config", None)
     if ds is None:
         return
@@ -137,9 +161,6 @@ def check_deepspeed(args, own_optimizer: str | None = None, owner: str = "", own
             raise ConfigError(f"DeepSpeed config: {key} is {theirs}, but moekit sets it from {owned.get(key, 'the recipe')}"
                               f" ({ours}): write \"auto\" or leave it out")
         raise ConfigError(f"DeepSpeed config contradicts the recipe: {line.lstrip('- ')}")
-    if "optimizer" in ds.config and own_optimizer:
-        raise ConfigError(f"DeepSpeed config: an `optimizer` section would replace the optimizer {owner} builds "
-                          f"({own_optimizer}); leave it out")
 
 
 # ---------------------------------------------------------------------------------------------- engines
