@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
                         f"under {round(100 * IN_MEMORY_SHARE)} %% of the memory available ({LOAD_PEAK}x its weights in --dtype), "
                         "else on. Both give the same trace")
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="the weights' dtype while recording, in either --stream mode (default float32); the trace "
+                   help="the weights' dtype while recording, in either --stream mode; the trace "
                         "records it")
     c.set_defaults(run=run_collect)
     r = rsub.add_parser("report", help="figures, report.md and metrics.json of a trace",

@@ -121,7 +121,7 @@ def first_pass(stream: LayerStream, batches: list[Batch], layers: nn.ModuleList,
                     raise UnsupportedModelError(
                         f"{type(model).__name__}'s decoder layers return more than their hidden states (state "
                         f"passed from layer to layer: {e}), which capture one layer at a time cannot rebuild; "
-                        "capture it with the whole model loaded (--stream off)") from None
+                        "capture it with the whole model loaded instead") from None
             calls.append([_detached(c) for c in recorded])
     finally:
         stream.drop_params(loaded)

@@ -222,8 +222,8 @@ def moe_bytes(f: Ffn, h: int, a: int, p: int, aux: bool, casts: bool, grad: bool
     """moekit MoE layer per token: the router's input (H, if the router trains); per routed slot (top-k per token)
     the gathered token (H, if gate|up trains), [gate|up], silu(g), silu(g)·u (4I, once they record), the down
     projection's input (I, if down trains and autograd keeps it apart: weighted for I ≤ H, or not recorded
-    before), the unweighted output (H, for I > H) and the output scattered back (H), 32 B of ids, order and
-    weights; the experts compute in the parameter dtype (grouped_mm runs outside autocast); the shared expert as a
+    before), the unweighted output (H, for I > H), 32 B of ids, order and weights (the k-sum back to the tokens
+    keeps only the order: moekit.moe.permute); the experts compute in the parameter dtype (grouped_mm runs outside autocast); the shared expert as a
     dense FFN; the aux losses 4 float32 values per expert."""
     i, k = f.intermediate, f.top_k
     routed = grad or f.router_trained
@@ -233,7 +233,7 @@ def moe_bytes(f: Ffn, h: int, a: int, p: int, aux: bool, casts: bool, grad: bool
     else:
         down_in = f.down_trained and (i <= h or not recorded)
         slot = p * ((h if f.trained else 0) + (4 * i if recorded else 0) + (i if down_in else 0)
-                    + (h if i > h and routed else 0) + h) + 32
+                    + (h if i > h and routed else 0)) + 32
     shared = dense_ffn_bytes(f.shared, f.gated, f.shared_trained, grad, h, a, casts) if f.shared else 0
     return (a * h if f.router_trained else 0) + k * slot + shared + (16 * f.experts if aux and routed else 0)
 
