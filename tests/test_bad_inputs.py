@@ -1548,7 +1548,7 @@ BIGGER_THAN_MEMORY = [
     Case("select-out-hard-link-of-the-trace",
          lambda t, f: ["select", "usage", f.copy(f.trace, t / "t.npz"), "--top", 2, "--overwrite",
                        "--out", also(t / "hl.npz", os.link(t / "t.npz", t / "hl.npz"))],
-         r"the output .*hl\.npz is input .*t\.npz; choose another output path"),
+         r"the selection .*hl\.npz is input .*t\.npz; choose another selection path"),
     Case("select-out-spelled-as-a-directory",
          lambda t, f: ["select", "usage", f.copy(f.trace, t / "t.npz"), "--top", 2, "--out", f"{t / 's.json'}/"],
          r"names a directory \(a trailing '/'\), and the .* is a file"),
