@@ -160,6 +160,7 @@ def apply_mergekit_flags(args: argparse.Namespace) -> None:
         os.environ["HF_HUB_CACHE"] = str(given["--transformers-cache"])
     args.shard_parameters = parse_kmb(given["--out-shard-size"]) if "--out-shard-size" in given else None
     args.quiet = "--quiet" in given
+    args.mergekit_given = list(given)  # read_recipe refuses them without a mergekit-moe config
 
 
 def _count(text: str, flag: str, minimum: int = 1) -> int:
@@ -205,6 +206,10 @@ def read_recipe(args: argparse.Namespace) -> tuple[UpcycleRecipe, str, str]:
     data = read_yaml(args.recipe) if args.recipe else {"spec": {}}
     if is_mergekit(data):
         return mergekit_recipe(args, data)
+    if getattr(args, "mergekit_given", None):
+        flag = args.mergekit_given[0]
+        raise ConfigError(f"{flag} is a mergekit-moe flag: it applies to a mergekit-moe config (moekit upcycle "
+                          "CONFIG OUT), not to this upcycle; leave it out (moekit's own options are in --help)")
     data = apply_overrides(data, [*args.overrides, *flag_overrides(args)])
     spec = data.get("spec")
     if isinstance(spec, dict) and isinstance(spec.get("init", "naive"), str):  # --set init.x needs a mapping
