@@ -3,7 +3,12 @@
 Weights are stored like transformers v5: gated `gate_up` (E, 2I, H) = [gate; up] along dim 1, or
 non-gated `up` (E, I, H); `down` (E, H, I); optional biases (E, 2I | I) and (E, H).
 
-Dispatch sorts the T*k (token, slot) pairs by expert, then takes one of two paths (`Experts.dispatch`):
+Dispatch sorts the T*k (token, slot) pairs by expert (moekit.moe.permute: no host sync, no atomics), then takes
+one of three paths (`Experts.dispatch`):
+
+- "triton": moekit's Triton kernels (moekit.moe.triton_experts), the default on CUDA for gated SiLU experts
+  without biases: the token gather, gate_up GEMM, SwiGLU and routing weight fused in one kernel, the down GEMM
+  writing rows back to their slots, grouped_mm in the backward (measured on an H200: BENCHMARKS.md).
 
 - "grouped": one grouped matmul per projection (`torch.nn.functional.grouped_mm`), so the backward
   writes every expert's weight gradient into one tensor instead of materializing a full-size zero
