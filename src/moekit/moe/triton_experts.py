@@ -153,12 +153,8 @@ if triton is not None:  # module level: a jitted kernel calls another through th
             bm = kmask[:, None] & cmask[None, :]
             wg = tl.load(wbase + cols[None, :] * s_wn + ks[:, None], mask=bm, other=0.0)  # (BK, BN)
             wu = tl.load(wbase + (I + cols)[None, :] * s_wn + ks[:, None], mask=bm, other=0.0)
-            if IEEE:
-                acc_g = tl.dot(xa, wg, acc_g, input_precision="ieee")
-                acc_u = tl.dot(xa, wu, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(xa, wg, acc_g)
-                acc_u = tl.dot(xa, wu, acc_u)
+            acc_g = tl.dot(xa, wg, acc_g, input_precision="ieee" if IEEE else None)  # float32: no tf32
+            acc_u = tl.dot(xa, wu, acc_u, input_precision="ieee" if IEEE else None)
         m = rmask[:, None] & cmask[None, :]
         wv = tl.load(w + pos, mask=rmask, other=0.0).to(tl.float32)
         out = acc_g * tl.sigmoid(acc_g) * acc_u * wv[:, None]
@@ -170,7 +166,7 @@ if triton is not None:  # module level: a jitted kernel calls another through th
 
     @triton.jit
     def down_kernel(a, W, order, counts, y, E, N, K, s_a, s_we, s_wn, s_y, IEEE: tl.constexpr, S_KEY,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
         """y[slot] = a[pos] W_eᵀ, written at each row's (token, slot) position."""
         e, start, rows, rmask = _block(counts, E, BM, BE)
         if e >= E:
@@ -187,10 +183,7 @@ if triton is not None:  # module level: a jitted kernel calls another through th
                          other=0.0)
             wd = tl.load(wbase + cols[None, :] * s_wn + ks[:, None], mask=kmask[:, None] & cmask[None, :],
                          other=0.0)
-            if IEEE:
-                acc = tl.dot(aa, wd, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(aa, wd, acc)
+            acc = tl.dot(aa, wd, acc, input_precision="ieee" if IEEE else None)
         slot = tl.load(order + pos, mask=rmask, other=0).to(tl.int64)
         tl.store(y + slot[:, None] * s_y + cols[None, :], acc.to(y.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
