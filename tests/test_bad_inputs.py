@@ -1702,6 +1702,25 @@ CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTION
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
          *BEYOND_ONE_DEVICE]
 
+# issue 37 §6 (model cards and the mergekit command line)
+def qwen2_base_llama_expert(t: Path, f: Fx) -> Path:
+    """A mergekit-moe config with a Qwen2 base (attention biases) and a Llama expert (none) of the same shapes."""
+    from moekit.testing import tiny_qwen2, tiny_tokenizer
+
+    tiny_qwen2().save_pretrained(t / "qwen2")
+    tiny_tokenizer().save_pretrained(t / "qwen2")
+    return write(t / "mk.yml", yaml.safe_dump({"base_model": str(t / "qwen2"), "gate_mode": "random",
+                                                "experts": [{"source_model": str(dense(t, f))},
+                                                            {"source_model": str(t / "qwen2")}]}))
+
+
+CASES += [
+    Case("mergekit-crimes-tensors-differ",
+         lambda t, f: (["upcycle", qwen2_base_llama_expert(t, f), "--allow-crimes", t / "o"], t / "o"),
+         r"dense \(LlamaForCausalLM\) and the base model .*qwen2 \(Qwen2ForCausalLM\) mix architectures whose tensors "
+         r"differ: the first has no model\.layers\.0\.self_attn\.q_proj\.bias$"),
+]
+
 
 def params(cases: list[Case]) -> list:
     return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.bug)] if c.bug else [])

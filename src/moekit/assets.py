@@ -182,7 +182,7 @@ def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
     return out
 
 
-HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # no pickles, no code
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "README.md"]  # no pickles, no code
 
 
 def model_inputs(name_or_path: str | Path | None) -> list[Path]:

@@ -46,6 +46,14 @@ def _native_module(folder: Path):
     return found[0].load() if found else None
 
 
+def declared_architecture(folder: Path) -> str:
+    """The model class the directory's config.json names (its model_type where it names none)."""
+    data = _config_json(folder)
+    names = data.get("architectures")
+    ok = isinstance(names, list) and names and isinstance(names[0], str)
+    return names[0] if ok else str(data.get("model_type"))
+
+
 def model_class(name: str, folder: Path | None = None) -> type[nn.Module]:
     """A transformers model class by name, or one of moekit's own (see MODEL_TYPES) for `folder`."""
     native = None if folder is None else _native_module(folder)
@@ -57,8 +65,9 @@ def model_class(name: str, folder: Path | None = None) -> type[nn.Module]:
 
 
 def load_config(folder: Path, trust_remote_code: bool = False):
-    """The directory's transformers config (for a moekit checkpoint, its base model's); remote code only with
-    `trust_remote_code` (never a prompt)."""
+    """The directory's transformers config (for a moekit checkpoint, its base model's, named after the checkpoint
+    as transformers names a config after where it was loaded from); remote code only with `trust_remote_code` (never
+    a prompt)."""
     from moekit.checkpoint.wrapped import MODEL_TYPE, base_config
 
     check_dir(folder)
@@ -67,7 +76,9 @@ def load_config(folder: Path, trust_remote_code: bool = False):
     data = _config_json(folder)
     try:
         if data.get("model_type") == MODEL_TYPE:
-            return base_config(data)
+            config = base_config(data)
+            config.name_or_path = str(folder)  # its card names the base model (moekit.checkpoint.card.hub_id)
+            return config
         return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())}") from None
