@@ -52,8 +52,6 @@ def run_train(args: argparse.Namespace) -> None:
         return
     if recipe.task == "asr":
         from moekit.train.asr import train_asr as train
-    elif recipe.task == "speech_llm":
-        from moekit.train.speech_llm import train_speech_llm as train
     else:
         from moekit.train.run import train
     from moekit.train.parallel import leave_launch
