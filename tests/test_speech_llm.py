@@ -235,6 +235,10 @@ def test_spri_s2tt_trains_evaluates_and_reloads(tiny, tmp_path, run):
     assert not torch.equal(sd["model.language_model.layers.0.mlp.up_proj.weight"],
                            base["model.language_model.layers.0.mlp.up_proj.weight"])
     assert len(moe_layers(trained)) == 2
+    before = json.loads((out / "results.json").read_text())
+    rc, stdout, err = run("evaluate", out)
+    assert rc == 0, err
+    assert json.loads((out / "results.json").read_text())["outputs"] == before["outputs"]  # the same greedy outputs
 
 
 def test_dense_qwen2_audio_reloads_in_plain_transformers(tiny, tmp_path, run):

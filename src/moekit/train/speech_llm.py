@@ -51,22 +51,33 @@ def train_speech_llm(recipe: SpeechLLMRecipe, overwrite: bool = False, resume: b
     """Train a speech-LLM recipe and evaluate the result; everything that can be checked (the model is a speech-LLM,
     its processor, the data and its bad rows, COMET) is checked before the run directory is made."""
     check_training_args(recipe)
-    prepared = prepare(recipe)
+    path = resolve_model(recipe.model.path)
+    prepared = (path, *prepare(recipe, path))
     with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
         return _train(work, last, prepared, callbacks, final_out=recipe.out)
 
 
-def prepare(recipe: SpeechLLMRecipe):
-    """(model directory, family, SpeechLLMInputs, training rows, test rows, data report), nothing loaded but the
-    config, processor and data."""
+def prepare(recipe: SpeechLLMRecipe, folder: Path):
+    """(family, SpeechLLMInputs, training rows, test rows, data report) for the model in `folder`: nothing loaded but
+    its config and processor, and the data."""
     m = recipe.model
-    path = resolve_model(m.path)
-    family = family_of(load_config(path, m.trust_remote_code), str(path))
-    inputs = SpeechLLMInputs(load_processor(path, m.trust_remote_code), family, m.instruction)
+    family = family_of(load_config(folder, m.trust_remote_code), str(folder))
+    inputs = SpeechLLMInputs(load_processor(folder, m.trust_remote_code), family, m.instruction)
     if recipe.eval.generate:
         check_comet(recipe.eval.comet)
-    train, test, report = load_s2tt(recipe.data, inputs.prompt_tokens)
-    return path, family, inputs, train, test, report
+    return (family, inputs, *load_s2tt(recipe.data, inputs.prompt_tokens))
+
+
+def evaluate_run(recipe: SpeechLLMRecipe, run_dir: Path, device: str) -> dict:
+    """Evaluate a finished run's model again (`moekit evaluate`), writing its results and plots anew."""
+    from moekit.methods import method
+
+    folder = run_dir / "model"
+    _, inputs, _, test, _ = prepare(recipe, folder)
+    log = run_dir / "log_history.json"
+    history = json.loads(log.read_text()) if log.is_file() else []
+    model = method(recipe.method).load_trained(recipe, folder).to(device)
+    return report(recipe, model, inputs, test, history)
 
 
 def _train(recipe: SpeechLLMRecipe, last: Path | None, prepared, callbacks, final_out: str):
