@@ -278,7 +278,8 @@ def _check_bad(cfg: S2TTDataConfig, report: Report) -> None:
     if bad and cfg.on_bad == "error":
         reason = next(iter(bad))
         counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in bad.items())
-        raise ConfigError(f"{sum(bad.values())} unusable rows in {cfg.path} ({counts}), first {report.first[reason]};"
+        n = sum(bad.values())
+        raise ConfigError(f"{n} unusable row{'s' * (n > 1)} in {cfg.path} ({counts}), first {report.first[reason]};"
                           " data.on_bad=skip leaves them out and counts them")
 
 
