@@ -268,3 +268,31 @@ def test_loss_falls_on_a_fixed_batch(tiny, kind):
         opt.step()
         opt.zero_grad()
     assert losses[-1] < 0.5 * losses[0]
+
+
+# ------------------------------------------------------------------------------------------------------ corpus
+
+
+def test_speech_corpus_targets_write_covost_layout_that_trains(tiny, tmp_path, monkeypatch, run):
+    from moekit.assets import bible_verses
+    from moekit.data.parallel import BIBLE_CODE
+    from moekit.testing.standins import standin_cache
+
+    monkeypatch.setenv("MOEKIT_CACHE", str(standin_cache(tmp_path / "cache")))
+    corpus = tmp_path / "corpus"
+    rc, _, err = run("speech", "corpus", "--langs", "en", "--targets", "de,fr", "--voices", 2, "--test-voices", 1,
+                     "--train-per-lang", 4, "--test-per-lang", 2, "--out", corpus)
+    assert rc == 0, err
+    manifest = [json.loads(line) for line in (corpus / "manifest.jsonl").read_text().splitlines()]
+    de = {f"{v.book}:{v.chapter}:{v.verse}": v.text for v in bible_verses(BIBLE_CODE["de"])}
+    train, test, _ = load_s2tt(S2TTDataConfig(path=str(corpus), clips=str(corpus / "audio" / "en"),
+                                              directions=["de", "fr"]), lambda e: 0)
+    assert len(train) == 8 and [len(test[d]) for d in ("de", "fr")] == [2, 2]
+    by_text = {m["text"]: m for m in manifest}
+    for e in test["de"]:  # the same verse: English speech, German target
+        assert " ".join(de[by_text[e.source]["text_id"]].split()) == e.target and by_text[e.source]["split"] == "test"
+    out = tmp_path / "run"
+    rc, _, err = run("train", RECIPE, *_overrides(tiny, "qwen3_asr", out, **{
+        "data.path": str(corpus), "data.clips": str(corpus / "audio" / "en"), "train.steps": 1}))
+    assert rc == 0, err
+    assert json.loads((out / "data.json").read_text())["test"] == {"de": {"kept": 2}, "fr": {"kept": 2}}
