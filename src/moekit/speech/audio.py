@@ -42,7 +42,8 @@ def _soundfile(source: Path | bytes) -> tuple[np.ndarray, int]:
     return data.mean(axis=1), rate
 
 
-def _is_wav(source: Path | bytes) -> bool:
+def is_wav(source: Path | bytes) -> bool:
+    """Whether the clip (a file or its bytes) is a RIFF/WAVE file."""
     head = source[:12] if isinstance(source, bytes) else _head(source)
     return head[:4] == b"RIFF" and head[8:12] == b"WAVE"
 
@@ -56,7 +57,7 @@ def decode(source: Path | bytes, where: str) -> np.ndarray:
     """The clip (a file or its bytes) as mono float32 samples at 16 kHz; AudioError naming `where` if it does not
     decode."""
     try:
-        samples, rate = (_wav if _is_wav(source) else _soundfile)(source)
+        samples, rate = (_wav if is_wav(source) else _soundfile)(source)
     except AudioError:
         raise
     except Exception as e:  # noqa: BLE001  (wave, soundfile and the OS raise many types for a bad clip)

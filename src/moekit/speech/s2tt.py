@@ -34,7 +34,7 @@ from pydantic import Field, model_validator
 from moekit.config import Config
 from moekit.data.parallel import LANG_NAMES
 from moekit.errors import ConfigError
-from moekit.speech.audio import AudioError, decode
+from moekit.speech.audio import AudioError, decode, is_wav
 
 # CoVoST 2's En→XX targets and Europarl-ST's that moekit.data.parallel does not name
 NAMES = {**LANG_NAMES, "ca": "Catalan", "cy": "Welsh", "et": "Estonian", "mn": "Mongolian", "lv": "Latvian",
@@ -119,8 +119,7 @@ def probe_seconds(audio: Path | bytes) -> float:
     import io
 
     src = io.BytesIO(audio) if isinstance(audio, bytes) else str(audio)
-    head = audio[:12] if isinstance(audio, bytes) else open(audio, "rb").read(12)  # noqa: SIM115
-    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+    if is_wav(audio):
         with wave.open(src, "rb") as w:
             return w.getnframes() / w.getframerate()
     if "soundfile" not in sys.modules:
