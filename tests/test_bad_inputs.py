@@ -1698,9 +1698,45 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
          r"needs weight decay 0"),
 ]
 
+# issue 39 (speech-LLM recipes, task speech_llm): bad data and a model that is no speech-LLM, refused before training
+
+def s2tt(t: Path, damage: Callable[[Path], object] = lambda d: None, *overrides: str) -> list:
+    """`moekit train recipes/spri_s2tt.yaml` on a tiny Qwen3-ASR and a tiny CoVoST 2 layout (direction de) that
+    `damage` changes first."""
+    from moekit.testing.speech_llm import save_tiny_covost, save_tiny_qwen3_asr
+
+    data = save_tiny_covost(t / "covost", directions=("de",))
+    damage(data)
+    return ["train", Path(__file__).resolve().parents[1] / "recipes" / "spri_s2tt.yaml",
+            f"model.path={save_tiny_qwen3_asr(t / 'qwen3_asr')}", f"data.path={data}", "data.directions=[de]",
+            "train.steps=1", f"out={t / 'run'}", *overrides]
+
+
+def _tsv_without_translation(d: Path) -> None:
+    tsv = d / "covost_v2.en_de.train.tsv"
+    tsv.write_text(tsv.read_text().replace("\ttranslation\t", "\ttarget\t"))
+
+
+SPEECH_LLM = [
+    Case("train-s2tt-covost-tsv-missing-column", lambda t, f: s2tt(t, _tsv_without_translation),
+         r"covost_v2.en_de.train.tsv has no column translation \(CoVoST 2's split files have path, sentence, "
+         r"translation, client_id\)"),
+    Case("train-s2tt-clip-does-not-decode",
+         lambda t, f: s2tt(t, lambda d: write(d / "clips" / "c2.wav", b"RIFF\0\0\0\0WAVEnot audio")),
+         r"1 unusable row in .* \(1 unreadable audio\), first covost_v2.en_de.train.tsv:4: clip does not read as "
+         r"audio .*; data.on_bad=skip leaves them out and counts them"),
+    Case("train-s2tt-direction-without-rows",
+         lambda t, f: s2tt(t, lambda d: write(d / "covost_v2.en_de.test.tsv", "path\tsentence\ttranslation\n")),
+         r"direction en->de has no test rows left \(data.max_seconds=15.0, data.max_prompt_tokens=512\)"),
+    Case("train-s2tt-audio-longer-than-filter", lambda t, f: s2tt(t, lambda d: None, "data.max_seconds=0.5"),
+         r"direction en->de has no train rows left \(left out: \{'over_max_seconds': 6\}\)"),
+    Case("train-s2tt-text-only-model", lambda t, f: [*s2tt(t), f"model.path={dense(t, f)}"],
+         r"is a llama model, not a speech-LLM: task speech_llm trains qwen3_asr, qwen2_audio models"),
+]
+
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
-         *BEYOND_ONE_DEVICE]
+         *BEYOND_ONE_DEVICE, *SPEECH_LLM]
 
 # issue 37 §6 (model cards and the mergekit command line)
 def qwen2_base_llama_expert(t: Path, f: Fx) -> Path:

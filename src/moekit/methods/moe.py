@@ -13,7 +13,7 @@ from moekit.moe.layer import moe_layers
 class MoE(TrainingMethod):
     name = "moe"
     section = "moe"
-    tasks = frozenset({"translation", "instruct", "text", "asr"})
+    tasks = frozenset({"translation", "instruct", "text", "asr", "speech_llm"})
     freezes = True
 
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
@@ -29,7 +29,8 @@ class MoE(TrainingMethod):
     def callbacks(self, recipe, model: nn.Module) -> list:
         from moekit.methods.freeze import FreezeCallback
 
-        return [FreezeCallback(model, recipe.freeze)] if recipe.freeze.schedule != "none" else []
+        f = recipe.freeze
+        return [FreezeCallback(model, f)] if f.schedule != "none" or f.frozen else []
 
     def fsdp_units(self, model: nn.Module) -> list[str]:
         """A router several MoE layers share (Omni-router) is one FSDP2 unit of its own: a parameter belongs to one
@@ -40,7 +41,7 @@ class MoE(TrainingMethod):
         return [paths[0] for paths in owners.values() if len(paths) > 1]
 
     def find_unused_parameters(self, recipe) -> bool:
-        return recipe.freeze.schedule != "none"
+        return recipe.freeze.schedule != "none" or bool(recipe.freeze.frozen)
 
     def extra_loss(self, trainer, model: nn.Module, mask: torch.Tensor | None) -> torch.Tensor | None:
         """λ_lb·LB + λ_z·Z, each summed or averaged over the MoE layers (aux.layer_reduction), padding

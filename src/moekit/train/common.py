@@ -104,7 +104,8 @@ def recipe_inputs(recipe) -> list[Path]:
     d, init = recipe.data, getattr(getattr(recipe, "moe", None), "init", None)
     sources = [] if init is None else init.source_models()
     paths = [*model_inputs(recipe.model.path), *(p for b in sources for p in model_inputs(b))]
-    files = [*getattr(d, "train_files", []), *getattr(d, "test_files", []), getattr(d, "corpus", None)]
+    files = [*getattr(d, "train_files", []), *getattr(d, "test_files", []), getattr(d, "corpus", None),
+             *(getattr(d, k, None) for k in ("path", "clips")), getattr(recipe.eval, "comet", None)]  # speech_llm
     return paths + [Path(f) for f in files if f]
 
 

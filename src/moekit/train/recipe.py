@@ -14,6 +14,7 @@ from moekit.moe.spec import MoESpec
 from moekit.simoe.model import SIMoEConfig
 from moekit.data.hf import TextDataConfig
 from moekit.speech.data import ASRDataConfig
+from moekit.speech.s2tt import S2TTDataConfig
 from moekit.train.args import check_trainer_keys
 
 
@@ -208,7 +209,40 @@ class TextRecipe(RecipeBase):
     eval: TextEvalConfig = TextEvalConfig()
 
 
-AnyRecipe = TranslationRecipe | InstructRecipe | ASRRecipe | TextRecipe
+class SpeechLLMModelConfig(Config):
+    """A speech-LLM (moekit.speech.llm: Qwen3-ASR, Qwen2-Audio) with its processor in one directory."""
+
+    path: str  # the model directory (weights, config, processor: feature extractor, tokenizer, chat template)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    freeze_audio: bool = False  # the audio encoder and adapter never train (False: they train as the recipe's stages say)
+    instruction: str | None = None  # text in the prompt, {src_name}/{tgt_name} filled in (moekit.speech.llm)
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+
+
+class SpeechLLMEvalConfig(Config):
+    batch_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(256, ge=1)  # Qwen2-Audio's evaluation: greedy, at most 256 new tokens
+    generate: bool = True  # greedy generation for BLEU/chrF (WER/CER for transcription) and COMET
+    loss_per_direction: int = Field(16, ge=1)  # test rows per direction for eval_<dir>_loss every train.eval_every
+    comet: str | None = None  # a local Unbabel/wmt22-comet-da checkpoint (folder or .ckpt); None: COMET not computed
+    comet_batch_size: int = Field(16, ge=1)
+
+
+class SpeechLLMRecipe(RecipeBase):
+    """Speech-to-text with a speech-LLM (moekit.train.speech_llm): En→XX speech translation (SPRI §3) and English
+    transcription, one path: the model's own processor and chat template, loss on the target tokens only, the
+    directions shuffled together, SPRI A.2's length filters, BLEU/chrF (Qwen2-Audio's tokenizers) and COMET."""
+
+    task: Literal["speech_llm"] = "speech_llm"
+    name: str = "speech_llm"
+    out: str = "runs/speech_llm"
+    model: SpeechLLMModelConfig
+    data: S2TTDataConfig = S2TTDataConfig()
+    eval: SpeechLLMEvalConfig = SpeechLLMEvalConfig()
+
+
+AnyRecipe = TranslationRecipe | InstructRecipe | ASRRecipe | TextRecipe | SpeechLLMRecipe
 RECIPE = TypeAdapter(Annotated[AnyRecipe, Field(discriminator="task")])
 
 

@@ -109,6 +109,10 @@ def train(recipe: TranslationRecipe, overwrite: bool = False, resume: bool = Fal
     (see `run_directory` for where the run lives meanwhile). `final_out`: where the run will finally live, as
     recorded in its recipe.yaml, if not `recipe.out` (`moekit demo` builds its runs inside its own output).
     `inputs`: files read besides the recipe's own (e.g. the recipe file), which `out` may not be or contain."""
+    if recipe.task == "speech_llm":  # checks its data before it makes the run directory
+        from moekit.train.speech_llm import train_speech_llm
+
+        return train_speech_llm(recipe, overwrite, resume, callbacks, inputs)
     check_training_args(recipe)
     run = _train
     if recipe.task == "text":  # local data through `datasets`
