@@ -134,6 +134,29 @@ def test_sharded_engine_equals_ddp(method, engine, ddp, tiny_recipe_overrides, t
     assert all(results[k] == expected[k] for k in expected.keys() - numbers)
 
 
+@gloo
+@pytest.mark.parametrize("bucket", [2e4, "auto"])
+def test_omni_router_under_zero3_with_a_small_reduce_bucket_equals_ddp(bucket, ddp, tiny_recipe_overrides, tmp_path):
+    """One router shared by the 4 MoE layers, reduce buckets smaller than the model ("auto": hidden² = 1,024
+    elements): DeepSpeed flushes buckets during the backward, before the router's gradient is complete (its 4 uses
+    summed); the router must reach the optimizer whole, once per step. Same tolerances as test_sharded_engine_equals_ddp
+    (float32, the same data, only the order of the sums differs)."""
+    pytest.importorskip("deepspeed")
+    config = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], "reduce_bucket_size": bucket}}
+    (tmp_path / "zero3.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    torchrun(["train", recipe_of("omni"), *overrides(tiny_recipe_overrides, out, "omni",
+                                                     **ENGINES["zero3"](tmp_path / "zero3.json"))], tmp_path)
+    base = ddp("omni")
+    for a, b in zip(steps(out), steps(base), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+    sharded, reference = model_of(out), model_of(base)
+    assert sharded.keys() == reference.keys() and any("router" in k for k in reference)
+    for k in reference:
+        torch.testing.assert_close(sharded[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_resume_is_refused_where_transformers_shards(tiny_recipe_overrides, tmp_path):
     """transformers checkpoints a model it shards (FSDP2, EP) without its optimizer state: no resuming from them."""
     from moekit.errors import ConfigError

@@ -289,9 +289,42 @@ def zero3_leaves(model: nn.Module, extra: list[nn.Module] = ()) -> list[nn.Modul
     units = [m for m in [*moe_blocks(model), *extra] if id(m) in names]
     if units:
         set_z3_leaf_modules_by_name(model, [names[id(m)] for m in units])
+        share_across_leaves(units)
     for unit in units:
         unit.register_forward_pre_hook(input_requires_grad)
     return units
+
+
+def share_across_leaves(units: list[nn.Module]) -> None:
+    """Parameters in several leaves (Omni-router: one router in every MoE block) are reduced as DeepSpeed reduces any
+    parameter outside a leaf: once their gradient is accumulated (a post-accumulate-grad hook), i.e. once per backward
+    with every use summed. DeepSpeed files a leaf parameter under the last leaf that holds it and reduces it when that
+    leaf's backward ends, the first MoE layer of the backward, before the other layers' shares arrive (a zero
+    gradient then, the real one left in .grad). DeepSpeed tells leaf parameters by a `ds_z3_leaf_module` attribute,
+    set before it makes its reduce hooks: it is removed from these in between."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    seen: dict[int, int] = {}
+    for unit in units:
+        for p in unit.parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    for unit in units:
+        for p in unit.parameters():
+            if seen[id(p)] > 1:
+                p.moekit_shared_leaf = True
+    make_hooks = Stage3.create_reduce_and_remove_grad_hooks
+    if getattr(make_hooks, "moekit", False):
+        return
+
+    def create_reduce_and_remove_grad_hooks(self):
+        for group in self.fp16_groups:
+            for p in group:
+                if getattr(p, "moekit_shared_leaf", False) and hasattr(p, "ds_z3_leaf_module"):
+                    del p.ds_z3_leaf_module
+        return make_hooks(self)
+
+    create_reduce_and_remove_grad_hooks.moekit = True
+    Stage3.create_reduce_and_remove_grad_hooks = create_reduce_and_remove_grad_hooks
 
 
 def input_requires_grad(module: nn.Module, args: tuple):
