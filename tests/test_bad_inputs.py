@@ -1696,7 +1696,21 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
                        "--deepspeed", write(t / "ds.json", json.dumps(ZERO3))],
          r"selective fine-tuning under DeepSpeed ZeRO-3 .* weight decay would move the experts not selected: it "
          r"needs weight decay 0"),
+    # issue 37 §3 (training beyond one device): a DeepSpeed checkpoint resumed on another number of processes
+    Case("train-resume-deepspeed-checkpoint-of-another-launch",
+         lambda t, f: also(["train", recipe(t, f), f"out={t / 'run'}", "--resume"],
+                           interrupted_run(t, f, f.finished_run, deepspeed_checkpoint)),
+         r"cannot resume from .*checkpoint-1: its DeepSpeed optimizer state has 2 partitions \(in global_step1\), "
+         r"this launch 1 processes"),
 ]
+
+
+def deepspeed_checkpoint(folder: Path) -> None:
+    """What a 2-process DeepSpeed run writes in place of optimizer.pt (the partitions' contents are not read)."""
+    (folder / "optimizer.pt").unlink()
+    (folder / "global_step1").mkdir()
+    for rank in (0, 1):
+        (folder / "global_step1" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
 
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,

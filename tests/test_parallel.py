@@ -157,6 +157,41 @@ def test_omni_router_under_zero3_with_a_small_reduce_bucket_equals_ddp(bucket, d
         torch.testing.assert_close(sharded[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+@gloo
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_run_resumed_equals_the_uninterrupted_run(stage, tiny_recipe_overrides, tmp_path):
+    """A ZeRO-2/3 run interrupted after its checkpoint at step 2 (its partial directory holding that checkpoint:
+    DeepSpeed's global_step2/ with each rank's partition, no optimizer.pt) and resumed ends with the uninterrupted
+    run's steps 3-4 and weights, bit for bit (same data order, same reductions); a finished run resumed keeps its
+    weights."""
+    import shutil
+
+    pytest.importorskip("deepspeed")
+    config = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], "stage": stage}}
+    if stage == 2:
+        del config["zero_optimization"]["stage3_param_persistence_threshold"]
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    keys = {"train.trainer_args": {"deepspeed": str(tmp_path / "ds.json")}, "train.save_total_limit": 2}
+
+    def launch(out: Path, *flags: str) -> str:
+        return torchrun(["train", recipe_of("naive"), *overrides(tiny_recipe_overrides, out, "naive", **keys),
+                         *flags], tmp_path)
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch(whole)
+    checkpoint = resumed.parent / f".{resumed.name}.moekit-partial" / "checkpoints" / "checkpoint-2"
+    shutil.copytree(whole / "checkpoints" / "checkpoint-2", checkpoint)
+    assert not (checkpoint / "optimizer.pt").exists() and (checkpoint / "global_step2").is_dir()
+    assert "trained naive: 4 steps" in launch(resumed, "--resume")
+    assert [(h["step"], h["loss"], h["grad_norm"]) for h in steps(resumed)] == \
+        [(h["step"], h["loss"], h["grad_norm"]) for h in steps(whole)]
+    reference = model_of(whole)
+    assert all(torch.equal(model_of(resumed)[k], reference[k]) for k in reference)
+    if stage == 3:  # the finished run resumed: loaded from its last checkpoint, nothing trained, saved again
+        launch(whole, "--resume")
+        assert all(torch.equal(model_of(whole)[k], reference[k]) for k in reference)
+
+
 def test_resume_is_refused_where_transformers_shards(tiny_recipe_overrides, tmp_path):
     """transformers checkpoints a model it shards (FSDP2, EP) without its optimizer state: no resuming from them."""
     from moekit.errors import ConfigError
