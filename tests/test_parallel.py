@@ -12,6 +12,7 @@ Each run against DDP's: per-step loss and grad norm within 1e-5 relative, the sa
 atol 1e-5 (every tensor), the evaluation after training written."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,64 @@ def test_deepspeed_run_resumed_equals_the_uninterrupted_run(stage, tiny_recipe_o
     if stage == 3:  # the finished run resumed: loaded from its last checkpoint, nothing trained, saved again
         launch(whole, "--resume")
         assert all(torch.equal(model_of(whole)[k], reference[k]) for k in reference)
+
+
+def rank_process(launcher: int, rank: int) -> int:
+    """The pid of `rank` among torchrun's workers (its children with RANK=rank in their environment)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in env:
+            return int(stat.parent.name)
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+@gloo
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker of rank 1 through /proc")
+def test_a_rank_killed_under_zero3_ends_the_other_with_one_line(tiny_recipe_overrides, tmp_path):
+    """Rank 1 SIGKILLed after the run's first checkpoint: rank 0's collective fails (gloo: the connection reset by
+    its peer) and it ends with one line naming the process that ended and the checkpoint kept to resume from; the
+    launch fails. torchrun's --monitor-interval 5 (default 0.1 s) lets rank 0 end on its own before torchrun would
+    SIGTERM it (which ends it with "interrupted (SIGTERM)"); with the default, rank 0 ended first in 2 runs of 2."""
+    import signal
+    import time
+
+    from moekit.train.common import check_checkpoint, last_checkpoint
+
+    pytest.importorskip("deepspeed")
+    (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
+    out = tmp_path / "run"
+    args = [*overrides(tiny_recipe_overrides, out, "naive", **ENGINES["zero3"](tmp_path / "zero3.json")),
+            "train.steps=200", "train.save_every=1"]  # the later key wins
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--monitor-interval", "5", "-m", "moekit", "train", recipe_of("naive"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    partial = tmp_path / ".run.moekit-partial"
+    try:
+        deadline = time.monotonic() + 240
+        while last_checkpoint(partial) is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(rank_process(proc.pid, 1), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in (stdout + stderr).splitlines() if line.startswith("moekit:")]
+    assert proc.returncode != 0 and len(lines) == 1, stderr[-3000:]
+    assert re.fullmatch(r"moekit: error: process 0 of 2: process 1 of this launch ended during training \(Connection "
+                        r"(reset|closed) by peer.*\); .*\.run\.moekit-partial keeps checkpoint-\d+: --resume "
+                        r"continues it", lines[0]), lines[0]
+    os.environ["WORLD_SIZE"], world = "2", os.environ.get("WORLD_SIZE")
+    try:
+        check_checkpoint(last_checkpoint(partial))  # complete: what --resume on 2 processes continues from
+    finally:
+        os.environ.pop("WORLD_SIZE") if world is None else os.environ.update(WORLD_SIZE=world)
+    assert not out.exists()
 
 
 def test_resume_is_refused_where_transformers_shards(tiny_recipe_overrides, tmp_path):

@@ -212,4 +212,7 @@ def resume_from(trainer, last: Path | None) -> None:
             trainer._load_from_checkpoint(str(last))
             trainer.state = state
             return
-    trainer.train(resume_from_checkpoint=None if last is None else str(last))
+    from moekit.train.parallel import lost_process
+
+    with lost_process(Path(trainer.args.output_dir).parent, last_checkpoint):
+        trainer.train(resume_from_checkpoint=None if last is None else str(last))

@@ -35,7 +35,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor, nn
 
-from moekit.errors import ConfigError
+from moekit.errors import ConfigError, MoekitError
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed keys the Trainer fills from TrainingArguments -> the recipe key that sets them
@@ -79,6 +79,29 @@ def world_size() -> int:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+@contextlib.contextmanager
+def lost_process(work: Path, last_checkpoint) -> Iterator[None]:
+    """A collective that fails because another process of the launch ended (killed, out of memory: gloo's "Connection
+    reset/closed by peer", NCCL's errors) becomes one MoekitError naming the process that ended (in a launch of 2,
+    the other one) and what is left of the run: its last checkpoint, kept in `work` to resume from, or nothing
+    (`last_checkpoint(work)`: the checkpoint or None; the main process removes a run without one)."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        gloo = re.search(r"Connection (?:reset|closed) by peer(?: \[[^\]]*\](?::\d+)?)?", str(e))
+        if world_size() < 2 or not (gloo or isinstance(e, dist.DistBackendError)):
+            raise
+        rank, n = int(os.environ.get("RANK", "0")), world_size()
+        who = f"process {1 - rank}" if n == 2 else "another process"
+        last = last_checkpoint(work)
+        left = (f"{work} keeps {last.name}: resume=True continues it" if last is not None else
+                "no checkpoint was saved, the run is removed" if is_main() else f"no checkpoint in {work}")
+        raise MoekitError(f"process {rank} of {n}: {who} of this launch ended during training "
+                          f"({gloo.group(0) if gloo else str(e).splitlines()[0][:160]}); {left}") from None
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed config
