@@ -1702,6 +1702,13 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
                            interrupted_run(t, f, f.finished_run, deepspeed_checkpoint)),
          r"cannot resume from .*checkpoint-1: its DeepSpeed optimizer state has 2 partitions \(in global_step1\), "
          r"this launch 1 processes"),
+    # `accelerate launch --num_processes 2` without an accelerate config on a CPU machine: its simple launcher runs
+    # one process with these variables (checked on accelerate 1.15: engine.json said "processes": 1)
+    Case("train-accelerate-launch-started-one-process-of-several",
+         lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}"],
+         r"accelerate launch started one process where several were asked for: .* multi_gpu option",
+         env=lambda t: {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
 ]
 
 

@@ -164,7 +164,9 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     (rank 0) locks and renames; the other ranks of a multi-process run use the same working directory.
     """
     from moekit.train.args import engine_of
+    from moekit.train.parallel import check_launch
 
+    check_launch()
     out = Path(recipe.out)
     partial = out.parent / f".{out.name}{PARTIAL}"
     if resume and engine_of(recipe).by_transformers:

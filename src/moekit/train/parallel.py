@@ -81,6 +81,20 @@ def world_size() -> int:
         return 1
 
 
+def check_launch() -> None:
+    """`accelerate launch` asked for several processes without an accelerate config (or its multi_gpu mode) on a
+    machine without GPUs runs its simple launcher: one process, given MASTER_ADDR/MASTER_PORT but no WORLD_SIZE
+    (it leaves several CPU processes to MPI, which would set the world size). Refused before any work, rather than
+    training on one process."""
+    env = os.environ
+    mpi = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    if "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env and not any(k in env for k in mpi):
+        raise ConfigError("accelerate launch started one process where several were asked for: without an "
+                          "accelerate config on a machine without GPUs it starts one unless MPI starts them; start "
+                          "them with accelerate launch's multi_gpu option (it runs torchrun; gloo on the CPU) or with "
+                          "torchrun's nproc-per-node")
+
+
 @contextlib.contextmanager
 def lost_process(work: Path, last_checkpoint) -> Iterator[None]:
     """A collective that fails because another process of the launch ended (killed, out of memory: gloo's "Connection
