@@ -1696,6 +1696,19 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
                        "--deepspeed", write(t / "ds.json", json.dumps(ZERO3))],
          r"selective fine-tuning under DeepSpeed ZeRO-3 .* weight decay would move the experts not selected: it "
          r"needs weight decay 0"),
+    # issue 37 §3 (training beyond one device): a DeepSpeed checkpoint resumed on another number of processes
+    Case("train-resume-deepspeed-checkpoint-of-another-launch",
+         lambda t, f: also(["train", recipe(t, f), f"out={t / 'run'}", "--resume"],
+                           interrupted_run(t, f, f.finished_run, deepspeed_checkpoint)),
+         r"cannot resume from .*checkpoint-1: its DeepSpeed optimizer state has 2 partitions \(in global_step1\), "
+         r"this launch 1 processes"),
+    # `accelerate launch --num_processes 2` without an accelerate config on a CPU machine: its simple launcher runs
+    # one process with these variables (checked on accelerate 1.15: engine.json said "processes": 1)
+    Case("train-accelerate-launch-started-one-process-of-several",
+         lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}"],
+         r"accelerate launch started one process where several were asked for: .* multi_gpu option",
+         env=lambda t: {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "False",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
 ]
 
 # issue 39 (speech-LLM recipes, task speech_llm): bad data and a model that is no speech-LLM, refused before training
@@ -1733,6 +1746,13 @@ SPEECH_LLM = [
     Case("train-s2tt-text-only-model", lambda t, f: [*s2tt(t), f"model.path={dense(t, f)}"],
          r"is a llama model, not a speech-LLM: task speech_llm trains qwen3_asr, qwen2_audio models"),
 ]
+
+def deepspeed_checkpoint(folder: Path) -> None:
+    """What a 2-process DeepSpeed run writes in place of optimizer.pt (the partitions' contents are not read)."""
+    (folder / "optimizer.pt").unlink()
+    (folder / "global_step1").mkdir()
+    for rank in (0, 1):
+        (folder / "global_step1" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
 
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,

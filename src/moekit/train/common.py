@@ -118,13 +118,25 @@ def last_checkpoint(run: Path) -> Path | None:
 
 
 def check_checkpoint(last: Path) -> None:
-    """A checkpoint to resume from has its optimizer state and a readable trainer_state.json."""
-    if not (last / "optimizer.pt").is_file():
-        raise CheckpointError(f"cannot resume from {last}: it has no optimizer.pt (an incomplete checkpoint)")
+    """A checkpoint to resume from has a readable trainer_state.json and its optimizer state: the Trainer's
+    optimizer.pt, or under DeepSpeed its `global_step<N>/` folder with one optimizer partition per process of this
+    launch (DeepSpeed resumes a ZeRO checkpoint on as many processes as wrote it)."""
+    from moekit.train.parallel import world_size
+
     try:
-        json.loads(read_small(last / "trainer_state.json", "trainer state", CheckpointError))
-    except (ValueError, RecursionError) as e:
+        state = json.loads(read_small(last / "trainer_state.json", "trainer state", CheckpointError))
+        step = int(state["global_step"])
+    except (ValueError, RecursionError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot resume from {last}: trainer_state.json is unreadable ({e})") from None
+    if (last / "optimizer.pt").is_file():
+        return
+    zero = last / f"global_step{step}"
+    if not zero.is_dir():
+        raise CheckpointError(f"cannot resume from {last}: it has no optimizer.pt (an incomplete checkpoint)")
+    parts, n = len(list(zero.glob("*optim_states.pt"))), world_size()
+    if parts != n:
+        raise CheckpointError(f"cannot resume from {last}: its DeepSpeed optimizer state has {parts} partitions "
+                              f"(in {zero.name}), this launch {n} processes")
 
 
 def resume_point(out: Path, partial: Path, overwrite: bool) -> Path | None:
@@ -153,7 +165,9 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     (rank 0) locks and renames; the other ranks of a multi-process run use the same working directory.
     """
     from moekit.train.args import engine_of
+    from moekit.train.parallel import check_launch
 
+    check_launch()
     out = Path(recipe.out)
     partial = out.parent / f".{out.name}{PARTIAL}"
     if resume and engine_of(recipe).by_transformers:
@@ -185,6 +199,9 @@ def save_final(trainer, out: Path) -> None:
     after saving it (e.g. during evaluation) and resumed, and is replaced."""
     if trainer.is_world_process_zero() and (out / "model").exists():
         remove(out / "model")
+    if trainer.is_deepspeed_enabled and trainer.deepspeed is None:  # a finished run resumed: no engine was made,
+        trainer._save(str(out / "model"))  # the model loaded whole on every process (Trainer.save_model's own path)
+        return
     trainer.save_model(str(out / "model"))
 
 
@@ -198,4 +215,7 @@ def resume_from(trainer, last: Path | None) -> None:
             trainer._load_from_checkpoint(str(last))
             trainer.state = state
             return
-    trainer.train(resume_from_checkpoint=None if last is None else str(last))
+    from moekit.train.parallel import lost_process
+
+    with lost_process(Path(trainer.args.output_dir).parent, last_checkpoint):
+        trainer.train(resume_from_checkpoint=None if last is None else str(last))
