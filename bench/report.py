@@ -152,3 +152,21 @@ def claims_table(rows: list[dict], nd: int = 2) -> list[str]:
                    f"{' / '.join(f'{x:+.{nd}f}' for x in s['per_seed'])} | "
                    f"{verdict(s['lo'], s['hi'], r['direction'])} |")
     return [*head, *out]
+
+
+def t_interval(a, b, level: float = 0.95) -> dict:
+    """The mean over seeds of the per-seed difference a[s] − b[s] and its Student-t interval (n − 1 degrees of
+    freedom; the evidence rule for claims over seeds): a, b are one score per seed of two systems, paired by seed.
+    Returns paired_bootstrap's keys ("mean", "lo", "hi", "per_seed", "a", "b", "seeds") so claims_table prints it;
+    with one seed the interval is unbounded (nan)."""
+    import numpy as np
+    from scipy import stats
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
+        raise ValueError(f"a and b must be per-seed scores of one length, got {a.shape} and {b.shape}")
+    d = a - b
+    n, mean = len(d), float(d.mean())
+    half = float(stats.t.ppf((1 + level) / 2, n - 1) * d.std(ddof=1) / n ** 0.5) if n > 1 else float("nan")
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "per_seed": d.tolist(), "a": a.tolist(),
+            "b": b.tolist(), "seeds": n}

@@ -246,6 +246,10 @@ def test_standins_serve_every_builtin_asset_offline(tmp_path, monkeypatch):
     for name in assets.MODELS:
         assert assets.resolve_model(name) == tmp_path / "cache" / "models" / name
     assert tf.AutoTokenizer.from_pretrained(assets.resolve_model("smollm2-135m")).chat_template
+    speech = tf.AutoConfig.from_pretrained(assets.resolve_model("whisper-base-smollm2-135m"))  # assembled from both
+    assert (speech.model_type, speech.text_config.model_type, speech.audio_config.max_source_positions) == (
+        "qwen2_audio", "llama", 750)  # 15 s of Whisper's 1500 positions for 30 s
+    assert assets.hub_id("whisper-base-smollm2-135m") == ["openai/whisper-base", "HuggingFaceTB/SmolLM2-135M-Instruct"]
     english = [tuple(v[:3]) for v in assets.bible_verses("k")]
     assert len(english) == len(set(english)) == len(BOOKS) * CHAPTERS * VERSES
     for code in assets.BIBLE_TRANSLATIONS:

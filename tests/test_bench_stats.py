@@ -11,9 +11,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from claims import MARK, claim_tables, section  # noqa: E402
-from report import claims_table, device_name, measured_on, paired_bootstrap, seed_folder, verdict  # noqa: E402
+from report import (claims_table, device_name, measured_on, paired_bootstrap, seed_folder, t_interval,  # noqa: E402
+                    verdict)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_t_interval_over_per_seed_differences_by_hand():
+    # d = (2, 3, 4): mean 3, sd 1, t(0.975, 2) = 4.302653 -> half width 4.302653 / sqrt(3) = 2.484138
+    s = t_interval([3.0, 5.0, 7.0], [1.0, 2.0, 3.0])
+    assert s["mean"] == 3.0 and s["per_seed"] == [2.0, 3.0, 4.0] and s["seeds"] == 3
+    assert s["lo"] == pytest.approx(3 - 2.484138, abs=1e-6) and s["hi"] == pytest.approx(3 + 2.484138, abs=1e-6)
+    assert verdict(s["lo"], s["hi"], 1) == "reproduced"
+    one = t_interval([1.0], [0.0])  # one seed: no interval, so no verdict either way
+    assert np.isnan(one["lo"]) and verdict(one["lo"], one["hi"], 1) == "not reproduced at this scale"
 
 
 def test_a_table_names_every_device_its_runs_were_measured_on_once():

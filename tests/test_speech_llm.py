@@ -52,6 +52,15 @@ def test_covost_rows_shuffled_across_directions(tiny):
     assert train[0].seconds == 1.0 and report.as_dict()["train"]["de"] == {"kept": 6}
 
 
+def test_transcription_alone_reads_the_transcripts_of_one_direction(tiny):
+    train, test, _ = load_s2tt(S2TTDataConfig(path=str(tiny["data"]), directions=["en"], transcripts_from="fr"),
+                               lambda e: 0)
+    assert sorted(e.target for e in train) == [f"sentence {i}" for i in range(6)]
+    assert {e.tgt for e in train} == {"en"} and [e.target for e in test["en"]] == ["sentence 6", "sentence 7"]
+    with pytest.raises(ValueError, match=r"name one besides en, or name it in data.transcripts_from"):
+        S2TTDataConfig(path=str(tiny["data"]), directions=["en"])
+
+
 def _broken(tmp_path: Path, tiny) -> Path:
     """The tiny CoVoST with a missing clip and a clip that is not audio (both directions read them), and an empty
     translation in en_de's training file."""

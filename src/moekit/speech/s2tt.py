@@ -49,6 +49,7 @@ class S2TTDataConfig(Config):
     path: str = "covost2"
     clips: str | None = None  # covost: the Common Voice clips folder (default PATH/clips)
     directions: list[str] = Field(default_factory=lambda: ["de"], min_length=1)  # targets; `en`: transcription
+    transcripts_from: str | None = None  # transcription alone (directions [en]): the direction whose files hold them
     train_split: str = "train"
     test_split: str = "test"
     train_per_direction: int | None = Field(None, ge=1)  # at most this many training rows per direction
@@ -68,9 +69,11 @@ class S2TTDataConfig(Config):
             raise ValueError(f"unknown target languages {unknown}; known: {', '.join(sorted(NAMES))}")
         if len(set(self.directions)) != len(self.directions):
             raise ValueError(f"directions repeat: {self.directions}")
-        if self.directions == [SOURCE]:
+        if self.directions == [SOURCE] and self.transcripts_from in (None, SOURCE):
             raise ValueError("transcription (direction en) reads the English transcripts of a translation "
-                             "direction's files: name one besides en")
+                             "direction's files: name one besides en, or name it in data.transcripts_from")
+        if self.transcripts_from is not None and self.transcripts_from not in NAMES:
+            raise ValueError(f"unknown transcripts_from language {self.transcripts_from!r}")
         return self
 
 
@@ -160,8 +163,9 @@ def _row(report: Report, split: str, d: str, where: str, audio: Path | bytes | N
 
 
 def _pair(cfg: S2TTDataConfig, d: str) -> str:
-    """The translation direction whose files hold direction `d`'s rows (transcription: the first one listed)."""
-    return d if d != SOURCE else next(x for x in cfg.directions if x != SOURCE)
+    """The translation direction whose files hold direction `d`'s rows (transcription: transcripts_from, else the
+    first one listed)."""
+    return d if d != SOURCE else cfg.transcripts_from or next(x for x in cfg.directions if x != SOURCE)
 
 
 def _tsv(path: Path, need: tuple[str, ...]) -> list[dict]:

@@ -80,7 +80,9 @@ def standin_cache(root) -> Path:
     """A moekit asset cache (use as MOEKIT_CACHE) holding a stand-in for every built-in asset; returns `root`."""
     root = Path(root)
     models = root / "models"
-    for name in assets.MODELS:
+    for name, asset in assets.MODELS.items():
+        if isinstance(asset, assets.AssembledSpeechLLM):
+            continue  # assembled from the stand-ins of its parts on first use
         if name.startswith("whisper"):
             save_tiny_whisper_asr(models / name, multilingual=not name.endswith(".en"), **WHISPER)
         else:
