@@ -1747,6 +1747,16 @@ SPEECH_LLM = [
          r"is a llama model, not a speech-LLM: task speech_llm trains qwen3_asr, qwen2_audio models"),
 ]
 
+# issue 39 item 4 (transcription alone, the stage 0 of bench/spri_s2tt.py): which files hold the transcripts
+SPEECH_LLM_TRANSCRIPTS = [
+    Case("train-s2tt-transcription-alone-without-its-files", lambda t, f: s2tt(t, lambda d: None, "data.directions=[en]"),
+         r"transcription \(direction en\) reads the English transcripts of a translation direction's files: name one "
+         r"besides en, or name it in data.transcripts_from"),
+    Case("train-s2tt-transcripts-from-unknown-language",
+         lambda t, f: s2tt(t, lambda d: None, "data.directions=[en]", "data.transcripts_from=xx"),
+         r"unknown transcripts_from language 'xx'"),
+]
+
 def deepspeed_checkpoint(folder: Path) -> None:
     """What a 2-process DeepSpeed run writes in place of optimizer.pt (the partitions' contents are not read)."""
     (folder / "optimizer.pt").unlink()
@@ -1756,7 +1766,7 @@ def deepspeed_checkpoint(folder: Path) -> None:
 
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
-         *BEYOND_ONE_DEVICE, *SPEECH_LLM]
+         *BEYOND_ONE_DEVICE, *SPEECH_LLM, *SPEECH_LLM_TRANSCRIPTS]
 
 # issue 37 §6 (model cards and the mergekit command line)
 def qwen2_base_llama_expert(t: Path, f: Fx) -> Path:
