@@ -190,6 +190,20 @@ def test_upcycling_changes_the_decoder_ffns_only(tiny, kind):
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith(tuple(audio)))
 
 
+def test_upcycling_leaves_a_deep_audio_encoder_alone():
+    """Whisper base's 6 encoder blocks have FFNs too: with every=4 its block 3 was upcycled (found on real weights);
+    only the language model's FFNs are candidates unless the spec's target names the encoder."""
+    cfg = tf.Qwen2AudioConfig(audio_config=dict(num_mel_bins=16, encoder_layers=4, encoder_attention_heads=1,
+                                                 encoder_ffn_dim=32, d_model=16),
+                              text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    spec = dict(num_experts=4, top_k=2, every=4, init={"method": "naive"})
+    moe = upcycle(tf.Qwen2AudioForConditionalGeneration(cfg), MoESpec(**spec))
+    assert [p for p, _ in moe_layers(moe)] == ["model.language_model.layers.3.mlp"]
+    moe = upcycle(tf.Qwen2AudioForConditionalGeneration(cfg), MoESpec(**spec, target="audio_tower"))
+    assert [p for p, _ in moe_layers(moe)] == ["model.audio_tower.layers.3.fc1"]
+
+
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_ume_generates_what_the_dense_model_generates(tiny, kind):
     dense, inputs = _inputs(tiny[kind])

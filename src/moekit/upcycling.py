@@ -30,9 +30,18 @@ def layer_generator(seed: int, path: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(path.encode())) % 2**64)
 
 
+def language_model_path(model: nn.Module) -> str | None:
+    """The path of the language model of a multimodal model (transformers' `language_model` submodule beside its
+    audio or vision encoder: Qwen2-Audio, Qwen3-ASR, LLaVA, ...), None for any other model."""
+    return next((name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "language_model"), None)
+
+
 def selected_slots(model: nn.Module, spec: MoESpec) -> list[Slot]:
-    """The FFN slots `spec` selects; a spec that selects none, or names blocks no stack has, is an error."""
-    slots = find_slots(model)
+    """The FFN slots `spec` selects; a spec that selects none, or names blocks no stack has, is an error. In a
+    multimodal model only its language model's FFNs are candidates unless `spec.target` names others (SPRI §3.2
+    upcycles the decoder of Qwen3-ASR, whose audio encoder's blocks have FFNs too)."""
+    lm = language_model_path(model)
+    slots = [s for s in find_slots(model) if spec.target is not None or lm is None or s.path.startswith(f"{lm}.")]
     chosen = [s for s in slots if spec.selects(s.index, s.path)]
     stacks = sorted({f"{s.stack} ({sum(t.stack == s.stack for t in slots)} blocks)" for s in slots})
     if spec.layers is not None:
