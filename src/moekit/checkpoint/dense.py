@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
+import re
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers.initialization import no_init_weights
@@ -67,10 +70,32 @@ def load_config(folder: Path, trust_remote_code: bool = False):
     data = _config_json(folder)
     try:
         if data.get("model_type") == MODEL_TYPE:
-            return base_config(data)
-        return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())}") from None
+            config = base_config(data)
+        else:
+            config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError) as e:
+        # transformers 5 checks its config fields' types (huggingface_hub's strict dataclasses) and looks a dtype
+        # name up on torch: a field of the wrong type is one of these, not a bug
+        raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())[:500]}") from None
+    arch = getattr(config, "architectures", None)
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise CheckpointError(f"{folder}/config.json: architectures must be a list of class names, got {arch!r:.100}")
+    check_layer_counts(config.to_dict(), folder)
+    return config
+
+
+MAX_LAYERS = 10_000  # no published model has more; building 2**64 layers (even on the meta device) never ends
+LAYER_COUNT = re.compile(r"(^|_)(n_)?layers?$")  # num_hidden_layers, encoder_layers, n_layer, num_layers
+
+
+def check_layer_counts(data: dict, folder: Path, at: str = "") -> None:
+    """Refuse a layer count (of the config or a sub-config such as text_config) above MAX_LAYERS."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            check_layer_counts(value, folder, f"{at}{key}.")
+        elif isinstance(key, str) and LAYER_COUNT.search(key) and isinstance(value, int) and value > MAX_LAYERS:
+            raise CheckpointError(f"{folder}/config.json: {at}{key} is {value}, more layers than any model has "
+                                  f"(at most {MAX_LAYERS:,} are accepted)")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -125,13 +150,13 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     path = check_dense_dir(path)
     has_st = has_safetensors(path, allow_pickle)
     config = load_config(path, trust_remote_code)
-    if has_st:
-        read_headers(path)  # shard names, headers and coverage checked before transformers opens anything
+    if has_st:  # shard names, headers and coverage checked before transformers opens anything; then the model the
+        check_fits(meta_model(path, trust_remote_code), read_headers(path), path)  # config describes against them
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = model_class(arch, path) if arch and not trust_remote_code else transformers.AutoModel
     try:
         model = cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path} does not load: {' '.join(str(e).split())[:500]}") from None
     if not allow_nonfinite:
         check_finite(model.named_parameters(), str(path))
@@ -166,13 +191,38 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
         where = init_empty_weights(include_buffers=False)
     else:
         where = torch.device("meta")
-    with where, no_init_weights():
-        if arch and not trust_remote_code:
-            model = model_class(arch, path)._from_config(config)
-        else:
-            model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    cls = model_class(arch, path) if arch and not trust_remote_code else None
+    try:
+        with where, no_init_weights():
+            if cls is not None:
+                model = cls._from_config(config)
+            else:
+                model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError, ZeroDivisionError,
+            AssertionError) as e:
+        # sizes, names and kinds in config.json that the model's code cannot build with (negative or overflowing
+        # sizes, an unknown activation or rope type)
+        raise CheckpointError(f"{path}/config.json describes no model that can be built: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint
     return model
+
+
+def check_fits(model: nn.Module, headers: dict, path: Path) -> None:
+    """The model that config.json describes (on the meta device) against the shard headers, before it is built in
+    memory: a tensor of the same name must have the same shape (transformers would silently re-initialize it),
+    and the model may not need more than twice the values the weights hold plus 2**20 (a config that declares a
+    model far larger than its files is refused before that memory is allocated)."""
+    state = model.state_dict()
+    for key, info in headers.items():
+        if key in state and tuple(state[key].shape) != info.shape:
+            raise CheckpointError(f"{info.file}: {key} is {list(info.shape)}, but the model {path}/config.json "
+                                  f"describes has it {list(state[key].shape)}")
+    need = sum({id(p): p.numel() for p in model.parameters()}.values())
+    have = sum(math.prod(info.shape) for info in headers.values())
+    if need > 2 * have + 2**20:
+        raise CheckpointError(f"{path}/config.json describes a model of {need:,} parameters, but its weights hold "
+                              f"{have:,} values: the config does not belong to these weights")
 
 
 def has_safetensors(path: Path, allow_pickle: bool) -> bool:

@@ -186,7 +186,11 @@ def _build(meta: dict, config, folder: Path) -> nn.Module:
         model = cls._from_config(config)
     routers = {}
     for e in meta["layers"]:
-        moe = from_layout(e["layout"], router=routers.get(e["router_of"]))
+        try:
+            moe = from_layout(e["layout"], router=routers.get(e["router_of"]))
+        except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # sizes beyond what a tensor can have
+            raise CheckpointError(f"{folder}/moekit.json: the layout of layer {e['path']} cannot be built "
+                                  f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from None
         routers.setdefault(e["path"], moe.router)
         moe.slot = {k: e[k] for k in ("stack", "index", "adapter")}
         moe.init_diversity = e.get("init_diversity")

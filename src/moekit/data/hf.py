@@ -125,6 +125,8 @@ def read_located(files: list[str], builder: str | None) -> list[tuple[str, dict]
     name = builder_of(files, builder)
     out = []
     for f in files:
+        if name == "json":
+            _check_first_record(f)
         with tempfile.TemporaryDirectory(prefix="moekit-datasets-") as cache, _quiet():
             try:
                 ds = datasets.load_dataset(name, data_files=[str(Path(f).resolve())], split="train",
@@ -133,6 +135,18 @@ def read_located(files: list[str], builder: str | None) -> list[tuple[str, dict]
                 raise ConfigError(f"cannot read {f} as {name}: {_malformed(f, name, e)}") from None
         out += [(f"{f}: record {n}", r) for n, r in enumerate(ds.to_list())]
     return out
+
+
+def _check_first_record(f: str) -> None:
+    """The first non-blank line of a JSON data file opens a record (`{`) or a list of them (`[`): pyarrow's JSON
+    reader (inside `datasets`) crashes the process (SIGSEGV, pyarrow 22) on a file that starts with `null`."""
+    with open(f, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            start = line.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+            if start:
+                if start not in (b"{", b"["):
+                    raise ConfigError(f"{f}: line {n} is not a JSON object (each record of a JSON data file is one)")
+                return
 
 
 def _malformed(f: str, builder: str, e: BaseException) -> str:

@@ -114,11 +114,15 @@ def read_jsonl(files: list[str], fields: str, build: Callable[[dict, str], T]) -
         path = Path(f)
         if not path.is_file():
             raise ConfigError(f"data file not found: {path}")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read data file {path}: {e}") from None
+        for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     out.append(build(json.loads(line), f"{path.name}:{n}"))
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                except (ValueError, RecursionError, KeyError, TypeError) as e:  # ValueError: not JSON, or too long a number
                     raise ConfigError(f"{path}:{n}: expected a JSON object with {fields} ({e})") from None
     return out
 

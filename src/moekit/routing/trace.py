@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,9 @@ FIELDS = ("layers", "num_experts", "languages", "ids", "weights", "token", "samp
 # the per-language, per-layer, per-expert sums of one-shot pruning criteria (moekit.routing.capture), last axis:
 SALIENCY = ("count", "gate", "norm", "gate_norm")  # routed (token, slot) pairs, Σ g, Σ ‖f‖₂, Σ g·‖f‖₂
 MAX_BYTES = 64 << 30  # uncompressed arrays larger than this are refused (a zip bomb, not a trace)
+
+
+HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 class TraceError(MoekitError):
@@ -101,7 +105,7 @@ class RoutingTrace:
     def validate(self, name: str = "trace") -> RoutingTrace:
         """Shapes, dtypes and ranges: ids in [-1, E) per layer (-1 pads a smaller top-k), languages indexed."""
         L, n = len(self.layers), self.token.shape[0] if self.token.ndim == 1 else -1
-        shapes = {"num_experts": (self.num_experts, (L,)), "ids": (self.ids, (L, n, self.ids.shape[-1])),
+        shapes = {"num_experts": (self.num_experts, (L,)), "ids": (self.ids, (L, n, self.ids.shape[-1] if self.ids.ndim else 0)),
                   "weights": (self.weights, self.ids.shape), "token": (self.token, (n,)),
                   "sample": (self.sample, (n,)), "position": (self.position, (n,)), "lang": (self.lang, (n,))}
         for key, (a, shape) in shapes.items():
@@ -163,10 +167,29 @@ def _check_size(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as z:
             size = sum(i.file_size for i in z.infolist())
-    except (OSError, zipfile.BadZipFile, ValueError) as e:
+            for info in z.infolist():
+                _check_member(z, info, path)
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001  (zipfile, zlib and numpy's header parser: a damaged file)
         raise TraceError(f"{path}: not a moekit routing trace ({type(e).__name__}: {e})") from None
     if size > MAX_BYTES:
         raise TraceError(f"{path}: its arrays would take {size / 2**30:.1f} GiB (more than {MAX_BYTES >> 30} GiB)")
+
+
+def _check_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> None:
+    """An array's .npy header declares no more bytes than its zip entry holds (numpy allocates the declared shape
+    before it reads the data): read from the header alone."""
+    with z.open(info) as f:
+        read = HEADERS.get(np.lib.format.read_magic(f))
+        if read is None:
+            raise ValueError(f"{info.filename} is not a .npy array of format 1.0 or 2.0")
+        shape, _, dtype = read(f, max_header_size=10_000)
+        declared = math.prod(shape) * dtype.itemsize
+        if declared > info.file_size - f.tell() or (info.compress_type == zipfile.ZIP_STORED
+                                                    and info.file_size != info.compress_size):
+            raise TraceError(f"{path}: {info.filename} declares {declared} bytes of data but holds "
+                             f"{info.file_size - f.tell()}")
 
 
 def _read_meta(text: str) -> dict:

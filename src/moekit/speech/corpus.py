@@ -253,8 +253,8 @@ def read_manifest(path: str | Path) -> list[Utterance]:
 def _utterance(line: str, root: Path, where: str) -> Utterance:
     try:
         d = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # not JSON, nested too deeply, or a number too long to convert
+        raise ConfigError(f"{where}: not JSON ({type(e).__name__}: {e})") from None
     if not isinstance(d, dict) or set(FIELDS) - set(d):
         missing = sorted(set(FIELDS) - set(d)) if isinstance(d, dict) else list(FIELDS)
         raise ConfigError(f"{where}: expected a JSON object with {', '.join(FIELDS)}; missing {', '.join(missing)}")
