@@ -1698,9 +1698,103 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
          r"needs weight decay 0"),
 ]
 
+
+# issue 37 §7 (fuzz finds): inputs that bench/fuzz.py and tests/test_fuzz.py found crashing a reader (a traceback),
+# hanging it, or making it allocate what the input declares; each is refused in one line now
+
+
+def config_set(key: str, value):
+    return lambda d: edit_json(d / "config.json", lambda c: c.__setitem__(key, value))
+
+
+def npy_lie(t: Path, fx: Fx, shape: str = "(4398046511104,)") -> Path:
+    """An uncompressed trace whose ids.npy header declares `shape` (8 TiB of int16) over the few bytes it holds."""
+    import zipfile
+
+    path = trace_with(t, fx)
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    header = f"{{'descr': '<i2', 'fortran_order': False, 'shape': {shape}, }}".ljust(117) + "\n"
+    members["ids.npy"] = members["ids.npy"][:8] + struct.pack("<H", len(header)) + header.encode() + b"\0" * 8
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for n, data in members.items():
+            z.writestr(n, data)
+    return path
+
+
+def header_dims(d: Path) -> None:
+    """model.safetensors re-written with one more tensor of shape [2**64, 0]: no bytes, a dim beyond int64."""
+    blob = (d / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    header["extra"] = {"dtype": "F32", "shape": [2**64, 0], "data_offsets": [end, end]}
+    raw = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n:])
+
+
+NOT_UTF8 = b'{"src": "\xff"}\n'
+
+FUZZ_FINDS = [
+    Case("fuzz-index-shard-name-a-list",
+         lambda t, f: upc(dense_with(t, f, lambda d: index(d, ["model.safetensors"])), t / "o"),
+         r"shard name \['model\.safetensors'\] is not a plain file name"),
+    Case("fuzz-index-shard-name-with-nul",
+         lambda t, f: upc(dense_with(t, f, lambda d: index(d, "model\x00.safetensors")), t / "o"),
+         r"shard name 'model\\x00\.safetensors' is not a plain file name"),
+    Case("fuzz-shard-links-to-itself",
+         lambda t, f: upc(dense_with(t, f, lambda d: ((d / "model.safetensors").unlink(),
+                                                      symlink(d / "model.safetensors", "model.safetensors"))), t / "o"),
+         r"model\.safetensors is missing \(a dangling symbolic link\)"),
+    Case("fuzz-header-dim-beyond-int64", lambda t, f: upc(dense_with(t, f, header_dims), t / "o"),
+         r"model\.safetensors is not a readable safetensors file \(bad entry for 'extra'\)"),
+    Case("fuzz-config-field-of-wrong-type", lambda t, f: upc(dense_with(t, f, config_set("mlp_bias", 1)), t / "o"),
+         r"config\.json does not load: .*mlp_bias.* expected bool, got int"),
+    Case("fuzz-config-architectures-a-mapping",
+         lambda t, f: upc(dense_with(t, f, config_set("architectures", {"0": "LlamaForCausalLM"})), t / "o"),
+         r"config\.json: architectures must be a list of class names"),
+    Case("fuzz-config-2-to-the-64-layers",
+         lambda t, f: upc(dense_with(t, f, config_set("num_hidden_layers", 2**64)), t / "o"),
+         r"config\.json: num_hidden_layers is 18446744073709551616, more layers than any model has", seconds=30),
+    Case("fuzz-config-negative-size",
+         lambda t, f: upc(dense_with(t, f, config_set("intermediate_size", -64)), t / "o"),
+         r"config\.json describes no model that can be built: RuntimeError: Trying to create tensor with negative "
+         r"dimension"),
+    Case("fuzz-config-unknown-rope-type",
+         lambda t, f: upc(dense_with(t, f, config_set("rope_parameters", {"rope_theta": 1e4, "rope_type": "DEFAULT"})),
+                          t / "o"), r"config\.json (does not load|describes no model that can be built)"),
+    Case("fuzz-config-wider-than-its-weights",
+         lambda t, f: ["routes", "collect", "--model", dense_with(t, f, config_set("hidden_size", 4096)), "--texts",
+                       f"en={text(t, f)}", "--out", t / "t.npz"],
+         r"\S+\.weight is \[128, 32\], but the model .*config\.json describes has it \[128, 4096\]"),
+    Case("fuzz-moekit-json-layout-beyond-tensor-sizes",
+         lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.intermediate_size", 10**30)],
+         r"moekit\.json: the layout of layer model\.layers\.1\.mlp cannot be built"),
+    Case("fuzz-trace-npy-header-declares-8-tib", lambda t, f: ["routes", "report", npy_lie(t, f), "--out", t / "r"],
+         r"ids\.npy declares 8796093022208 bytes of data but holds"),
+    Case("fuzz-trace-ids-0-d", lambda t, f: ["routes", "report", trace_with(t, f, ids=np.array(3, np.int16)),
+                                             "--out", t / "r"], r"ids has shape \(\) \(int16\), expected"),
+    Case("fuzz-mergekit-experts-a-number",
+         lambda t, f: (["upcycle", write(t / "mk.yml", yaml.safe_dump({"base_model": str(dense(t, f)), "experts": 3})),
+                        t / "o"], t / "o"), r"experts: Input should be a valid list"),
+    Case("fuzz-deepspeed-nested-too-deeply",
+         lambda t, f: ["train", recipe(t, f), "train.trainer_args=" + json.dumps(
+             {"deepspeed": str(write(t / "ds.json", "[" * 100_000 + "]" * 100_000))}), f"out={t / 'run'}"],
+         r"DeepSpeed config .*ds\.json is not JSON"),
+    Case("fuzz-jsonl-not-utf8",
+         lambda t, f: ["train", recipe(t, f), f"data.train_files=[{write(t / 'bad.jsonl', NOT_UTF8)}]",
+                       f"out={t / 'run'}"], r"cannot read data file .*bad\.jsonl: 'utf-8' codec can't decode"),
+    Case("fuzz-jsonl-number-too-long",
+         lambda t, f: ["train", recipe(t, f), f"data.train_files=[{write(t / 'big.jsonl', '9' * 5000)}]",
+                       f"out={t / 'run'}"], r"big\.jsonl:1: expected a JSON object with src, tgt, tgt_lang"),
+    Case("fuzz-data-file-starts-with-null",
+         lambda t, f: ["train", text_recipe(t, f, [write(t / "d.jsonl", 'null\n{"text": "a b"}\n')])],
+         r"d\.jsonl: line 1 is not a JSON object \(each record of a JSON data file is one\)"),
+]
+
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
-         *BEYOND_ONE_DEVICE]
+         *BEYOND_ONE_DEVICE, *FUZZ_FINDS]
 
 
 def params(cases: list[Case]) -> list:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import math
 import os
 import re
 import sqlite3
@@ -30,7 +31,7 @@ from torch import nn
 
 from moekit.checkpoint.card import HUB_ID, hub_id as card_hub_id
 from moekit.ct2 import convert_whisper
-from moekit.errors import AssetError
+from moekit.errors import AssetError, MoekitError
 from moekit._fs import hub_cache, output, read_small
 
 Log = Callable[[str], None]
@@ -164,6 +165,30 @@ def strip_quantization(model: nn.Module) -> nn.Module:
     return clean.eval()
 
 
+def _check_gguf_size(gguf: Path) -> None:
+    """The model a GGUF's metadata describes (built on the meta device) has as many layers as its tensors and needs
+    no more than twice the values they hold plus 2**20: checked before transformers allocates that model."""
+    import transformers as tf
+    from gguf import GGUFReader
+
+    from moekit.checkpoint.dense import check_layer_counts
+
+    tensors = GGUFReader(gguf).tensors
+    have = sum(math.prod(int(d) for d in t.shape) for t in tensors)
+    config = tf.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    check_layer_counts(config.to_dict(), f"GGUF checkpoint {gguf}")
+    blocks = len({m[1] for t in tensors if (m := re.match(r"blk\.(\d+)\.", t.name))})
+    if getattr(config, "num_hidden_layers", blocks) != blocks:  # e.g. no block_count: transformers' default, 32
+        raise AssetError(f"GGUF checkpoint {gguf}: its metadata describes {config.num_hidden_layers} layers, its "
+                         f"tensors hold {blocks}")
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    need = sum({id(p): p.numel() for p in model.parameters()}.values())
+    if need > 2 * have + 2**20:
+        raise AssetError(f"GGUF checkpoint {gguf}: its metadata describes a model of {need:,} parameters, but its "
+                         f"tensors hold {have:,} values")
+
+
 def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
     """Load a GGUF checkpoint (dequantized to float32) with transformers and save it, with its
     tokenizer, as a safetensors model directory `out` (atomically)."""
@@ -171,10 +196,18 @@ def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
 
     try:  # transformers and tqdm progress bars go to stderr: keep library calls silent
         with contextlib.redirect_stderr(io.StringIO()):
-            model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            _check_gguf_size(gguf)
+            model, info = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                                 output_loading_info=True)
             tokenizer = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except (OSError, ValueError, KeyError) as e:
-        raise AssetError(f"cannot load GGUF checkpoint {gguf}: {e}") from None
+    except Exception as e:  # noqa: BLE001  (gguf's reader and transformers' conversion raise many types for a damaged file)
+        if isinstance(e, MoekitError):
+            raise
+        raise AssetError(f"cannot load GGUF checkpoint {gguf}: {type(e).__name__}: {' '.join(str(e).split())[:300]}") \
+            from None
+    lost = sorted(info["missing_keys"]) + sorted(k for k, *_ in info["mismatched_keys"])
+    if lost:  # transformers initialized them at random: the metadata does not describe the tensors
+        raise AssetError(f"GGUF checkpoint {gguf}: its metadata describes tensors it does not hold ({', '.join(lost[:3])})")
     model = strip_quantization(model)
     with output(out, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)

@@ -80,7 +80,7 @@ def load_config(folder: Path, trust_remote_code: bool = False):
     arch = getattr(config, "architectures", None)
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
         raise CheckpointError(f"{folder}/config.json: architectures must be a list of class names, got {arch!r:.100}")
-    check_layer_counts(config.to_dict(), folder)
+    check_layer_counts(config.to_dict(), f"{folder}/config.json")
     return config
 
 
@@ -88,13 +88,13 @@ MAX_LAYERS = 10_000  # no published model has more; building 2**64 layers (even 
 LAYER_COUNT = re.compile(r"(^|_)(n_)?layers?$")  # num_hidden_layers, encoder_layers, n_layer, num_layers
 
 
-def check_layer_counts(data: dict, folder: Path, at: str = "") -> None:
+def check_layer_counts(data: dict, source: str, at: str = "") -> None:
     """Refuse a layer count (of the config or a sub-config such as text_config) above MAX_LAYERS."""
     for key, value in data.items():
         if isinstance(value, dict):
-            check_layer_counts(value, folder, f"{at}{key}.")
+            check_layer_counts(value, source, f"{at}{key}.")
         elif isinstance(key, str) and LAYER_COUNT.search(key) and isinstance(value, int) and value > MAX_LAYERS:
-            raise CheckpointError(f"{folder}/config.json: {at}{key} is {value}, more layers than any model has "
+            raise CheckpointError(f"{source}: {at}{key} is {value}, more layers than any model has "
                                   f"(at most {MAX_LAYERS:,} are accepted)")
 
 

@@ -56,6 +56,7 @@ class Reader:
     mutate: Callable[[random.Random, Path, Path], None]
     read: Callable[[Path], object]
     known: tuple[str, ...] = ()
+    output: str | None = None  # what `read` writes into the case folder (allowed when it succeeds, and only then)
 
 
 @dataclass
@@ -102,16 +103,19 @@ def memory_limit(budget: int = MEMORY_BUDGET) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def state_of(root: Path) -> dict[str, tuple]:
-    """{relative path: (kind, size, mtime_ns, link target)} of everything under `root`, links not followed."""
+def state_of(root: Path, skip: str | None = None) -> dict[str, tuple]:
+    """{relative path: (mode, size, mtime_ns, link target)} of everything under `root` (but `skip` and what it
+    holds), links not followed; folders by mode only (their entries are listed themselves)."""
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, root)
+            if skip is not None and (rel == skip or rel.startswith(skip + os.sep)):
+                continue
             st = os.lstat(p)
             target = os.readlink(p) if os.path.islink(p) else None
-            out[os.path.relpath(p, root)] = (st.st_mode, st.st_size if not name in dirnames else 0,
-                                             st.st_mtime_ns if name in filenames else 0, target)
+            out[rel] = (st.st_mode, 0, 0, target) if name in dirnames else (st.st_mode, st.st_size, st.st_mtime_ns, target)
     return out
 
 
@@ -168,7 +172,8 @@ def run_case(reader: Reader, seed_dir: Path, root: Path, seed: int, index: int,
         result = classify(e, reader.known)
     finally:
         os.chdir(cwd)
-    if (state_of(case), state_of(seed_dir), sorted(os.listdir(root))) != before:
+    made = reader.output is not None and result.outcome == "ok" and (case / reader.output).exists()
+    if (state_of(case, reader.output if made else None), state_of(seed_dir), sorted(os.listdir(root))) != before:
         result = Result("touched", f"the reader changed files outside its output ({result.outcome} otherwise)")
     _remove(case)
     return result
@@ -203,6 +208,7 @@ def run_reader(reader: Reader, work: Path, seed: int = 0, start: int = 0, count:
                on_case: Callable[[int, Result], None] | None = None, timeout: float = TIMEOUT) -> Counter:
     """Cases start .. start+count-1 of `reader` (seed inputs built once under `work`); counts per outcome.
     `on_case(index, result)` sees every result (e.g. to save progress or keep the failures)."""
+    work = Path(work).resolve()  # each case runs in its own folder: relative paths would point elsewhere
     seed_dir, root = work / reader.name / "seed", work / reader.name / "cases"
     if not (seed_dir / ".built").exists():
         shutil.rmtree(seed_dir, ignore_errors=True)

@@ -648,6 +648,71 @@ def _read_ct2(case: Path) -> None:
     ct2.special_ids(ct2.read_vocabulary(case))
 
 
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def write_gguf(path: Path, hidden: int = 16, inter: int = 32, heads: int = 2, kv: int = 1) -> None:
+    """A tiny one-layer Llama GGUF (float32 tensors, a sentencepiece-style vocabulary of 40), as llama.cpp lays it
+    out, written by the `gguf` package that transformers reads it with."""
+    import gguf
+    import numpy as np
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(32)] + ["▁a", "▁b", "c", "d", "e"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_name, "tiny"), (w.add_context_length, 32), (w.add_embedding_length, hidden),
+                       (w.add_block_count, 1), (w.add_feed_forward_length, inter), (w.add_head_count, heads),
+                       (w.add_head_count_kv, kv), (w.add_rope_dimension_count, hidden // heads),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 1e4), (w.add_vocab_size, len(tokens)),
+                       (w.add_tokenizer_model, "llama"), (w.add_token_list, tokens),
+                       (w.add_token_scores, [0.0] * len(tokens)), (w.add_token_types, [2, 3, 3] + [6] * 32 + [1] * 5),
+                       (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_unk_token_id, 0)):
+        add(value)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (len(tokens), hidden), "output_norm": (hidden,), "output": (len(tokens), hidden)}
+    kv_rows = hidden // heads * kv
+    shapes |= {f"blk.0.{n}": s for n, s in (("attn_q", (hidden, hidden)), ("attn_k", (kv_rows, hidden)),
+               ("attn_v", (kv_rows, hidden)), ("attn_output", (hidden, hidden)), ("ffn_gate", (inter, hidden)),
+               ("ffn_up", (inter, hidden)), ("ffn_down", (hidden, inter)), ("attn_norm", (hidden,)),
+               ("ffn_norm", (hidden,)))}
+    for name, shape in shapes.items():
+        w.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _gguf_fields(path: Path) -> list[tuple[int, int]]:
+    """(offset, width) of every integer in the GGUF's header, metadata and tensor infos (lengths, counts, value
+    types, dims, data types, data offsets), located by the `gguf` package's own reader."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    base = reader.data.__array_interface__["data"][0]
+    out = []
+    for field in [*reader.fields.values(), *(t.field for t in reader.tensors)]:
+        for part in field.parts:
+            if part.dtype.kind in "iu" and part.size:
+                out.append((part.__array_interface__["data"][0] - base, part.dtype.itemsize))
+    return out
+
+
+def _build_gguf(seed: Path) -> None:
+    write_gguf(seed / "m.gguf")
+    (seed / "fields.json").write_text(json.dumps(_gguf_fields(seed / "m.gguf")))
+
+
+def _mutate_gguf(rng: random.Random, seed: Path, case: Path) -> None:
+    fields = [tuple(f) for f in json.loads((seed / "fields.json").read_text())]
+    (case / "m.gguf").write_bytes(mutate_bytes(rng, (seed / "m.gguf").read_bytes(), fields * 3))
+
+
+def _read_gguf(case: Path) -> None:
+    from moekit.assets import convert_gguf
+
+    convert_gguf(case / "m.gguf", case / "out")
+
+
 # ---------------------------------------------------------------------------------------------- the readers
 
 # Crashes that another part of issue 37 fixes (its branch was not merged when these were found): the lead empties
@@ -671,4 +736,5 @@ READERS: dict[str, Reader] = {r.name: r for r in [
     _jsonl_reader("sharegpt", "chat.jsonl", CHAT_RECORDS, lambda f: _records(f, "chat"), DATASETS_KNOWN),
     _jsonl_reader("speech-manifest", "manifest.jsonl", MANIFEST, _read_manifest),
     Reader("ct2", _build_ct2, _mutate_ct2, _read_ct2),
+    Reader("gguf", _build_gguf, _mutate_gguf, _read_gguf, output="out"),
 ]}
