@@ -35,24 +35,27 @@ def child(args) -> None:
     def show(index, result):
         print(json.dumps({"index": index, "outcome": result.outcome, "detail": result.detail}), flush=True)
 
+    run_reader(READERS[args.reader], Path(args.work), count=0)  # the seed, built once
+    print(json.dumps({"ready": True}), flush=True)
     run_reader(READERS[args.reader], Path(args.work), args.seed, args.start, args.count, show, args.timeout)
 
 
 def run_chunk(args, name: str, start: int, count: int) -> list[dict]:
-    """The results of cases start..start+count-1 of `name`, from a child process; a case whose child died is a
-    crash named by its signal."""
+    """The results of cases start..start+count-1 of `name`, from a child process; the case a child died in (the
+    one after the last it reported) is a crash named by the exit status, and the rest go on in a new child."""
     cmd = [sys.executable, __file__, "--child", "--reader", name, "--start", str(start), "--count", str(count),
            "--seed", str(args.seed), "--work", str(args.work), "--timeout", str(args.timeout)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:  # not even the seed: the harness itself is broken
+        raise SystemExit(f"{name}: the child process failed before any case: {proc.stderr.strip()[-2000:]}")
+    results = lines[1:]
     if proc.returncode == 0 and len(results) == count:
         return results
-    done = {r["index"] for r in results}
-    rest = [i for i in range(start, start + count) if i not in done]
-    if count == 1:
-        return [{"index": start, "outcome": "crash",
-                 "detail": f"the process died (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}]
-    return results + [r for i in rest for r in run_chunk(args, name, i, 1)]
+    died = start + len(results)
+    results.append({"index": died, "outcome": "crash",
+                    "detail": f"the process died (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"})
+    return results + (run_chunk(args, name, died + 1, start + count - died - 1) if died + 1 < start + count else [])
 
 
 def load_state(path: Path) -> dict:

@@ -82,3 +82,29 @@ def test_a_case_may_not_change_its_own_input(tmp_path):
         (case / "in.txt").write_text("input")
 
     assert _probe(tmp_path, lambda case: os.utime(case / "in.txt", ns=(0, 0)), mutate) == "touched"
+
+
+CLI = {"trace": lambda case: ["routes", "report", case / "t.npz", "--out", case / "out"],
+       "recipe": lambda case: ["validate", case / "recipe.yaml"]}
+
+
+@pytest.mark.parametrize("name", sorted(CLI))
+def test_cli_on_fuzz_cases_is_one_line_and_touches_nothing(name, work):
+    """End to end for two readers: the first refused fuzz cases through `python -m moekit` in a subprocess: exit
+    2, exactly one line `moekit: error: ...` on stderr, no traceback, no file of the case changed or added."""
+    import subprocess
+    import sys
+
+    from moekit.testing.fuzz import state_of
+
+    reader = READERS[name]
+    refused = []
+    run_reader(reader, work, count=40, on_case=lambda i, r: refused.append(i) if r.outcome == "error" else None)
+    for index in refused[:2]:
+        case = write_case(reader, work / name / "seed", 0, index, work / name / f"cli-{index}")
+        before = state_of(case)
+        proc = subprocess.run([sys.executable, "-m", "moekit", *map(str, CLI[name](case))], capture_output=True,
+                              text=True, timeout=120, cwd=case, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("moekit: error: "), proc.stderr
+        assert state_of(case) == before

@@ -32,11 +32,10 @@ import re
 import resource
 import shutil
 import signal
-import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 OUTCOMES = ("ok", "error", "known", "crash", "timeout", "memory", "touched")
@@ -412,9 +411,3 @@ def copy_seed(seed_dir: Path, case_dir: Path, skip: tuple[str, ...] = ()) -> Non
             shutil.copytree(p, case_dir / p.name, symlinks=True)
         else:
             shutil.copy2(p, case_dir / p.name, follow_symlinks=False)
-
-
-def elapsed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
