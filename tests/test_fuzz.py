@@ -24,6 +24,11 @@ CASES = {"safetensors": 300, "safetensors-index": 300, "trace": 300, "selection"
          "gguf": 100}
 
 
+# per case: three times bench/fuzz.py's 10 s, as CI may share its cores (PyYAML takes seconds to refuse a recipe
+# nested 10**5 deep: it recurses to Python's limit first)
+TIMEOUT = 30.0
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("fuzz")
@@ -36,7 +41,7 @@ def test_every_reader_has_a_ci_count():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_reader_survives_its_fuzz_cases(name, work):
     failures = []
-    counts = run_reader(READERS[name], work, seed=0, start=0, count=CASES[name],
+    counts = run_reader(READERS[name], work, seed=0, start=0, count=CASES[name], timeout=TIMEOUT,
                         on_case=lambda i, r: failures.append((i, r)) if r.outcome in FAILURES else None)
     shown = "\n".join(f"case {i}: {r.outcome}: {r.detail}" for i, r in failures[:10])
     assert not failures, f"{name}: {dict(counts)}\n{shown}"
