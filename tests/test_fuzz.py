@@ -95,7 +95,7 @@ CLI = {"trace": lambda case: ["routes", "report", case / "t.npz", "--out", case 
 
 @pytest.mark.parametrize("name", sorted(CLI))
 def test_cli_on_fuzz_cases_is_one_line_and_touches_nothing(name, work):
-    """End to end for two readers: the first refused fuzz cases through `python -m moekit` in a subprocess: exit
+    """End to end for two readers: the first refused fuzz case through `python -m moekit` in a subprocess: exit
     2, exactly one line `moekit: error: ...` on stderr, no traceback, no file of the case changed or added."""
     import subprocess
     import sys
@@ -105,7 +105,7 @@ def test_cli_on_fuzz_cases_is_one_line_and_touches_nothing(name, work):
     reader = READERS[name]
     refused = []
     run_reader(reader, work, count=40, on_case=lambda i, r: refused.append(i) if r.outcome == "error" else None)
-    for index in refused[:2]:
+    for index in refused[:1]:
         case = write_case(reader, work / name / "seed", 0, index, work / name / f"cli-{index}")
         before = state_of(case)
         proc = subprocess.run([sys.executable, "-m", "moekit", *map(str, CLI[name](case))], capture_output=True,
