@@ -167,27 +167,29 @@ def _check_size(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as z:
             size = sum(i.file_size for i in z.infolist())
+            if size > MAX_BYTES:
+                raise TraceError(f"{path}: its arrays would take {size / 2**30:.1f} GiB (more than {MAX_BYTES >> 30} GiB)")
             for info in z.infolist():
                 _check_member(z, info, path)
     except TraceError:
         raise
     except Exception as e:  # noqa: BLE001  (zipfile, zlib and numpy's header parser: a damaged file)
         raise TraceError(f"{path}: not a moekit routing trace ({type(e).__name__}: {e})") from None
-    if size > MAX_BYTES:
-        raise TraceError(f"{path}: its arrays would take {size / 2**30:.1f} GiB (more than {MAX_BYTES >> 30} GiB)")
 
 
 def _check_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> None:
     """An array's .npy header declares no more bytes than its zip entry holds (numpy allocates the declared shape
     before it reads the data): read from the header alone."""
+    if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+        raise TraceError(f"{path}: the zip entry {info.filename} claims {info.file_size} bytes but stores "
+                         f"{info.compress_size}")
     with z.open(info) as f:
         read = HEADERS.get(np.lib.format.read_magic(f))
         if read is None:
             raise ValueError(f"{info.filename} is not a .npy array of format 1.0 or 2.0")
         shape, _, dtype = read(f, max_header_size=10_000)
         declared = math.prod(shape) * dtype.itemsize
-        if declared > info.file_size - f.tell() or (info.compress_type == zipfile.ZIP_STORED
-                                                    and info.file_size != info.compress_size):
+        if declared > info.file_size - f.tell():
             raise TraceError(f"{path}: {info.filename} declares {declared} bytes of data but holds "
                              f"{info.file_size - f.tell()}")
 
