@@ -87,7 +87,7 @@ def section(state: dict, command: str) -> str:
     cols = list(OUTCOMES)
     rows = [f"| {name} | {e['next']:,} | " + " | ".join(f"{e['counts'].get(o, 0):,}" for o in cols)
             + f" | {1000 * e['seconds'] / max(e['next'], 1):.0f} |" for name, e in sorted(state.items())]
-    failures = [f"- {name} case {f['index']}: {f['outcome']}: {f['detail'][:200]}"
+    failures = [f"- {name} case {f['index']}: {f['outcome']}: {' '.join(f['detail'].split())[-200:]}"
                 for name, e in sorted(state.items()) for f in e["failures"]]
     return "\n".join([
         MARK[0], "## Fuzzing the readers of untrusted input (bench/fuzz.py)", "",

@@ -113,3 +113,17 @@ def test_cli_on_fuzz_cases_is_one_line_and_touches_nothing(name, work):
         lines = proc.stderr.splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("moekit: error: "), proc.stderr
         assert state_of(case) == before
+
+
+def test_ct2_zero_size_variable_reads(tmp_path):
+    """Fuzz find (ct2 case 5874): a zero-size int32 variable crashed torch's byte view (stride 0)."""
+    import torch
+
+    from moekit import ct2
+    from moekit.testing.fuzz_binary import ct2_bytes
+
+    blob, _ = ct2_bytes({"a": torch.zeros(0, 3, dtype=torch.int32), "b": torch.ones(2)})
+    (tmp_path / "model.bin").write_bytes(blob)
+    ck = ct2.read_model_bin(tmp_path / "model.bin")
+    assert ck.variables["a"].shape == (0, 3) and ck.variables["a"].dtype == torch.int32
+    assert torch.equal(ck.variables["b"], torch.ones(2))

@@ -107,6 +107,8 @@ class _Cursor:
         if nbytes != math.prod(shape) * dtype.itemsize:
             raise AssetError(f"{self.source}: variable {name} {shape} {dtype} has {nbytes} bytes")
         data = torch.from_numpy(np.frombuffer(self.take(nbytes), dtype=np.uint8).copy())
+        if not nbytes:  # a zero-size variable: a view of no bytes as a wider dtype is refused by torch
+            return name, torch.empty(shape, dtype=dtype)
         return name, data.view(dtype).reshape(shape)
 
 

@@ -306,6 +306,7 @@ def mutate_tree(rng: random.Random, obj, times: int | None = None):
                 parent[key], oparent[other[-1]] = oparent[other[-1]], parent[key]
         else:
             parent[key] = rng.choice([{"extra": parent[key]}, [parent[key]] * 3, {str(i): parent[key] for i in range(3)}])
+        obj = json.loads(json.dumps(obj))  # no shared subtrees (a later swap could make a cycle of them)
     return obj
 
 
