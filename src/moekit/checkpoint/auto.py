@@ -13,8 +13,8 @@ from moekit.checkpoint.wrapped import MODEL_TYPE, MoekitConfig
 
 
 class MoekitModel:
-    """What the Auto classes map a moekit config to (they need only `config_class` and `from_pretrained`): `from_pretrained`
-    returns the checkpoint loaded by moekit (the base model's class with its MoE or SIMoE layers) from a directory or
+    """What the Auto classes map a moekit config to (they need only `config_class` and `from_pretrained`):
+    `from_pretrained` returns the checkpoint loaded by moekit (the base model's class with its MoE or SIMoE layers) from a directory or
     a Hub repository id (at `revision`; moekit.assets.resolve_hub: the Hugging Face cache, HF_HUB_OFFLINE, the
     environment's token), cast to `dtype` and moved to `device_map` if given."""
 

@@ -6,9 +6,9 @@ It serves local directories as repositories at one commit each, with the few end
 the revision info (`/api/models/ORG/NAME/revision/REV`), the file tree (`/api/models/ORG/NAME/tree/REV`) and the
 files (`/ORG/NAME/resolve/REV/FILE`, HEAD and GET, with the commit and ETag headers the client checks). Given an
 `uploads` directory it also takes pushes (`create_repo`, `upload_folder`, `push_to_hub`): the repository creation
-(`/api/repos/create`), the README's YAML check (`/api/validate-yaml`), the upload modes (`/api/models/ORG/NAME/preupload/
-main`: every file "regular", sent inline) and the commit (`/api/models/ORG/NAME/commit/main`), whose files it writes
-into `uploads`/ORG/NAME and serves from then on.
+(`/api/repos/create`), the README's YAML check (`/api/validate-yaml`), the upload modes
+(`/api/models/ORG/NAME/preupload/main`: every file "regular", sent inline) and the commit
+(`/api/models/ORG/NAME/commit/main`), whose files it writes into `uploads`/ORG/NAME and serves from then on.
 """
 from __future__ import annotations
 
