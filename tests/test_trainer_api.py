@@ -96,3 +96,28 @@ def test_a_model_without_moe_layers_is_refused_before_training(tmp_path):
         tf.Trainer(model=tiny_llama(), args=args, callbacks=[moekit.MoECallback()])
     with pytest.raises(ConfigError, match="freeze.schedule=ume applies to MoE models only"):
         moekit.MoETrainer(model=tiny_llama(), args=args, freeze=moekit.FreezeConfig(schedule="ume"))
+
+
+def test_a_run_that_would_replace_an_earlier_runs_checkpoint_is_refused_before_training(tmp_path):
+    """transformers' Trainer saves checkpoints with the model's save_pretrained, which in moekit's format writes no
+    folder over another: a second run into the same output_dir is refused before its first step, not after it."""
+    import hashlib
+
+    spec = moekit.MoESpec(num_experts=4, top_k=2, every=2, init={"method": "noise"})
+    model = moekit.upcycle(tiny_llama(), spec)
+    data = [{"input_ids": [i % 7 + 1] * 6, "labels": [i % 7 + 1] * 6} for i in range(4)]
+    args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, save_steps=1,
+                                use_cpu=True, report_to=[])
+
+    def trainer():
+        moe = moekit.MoECallback()
+        return tf.Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(0),
+                          callbacks=[moe], compute_loss_func=moe.compute_loss)
+
+    trainer().train()
+    files = {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in tmp_path.rglob("*") if f.is_file()}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"checkpoint-1 holds a checkpoint of an earlier run"):
+        trainer().train()
+    assert files == {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in tmp_path.rglob("*") if f.is_file()}
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())

@@ -63,6 +63,12 @@ def freezer(model, freeze: FreezeConfig | None) -> list[FreezeCallback]:
     return [FreezeCallback(model, freeze)]
 
 
+def later_checkpoints(folder: Path, step: int) -> list[Path]:
+    """The Trainer's checkpoint folders in `folder` (checkpoint-STEP) after `step` that hold files."""
+    steps = {f: f.name.removeprefix("checkpoint-") for f in folder.glob("checkpoint-*")}
+    return sorted(f for f, n in steps.items() if n.isdigit() and int(n) > step and any(f.iterdir()))
+
+
 class MoETrainer(Trainer):
     """transformers.Trainer that trains what `moekit train` trains: the training method's extra losses (the MoE
     router losses λ_lb·LB + λ_z·Z, logged per layer with usage entropy and max load as moe/*; SIMoE's penalty and
@@ -197,7 +203,9 @@ class MoECallback(TrainerCallback):
         freeze: which parameters train at which step (a recipe's `freeze`); default none.
 
     Raises:
-        ConfigError: (when the Trainer is built) a model without MoE layers.
+        ConfigError: a model without MoE layers (when the Trainer is built); an output_dir holding checkpoints of
+            an earlier run that this run's would replace (when training begins: the Trainer saves them with the
+            model's save_pretrained, which in moekit's format writes no folder over another).
 
     Example:
         >>> moe = moekit.MoECallback(aux=recipe.aux, freeze=recipe.freeze)
@@ -207,7 +215,8 @@ class MoECallback(TrainerCallback):
     The model's loss is its `loss_function` on the logits (for causal LMs the shifted cross-entropy over the
     labelled tokens of the accumulated batch, as the model computes it from `labels`); models with another loss
     (Whisper's) train with MoETrainer. The router logs (moe/*) go to the Trainer's log history, which
-    `report_to` integrations have read by then. With gradient accumulation each micro-batch's router losses count
+    `report_to` integrations have read by then. The model's save_pretrained ignores the Trainer's gathered
+    `state_dict`: with DeepSpeed ZeRO-3 or FSDP, train with MoETrainer. With gradient accumulation each micro-batch's router losses count
     1/gradient_accumulation_steps; MoETrainer divides by the micro-batches of each step, which differ at an
     epoch's last step only when the epoch's micro-batches are no multiple of gradient_accumulation_steps.
     """
@@ -230,6 +239,12 @@ class MoECallback(TrainerCallback):
         model.register_forward_pre_hook(self._record_mask, with_kwargs=True)
 
     def on_train_begin(self, args, state, control, **kw):
+        """Checked first: the Trainer saves its checkpoints with the model's save_pretrained, which (moekit's format)
+        writes no folder over another: a checkpoint folder of a step still to come must not hold an earlier run's."""
+        taken = [] if args.save_strategy == "no" else later_checkpoints(Path(args.output_dir), state.global_step)
+        if taken:
+            raise ConfigError(f"{taken[0]} holds a checkpoint of an earlier run, which this run's checkpoints would "
+                              "replace; give this run another output_dir, or remove it")
         for cb in self.stages:
             cb.on_train_begin(args, state, control)
 
