@@ -247,8 +247,24 @@ RECIPE = TypeAdapter(Annotated[AnyRecipe, Field(discriminator="task")])
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> AnyRecipe:
-    """The recipe in a YAML file (after dotted overrides), of the class its `task` names (default
-    translation)."""
+    """The recipe in a YAML file, validated, as `moekit train` reads it.
+
+    Args:
+        path: the recipe's YAML file.
+        overrides: dotted `key=value` settings applied first (values are YAML), e.g. ["train.steps=10"].
+
+    Returns:
+        The recipe, of the class its `task` names (TranslationRecipe by default, InstructRecipe, TextRecipe,
+        ASRRecipe): its `moe` is the MoESpec for moekit.upcycle, `aux` and `freeze` are MoETrainer's settings.
+
+    Raises:
+        ConfigError: an unreadable file, an invalid override, or a key or value the recipe refuses.
+
+    Example:
+        >>> recipe = moekit.load_recipe("recipes/spri_two_stage.yaml", ["train.steps=10"])
+        >>> recipe.freeze.schedule, recipe.moe.num_experts
+        ('spri_two_stage', 8)
+    """
     data = apply_overrides(read_yaml(path), overrides or [])
     data.setdefault("task", "translation")
     return validate(RECIPE, data, source=str(path))
