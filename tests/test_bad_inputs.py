@@ -1560,7 +1560,7 @@ BIGGER_THAN_MEMORY = [
          r"the following arguments are required: --top"),
     Case("trace-saliency-wrong-shape",
          lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: a[:, :1]), "--top", 2,
-                       "--out", t / "s.json"], r"saliency has shape \(2, 1, 4, 4\) \(float64\), expected \(2, 2, 4, 4\)"),
+                       "--out", t / "s.json"], r"saliency has shape \(2, 1, 4, 6\) \(float64\), expected \(2, 2, 4, 6\)"),
     Case("trace-saliency-negative",
          lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: -a - 1), "--top", 2,
                        "--out", t / "s.json"], r"finite, non-negative sums"),
@@ -1754,9 +1754,82 @@ def deepspeed_checkpoint(folder: Path) -> None:
     for rank in (0, 1):
         (folder / "global_step1" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
 
+# issue 37 §4 "Pruning and selections" and §5 traces: misshapen tensors, selections made for another model, REAP's
+# gate on an older trace, saliency sums that rank nothing
+def transposed(folder: Path, name: str) -> Path:
+    """`folder` with tensor `name`'s header shape reversed: the same byte count, the wrong shape."""
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header[name]["shape"] = header[name]["shape"][::-1]
+    f.write_bytes(data[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(n) + data[8 + n:])
+    return folder
+
+
+def other_model_sel(t: Path, experts: dict, counts: dict, config: str | None = None) -> Path:
+    """A selection whose source is another model: the config of moekit.testing's builder `config` (e.g. tiny_olmoe)
+    and the MoE layers `counts`."""
+    import moekit.testing
+    from moekit.routing.trace import config_digest
+
+    digest = None if config is None else config_digest(getattr(moekit.testing, config)().config)
+    source = {"config_sha256": digest, "experts": counts, "trace": "other.npz"}
+    return selection(t, {"method": "reap", "budget": sum(map(len, experts.values())), "experts": experts,
+                         "source": source})
+
+
+GATE_PROJ = "model.layers.1.mlp.experts.2.gate_proj.weight"
+MISSHAPEN = re.escape(GATE_PROJ) + r" is \[32, 24\] in the weights but \[24, 32\] by its config\.json$"
+OTHER = r"the selection was made for another model \(trace other\.npz\): "
+NATIVE_LAYERS = {f"model.layers.{i}.mlp": 8 for i in range(3)}
+PRUNING_AND_SELECTIONS = [
+    Case("prune-keep-transposed-tensor",
+         lambda t, f: prune_damaged(t, f, lambda d: transposed(d, GATE_PROJ)), MISSHAPEN),
+    *(Case(f"collect-stream-{mode}-transposed-tensor",
+           lambda t, f, m=mode: collect(transposed(f.copy(f.native, t / "q3"), GATE_PROJ), t / "t.npz",
+                                        f"en={text(t, f)}", extra=["--stream", m]), MISSHAPEN)
+      for mode in ("on", "off")),
+    Case("prune-keep-selection-of-another-model",
+         lambda t, f: prune_native(t, f, other_model_sel(t, {n: [0, 1, 2, 3] for n in NATIVE_LAYERS}, NATIVE_LAYERS,
+                                                         "tiny_olmoe")),
+         OTHER + r"its config \(sha256 [0-9a-f]{12}\) is not this model's \([0-9a-f]{12}\); pass --allow-other-model "
+                 r"to use it anyway$"),
+    Case("prune-selection-of-another-models-expert-counts",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts",
+                       other_model_sel(t, {f.layers[0]: [0]}, {f.layers[0]: 8, f.layers[1]: 4}), "--out", t / "p"],
+         OTHER + r"model\.layers\.1\.mlp has 8 experts there, 4 here; pass --allow-other-model"),
+    Case("finetune-selection-of-a-layer-the-model-lacks",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts",
+                       other_model_sel(t, {f.layers[0]: [0]}, {f.layers[0]: 4, "model.layers.2.mlp": 4}),
+                       "--data", f"en={text(t, f)}", "--out", t / "ft"],
+         OTHER + r"model\.layers\.2\.mlp has 4 experts there, no such MoE layer here"),
+    Case("select-reap-softmax-gate-on-an-older-trace",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: a[..., :4]), "--top", 2, "--gate",
+                       "softmax", "--out", t / "s.json"],
+         r"the trace's saliency sums hold no plain softmax gate \(recorded by an older moekit\): record the trace "
+         r"again"),
+    Case("trace-saliency-float16",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: a.astype(np.float16)), "--top", 2,
+                       "--out", t / "s.json"], r"saliency has shape \(2, 2, 4, 6\) \(float16\), expected "
+                                               r"\(2, 2, 4, 6\) float64"),
+    Case("trace-saliency-fractional-counts",
+         lambda t, f: ["select", "usage", trace_with(t, f, saliency=set_item((0, 0, 0, 0), 0.5)), "--top", 2,
+                       "--out", t / "s.json"],
+         r"saliency counts \(routed token slots\) must be whole numbers"),
+    Case("trace-saliency-overflows-over-languages",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=set_item((..., 0, 0, 3), 1e308)), "--top", 2,
+                       "--out", t / "s.json"],
+         r"saliency must hold finite, non-negative sums \(also summed over its 2 languages\)"),
+    Case("trace-weights-float16",
+         lambda t, f: ["select", "esft", trace_with(t, f, weights=lambda w: w.astype(np.float16)), "--target", "en",
+                       "--out", t / "s.json"],
+         r"routing weights are float16, expected float32"),
+]
+
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
-         *BEYOND_ONE_DEVICE, *SPEECH_LLM]
+         *BEYOND_ONE_DEVICE, *SPEECH_LLM, *PRUNING_AND_SELECTIONS]
 
 # issue 37 §6 (model cards and the mergekit command line)
 def qwen2_base_llama_expert(t: Path, f: Fx) -> Path:

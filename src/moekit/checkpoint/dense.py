@@ -136,8 +136,8 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     path = check_dense_dir(path)
     has_st = has_safetensors(path, allow_pickle)
     config = load_config(path, trust_remote_code)
-    if has_st:
-        read_headers(path)  # shard names, headers and coverage checked before transformers opens anything
+    if has_st:  # shard names, headers, coverage and shapes checked before transformers opens anything
+        check_stored_shapes(path, meta_model(path, trust_remote_code))
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = model_class(arch, path) if arch and not trust_remote_code else transformers.AutoModel
     try:
@@ -184,6 +184,30 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
             model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
     model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint
     return model
+
+
+def stored_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the tensors a checkpoint of `model` (built from its config on the meta device) may hold: the
+    model's own names (transformers 5's fused experts) and the names transformers saves it under
+    (revert_weight_conversion, as save_pretrained: the Hub's per-expert tensors). Shapes come from the family's own
+    model class, so this holds for every family transformers converts."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    own = model.state_dict()
+    saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(own), model))
+    return {k: tuple(v.shape) for k, v in (own | saved).items()}
+
+
+def check_stored_shapes(folder: Path, model: nn.Module) -> None:
+    """Every safetensors tensor of `folder` that `model` (its config's model on the meta device) names has the shape
+    the config gives it: a header with a transposed shape of the same byte count is refused before any weight is
+    read (transformers would report the tensor missing, or a copy would carry the wrong shape on)."""
+    want = stored_shapes(model)
+    for name, info in read_headers(folder).items():
+        if name in want and tuple(info.shape) != want[name]:
+            raise CheckpointError(f"{folder}: {name} is {list(info.shape)} in the weights but {list(want[name])} by "
+                                  "its config.json")
 
 
 def has_safetensors(path: Path, allow_pickle: bool) -> bool:

@@ -27,7 +27,7 @@ from moekit.errors import UnsupportedModelError
 from moekit.progress import report
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
-from moekit.routing.trace import RoutingTrace
+from moekit.routing.trace import RoutingTrace, config_digest
 
 
 @dataclass
@@ -146,7 +146,8 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
                      dtype: torch.dtype | None = None, device: str | torch.device = "cpu", saliency: bool = True,
                      trust_remote_code: bool = False, spill: bool | None = None) -> RoutingTrace:
     """The RoutingTrace (with saliency sums) of `batches` through the checkpoint `folder`, one decoder layer
-    resident at a time (module docstring). Progress: "recording" per decoder layer."""
+    resident at a time (module docstring), its meta naming the model (config_sha256: trace.config_digest). Progress:
+    "recording" per decoder layer."""
     with LayerStream(folder, dtype, trust_remote_code) as stream:
         model = stream.model
         find_sites(model, layers)  # a model without an MoE layer moekit reads is refused before anything runs
@@ -167,7 +168,7 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
                     report("recording", i + 1, len(stack), f"{path}.{i}")
                 for b, batch in enumerate(batches):
                     cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
-            return cap.trace()
+            return cap.trace(config_sha256=config_digest(model.config))
         finally:
             store.close()
 
@@ -199,8 +200,8 @@ def batches_of(tokenizer, texts: dict[str, list[str]], max_length: int, batch_si
 
 def collect_in_memory(model: nn.Module, batches: list[Batch], layers: str | None = None,
                       saliency: bool = True) -> RoutingTrace:
-    """The RoutingTrace (with saliency sums) of `batches` through a loaded model, batch by batch (progress:
-    "recording" batches)."""
+    """The RoutingTrace (with saliency sums) of `batches` through a loaded model, batch by batch, its meta naming the
+    model (config_sha256: trace.config_digest) (progress: "recording" batches)."""
     device = next(model.parameters()).device
     with RoutingCapture(model, layers, saliency=saliency) as cap:
         for b, batch in enumerate(batches):
@@ -209,4 +210,4 @@ def collect_in_memory(model: nn.Module, batches: list[Batch], layers: str | None
                 model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
             cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
             report("recording", b + 1, len(batches), batch.language)
-    return cap.trace()
+    return cap.trace(config_sha256=config_digest(model.config))
