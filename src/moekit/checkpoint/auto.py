@@ -15,7 +15,7 @@ from moekit.checkpoint.wrapped import MODEL_TYPE, MoekitConfig
 class MoekitModel:
     """What the Auto classes map a moekit config to (they need only `config_class` and `from_pretrained`):
     `from_pretrained` returns the checkpoint loaded by moekit (the base model's class with its MoE or SIMoE layers) from a directory or
-    a Hub repository id (at `revision`; moekit.assets.resolve_hub: the Hugging Face cache, HF_HUB_OFFLINE, the
+    a Hub repository id (at `revision`; moekit.checkpoint.hub.resolve_hub: the Hugging Face cache, HF_HUB_OFFLINE, the
     environment's token), cast to `dtype` and moved to `device_map` if given."""
 
     config_class = MoekitConfig
@@ -24,7 +24,7 @@ class MoekitModel:
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         from pathlib import Path
 
-        from moekit.assets import resolve_hub
+        from moekit.checkpoint.hub import resolve_hub
         from moekit.checkpoint.format import load_model
 
         path, revision = Path(pretrained_model_name_or_path), kwargs.get("revision")

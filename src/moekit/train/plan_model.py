@@ -55,7 +55,7 @@ def hub_config(repo: str, log=None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    from moekit.assets import HUB_FILES, hub_cache, resolve_hub
+    from moekit.checkpoint.hub import HUB_FILES, hub_cache, resolve_hub
 
     repo_id, _, revision = repo.partition("@")
     if revision and any(part in ("", ".", "..") for part in revision.split("/")):
