@@ -1698,9 +1698,134 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
          r"needs weight decay 0"),
 ]
 
+# issue 37 §5 (bad inputs helper): PEFT adapters beside the weights, hostile configs, YAML alias bombs, chat
+# templates that hang or leave the sandbox, data lines that are not UTF-8 or nest too deeply
+
+
+def peft_adapter(model: Path, dest: Path | None = None) -> Path:
+    """A PEFT LoRA adapter of `model` saved into `dest` (default: `model` itself, beside its weights), as
+    PeftModel.save_pretrained writes it; B is random (not zero), so applying it changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(model),
+                          LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(dest or model)
+    return dest or model
+
+
+def native_with(t: Path, f: Fx, damage: Callable[[Path], object]) -> Path:
+    """A copy of the tiny Qwen3-MoE that `damage` changed first."""
+    model = f.copy(f.native, t / "q3")
+    damage(model)
+    return model
+
+
+def config_set(key: str, value):
+    """A change for dense_with / prune_damaged: config.json's `key` set to `value`."""
+    return lambda d: edit_json(d / "config.json", lambda c: c.update({key: value}))
+
+
+def dry_run_on(t: Path, f: Fx, damage: Callable[[Path], object]) -> list:
+    """train --dry-run of the tiny recipe on a copy of the dense model that `damage` changed first."""
+    return ["train", recipe(t, f, **{"model.path": str(dense_with(t, f, damage))}), f"out={t / 'run'}", "--dry-run"]
+
+
+def laughs(levels: int = 9) -> str:
+    """Billion laughs in YAML: level i is a list of ten aliases of level i-1, so level 9 expands to 10**9 items."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def chat_run(t: Path, f: Fx, template: str) -> list:
+    """train on two ShareGPT records with the dense model's chat template replaced by `template`."""
+    record = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    files = [write(t / "chat.jsonl", (json.dumps(record) + "\n") * 4)]
+    return also(["train", text_recipe(t, f, files, "chat")], write(t / "dense" / "chat_template.jinja", template))
+
+
+SHAREGPT = json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})
+ALPACA_LINE = json.dumps({"instruction": "say hi", "input": "", "output": "hi"})
+PAIR_LINE = json.dumps({"src": "the day", "tgt": "le jour", "tgt_lang": "fr"})
+
+
+def not_utf8(line: str) -> bytes:
+    """`line` with byte 0xff (never UTF-8) inside its first "hi"."""
+    return line.encode().replace(b"hi", b"h\xffi", 1)
+
+
+DEEP = "[" * 200_000 + "]" * 200_000
+ADAPTER = r"holds a PEFT adapter \(adapter_config\.json\); moekit reads only whole models: merge it into its base " \
+          r"model first \(peft's merge_and_unload, then save_pretrained\)"
+ISSUE37_BAD_INPUTS = [
+    *(Case(f"collect-stream-{mode}-model-with-peft-adapter",
+           lambda t, f, m=mode: collect(native_with(t, f, peft_adapter), t / "t.npz",
+                                        *texts(("en", text(t, f))), extra=["--stream", m]), ADAPTER)
+      for mode in ("on", "off")),
+    Case("upcycle-dense-with-peft-adapter", lambda t, f: upc(peft_adapter(dense(t, f)), t / "o"), ADAPTER),
+    Case("upcycle-peft-adapter-folder", lambda t, f: upc(peft_adapter(dense(t, f), t / "lora"), t / "o"), ADAPTER),
+    Case("prune-keep-model-with-peft-adapter", lambda t, f: prune_damaged(t, f, peft_adapter), ADAPTER),
+    Case("train-dry-run-hidden-size-2-40", lambda t, f: dry_run_on(t, f, config_set("hidden_size", 2**40)),
+         r"model\.embed_tokens\.weight is \[128, 32\] in the weights but \[128, 1099511627776\] by its config\.json"),
+    Case("train-dry-run-attention-heads-2-40",
+         lambda t, f: dry_run_on(t, f, config_set("num_attention_heads", 2**40)),
+         r"config\.json does not load: .*hidden size \(32\) is not a multiple of the number of attention heads "
+         r"\(1099511627776\)"),
+    Case("train-override-python-tag",
+         lambda t, f: ["train", recipe(t, f), "model.path=!!python/object/apply:os.system [touch pwned]",
+                       f"out={t / 'run'}", "--dry-run"],
+         r"override 'model\.path=!!python/object/apply:os\.system \[touch pwned\]' is not valid YAML: could not "
+         r"determine a constructor for the tag 'tag:yaml\.org,2002:python/object/apply:os\.system'"),
+    Case("validate-recipe-yaml-alias-bomb",
+         lambda t, f: ["validate", write(t / "r.yaml", f.recipe.read_text() + laughs())],
+         r"r\.yaml is not valid YAML: its aliases expand to more than 100000 values \(an alias bomb\?\)",
+         seconds=30),
+    Case("train-override-yaml-alias-bomb",
+         lambda t, f: ["validate", recipe(t, f), "train.trainer_args={" + laughs().replace("\n", ", ") + "}"],
+         r"override 'train\.trainer_args=.*' is not valid YAML: its aliases expand to more than 100000 values",
+         seconds=30),
+    Case("upcycle-mergekit-yaml-alias-bomb",
+         lambda t, f: ["upcycle", write(t / "mk.yml", f"base_model: {dense(t, f)}\n{laughs()}experts: *l9\n"), t / "o"],
+         r"mk\.yml is not valid YAML: its aliases expand to more than 100000 values", seconds=30),
+    Case("upcycle-config-200000-layers",
+         lambda t, f: upc(dense_with(t, f, config_set("num_hidden_layers", 200_000)), t / "o"),
+         r"config\.json: num_hidden_layers is 200000, but no tensor of its weights has a layer index above 3",
+         seconds=30),
+    Case("collect-stream-on-config-200000-layers",
+         lambda t, f: collect(native_with(t, f, config_set("num_hidden_layers", 200_000)), t / "t.npz",
+                              *texts(("en", text(t, f))), extra=["--stream", "on"]),
+         r"num_hidden_layers is 200000, but no tensor of its weights has a layer index above 2", seconds=30),
+    Case("train-chat-template-loops-forever",
+         lambda t, f: chat_run(t, f, "{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) "
+                                     "%}{% endfor %}{% endfor %}{% endfor %}"),
+         r"chat\.jsonl: record \d: the tokenizer's chat template did not finish rendering within 10 s", seconds=60),
+    Case("train-chat-template-leaves-the-sandbox",
+         lambda t, f: chat_run(t, f, "{{ ''.__class__.__mro__[1].__subclasses__() }}"),
+         r"chat\.jsonl: record \d: the tokenizer's chat template tried to leave the Jinja sandbox \(access to "
+         r"attribute '__class__' of 'str' object is unsafe\); the sandbox held and stopped it"),
+    *(Case(f"text-data-{fmt}-{name}", lambda t, f, b=bad, g=good, m=fmt: ["train", text_recipe(
+        t, f, [write(t / "d.jsonl", f"{g}\n{g}\n".encode() + b + b"\n")], m)], msg)
+      for fmt, good in (("chat", SHAREGPT), ("alpaca", ALPACA_LINE))
+      for name, bad, msg in (
+          ("invalid-utf8", not_utf8(good), rf"d\.jsonl as json: line 3 is not UTF-8 \(byte 0xff at column "
+                                           rf"{good.index('hi') + 2}\)"),
+          ("nested-200000-deep", DEEP.encode(),
+           r"d\.jsonl as json: line 3 is not valid JSON: nested deeper than Python reads$"))),
+    *(Case(f"translation-jsonl-{name}",
+           lambda t, f, b=bad: ["train", recipe(t, f, **{"data.train_files": [str(write(
+               t / "p.jsonl", f"{PAIR_LINE}\n".encode() + b + b"\n"))]}),
+                                f"out={t / 'run'}"], msg)
+      for name, bad, msg in (("invalid-utf8", not_utf8(PAIR_LINE.replace("the day", "hi")),
+                              rf"p\.jsonl:2: not UTF-8 \(byte 0xff at column {PAIR_LINE.index('the') + 2}\)"),
+                             ("nested-200000-deep", DEEP.encode(),
+                              r"p\.jsonl:2: not valid JSON: nested deeper than Python reads$"))),
+]
+
+
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
-         *BEYOND_ONE_DEVICE]
+         *BEYOND_ONE_DEVICE, *ISSUE37_BAD_INPUTS]
 
 
 def params(cases: list[Case]) -> list:
