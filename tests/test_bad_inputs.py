@@ -1896,3 +1896,106 @@ def test_report_and_selection_read_padding_slots(fx, tmp_path, run, monkeypatch)
     assert table.sum() == (choice[0] >= 0).sum() - 1  # token 1 has no expert at layer 1: left out
     rc, _, err = run("select", "topk", trace, "--target", "en", "--budget", 2, "--out", tmp_path / "s.json")
     assert rc == 0, err
+
+
+# ---------------------------------------------------------------------------------------------- issue 37 §5 (bad inputs helper): tests that are no rows
+
+
+def test_a_1_gib_model_card_is_read_only_for_its_header(tmp_path):
+    """The card's base_model comes from README.md's YAML header within its first 64 KiB: a 1 GiB README (sparse here)
+    is not read whole (it was: 2.38 GiB peak), and the header is still found."""
+    import tracemalloc
+
+    from moekit.checkpoint.card import CARD_HEADER_BYTES, card_base_model
+
+    readme = write(tmp_path / "README.md", "---\nbase_model: org/base\n---\n\n# a card\n")
+    os.truncate(readme, 1 << 30)
+    tracemalloc.start()
+    try:
+        found = card_base_model(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found == "org/base"
+    assert peak < 4 * CARD_HEADER_BYTES, f"{peak} bytes allocated"
+    write(tmp_path / "README.md", "---\nbase_model: org/base\n" + "x" * CARD_HEADER_BYTES + "\n---\n")
+    assert card_base_model(tmp_path) is None  # a header that does not end within the bytes read is not guessed at
+
+
+HANG = """import sys, time
+import moekit.checkpoint.remove, moekit.routing.streamed as streamed
+from moekit.cli.main import main
+streamed.needs_spill = lambda *a: True  # the calibration set is too large to keep in memory: spill it
+streamed._run_layer = moekit.checkpoint.remove.report = lambda *a, **k: time.sleep(600)  # stop mid-way
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def killed_midway(argv: list, tmp: Path, leftover: Callable[[], list[Path]]) -> list[Path]:
+    """Run the CLI with `argv` in a subprocess made to hang mid-way (HANG), SIGKILL it once `leftover()` (its
+    temporaries) lists something with a file in it, and return what it left."""
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", HANG, *map(str, argv)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(p.is_dir() and any(p.iterdir()) for p in leftover()):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "no temporary appeared within 240 s"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    return leftover()
+
+
+def test_collect_killed_midway_leaves_nothing_after_the_next_run(fx, tmp_path, run, monkeypatch):
+    """routes collect --stream on, SIGKILLed while its hidden states are spilled: the next run removes the spill
+    folder and the dead lock, writes the same trace as an uninterrupted run, and changes nothing else."""
+    import tempfile
+
+    from moekit.routing import streamed
+    from moekit.routing.trace import RoutingTrace
+
+    work, scratch = tmp_path / "work", tmp_path / "scratch"
+    model, en = fx.copy(fx.native, work / "q3"), text(work, fx)
+    write(scratch / "keep.txt", "someone else's temporary file")
+    argv = collect(model, work / "t.npz", *texts(("en", en)), extra=["--stream", "on", "--max-length", 16])
+    before = {d: snapshot(d) for d in (work, scratch)}
+    left = killed_midway(argv, scratch, lambda: sorted(scratch.glob(f".{streamed.SPILL}.moekit-tmp-*")))
+    assert len(left) == 1 and (work / ".t.npz.moekit-lock").is_file()  # what SIGKILL left
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(streamed, "needs_spill", lambda *a: True)
+    rc, _, err = run(*argv)
+    assert rc == 0, err
+    assert snapshot(scratch) == before[scratch]  # the spill folder gone, nothing else touched
+    after = snapshot(work)
+    assert {k: v for k, v in after.items() if k != "t.npz"} == before[work]  # lock gone, inputs unchanged
+    rc, _, err = run(*collect(model, tmp_path / "ref.npz", *texts(("en", en)), extra=argv[-4:]))
+    assert rc == 0, err
+    got, ref = RoutingTrace.load(work / "t.npz"), RoutingTrace.load(tmp_path / "ref.npz")
+    assert np.array_equal(got.ids, ref.ids) and np.array_equal(got.weights, ref.weights)
+
+
+def test_prune_killed_midway_leaves_nothing_after_the_next_run(fx, tmp_path, run, monkeypatch):
+    """prune --keep, SIGKILLed while it writes the pruned checkpoint: the next run removes the dead run's temporary
+    output and lock, writes the same checkpoint as an uninterrupted run, and changes nothing else."""
+    work = tmp_path / "work"
+    model, sel = fx.copy(fx.native, work / "q3"), native_sel(work)
+    argv = ["prune", "--model", model, "--experts", sel, "--keep", "--out", work / "p"]
+    before = snapshot(work)
+    left = killed_midway(argv, tmp_path, lambda: sorted(work.glob(".p.moekit-tmp-*")))
+    assert len(left) == 1 and (work / ".p.moekit-lock").is_file()  # what SIGKILL left
+    rc, _, err = run(*argv)
+    assert rc == 0, err
+    after = snapshot(work)
+    assert {k: v for k, v in after.items() if not k.startswith("p")} == before  # temporary and lock gone
+    rc, _, err = run(*argv[:-1], tmp_path / "ref")
+    assert rc == 0, err
+    ref = snapshot(tmp_path / "ref")
+    assert {k.removeprefix("p/"): v for k, v in after.items() if k.startswith("p/") and k != "p/README.md"} == \
+        {k: v for k, v in ref.items() if k != "README.md"}  # the card names the command, which differs

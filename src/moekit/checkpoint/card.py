@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import stat
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -16,6 +17,8 @@ from pathlib import Path
 import yaml
 
 from moekit.checkpoint.dense import architecture
+from moekit.config import parse_yaml
+from moekit.errors import ConfigError
 from moekit.moe.diversity import init_diversity
 from moekit.routing.sites import param_counts
 from moekit.state import spec_of
@@ -57,12 +60,21 @@ def pipeline_tag(architecture: str | None) -> str | None:
     return None
 
 
+CARD_HEADER_BYTES = 64 << 10  # how much of a README.md is read for its YAML header (a card's is a few hundred bytes)
+
+
 def card_base_model(folder: Path) -> str | list[str] | None:
-    """`base_model` of the card in `folder` (README.md's YAML header), if any: what a model moekit wrote came from."""
+    """`base_model` of the card in `folder` (README.md's YAML header, within its first CARD_HEADER_BYTES; the rest
+    of the file is never read), if any: what a model moekit wrote came from."""
     try:
-        text = (Path(folder) / "README.md").read_text(encoding="utf-8")[:65536]
-        header = yaml.safe_load(text.split("---")[1]) if text.startswith("---") else None
-    except (OSError, UnicodeDecodeError, IndexError, yaml.YAMLError):
+        fd = os.open(Path(folder) / "README.md", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            head = os.read(fd, CARD_HEADER_BYTES) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
+        parts = head.decode("utf-8", errors="replace").split("---")
+        header = parse_yaml(parts[1], "README.md") if parts[0] == "" and len(parts) > 2 else None
+    except (OSError, ConfigError):
         return None
     value = header.get("base_model") if isinstance(header, dict) else None
     ok = isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value))
