@@ -1827,9 +1827,135 @@ PRUNING_AND_SELECTIONS = [
          r"routing weights are float16, expected float32"),
 ]
 
+# issue 37 §5 (bad inputs helper): PEFT adapters beside the weights, hostile configs, YAML alias bombs, chat
+# templates that hang or leave the sandbox, data lines that are not UTF-8 or nest too deeply
+
+
+def peft_adapter(model: Path, dest: Path | None = None) -> Path:
+    """A PEFT LoRA adapter of `model` saved into `dest` (default: `model` itself, beside its weights), as
+    PeftModel.save_pretrained writes it; B is random (not zero), so applying it changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(model),
+                          LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(dest or model)
+    return dest or model
+
+
+def native_with(t: Path, f: Fx, damage: Callable[[Path], object]) -> Path:
+    """A copy of the tiny Qwen3-MoE that `damage` changed first."""
+    model = f.copy(f.native, t / "q3")
+    damage(model)
+    return model
+
+
+def config_set(key: str, value):
+    """A change for dense_with / prune_damaged: config.json's `key` set to `value`."""
+    return lambda d: edit_json(d / "config.json", lambda c: c.update({key: value}))
+
+
+def dry_run_on(t: Path, f: Fx, damage: Callable[[Path], object]) -> list:
+    """train --dry-run of the tiny recipe on a copy of the dense model that `damage` changed first."""
+    return ["train", recipe(t, f, **{"model.path": str(dense_with(t, f, damage))}), f"out={t / 'run'}", "--dry-run"]
+
+
+def laughs(levels: int = 9) -> str:
+    """Billion laughs in YAML: level i is a list of ten aliases of level i-1, so level 9 expands to 10**9 items."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def chat_run(t: Path, f: Fx, template: str) -> list:
+    """train on two ShareGPT records with the dense model's chat template replaced by `template`."""
+    record = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    files = [write(t / "chat.jsonl", (json.dumps(record) + "\n") * 4)]
+    return also(["train", text_recipe(t, f, files, "chat")], write(t / "dense" / "chat_template.jinja", template))
+
+
+SHAREGPT = json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})
+ALPACA_LINE = json.dumps({"instruction": "say hi", "input": "", "output": "hi"})
+PAIR_LINE = json.dumps({"src": "the day", "tgt": "le jour", "tgt_lang": "fr"})
+
+
+def not_utf8(line: str) -> bytes:
+    """`line` with byte 0xff (never UTF-8) inside its first "hi"."""
+    return line.encode().replace(b"hi", b"h\xffi", 1)
+
+
+DEEP = "[" * 200_000 + "]" * 200_000
+ADAPTER = r"holds a PEFT adapter \(adapter_config\.json\); moekit reads only whole models: merge it into its base " \
+          r"model first \(peft's merge_and_unload, then save_pretrained\)"
+ISSUE37_BAD_INPUTS = [
+    *(Case(f"collect-stream-{mode}-model-with-peft-adapter",
+           lambda t, f, m=mode: collect(native_with(t, f, peft_adapter), t / "t.npz",
+                                        *texts(("en", text(t, f))), extra=["--stream", m]), ADAPTER)
+      for mode in ("on", "off")),
+    Case("upcycle-dense-with-peft-adapter", lambda t, f: upc(peft_adapter(dense(t, f)), t / "o"), ADAPTER),
+    Case("upcycle-peft-adapter-folder", lambda t, f: upc(peft_adapter(dense(t, f), t / "lora"), t / "o"), ADAPTER),
+    Case("prune-keep-model-with-peft-adapter", lambda t, f: prune_damaged(t, f, peft_adapter), ADAPTER),
+    Case("train-dry-run-hidden-size-2-40", lambda t, f: dry_run_on(t, f, config_set("hidden_size", 2**40)),
+         r"model\.embed_tokens\.weight is \[128, 32\] in the weights but \[128, 1099511627776\] by its config\.json"),
+    Case("train-dry-run-attention-heads-2-40",
+         lambda t, f: dry_run_on(t, f, config_set("num_attention_heads", 2**40)),
+         r"config\.json does not load: .*hidden size \(32\) is not a multiple of the number of attention heads "
+         r"\(1099511627776\)"),
+    Case("train-override-python-tag",
+         lambda t, f: ["train", recipe(t, f), "model.path=!!python/object/apply:os.system [touch pwned]",
+                       f"out={t / 'run'}", "--dry-run"],
+         r"override 'model\.path=!!python/object/apply:os\.system \[touch pwned\]' is not valid YAML: could not "
+         r"determine a constructor for the tag 'tag:yaml\.org,2002:python/object/apply:os\.system'"),
+    Case("validate-recipe-yaml-alias-bomb",
+         lambda t, f: ["validate", write(t / "r.yaml", f.recipe.read_text() + laughs())],
+         r"r\.yaml is not valid YAML: its aliases expand to more than 100000 values \(an alias bomb\?\)",
+         seconds=30),
+    Case("train-override-yaml-alias-bomb",
+         lambda t, f: ["validate", recipe(t, f), "train.trainer_args={" + laughs().replace("\n", ", ") + "}"],
+         r"override 'train\.trainer_args=.*' is not valid YAML: its aliases expand to more than 100000 values",
+         seconds=30),
+    Case("upcycle-mergekit-yaml-alias-bomb",
+         lambda t, f: ["upcycle", write(t / "mk.yml", f"base_model: {dense(t, f)}\n{laughs()}experts: *l9\n"), t / "o"],
+         r"mk\.yml is not valid YAML: its aliases expand to more than 100000 values", seconds=30),
+    Case("upcycle-config-200000-layers",
+         lambda t, f: upc(dense_with(t, f, config_set("num_hidden_layers", 200_000)), t / "o"),
+         r"config\.json: num_hidden_layers is 200000, but no tensor of its weights has a layer index above 3",
+         seconds=30),
+    Case("collect-stream-on-config-200000-layers",
+         lambda t, f: collect(native_with(t, f, config_set("num_hidden_layers", 200_000)), t / "t.npz",
+                              *texts(("en", text(t, f))), extra=["--stream", "on"]),
+         r"num_hidden_layers is 200000, but no tensor of its weights has a layer index above 2", seconds=30),
+    Case("train-chat-template-loops-forever",
+         lambda t, f: chat_run(t, f, "{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) "
+                                     "%}{% endfor %}{% endfor %}{% endfor %}"),
+         r"chat\.jsonl: record \d: the tokenizer's chat template did not finish rendering within 10 s", seconds=60),
+    Case("train-chat-template-leaves-the-sandbox",
+         lambda t, f: chat_run(t, f, "{{ ''.__class__.__mro__[1].__subclasses__() }}"),
+         r"chat\.jsonl: record \d: the tokenizer's chat template tried to leave the Jinja sandbox \(access to "
+         r"attribute '__class__' of 'str' object is unsafe\); the sandbox held and stopped it"),
+    *(Case(f"text-data-{fmt}-{name}", lambda t, f, b=bad, g=good, m=fmt: ["train", text_recipe(
+        t, f, [write(t / "d.jsonl", f"{g}\n{g}\n".encode() + b + b"\n")], m)], msg)
+      for fmt, good in (("chat", SHAREGPT), ("alpaca", ALPACA_LINE))
+      for name, bad, msg in (
+          ("invalid-utf8", not_utf8(good), rf"d\.jsonl as json: line 3 is not UTF-8 \(byte 0xff at column "
+                                           rf"{good.index('hi') + 2}\)"),
+          ("nested-200000-deep", DEEP.encode(),
+           r"d\.jsonl as json: line 3 is not valid JSON: nested deeper than Python reads$"))),
+    *(Case(f"translation-jsonl-{name}",
+           lambda t, f, b=bad: ["train", recipe(t, f, **{"data.train_files": [str(write(
+               t / "p.jsonl", f"{PAIR_LINE}\n".encode() + b + b"\n"))]}),
+                                f"out={t / 'run'}"], msg)
+      for name, bad, msg in (("invalid-utf8", not_utf8(PAIR_LINE.replace("the day", "hi")),
+                              rf"p\.jsonl:2: not UTF-8 \(byte 0xff at column {PAIR_LINE.index('the') + 2}\)"),
+                             ("nested-200000-deep", DEEP.encode(),
+                              r"p\.jsonl:2: not valid JSON: nested deeper than Python reads$"))),
+]
+
+
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
-         *BEYOND_ONE_DEVICE, *SPEECH_LLM, *PRUNING_AND_SELECTIONS]
+         *BEYOND_ONE_DEVICE, *SPEECH_LLM, *PRUNING_AND_SELECTIONS,
+         *ISSUE37_BAD_INPUTS]
 
 # issue 37 §6 (model cards and the mergekit command line)
 def qwen2_base_llama_expert(t: Path, f: Fx) -> Path:
@@ -1919,3 +2045,106 @@ def test_report_and_selection_read_padding_slots(fx, tmp_path, run, monkeypatch)
     assert table.sum() == (choice[0] >= 0).sum() - 1  # token 1 has no expert at layer 1: left out
     rc, _, err = run("select", "topk", trace, "--target", "en", "--budget", 2, "--out", tmp_path / "s.json")
     assert rc == 0, err
+
+
+# ---------------------------------------------------------------------------------------------- issue 37 §5 (bad inputs helper): tests that are no rows
+
+
+def test_a_1_gib_model_card_is_read_only_for_its_header(tmp_path):
+    """The card's base_model comes from README.md's YAML header within its first 64 KiB: a 1 GiB README (sparse here)
+    is not read whole (it was: 2.38 GiB peak), and the header is still found."""
+    import tracemalloc
+
+    from moekit.checkpoint.card import CARD_HEADER_BYTES, card_base_model
+
+    readme = write(tmp_path / "README.md", "---\nbase_model: org/base\n---\n\n# a card\n")
+    os.truncate(readme, 1 << 30)
+    tracemalloc.start()
+    try:
+        found = card_base_model(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found == "org/base"
+    assert peak < 4 * CARD_HEADER_BYTES, f"{peak} bytes allocated"
+    write(tmp_path / "README.md", "---\nbase_model: org/base\n" + "x" * CARD_HEADER_BYTES + "\n---\n")
+    assert card_base_model(tmp_path) is None  # a header that does not end within the bytes read is not guessed at
+
+
+HANG = """import sys, time
+import moekit.checkpoint.remove, moekit.routing.streamed as streamed
+from moekit.cli.main import main
+streamed.needs_spill = lambda *a: True  # the calibration set is too large to keep in memory: spill it
+streamed._run_layer = moekit.checkpoint.remove.report = lambda *a, **k: time.sleep(600)  # stop mid-way
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def killed_midway(argv: list, tmp: Path, leftover: Callable[[], list[Path]]) -> list[Path]:
+    """Run the CLI with `argv` in a subprocess made to hang mid-way (HANG), SIGKILL it once `leftover()` (its
+    temporaries) lists something with a file in it, and return what it left."""
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", HANG, *map(str, argv)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(p.is_dir() and any(p.iterdir()) for p in leftover()):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "no temporary appeared within 240 s"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    return leftover()
+
+
+def test_collect_killed_midway_leaves_nothing_after_the_next_run(fx, tmp_path, run, monkeypatch):
+    """routes collect --stream on, SIGKILLed while its hidden states are spilled: the next run removes the spill
+    folder and the dead lock, writes the same trace as an uninterrupted run, and changes nothing else."""
+    import tempfile
+
+    from moekit.routing import streamed
+    from moekit.routing.trace import RoutingTrace
+
+    work, scratch = tmp_path / "work", tmp_path / "scratch"
+    model, en = fx.copy(fx.native, work / "q3"), text(work, fx)
+    write(scratch / "keep.txt", "someone else's temporary file")
+    argv = collect(model, work / "t.npz", *texts(("en", en)), extra=["--stream", "on", "--max-length", 16])
+    before = {d: snapshot(d) for d in (work, scratch)}
+    left = killed_midway(argv, scratch, lambda: sorted(scratch.glob(f".{streamed.SPILL}.moekit-tmp-*")))
+    assert len(left) == 1 and (work / ".t.npz.moekit-lock").is_file()  # what SIGKILL left
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(streamed, "needs_spill", lambda *a: True)
+    rc, _, err = run(*argv)
+    assert rc == 0, err
+    assert snapshot(scratch) == before[scratch]  # the spill folder gone, nothing else touched
+    after = snapshot(work)
+    assert {k: v for k, v in after.items() if k != "t.npz"} == before[work]  # lock gone, inputs unchanged
+    rc, _, err = run(*collect(model, tmp_path / "ref.npz", *texts(("en", en)), extra=argv[-4:]))
+    assert rc == 0, err
+    got, ref = RoutingTrace.load(work / "t.npz"), RoutingTrace.load(tmp_path / "ref.npz")
+    assert np.array_equal(got.ids, ref.ids) and np.array_equal(got.weights, ref.weights)
+
+
+def test_prune_killed_midway_leaves_nothing_after_the_next_run(fx, tmp_path, run, monkeypatch):
+    """prune --keep, SIGKILLed while it writes the pruned checkpoint: the next run removes the dead run's temporary
+    output and lock, writes the same checkpoint as an uninterrupted run, and changes nothing else."""
+    work = tmp_path / "work"
+    model, sel = fx.copy(fx.native, work / "q3"), native_sel(work)
+    argv = ["prune", "--model", model, "--experts", sel, "--keep", "--out", work / "p"]
+    before = snapshot(work)
+    left = killed_midway(argv, tmp_path, lambda: sorted(work.glob(".p.moekit-tmp-*")))
+    assert len(left) == 1 and (work / ".p.moekit-lock").is_file()  # what SIGKILL left
+    rc, _, err = run(*argv)
+    assert rc == 0, err
+    after = snapshot(work)
+    assert {k: v for k, v in after.items() if not k.startswith("p")} == before  # temporary and lock gone
+    rc, _, err = run(*argv[:-1], tmp_path / "ref")
+    assert rc == 0, err
+    ref = snapshot(tmp_path / "ref")
+    assert {k.removeprefix("p/"): v for k, v in after.items() if k.startswith("p/") and k != "p/README.md"} == \
+        {k: v for k, v in ref.items() if k != "README.md"}  # the card names the command, which differs

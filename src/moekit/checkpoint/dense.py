@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers.initialization import no_init_weights
 
 from moekit.checkpoint.codecs import read_state
-from moekit.checkpoint.files import check_dir, read_headers, read_text
+from moekit.checkpoint.files import check_dir, read_headers, read_text, refuse_adapter
 from moekit.errors import CheckpointError, NumericsError
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
@@ -74,14 +75,35 @@ def load_config(folder: Path, trust_remote_code: bool = False):
     check_remote_code(folder, trust_remote_code)
     _native_module(folder)
     data = _config_json(folder)
+    check_layer_counts(folder, data)
     try:
         if data.get("model_type") == MODEL_TYPE:
             config = base_config(data)
             config.name_or_path = str(folder)  # its card names the base model (moekit.checkpoint.card.hub_id)
             return config
         return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:  # the last: a config's own checks
         raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())}") from None
+
+
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
+
+
+def check_layer_counts(folder: Path, data: dict) -> None:
+    """Refuse a config.json claiming more layers than its safetensors weights hold (a count above 1 + the largest
+    layer index, the first number in a tensor's name) before transformers builds them: building 200,000 layers,
+    even on the meta device, takes minutes. Counts are read at the top level and in sub-configs (text_config)."""
+    claims = [(f"{k}.{c}" if k else c, v) for k, d in [("", data), *data.items()] if isinstance(d, dict)
+              for c in LAYER_COUNTS if isinstance(v := d.get(c), int) and not isinstance(v, bool)]
+    if not claims or not has_safetensors(folder, allow_pickle=True):
+        return
+    firsts = [next((int(p) for p in name.split(".") if p.isascii() and p.isdigit() and len(p) < 19), None)
+              for name in read_headers(folder)]
+    top = max((i for i in firsts if i is not None), default=None)
+    for key, count in claims:
+        if top is not None and count > top + 1:
+            raise CheckpointError(f"{folder}/config.json: {key} is {count}, but no tensor of its weights has a layer "
+                                  f"index above {top}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -154,6 +176,7 @@ def check_dense_dir(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         check_dir(path)
+        refuse_adapter(path)
     for file, kind, hint in (("moekit.json", "a moekit MoE checkpoint", "moekit inspect / moekit export"),
                              ("simoe.json", "a SIMoE checkpoint", "moekit simoe export --merge TASK")):
         if (path / file).is_file():

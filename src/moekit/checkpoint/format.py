@@ -26,7 +26,7 @@ from moekit._fs import output
 from moekit.checkpoint.card import write_model_card
 from moekit.checkpoint.codecs import own_format, own_writer, read_state, write_state
 from moekit.checkpoint.dense import architecture, load_config, load_dense, load_generation_config, model_class
-from moekit.checkpoint.files import ShardReader, check_dir, read_headers, read_text
+from moekit.checkpoint.files import ShardReader, check_dir, read_headers, read_text, refuse_adapter
 from moekit.checkpoint.meta import MoekitMeta
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
@@ -135,6 +135,7 @@ def read_meta(folder: str | Path, file: str = "moekit.json", schema: type[BaseMo
     if not (f.exists() or f.is_symlink()):
         raise CheckpointError(f"{folder} is not a {kind} checkpoint (no {file})")
     check_dir(folder)
+    refuse_adapter(folder)
     try:
         data = json.loads(read_text(folder, file, f"{kind} metadata"))
     except (ValueError, RecursionError) as e:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from moekit._fs import available_memory
+from moekit._fs import available_memory, remove, scratch
 from moekit.checkpoint.layerwise import LayerStream
 from moekit.errors import UnsupportedModelError
 from moekit.progress import report
@@ -41,29 +40,32 @@ class _Stop(Exception):
     """Raised by the first pass once the last decoder layer has been reached."""
 
 
+SPILL = "moekit-hidden"  # the spill folder: .moekit-hidden.moekit-tmp-PID-XXXXXXXX in the temporary directory
+
+
 class HiddenStates:
     """The hidden states of every batch between two layers: in memory, or (`spill`) in a temporary folder, one file
-    per batch, removed when the store closes."""
+    per batch, removed when the store closes (or, after a SIGKILL, by the next store that spills: moekit._fs.scratch)."""
 
     def __init__(self, spill: bool):
-        self._folder = tempfile.TemporaryDirectory(prefix="moekit-hidden-") if spill else None
+        self._folder = scratch(SPILL) if spill else None
         self._kept: dict[int, Tensor] = {}
 
     def put(self, b: int, h: Tensor) -> None:
         if self._folder is None:
             self._kept[b] = h
         else:
-            torch.save(h, Path(self._folder.name) / f"{b}.pt")
+            torch.save(h, self._folder / f"{b}.pt")
 
     def get(self, b: int) -> Tensor:
         if self._folder is None:
             return self._kept[b]
-        return torch.load(Path(self._folder.name) / f"{b}.pt", weights_only=True)
+        return torch.load(self._folder / f"{b}.pt", weights_only=True)
 
     def close(self) -> None:
         self._kept.clear()
         if self._folder is not None:
-            self._folder.cleanup()
+            remove(self._folder)
 
 
 def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
