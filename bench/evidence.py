@@ -174,8 +174,11 @@ def holm(pvalues) -> list[float]:
 
 
 def evidence(stat: dict) -> str:
-    """How much a verdict rests on: "over N seeds", or "in one seed" (test items only)."""
-    return "in one seed (test items only)" if stat["unit"] == "items" else f"over {stat['n']} seeds"
+    """How much a verdict rests on: "over N seeds", "over N seeds (per-seed means)" (seed_interval: the test items'
+    variance not in it), or "in one seed" (test items only)."""
+    if stat["unit"] == "items":
+        return "in one seed (test items only)"
+    return f"over {stat['n']} seeds" + (" (per-seed means)" if stat["unit"] == "seeds" else "")
 
 
 # --- the claims table ---
@@ -260,9 +263,12 @@ def claim_rows(claims: list[Claim], scores: dict, weights: dict[str, str] | None
 
 # --- tables printed before issue 41: recomputed from their per-seed columns ---
 
-PRINTED_NOTE = ("interval: t over the per-seed Δ printed in this table (bench/claims.py --from-printed; the runs' "
-                "per-item scores are not in the repository, so the test-item variance is not in it); **pending a "
-                "re-run over ≥ 5 seeds** that commits its per-item scores under bench/results/.")
+PRINTED_NOTE = ("**Recomputed (issue 41) from this table's printed per-seed Δ** by `.venv/bin/python bench/claims.py`: "
+                "Student's t over the per-seed means (bench/evidence.py seed_interval); the runs' per-item scores are "
+                "not in the repository, so the test items' variance is not in these intervals (\"per-seed means\" in "
+                "each verdict), and the verdicts are **pending a re-run over ≥ 5 seeds** that commits its per-item scores "
+                "under bench/results/. The intervals quoted in the reading below are the earlier bootstrap's, which "
+                "under-covers (issue 41).")
 
 
 def _numbers(cell: str) -> list[float]:

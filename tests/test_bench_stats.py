@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from claims import MARK, claim_tables, section  # noqa: E402
+from claims import MARK, claim_tables, rebuild, rebuild_table, section  # noqa: E402
 from report import device_name, measured_on, paired_bootstrap, seed_folder  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +76,31 @@ def test_bad_shapes_and_weights_are_refused():
 def test_seed_folder_keeps_seed_0_where_it_was():
     assert seed_folder(Path("runs/x"), "spri", 0) == Path("runs/x/spri")
     assert seed_folder(Path("runs/x"), "spri", 2) == Path("runs/x/seed2/spri")
+
+
+def test_benchmarks_claims_tables_are_what_code_makes_of_the_committed_data():
+    """Every claims table of BENCHMARKS.md, byte for byte, is bench/claims.py's rebuild: from the per-item scores
+    under bench/results/ where a benchmark committed them, else from the table's own per-seed columns."""
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(claim_tables(text)) >= 4
+    assert rebuild(text) == text
+
+
+def test_claims_are_rebuilt_from_committed_scores_and_a_changed_score_shows(tmp_path):
+    rng = np.random.default_rng(6)
+    for seed in range(5):
+        for system, level in (("spri_two_stage", 17.0), ("dense_ft", 16.5), ("naive", 15.0), ("spri", 16.9)):
+            save_scores("spri_mini", system, seed, {"chrf": level + rng.normal(0, 3, 12)}, root=tmp_path)
+    old = ["| claim (paper's direction) | old |", "|---|---|", "| stale row |"]
+    text = "\n".join(["# B", "## SPRI (bench/spri_mini.py)", "", *old, "", "after"])
+    table = rebuild_table("SPRI (bench/spri_mini.py)", old, tmp_path)
+    assert len(table) == 7 and all(line.endswith("over 5 seeds |") for line in table[2:])
+    built = rebuild(text, tmp_path)
+    assert built == text.replace("\n".join(old), "\n".join(table)) and rebuild(built, tmp_path) == built
+    save_scores("spri_mini", "naive", 3, {"chrf": np.full(12, 30.0)}, root=tmp_path)
+    assert rebuild(built, tmp_path) != built
+    with pytest.raises(ValueError, match="no benchmark with claims"):
+        rebuild_table("Elsewhere", old, tmp_path)
 
 
 def test_readme_claims_are_benchmarks_words():
@@ -244,7 +269,7 @@ def test_claims_table_writes_evidence_and_holm_beside_every_verdict():
     assert lines[2].startswith("| X beats Y (A > B) | x − y | m | 0, 1, 2 | 1.60 (1.50 / 1.60 / 1.70) | 1.00 (1.00 / 1.00 / 1.00) "
                                "| +0.60 [+0.35, +0.85] | +0.50 / +0.60 / +0.70 | ")
     # the first: t = 0.6 / 0.0577 on 2 df, p 0.009, Holm 0.018; the second: +0.04 [+0.02, +0.06] straddles its margin 0.04
-    assert lines[2].endswith("| reproduced over 3 seeds | reproduced over 3 seeds |")
+    assert lines[2].endswith("| reproduced over 3 seeds (per-seed means) | reproduced over 3 seeds (per-seed means) |")
     assert lines[3].startswith("| X keeps Z's loss (A − B < 0.04 = 1 % of B; Paper Tab. 4) | x − z | m | 0 |")
     assert lines[3].endswith("| not reproduced at this scale in one seed (test items only) "
                              "| not reproduced at this scale in one seed (test items only) |")
@@ -257,7 +282,8 @@ def test_holm_can_take_back_a_raw_verdict():
     stat = {**seed_interval(x), "per_seed": x, "a": [1.0], "b": [0.0]}
     assert 0.01 < p_value(stat, 1) < 0.05
     lines = claims_table([{"claim": CLAIMS[0], "seeds": [0, 1, 2, 3, 4], "stat": stat}] * 3)
-    assert all(line.endswith("| reproduced over 5 seeds | not reproduced at this scale over 5 seeds |") for line in lines[2:])
+    assert all(line.endswith("| reproduced over 5 seeds (per-seed means) | not reproduced at this scale over 5 seeds "
+                             "(per-seed means) |") for line in lines[2:])
 
 
 def test_scores_round_trip_through_the_committed_files(tmp_path):
