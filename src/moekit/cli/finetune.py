@@ -21,10 +21,10 @@ def add_parser(sub) -> None:
     common(p)
     p.add_argument("--data", type=lang_file, nargs="+", action="extend", required=True, metavar="LANG=FILE",
                    help="training text, one example per line (several per flag, or repeat the flag)")
-    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (RISE §4.1)")
+    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (RISE §5.1)")
     p.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
-    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, linear decay (RISE §4.1)")
-    p.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (RISE §4.1)")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, linear decay (RISE §5.1)")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (RISE §5.1)")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="split each optimizer step's batch into this many micro-batches (RISE: 8 of 2)")
     p.add_argument("--max-length", type=int, default=128, help="tokens per line, longer lines are cut")
