@@ -34,6 +34,7 @@ def trains_now(p: nn.Parameter, name: str, trains: Predicate) -> bool:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FROM_META = "moekit.json and config.json, checked against every tensor header (no tensor data read)"
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -112,9 +113,11 @@ def check_weights(model: nn.Module, folder: Path) -> str:
 
 def recipe_model(recipe, log=None) -> tuple[nn.Module, Path, str]:
     """(the model `recipe` trains, on the meta device; its base model's directory; where the shapes came from).
-    An MoE is built from the spec's layout (moekit.checkpoint.stream.meta_moe_model: the same parameters as the
+    An upcycled moekit checkpoint the recipe trains as it is (TrainingMethod.prepared) is built from its moekit.json;
+    an MoE is built from the spec's layout (moekit.checkpoint.stream.meta_moe_model: the same parameters as the
     in-memory upcycle, without its init math); LoRA and SIMoE by their method's own `adapt`."""
     from moekit.checkpoint.dense import meta_model
+    from moekit.checkpoint.format import build_from_meta
     from moekit.methods import method
 
     m = recipe.model
@@ -123,6 +126,8 @@ def recipe_model(recipe, log=None) -> tuple[nn.Module, Path, str]:
                           "so its size is known only once training reads the data")
     folder = model_folder(m.path, log)
     dtype = DTYPES[getattr(m, "dtype", "float32")]
+    if method(recipe.method).prepared(recipe, folder):  # an upcycled checkpoint, trained as it is
+        return build_from_meta(folder)[0].to(dtype), folder, FROM_META
     dense = meta_model(folder, m.trust_remote_code).to(dtype)
     shapes = check_weights(dense, folder)
     if getattr(recipe, "moe", None) is None:
@@ -154,7 +159,7 @@ def finetune_model(name: str, trust_remote_code: bool = False, log=None) -> tupl
                                     "finetune trains")
     if (folder / "moekit.json").is_file():
         model, _ = build_from_meta(folder)
-        return model, folder, "moekit.json and config.json, checked against every tensor header (no tensor data read)"
+        return model, folder, FROM_META
     model = meta_model(folder, trust_remote_code).to(torch.float32)
     return model, folder, check_weights(model, folder)
 
