@@ -165,13 +165,13 @@ def finetune_model(name: str, trust_remote_code: bool = False, log=None) -> tupl
 
 
 def stages_of(recipe, model: nn.Module) -> list[tuple[str, Predicate]]:
-    """[(name, trains(parameter name))] of the recipe's freeze schedule (moekit.methods.freeze), evaluated at each
-    step where a schedule can change (step 0 and τ·T)."""
+    """[(name, trains(parameter name))] of the recipe's freeze schedule and freeze.frozen (moekit.methods.freeze),
+    evaluated at each step where a schedule can change (step 0 and τ·T)."""
     from moekit.methods import method
     from moekit.methods.freeze import stage_predicate
 
     cfg, total = recipe.freeze, recipe.train.steps
-    if not method(recipe.method).freezes or cfg.schedule == "none":
+    if (not method(recipe.method).freezes or cfg.schedule == "none") and not cfg.frozen:
         return [("all steps", lambda name: True)]
     names = [n for n, _ in unique_params(model)]
     stages: list[tuple[int, int, Predicate, set[str]]] = []
@@ -183,7 +183,8 @@ def stages_of(recipe, model: nn.Module) -> list[tuple[str, Predicate]]:
         if stages:
             stages[-1] = (stages[-1][0], start, *stages[-1][2:])
         stages.append((start, total, trains, chosen))
-    return [(f"{cfg.schedule}, steps {a + 1}-{b}", trains) for a, b, trains, _ in stages]
+    name = cfg.schedule if cfg.schedule != "none" else "freeze.frozen"
+    return [(f"{name}, steps {a + 1}-{b}", trains) for a, b, trains, _ in stages]
 
 
 # ---------------------------------------------------------------------------------------------- counts

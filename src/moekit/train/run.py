@@ -36,7 +36,8 @@ def kl_examples(recipe: TranslationRecipe, test: dict[str, list], tok) -> list[d
 
 def dense_reference(recipe: TranslationRecipe, dense: nn.Module, tok, test, saved: Path | None) -> DenseReference | None:
     """The dense model's log-probs on the KL subset, computed once and kept in the run directory (`saved`:
-    the directory of the run being resumed, whose reference is reused)."""
+    the directory of the run being resumed, whose reference is reused). `dense` is the model as loaded: for a run
+    from an upcycled checkpoint (moekit.methods.moe.MoE.prepared), the checkpoint, the dense model not being at hand."""
     out = Path(recipe.out)
     if not recipe.eval.kl_examples:
         return None
