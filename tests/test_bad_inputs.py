@@ -1787,6 +1787,10 @@ CASES += [
          r"model or its upcycled checkpoint in moekit's format$"),
     Case("train-s2tt-upcycled-checkpoint-other-experts", lambda t, f: [*s2tt(t), f"model.path={upcycled_qwen3_asr(t)}"],
          r"up was upcycled with moe\.num_experts=4 \(its moekit.json\), the recipe has moe\.num_experts=8"),
+    Case("train-dry-run-s2tt-model-without-processor",  # the plan's sequence length comes from the processor
+         lambda t, f: [*s2tt(t), "--dry-run", "model.path=" + str(also(t / "qwen3_asr", *(
+             p.unlink() for p in (t / "qwen3_asr").iterdir() if p.name.startswith(("processor", "tokenizer")))))],
+         r"qwen3_asr has no usable processor: "),
 ]
 
 def params(cases: list[Case]) -> list:
