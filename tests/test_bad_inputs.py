@@ -1203,7 +1203,7 @@ MORE = [
     Case("collect-max-texts-zero", lambda t, f: collect(moe(t, f), t / "t.npz", f"en={text(t, f)}",
                                                         extra=["--max-texts", 0]), r"--max-texts must be ≥ 1"),
     Case("train-model-is-moekit-checkpoint", lambda t, f: ["train", recipe(t, f), f"model.path={moe(t, f)}",
-                                                           f"out={t / 'run'}"],
+                                                           f"out={t / 'run'}", "method=dense", "moe=null"],
          r"is a moekit MoE checkpoint, not a dense model"),
     Case("train-data-not-jsonl",
          lambda t, f: ["train", recipe(t, f), f"data.train_files=[{write(t / 'bad.jsonl', 'not json' + chr(10))}]",
@@ -1976,6 +1976,41 @@ CASES += [
          r"differ: the first has no model\.layers\.0\.self_attn\.q_proj\.bias$"),
 ]
 
+
+# issue 39 (more): a recipe's model.path holding an upcycled checkpoint is trained as it is only if it was upcycled
+# with the recipe's own MoE spec, and in moekit's format
+
+def upcycled_qwen3_asr(t: Path) -> Path:
+    """A tiny Qwen3-ASR upcycled with 4 experts (spri_s2tt.yaml has 8), saved in moekit's format."""
+    from moekit.checkpoint.dense import load_dense
+    from moekit.checkpoint.format import save
+    from moekit.moe.spec import MoESpec
+    from moekit.testing.speech_llm import save_tiny_qwen3_asr
+    from moekit.upcycling import upcycle
+
+    dense = load_dense(save_tiny_qwen3_asr(t / "qwen3_asr_dense"))
+    return save(upcycle(dense, MoESpec(num_experts=4, top_k=2, every=4, shared_expert=True, init="spri")), t / "up")
+
+
+OTHER_SPEC = (r"was upcycled with moe\.shared_expert=False \(its moekit.json\), the recipe has moe\.shared_expert=True: "
+              r"give the recipe the checkpoint's spec, or start from the dense model$")
+CASES += [
+    Case("train-upcycled-checkpoint-other-spec",
+         lambda t, f: ["train", recipe(t, f), f"model.path={moe(t, f)}", f"out={t / 'run'}"], OTHER_SPEC),
+    Case("train-dry-run-upcycled-checkpoint-other-spec",
+         lambda t, f: ["train", recipe(t, f), f"model.path={moe(t, f)}", "--dry-run"], OTHER_SPEC),
+    Case("train-upcycled-checkpoint-native-format",
+         lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}", "model.path=" + str(also(
+             f.copy(f.native, t / "native"), write(t / "native" / "moekit_spec.json", "{}")))],
+         r"native is an upcycled checkpoint in a native MoE format \(moekit_spec.json\); method=moe trains a dense "
+         r"model or its upcycled checkpoint in moekit's format$"),
+    Case("train-s2tt-upcycled-checkpoint-other-experts", lambda t, f: [*s2tt(t), f"model.path={upcycled_qwen3_asr(t)}"],
+         r"up was upcycled with moe\.num_experts=4 \(its moekit.json\), the recipe has moe\.num_experts=8"),
+    Case("train-dry-run-s2tt-model-without-processor",  # the plan's sequence length comes from the processor
+         lambda t, f: [*s2tt(t), "--dry-run", "model.path=" + str(also(t / "qwen3_asr", *(
+             p.unlink() for p in (t / "qwen3_asr").iterdir() if p.name.startswith(("processor", "tokenizer")))))],
+         r"qwen3_asr has no usable processor: "),
+]
 
 def params(cases: list[Case]) -> list:
     return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.bug)] if c.bug else [])
