@@ -82,6 +82,7 @@ class TrainingMethod:
     section: ClassVar[str | None] = None  # the recipe section with the method's settings: required iff chosen
     tasks: ClassVar[frozenset[str]] = frozenset({"translation", "instruct", "text"})  # recipe tasks it trains
     freezes: ClassVar[bool] = False  # whether it takes a freeze.schedule (moekit.methods.freeze)
+    keeps_frozen: ClassVar[bool] = False  # whether it honours freeze.frozen (module paths that never train)
 
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         """The model the recipe trains, built from the loaded base model (`tokenizer`: for router prompts)."""

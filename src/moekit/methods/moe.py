@@ -17,6 +17,7 @@ class MoE(TrainingMethod):
     name = "moe"
     section = "moe"
     tasks = frozenset({"translation", "instruct", "text", "asr", "speech_llm"})
+    keeps_frozen = True
     freezes = True
 
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:

@@ -125,6 +125,9 @@ class RecipeBase(Config):
                 raise ValueError(f"method={name} needs a `{section}` section, and only method={name} takes one")
         if self.freeze.schedule != "none" and not chosen.freezes:
             raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
+        if self.freeze.frozen and not chosen.keeps_frozen:
+            raise ValueError(f"freeze.frozen applies to method=moe or method=dense, not method={self.method} (whose "
+                             "training would ignore it)")
         return self
 
 
