@@ -94,8 +94,7 @@ def section(state: dict, command: str) -> str:
         f"{date.today()}, CPU (`{command}`; the same command continues a run that stopped). Seed 0, cases 0..N-1 "
         "of each reader (moekit.testing.fuzz_readers): structure-aware mutations of a valid tiny input, read by the "
         "library call in a child process with a 10 s limit per case and an address space of 2 GiB more than the "
-        "process had. ok: accepted; error: one MoekitError line; known: a crash another part of issue 37 fixes "
-        "(the readers' `known` lists); crash, timeout, memory (a declared size allocated before it was checked), "
+        "process had. ok: accepted; error: one MoekitError line; crash, timeout, memory (a declared size allocated before it was checked), "
         "touched (a file changed outside the case's output): failures, each to become a fixed bug and a row in "
         "tests/test_bad_inputs.py.", "",
         "| reader | cases | " + " | ".join(cols) + " | ms / case |", "|---|" + "---:|" * (len(cols) + 2), *rows, "",

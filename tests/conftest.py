@@ -44,6 +44,8 @@ def tiny_recipe_overrides(tmp_path_factory):
         (root / f"instruct_{split}.jsonl").write_text("\n".join(tasks) + "\n")
 
     def overrides(out, task: str = "translation", **extra) -> list[str]:
+        if task == "speech_llm":  # a tiny Qwen3-ASR and a tiny CoVoST 2 layout (moekit.testing.speech_llm)
+            return _speech_llm_overrides(root, out, extra)
         if task == "instruct":  # tasks a, b trained, c unseen
             data = {"data.train_tasks": ["a", "b"], "data.unseen_tasks": ["c"], "data.test_per_task": 2,
                     "data.train_files": [str(root / "instruct_train.jsonl")],
@@ -63,6 +65,19 @@ def tiny_recipe_overrides(tmp_path_factory):
 
     overrides.dense = root / "dense"  # the tiny model's folder
     return overrides
+
+
+def _speech_llm_overrides(root, out, extra: dict) -> list[str]:
+    from moekit.testing.speech_llm import save_tiny_covost, save_tiny_qwen3_asr
+
+    if not (root / "qwen3_asr").exists():
+        save_tiny_qwen3_asr(root / "qwen3_asr")
+        save_tiny_covost(root / "covost")
+    keys = {"out": str(out), "model.path": str(root / "qwen3_asr"), "data.path": str(root / "covost"),
+            "data.directions": ["de", "fr"], "train.steps": 2, "train.batch_size": 2, "train.grad_accum": 1,
+            "train.precision": "fp32", "train.logging_steps": 1, "train.eval_every": 0, "train.save_every": 0,
+            "eval.max_new_tokens": 4, "eval.batch_size": 2, "eval.loss_per_direction": 2, **extra}
+    return [f"{k}={json.dumps(v)}" for k, v in keys.items()]
 
 
 @pytest.fixture

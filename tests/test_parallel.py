@@ -12,6 +12,7 @@ Each run against DDP's: per-step loss and grad norm within 1e-5 relative, the sa
 atol 1e-5 (every tensor), the evaluation after training written."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,123 @@ def test_sharded_engine_equals_ddp(method, engine, ddp, tiny_recipe_overrides, t
     numbers = {k for k, v in expected.items() if isinstance(v, float)}
     assert {k: results[k] for k in numbers} == pytest.approx({k: expected[k] for k in numbers}, rel=1e-4, abs=1e-6)
     assert all(results[k] == expected[k] for k in expected.keys() - numbers)
+
+
+@gloo
+@pytest.mark.parametrize("bucket", [2e4, "auto"])
+def test_omni_router_under_zero3_with_a_small_reduce_bucket_equals_ddp(bucket, ddp, tiny_recipe_overrides, tmp_path):
+    """One router shared by the 4 MoE layers, reduce buckets smaller than the model ("auto": hidden² = 1,024
+    elements): DeepSpeed flushes buckets during the backward, before the router's gradient is complete (its 4 uses
+    summed); the router must reach the optimizer whole, once per step. Same tolerances as test_sharded_engine_equals_ddp
+    (float32, the same data, only the order of the sums differs)."""
+    pytest.importorskip("deepspeed")
+    config = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], "reduce_bucket_size": bucket}}
+    (tmp_path / "zero3.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    torchrun(["train", recipe_of("omni"), *overrides(tiny_recipe_overrides, out, "omni",
+                                                     **ENGINES["zero3"](tmp_path / "zero3.json"))], tmp_path)
+    base = ddp("omni")
+    for a, b in zip(steps(out), steps(base), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
+    sharded, reference = model_of(out), model_of(base)
+    assert sharded.keys() == reference.keys() and any("router" in k for k in reference)
+    for k in reference:
+        torch.testing.assert_close(sharded[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@gloo
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_run_resumed_equals_the_uninterrupted_run(stage, tiny_recipe_overrides, tmp_path):
+    """A ZeRO-2/3 run interrupted after its checkpoint at step 2 (its partial directory holding that checkpoint:
+    DeepSpeed's global_step2/ with each rank's partition, no optimizer.pt) and resumed ends with the uninterrupted
+    run's steps 3-4 and weights, bit for bit (same data order, same reductions); a finished run resumed keeps its
+    weights."""
+    import shutil
+
+    pytest.importorskip("deepspeed")
+    config = {**ZERO3, "zero_optimization": {**ZERO3["zero_optimization"], "stage": stage}}
+    if stage == 2:
+        del config["zero_optimization"]["stage3_param_persistence_threshold"]
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    keys = {"train.trainer_args": {"deepspeed": str(tmp_path / "ds.json")}, "train.save_total_limit": 2}
+
+    def launch(out: Path, *flags: str) -> str:
+        return torchrun(["train", recipe_of("naive"), *overrides(tiny_recipe_overrides, out, "naive", **keys),
+                         *flags], tmp_path)
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    launch(whole)
+    checkpoint = resumed.parent / f".{resumed.name}.moekit-partial" / "checkpoints" / "checkpoint-2"
+    shutil.copytree(whole / "checkpoints" / "checkpoint-2", checkpoint)
+    assert not (checkpoint / "optimizer.pt").exists() and (checkpoint / "global_step2").is_dir()
+    assert "trained naive: 4 steps" in launch(resumed, "--resume")
+    assert [(h["step"], h["loss"], h["grad_norm"]) for h in steps(resumed)] == \
+        [(h["step"], h["loss"], h["grad_norm"]) for h in steps(whole)]
+    reference = model_of(whole)
+    assert all(torch.equal(model_of(resumed)[k], reference[k]) for k in reference)
+    if stage == 3:  # the finished run resumed: loaded from its last checkpoint, nothing trained, saved again
+        launch(whole, "--resume")
+        assert all(torch.equal(model_of(whole)[k], reference[k]) for k in reference)
+
+
+def rank_process(launcher: int, rank: int) -> int:
+    """The pid of `rank` among torchrun's workers (its children with RANK=rank in their environment)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in env:
+            return int(stat.parent.name)
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+@gloo
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker of rank 1 through /proc")
+def test_a_rank_killed_under_zero3_ends_the_other_with_one_line(tiny_recipe_overrides, tmp_path):
+    """Rank 1 SIGKILLed after the run's first checkpoint: rank 0's collective fails (gloo: the connection reset by
+    its peer) and it ends with one line naming the process that ended and the checkpoint kept to resume from; the
+    launch fails. torchrun's --monitor-interval 5 (default 0.1 s) lets rank 0 end on its own before torchrun would
+    SIGTERM it (which ends it with "interrupted (SIGTERM)"); with the default, rank 0 met the error first in both runs
+    tried."""
+    import signal
+    import time
+
+    from moekit.train.common import check_checkpoint, last_checkpoint
+
+    pytest.importorskip("deepspeed")
+    (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
+    out = tmp_path / "run"
+    args = [*overrides(tiny_recipe_overrides, out, "naive", **ENGINES["zero3"](tmp_path / "zero3.json")),
+            "train.steps=200", "train.save_every=1"]  # the later key wins
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--monitor-interval", "5", "-m", "moekit", "train", recipe_of("naive"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    partial = tmp_path / ".run.moekit-partial"
+    try:
+        deadline = time.monotonic() + 240
+        while last_checkpoint(partial) is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(rank_process(proc.pid, 1), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in (stdout + stderr).splitlines() if line.startswith("moekit:")]
+    assert proc.returncode != 0 and len(lines) == 1, stderr[-3000:]
+    assert re.fullmatch(r"moekit: error: process 0 of 2: process 1 of this launch ended during training \(Connection "
+                        r"(reset|closed) by peer.*\); .*\.run\.moekit-partial keeps checkpoint-\d+: --resume "
+                        r"continues it", lines[0]), lines[0]
+    os.environ["WORLD_SIZE"], world = "2", os.environ.get("WORLD_SIZE")
+    try:
+        check_checkpoint(last_checkpoint(partial))  # complete: what --resume on 2 processes continues from
+    finally:
+        os.environ.pop("WORLD_SIZE") if world is None else os.environ.update(WORLD_SIZE=world)
+    assert not out.exists()
 
 
 def test_resume_is_refused_where_transformers_shards(tiny_recipe_overrides, tmp_path):

@@ -278,6 +278,53 @@ def test_engine_rows_follow_their_conventions():
         assert r.params - plain.params == (10 if split else 40), r.engine
 
 
+PER_PARAMETER = {  # (stored bytes, mixed): bytes per trainable parameter (weights + gradients + optimizer state)
+    (4, True): {"DDP": 16, "ZeRO-2": 16, "ZeRO-3": 16, "FSDP2": 16},  # fp32 weights, bf16 autocast
+    (4, False): {"DDP": 16, "ZeRO-2": 20, "ZeRO-3": 16, "FSDP2": 16},  # fp32 training: ZeRO-2's master is a copy
+    (2, True): {"DDP": 8, "ZeRO-2": 10, "ZeRO-3": 8, "FSDP2": 8},  # bf16 weights and states everywhere
+}
+
+
+@pytest.mark.parametrize("stored,mixed", list(PER_PARAMETER))
+def test_every_engine_of_a_table_keeps_one_precision(stored, mixed):
+    """Closed-form bytes per parameter: one device, 1,000 trainable elements in one tensor; DDP and FSDP2 add torch
+    AdamW's float32 step (4 B per tensor). ZeRO keeps weights, gradients in the compute dtype (2 B under bf16) and a
+    master copy (ZeRO-3: none where the partition is in the master dtype) and AdamW's two states in the master
+    dtype."""
+    from moekit.train.memory import recast
+
+    n = 1000
+    fp32 = Counts(params=n, param_bytes=4 * n, replicated=0, replicated_bytes=0, trainable=n, trainable_bytes=4 * n,
+                  state=n, state_bytes=4 * n, state_tensors=1)
+    c = fp32 if stored == 4 else recast(fp32, 2, 4)
+    rows = {r.engine.split(" ×")[0]: r for r in shares(c, 0, 1, None, mixed, stored)}
+    for engine, per in PER_PARAMETER[stored, mixed].items():
+        r = rows[engine]
+        step = 4 if engine in ("DDP", "FSDP2") else 0
+        assert r.params + r.grads + r.optimizer == per * n + step, engine
+
+
+def test_the_plan_shows_both_precisions(tiny_recipe_overrides, tmp_path):
+    """A recipe with float32 parameters under bf16: its table at 16 B per trainable parameter on every engine, the
+    other at bfloat16 (DDP 8 B, ZeRO-2 10 B), from the same counts."""
+    from moekit.train.plan import plan_recipe
+    from moekit.train.recipe import load_recipe
+
+    path, overrides = recipe_args("naive", tiny_recipe_overrides, tmp_path / "run", "train.precision=bf16")
+    plan = plan_recipe(load_recipe(path, overrides), devices=1, expert_parallel=None)
+    assert (plan.dtype, plan.other_dtype) == ("float32", "bfloat16")
+    n = plan.trainable
+
+    def per(rows, engine):
+        r = next(r for r in rows if r.engine.startswith(engine))
+        return r.params + r.grads + r.optimizer
+
+    assert n == plan.params and plan.param_bytes == 4 * n
+    steps = plan.optimizer_bytes - 8 * n  # torch AdamW's float32 step per tensor
+    assert [per(plan.shares, e) for e in ("DDP", "ZeRO-2", "ZeRO-3")] == [16 * n + steps, 16 * n, 16 * n]
+    assert [per(plan.other_shares, e) for e in ("DDP", "ZeRO-2", "ZeRO-3")] == [8 * n + steps, 10 * n, 8 * n]
+
+
 def test_expert_parallel_must_divide_the_experts_and_the_devices():
     from moekit.errors import ConfigError
     from moekit.train.plan import check_devices

@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from moekit.checkpoint.card import HUB_ID, hub_id as card_hub_id
+from moekit.checkpoint.hub import resolve_hub
 from moekit.ct2 import convert_whisper
 from moekit.errors import AssetError, MoekitError
-from moekit._fs import hub_cache, output, read_small
+from moekit._fs import hub_cache, output
 
 Log = Callable[[str], None]
 
@@ -171,12 +172,12 @@ def _check_gguf_size(gguf: Path) -> None:
     import transformers as tf
     from gguf import GGUFReader
 
-    from moekit.checkpoint.dense import check_layer_counts
+    from moekit.checkpoint.dense import check_layer_limit
 
     tensors = GGUFReader(gguf).tensors
     have = sum(math.prod(int(d) for d in t.shape) for t in tensors)
     config = tf.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    check_layer_counts(config.to_dict(), f"GGUF checkpoint {gguf}")
+    check_layer_limit(config.to_dict(), f"GGUF checkpoint {gguf}")
     blocks = len({m[1] for t in tensors if (m := re.match(r"blk\.(\d+)\.", t.name))})
     if getattr(config, "num_hidden_layers", blocks) != blocks:  # e.g. no block_count: transformers' default, 32
         raise AssetError(f"GGUF checkpoint {gguf}: its metadata describes {config.num_hidden_layers} layers, its "
@@ -215,9 +216,6 @@ def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
     return out
 
 
-HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]  # no pickles, no code
-
-
 def model_inputs(name_or_path: str | Path | None) -> list[Path]:
     """The paths a model argument reads, without fetching anything: a local directory, a built-in asset's
     cache entry, or a Hub repository's entry in the Hugging Face cache (for the output guards of moekit._fs)."""
@@ -241,66 +239,6 @@ def hub_id(name_or_path: str | Path | None) -> str | list[str] | None:
         if real.parent == Path(os.path.realpath(cache_dir() / "models")) and real.name in MODELS:
             return MODELS[real.name].hub_id
     return card_hub_id(name_or_path)
-
-
-def resolve_hub(repo: str, log: Log | None = None) -> Path:
-    """The local snapshot of Hub repository `org/name[@revision]`: its configs, safetensors weights and
-    tokenizer files (never pickles or code), from the Hugging Face cache or downloaded into it. Honours
-    HF_HUB_OFFLINE (then only the cache) and the token in the environment (HF_TOKEN)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    repo_id, _, revision = repo.partition("@")
-    if revision and any(part in ("", ".", "..") for part in revision.split("/")):
-        raise AssetError(f"{revision!r} in {repo} is not a revision name: a branch, tag or commit has no empty, "
-                         "'.' or '..' parts")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-    _say(log, f"{'looking up' if offline else 'fetching'} {repo} in the Hugging Face cache {hub_cache()}")
-    entry = hub_cache() / f"models--{repo_id.replace('/', '--')}"
-    _check_ref(entry / "refs" / (revision or "main"))
-    try:
-        found = Path(snapshot_download(repo_id, revision=revision or None, cache_dir=hub_cache(),
-                                       allow_patterns=HUB_FILES, local_files_only=offline))
-    except LocalEntryNotFoundError:
-        raise AssetError(_cache_miss(repo_id, revision or "main")) from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise AssetError(f"cannot fetch {repo} from the Hugging Face Hub: {' '.join(str(e).split())[:300]}") from None
-    snapshots = Path(os.path.realpath(entry / "snapshots"))
-    if snapshots not in Path(os.path.realpath(found)).parents:
-        raise AssetError(f"{repo} resolved to {found}, outside its cache folder {snapshots}: a damaged or tampered "
-                         "Hugging Face cache; download the repository again")
-    return found
-
-
-def _check_ref(ref: Path) -> None:
-    """A cache ref (refs/main, refs/<branch>) holds one commit hash in a small regular file: a path, a FIFO or a
-    device (reads forever) is refused before huggingface_hub follows it."""
-    if not (ref.exists() or ref.is_symlink()):
-        return
-
-    commit = read_small(ref, "Hugging Face cache ref", AssetError, limit=256).strip()
-    if not re.fullmatch(r"[0-9a-f]{40}", commit):
-        raise AssetError(f"{ref} holds {commit[:60]!r}, not a commit hash: a damaged or tampered Hugging Face cache; "
-                         "download the repository again")
-
-
-def _cache_miss(repo_id: str, revision: str) -> str:
-    """Why the Hugging Face cache cannot give `repo_id` at `revision` offline: what is wrong in its cache folder."""
-    entry = hub_cache() / f"models--{repo_id.replace('/', '--')}"
-    ref = entry / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
-    snapshot = entry / "snapshots" / commit
-    if entry.is_dir() and ref.is_file() and not snapshot.is_dir():
-        return (f"{ref} names commit {commit[:40]!r}, whose snapshot {snapshot} is missing (an interrupted or "
-                "deleted download); download the repository again")
-    dangling = sorted(p.name for p in snapshot.iterdir() if p.is_symlink() and not p.exists()) \
-        if snapshot.is_dir() else []
-    if dangling:
-        return (f"the cached snapshot {snapshot} links {', '.join(dangling[:3])} to blobs that are missing; download "
-                "the repository again")
-    return (f"{repo_id} is no local directory, and as a Hub repository it is not in the Hugging Face cache "
-            f"{hub_cache()} at revision {revision!r} while HF_HUB_OFFLINE is set (or the Hub cannot be reached); "
-            "download it first, or unset HF_HUB_OFFLINE")
 
 
 def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:

@@ -100,6 +100,20 @@ def check_dir(folder: str | Path) -> Path:
     return folder
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")  # what peft saves
+
+
+def refuse_adapter(folder: str | Path) -> None:
+    """Refuse a directory holding a PEFT adapter: transformers' from_pretrained would apply it to the weights beside
+    it while every reader of the weights themselves (streaming, upcycling, pruning) would not, so one directory would
+    give two models. moekit reads whole models only."""
+    found = [name for name in ADAPTER_FILES if os.path.lexists(Path(folder) / name)]
+    if found:
+        raise CheckpointError(f"{folder} holds a PEFT adapter ({found[0]}); moekit reads only whole models: merge it "
+                              "into its base model first (peft's merge_and_unload, then save_pretrained) and give that "
+                              "directory")
+
+
 def open_file(folder: str | Path, name: str, what: str = "file") -> int:
     """A read-only descriptor of `folder/name`, checked after opening: the file it opened is a regular file, and
     it is the one at a real path inside the checkpoint (so nothing swapped in after the check is read)."""

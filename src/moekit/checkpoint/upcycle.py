@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from moekit._fs import available_memory, check_space, output, peak_memory
-from moekit.checkpoint.card import diversity_fact, hub_id, write_card
-from moekit.checkpoint.dense import check_dense_dir, load_tokenizer, meta_model
+from moekit.checkpoint.card import diversity_fact, hub_id, hub_snapshot, licenses, public_names, write_card
+from moekit.checkpoint.dense import check_dense_dir, declared_architecture, load_tokenizer, meta_model
 from moekit.checkpoint.export.write import native_units
 from moekit.checkpoint.files import ShardReader, copy_file, read_headers
 from moekit.checkpoint.format import moekit_meta, unique_tensors
@@ -164,13 +164,15 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     start, src = time.perf_counter(), check_dense_dir(src)
     dense = meta_model(src, trust_remote_code)
     branch_dirs = [check_dense_dir(b) for b in spec.init.source_models()]
+    names = public_names([src, *branch_dirs])  # what the outputs publish: no path of this machine
+    public = spec.model_copy(update={"init": spec.init.with_source_models(names[1:])}) if branch_dirs else spec
     reader, branches = ShardReader(src), [ShardReader(b) for b in branch_dirs]
     dt = output_dtype(dtype, reader)
     slots = selected_slots(dense, spec)
     for r in (reader, *branches):
         check_shapes(dense, r, src)
     tokenizer = load_tokenizer(src, trust_remote_code)  # its files are copied: they must load
-    moe, _ = meta_moe_model(dense, slots, router_groups(slots, spec), spec, dt)
+    moe, _ = meta_moe_model(dense, slots, router_groups(slots, spec), public, dt)
     fmt, plan, why = choose_format(format, moe, layout, dt)
     rows: dict[str, torch.Tensor] = {}  # router rows from prompts, computed below once all checks passed
     make_parts = _parts_maker(spec, {s.path: s for s in slots}, reader, branches, device, allow_nonfinite, rows)
@@ -194,8 +196,10 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
         nbytes = write_units(tmp, units, dt, max_shard_size, "upcycling", diversities)
         for path, m in moe_layers(moe):  # recorded in moekit.json / moekit_spec.json and the card
             m.init_diversity = diversities[path]
-        title = f"{src.name} upcycled to an MoE ({spec.summary}, {spec.init.method})"
-        readers = _write_metadata(tmp, src, moe, aliases, fmt, plan, dt, why, base_model, title)
+        title = f"{hub_id(src) if hub_snapshot(src) else names[0]} upcycled to an MoE ({spec.summary}, " \
+                f"{spec.init.method})"
+        readers = _write_metadata(tmp, dict(zip(names, [src, *branch_dirs])), moe, aliases, fmt, plan, dt, why,
+                                  base_model, title)
         read_headers(tmp)  # the written shards parse and cover their files exactly
     for r in (reader, *branches):
         r.close()
@@ -235,8 +239,9 @@ def export_checkpoint(src: str | Path, out: str | Path, fmt_name: str, *, dtype:
     need = planned_bytes(units, dt)
     with output(out, [src, *inputs], overwrite, need) as tmp:
         nbytes = write_units(tmp, units, dt, max_shard_size, "exporting")
-        readers = _write_metadata(tmp, src, model, aliases, fmt, plan, dt, f"{fmt.name} requested", None,
-                                  f"{src.name} exported to {fmt.name}")
+        name = public_names([src])[0]
+        readers = _write_metadata(tmp, {name: src}, model, aliases, fmt, plan, dt, f"{fmt.name} requested", None,
+                                  f"{name} exported to {fmt.name}")
         read_headers(tmp)
     reader.close()
     rss = peak_memory()
@@ -260,17 +265,23 @@ def check_memory(dense: nn.Module, slots, spec: MoESpec, force: bool) -> None:
 
 def check_shapes(model: nn.Module, reader: ShardReader, config_dir: Path) -> None:
     """Every tensor of the model that `config_dir`'s config.json describes is in the checkpoint with that shape
-    (a config that disagrees with its weights, or a BTX branch of another architecture, is refused before any
-    work)."""
+    (a config that disagrees with its weights, or a branch or expert model of another size or architecture, is
+    refused before any work; for a mix of architectures, in one line naming both and the first missing tensor)."""
     kept, aliases = unique_tensors(model)
+    base, folder = Path(config_dir), Path(reader.folder)
+    kinds = (declared_architecture(folder), declared_architecture(base))
     for key, t in kept.items():
-        name = source_key(key, aliases, reader)
+        try:
+            name = source_key(key, aliases, reader)
+        except ConfigError:
+            if kinds[0] == kinds[1]:
+                raise
+            raise CheckpointError(f"{folder} ({kinds[0]}) and the base model {base} ({kinds[1]}) mix architectures "
+                                  f"whose tensors differ: the first has no {key}") from None
         shape = reader.headers[name].shape
         if shape != tuple(t.shape):
-            whose = "its config.json" if Path(reader.folder) == Path(config_dir) else \
-                f"the config.json of the base model {config_dir}"
-            raise CheckpointError(f"{reader.folder}: {name} is {list(shape)} in the weights but "
-                                  f"{list(t.shape)} by {whose}")
+            whose = "its config.json" if folder == base else f"the config.json of the base model {base}"
+            raise CheckpointError(f"{folder}: {name} is {list(shape)} in the weights but {list(t.shape)} by {whose}")
 
 
 def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list[ShardReader], device,
@@ -303,14 +314,19 @@ def _parts_maker(spec: MoESpec, slots: dict, reader: ShardReader, branches: list
     return make
 
 
-def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, plan, dt: torch.dtype,
+def _write_metadata(tmp: Path, sources: dict[str, Path], moe: nn.Module, aliases: dict, fmt, plan, dt: torch.dtype,
                     why: str, base_model: list | str | None, title: str) -> str:
     """config.json, moekit.json (or, for a native format, moekit_spec.json beside the native config), the
-    source's tokenizer/generation files and the model card; returns which readers compute a native export as
-    moekit does (moekit.checkpoint.export.write.readers_note; "" for moekit's format)."""
+    tokenizer/generation files of the source (the first of `sources`, {published name: folder}) and the model
+    card, with the license the sources' cards agree on (moekit.checkpoint.card.licenses); returns which readers
+    compute a native export as moekit does (moekit.checkpoint.export.write.readers_note; "" for moekit's
+    format)."""
     import json
 
     from moekit.checkpoint.export.write import readers_note
+
+    source, src = next(iter(sources.items()))
+    license_fields, license_facts = licenses(list(sources.values()), list(sources))
 
     dtype = str(dt).removeprefix("torch.")
     spec = spec_of(moe).model_dump(mode="json")
@@ -323,7 +339,7 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
     else:
         fmt.write_config(moe, plan, tmp)
         diversities = {path: m.init_diversity for path, m in moe_layers(moe)}
-        (tmp / "moekit_spec.json").write_text(json.dumps({"spec": spec, "source": str(src), "format": fmt.name,
+        (tmp / "moekit_spec.json").write_text(json.dumps({"spec": spec, "source": source, "format": fmt.name,
                                                           "layout": plan.layout, "init_diversity": diversities},
                                                          indent=2))
         readers = readers_note(fmt.reader_gaps(moe, plan))
@@ -334,7 +350,8 @@ def _write_metadata(tmp: Path, src: Path, moe: nn.Module, aliases: dict, fmt, pl
     write_card(tmp, title=title, architecture=type(moe).__name__,
                base_model=ids, method=spec["init"]["method"],
                spec=spec, fmt=f"{name} ({why})", dtype=dtype, params=param_counts(moe),
-               extra={**diversity_fact(init_diversity(moe)), **({"readers": readers} if readers else {})},
+               license=license_fields, extra={**diversity_fact(init_diversity(moe)), **license_facts,
+                                              **({"readers": readers} if readers else {})},
                checked=["every planned tensor written exactly once, and the shard headers re-read and validated",
                         "dense weights and every initialized expert finite (unless --allow-nonfinite)"])
     return readers

@@ -24,8 +24,9 @@ class MoekitConfig(PretrainedConfig):
 
 
 def wrapped(config: PretrainedConfig) -> dict:
-    """The config.json content of a moekit checkpoint whose base model has `config`."""
-    base = config.to_dict()
+    """The config.json content of a moekit checkpoint whose base model has `config`, without `_name_or_path`
+    (where this machine held the base model: never published; moekit.checkpoint.dense.load_config sets it)."""
+    base = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
     return {**base, "model_type": MODEL_TYPE, "base_model_type": base["model_type"],
             "base_architectures": base.get("architectures"), "architectures": ["MoekitModel"]}
 

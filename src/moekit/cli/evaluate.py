@@ -1,5 +1,6 @@
 """`moekit evaluate RUN_DIR`: re-evaluate a finished run of any task (translation and instruct: BLEU/chrF, ROUGE-L,
-loss, KL, diversity, usage; text: held-out loss and perplexity; asr: WER/CER and routing statistics)."""
+loss, KL, diversity, usage; text: held-out loss and perplexity; asr: WER/CER and routing statistics; speech_llm:
+BLEU/chrF/COMET or WER/CER per direction, loss, usage)."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,8 @@ def run(args: argparse.Namespace) -> None:
     if not (run_dir / "recipe.yaml").is_file() or not (run_dir / "model").is_dir():
         raise CheckpointError(f"{run_dir} is not a finished run (needs recipe.yaml and model/)")
     recipe = load_recipe(run_dir / "recipe.yaml", [f"out={run_dir}"])
+    if recipe.task == "speech_llm":
+        return run_speech_llm(recipe, run_dir, args.device)
     if recipe.task in ("asr", "text"):
         return (run_asr if recipe.task == "asr" else run_text)(recipe, run_dir, args.device)
     tok = load_tokenizer(run_dir / "model", recipe.model.trust_remote_code)
@@ -59,6 +62,15 @@ def run_asr(recipe, run_dir: Path, device: str) -> None:
     with progress():
         results = report(recipe, model, load_speech(recipe, run_dir / "model"), test, history)
     out_console().print(asr_table(results, title=f"{recipe.name} ({run_dir})"))
+
+
+def run_speech_llm(recipe, run_dir: Path, device: str) -> None:
+    from moekit.cli.tables import run_table
+    from moekit.train.speech_llm import evaluate_run
+
+    with progress():
+        results = evaluate_run(recipe, run_dir, device)
+    out_console().print(run_table(recipe.model_copy(update={"out": str(run_dir)}), results))
 
 
 def run_text(recipe, run_dir: Path, device: str) -> None:

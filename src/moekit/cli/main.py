@@ -24,7 +24,7 @@ COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, se
 # The library words a remedy as the keyword argument it takes (`overwrite=True`); the command line as its flag.
 FLAGS = {f"{name}=True": "--" + name.replace("_", "-")
          for name in ("overwrite", "allow_pickle", "allow_nonfinite", "trust_remote_code", "force", "resume",
-                     "allow_same_experts", "allow_crimes")}
+                     "allow_same_experts", "allow_crimes", "allow_other_model")}
 
 
 class Version(argparse.Action):
@@ -72,13 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    """parse_args, except that `key=value` words after options go to commands that take overrides."""
+    """parse_args, except that the positional words of commands that take a recipe and overrides may stand between
+    and after options, in any order (`moekit upcycle CONFIG --flag OUT`, as mergekit-moe's command line takes them;
+    argparse stops at the first option): the recipe first, if none came before, then the overrides."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        takes = getattr(args, "overrides", None) is not None
-        if not takes or any(e.startswith("-") or "=" not in e for e in extra):
+        if getattr(args, "overrides", None) is None or any(e.startswith("-") for e in extra):
             chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+        if getattr(args, "recipe", "") is None:
+            args.recipe, extra = extra[0], extra[1:]
         args.overrides += extra
     return args
 

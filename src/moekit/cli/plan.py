@@ -75,13 +75,15 @@ def state_table(plan) -> Table:
     return t
 
 
-def share_table(plan, device_memory: int | None) -> Table:
-    t = Table(title=f"Per device over {plan.devices} devices (computed from the counts above, not measured)")
+def share_table(plan, rows, dtype: str, device_memory: int | None) -> Table:
+    how = "as the recipe stores the parameters" if dtype == plan.dtype else f"model.dtype {dtype}"
+    t = Table(title=f"Per device over {plan.devices} devices, every engine's weights, gradients and AdamW state in "
+                    f"{dtype} ({how}; computed from the counts above, not measured)")
     columns = ["engine", "parameters", "gradients", "optimizer", "buffers", "activations", "total"]
     columns += [f"fits {size(device_memory)}"] if device_memory else []
     for c in columns:
         t.add_column(c, justify="left" if c == "engine" else "right")
-    for s in plan.shares:
+    for s in rows:
         if s.engine.startswith("EP: "):
             t.add_row(f"expert parallel: {s.engine[4:]}", *[""] * (len(columns) - 1))
             continue
@@ -101,14 +103,17 @@ def print_plan(plan, device_memory: int | None = None) -> None:
               f"{'on' if plan.gradient_checkpointing else 'off'}; optimizer state as torch AdamW keeps it (2 states "
               "in the parameter dtype and a float32 step per tensor)")
     out.print(state_table(plan))
-    out.print(share_table(plan, device_memory))
+    out.print(share_table(plan, plan.shares, plan.dtype, device_memory))
+    out.print(share_table(plan, plan.other_shares, plan.other_dtype, device_memory))
     notes = [
         "DDP: everything replicated, plus its gradient buckets; ZeRO-2: gradients and optimizer state sharded, "
         "parameters replicated; ZeRO-3 and FSDP2: parameters, gradients and optimizer state sharded; EP: each MoE "
         "layer's routed experts split over the EP ranks (moekit.train.memory states each engine's convention)",
-        "DeepSpeed (ZeRO-2/3): parameters and gradients in bf16 under bf16/fp16 precision, 12 bytes of optimizer "
-        "state per trainable parameter (fp32 master copy + 2 AdamW states); FSDP2: sharded parameters in their "
-        "stored dtype are the optimizer's (no master copy)",
+        "each table keeps every engine's weights and AdamW state in one dtype: float32 (16 B per trainable "
+        "parameter under bf16 autocast: DeepSpeed's default fp32 master copy, or the float32 parameters of DDP and "
+        "FSDP2) or bfloat16 (8 B: DDP and FSDP2 on bfloat16 parameters, DeepSpeed with bf16_master_weights_and_grads "
+        "and bf16_optimizer_states; ZeRO-2 10 B, its master partition being a copy); DeepSpeed's parameters and "
+        "gradients are in bf16 under bf16/fp16 precision",
         "buffers: autocast's bf16 copies of fp32 Linear weights (single, DDP, EP), DDP's gradient buckets, the "
         "decoder layers ZeRO-3 / FSDP2 gather",
         f"activations: an estimate of what autograd keeps for the backward (moekit.train.memory.token_bytes; within "

@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
                    help="also speak the English test texts with flite voices (a family unseen in training)")
     c.add_argument("--texts", nargs="+", action="extend", type=lang_file, metavar="LANG=FILE",
                    help="one sentence per line for each language, instead of the Bible")
+    c.add_argument("--targets", type=langs, default=[],
+                   help="speech translation: with --langs en, also write CoVoST 2-style covost_v2.en_XX.SPLIT.tsv files "
+                        "pairing each English clip with the same verse in these languages, e.g. de,fr (default: none)")
     c.add_argument("--books", type=numbers,
                    help="Bible books to draw from, e.g. 40,41,42,43 (default: all)")
     c.add_argument("--seed", type=int, help="texts, voices and their pairing (default: 0)")
@@ -56,7 +59,7 @@ def config_of(args: argparse.Namespace):
 
     texts = {lang: str(path) for lang, path in lang_files(args.texts, "--texts").items()}
     data = {key: getattr(args, key) for key in OPTIONS if getattr(args, key) is not None}
-    data.update(langs=args.langs, flite_test=args.flite_test, books=args.books,
+    data.update(langs=args.langs, flite_test=args.flite_test, books=args.books, targets=args.targets,
                 texts=texts)
     return validate(CorpusConfig, data, source="speech corpus options")
 

@@ -6,18 +6,20 @@ from rich.table import Table
 from moekit.eval.translation import CSV_COLUMNS, result_rows
 
 
-_FORMATS = {"rougeL": "{:.2f}", "bleu": "{:.2f}", "chrf": "{:.2f}", "loss": "{:.4f}", "kl": "{:.4g}",
+_FORMATS = {"rougeL": "{:.2f}", "bleu": "{:.2f}", "chrf": "{:.2f}", "comet": "{:.2f}", "wer": "{:.3f}", "cer": "{:.3f}", "loss": "{:.4f}", "kl": "{:.4g}",
             "diversity_init": "{:.4f}", "diversity": "{:.4f}", "n": "{:,}", "total_params": "{:,}", "active_params": "{:,}"}
 
 
-def results_table(rows: list[dict], title: str | None = None) -> Table:
-    """A rich Table of `result_rows` (columns that are empty in every row are left out)."""
-    columns = [c for c in CSV_COLUMNS if any(r.get(c) is not None for r in rows)]
+def results_table(rows: list[dict], title: str | None = None, columns: tuple[str, ...] = CSV_COLUMNS) -> Table:
+    """A rich Table of `result_rows` (columns that are empty in every row are left out; text shown as it is, e.g.
+    COMET's "not computed")."""
+    columns = [c for c in columns if any(r.get(c) is not None for r in rows)]
     table = Table(title=title)
     for c in columns:
         table.add_column(c, justify="left" if c == "direction" else "right")
     for r in rows:
-        table.add_row(*("" if r.get(c) is None else _FORMATS.get(c, "{}").format(r[c]) for c in columns))
+        table.add_row(*("" if r.get(c) is None else r[c] if isinstance(r[c], str) else _FORMATS.get(c, "{}").format(r[c])
+                        for c in columns))
     return table
 
 
@@ -38,4 +40,8 @@ def asr_table(results: dict, title: str | None = None):
 def run_table(recipe, results: dict) -> Table:
     """The results table of a finished run of any task."""
     title = f"{recipe.name} ({recipe.out})"
+    if recipe.task == "speech_llm":
+        from moekit.eval import s2tt
+
+        return results_table(s2tt.result_rows(results), title=title, columns=s2tt.CSV_COLUMNS)
     return asr_table(results, title=title) if recipe.task == "asr" else results_table(result_rows(results), title=title)

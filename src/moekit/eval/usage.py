@@ -25,14 +25,15 @@ def inference(model: nn.Module) -> Iterator[None]:
 
 
 def usage_counts(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """{MoE layer path: (E,) routed (token, slot) assignments per expert} over non-padding tokens."""
+    """{MoE layer path: (E,) routed (token, slot) assignments per expert} over non-padding tokens. A batch holds
+    the model's inputs (input_ids, attention_mask, and e.g. a speech-LLM's audio features); labels are ignored."""
     layers = moe_layers(model)
     counts = {path: torch.zeros(m.router.num_experts, dtype=torch.long) for path, m in layers}
     with inference(model):
         for b in batches:
-            ids = b["input_ids"].to(model.device)  # (B, L)
-            mask = b.get("attention_mask", torch.ones_like(ids)).to(model.device)  # (B, L)
-            model(input_ids=ids, attention_mask=mask)
+            inputs = {k: v.to(model.device) for k, v in b.items() if k != "labels"}
+            mask = inputs.setdefault("attention_mask", torch.ones_like(inputs["input_ids"]))  # (B, L)
+            model(**inputs)
             for path, m in layers:
                 counts[path] += m.last_routing.tokens_per_expert(mask).cpu()  # routing rows are (B·L, k)
     return counts

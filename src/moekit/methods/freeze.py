@@ -22,10 +22,13 @@ Predicate = Callable[[str], bool]
 class FreezeConfig(Config):
     """none: everything trains. spri_two_stage (SPRI §2.4): for the first tau·T optimizer steps only
     the routed experts' down projections and the routers train, then every parameter trains.
-    ume (UME §III-C): only MoE layers (routed and shared experts, routers) train, throughout."""
+    ume (UME §III-C): only MoE layers (routed and shared experts, routers) train, throughout. `frozen`: module paths
+    whose parameters never train, in any stage (a speech-LLM recipe's model.freeze_audio fills in its audio encoder
+    and adapter)."""
 
     schedule: Literal["none", "spri_two_stage", "ume"] = "none"
     tau: float = Field(0.1, ge=0.0, le=1.0)
+    frozen: list[str] = Field(default_factory=list)
 
 
 def _under(prefixes: list[str], suffixes: tuple[str, ...] = ("",)) -> Predicate:
@@ -34,7 +37,15 @@ def _under(prefixes: list[str], suffixes: tuple[str, ...] = ("",)) -> Predicate:
 
 
 def stage_predicate(model: nn.Module, cfg: FreezeConfig, step: int, total_steps: int) -> Predicate:
-    """Which parameter names train at optimizer step `step` (0-based)."""
+    """Which parameter names train at optimizer step `step` (0-based); never those under `cfg.frozen`."""
+    trains = _schedule(model, cfg, step, total_steps)
+    if not cfg.frozen:
+        return trains
+    never = _under(cfg.frozen)
+    return lambda name: trains(name) and not never(name)
+
+
+def _schedule(model: nn.Module, cfg: FreezeConfig, step: int, total_steps: int) -> Predicate:
     paths = [p for p, _ in moe_layers(model)]
     if cfg.schedule == "ume":
         return _under(paths)

@@ -7,6 +7,10 @@ A corpus directory holds
                             ("train" | "test"), seconds
   audio/<lang>/<id>.wav     16 kHz mono 16-bit PCM
   corpus.json               the config, utterance counts, voices and total hours
+With `targets` (speech translation, Bible texts only) it also holds the English speech as CoVoST 2's release
+lays it out, read by speech-LLM recipes (moekit.speech.s2tt, data.format covost, data.clips CORPUS/audio/en):
+  covost_v2.en_XX.{train,test}.tsv   per target: path (the clip in audio/en), sentence, translation (the same verse
+                                     in XX), client_id (the voice)
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from typing import NamedTuple
 from pydantic import Field, model_validator
 
 from moekit.config import Config
-from moekit.data.parallel import BIBLE_CODE, LANG_NAMES
+from moekit.data.parallel import BIBLE_CODE, LANG_NAMES, json_lines
 from moekit.errors import ConfigError
 from moekit._fs import output, reserve
 from moekit.progress import report
@@ -45,6 +49,7 @@ class CorpusConfig(Config):
     books: list[int] | None = None  # Bible books to draw from (1 = Genesis ... 66); None = all
     max_chars: int = Field(200, ge=10)  # longer texts are skipped
     flite_test: bool = False  # English: also speak the test texts with flite (a voice family unseen in training)
+    targets: list[str] = Field(default_factory=list)  # speech translation: the verses in these languages (langs: en)
     seed: int = 0
     workers: int = Field(2, ge=1)  # parallel synthesis processes
 
@@ -60,6 +65,10 @@ class CorpusConfig(Config):
             raise ValueError(f"no espeak-ng voice for {unvoiced}; voiced: {', '.join(sorted(ESPEAK_LANG))}")
         if self.voices + self.test_voices > max_voices():
             raise ValueError(f"voices + test_voices must be at most {max_voices()}")
+        if self.targets and (self.langs != ["en"] or self.texts or self.flite_test or "en" in self.targets
+                             or any(t not in BIBLE_CODE for t in self.targets)):
+            raise ValueError("targets (speech translation) speak English Bible verses: langs en alone, Bible targets "
+                             f"other than en ({', '.join(sorted(BIBLE_CODE))}), no texts files, no flite_test")
         if self.flite_test and "en" not in self.langs:
             raise ValueError("flite_test speaks English test texts: add en to langs")
         if any(not 1 <= b <= 66 for b in self.books or []):
@@ -114,7 +123,7 @@ def _bible_texts(cfg: CorpusConfig) -> dict[str, list[tuple[str, str]]]:
     from moekit.assets import bible_verses
 
     return {lang: [(f"{v.book}:{v.chapter}:{v.verse}", v.text) for v in bible_verses(BIBLE_CODE[lang], cfg.books)]
-            for lang in cfg.langs}
+            for lang in [*cfg.langs, *cfg.targets]}
 
 
 def _file_texts(cfg: CorpusConfig) -> dict[str, list[tuple[str, str]]]:
@@ -158,6 +167,21 @@ def split_texts(cfg: CorpusConfig) -> dict[str, tuple[list[tuple[str, str]], lis
         random.Random(cfg.seed).shuffle(items)  # same order for aligned ids in every language
         out[lang] = (items[cfg.test_per_lang:need], items[:cfg.test_per_lang])
     return out
+
+
+def target_texts(cfg: CorpusConfig) -> dict[str, dict[str, str]]:
+    """{target: {verse id: the verse in the target}} (speech translation)."""
+    raw = _bible_texts(cfg)
+    return {t: _usable(raw[t], cfg.max_chars) for t in cfg.targets}
+
+
+def _write_covost(cfg: CorpusConfig, rows: list[dict], root: Path) -> None:
+    for t, verses in target_texts(cfg).items():
+        for split in ("train", "test"):
+            lines = ["path\tsentence\ttranslation\tclient_id", *(
+                f"{Path(r['audio']).name}\t{r['text']}\t{verses[r['text_id']]}\t{r['voice']}"
+                for r in rows if r["split"] == split)]
+            (root / f"covost_v2.en_{t}.{split}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def plan(cfg: CorpusConfig) -> list[_Job]:
@@ -229,6 +253,8 @@ def _build(cfg: CorpusConfig, jobs: list, out: str | Path) -> Path:
                  "seconds": _seconds(tmp / _audio(j))} for j in jobs]
         (tmp / "manifest.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
                                             encoding="utf-8")
+        if cfg.targets:
+            _write_covost(cfg, rows, tmp)
         (tmp / "corpus.json").write_text(json.dumps(_summary(cfg, rows), indent=2, ensure_ascii=False),
                                          encoding="utf-8")
     return Path(out)
@@ -240,21 +266,14 @@ def read_manifest(path: str | Path) -> list[Utterance]:
     if path.is_dir():
         path = path / "manifest.jsonl"
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        records = list(json_lines(path))
+    except OSError as e:
         raise ConfigError(f"cannot read manifest {path}: {e}") from None
-    root, out = path.parent.resolve(), []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            out.append(_utterance(line, root, f"{path}:{n}"))
-    return out
+    root = path.parent.resolve()
+    return [_utterance(d, root, f"{path}:{n}") for n, d in records]
 
 
-def _utterance(line: str, root: Path, where: str) -> Utterance:
-    try:
-        d = json.loads(line)
-    except (ValueError, RecursionError) as e:  # not JSON, nested too deeply, or a number too long to convert
-        raise ConfigError(f"{where}: not JSON ({type(e).__name__}: {e})") from None
+def _utterance(d, root: Path, where: str) -> Utterance:
     if not isinstance(d, dict) or set(FIELDS) - set(d):
         missing = sorted(set(FIELDS) - set(d)) if isinstance(d, dict) else list(FIELDS)
         raise ConfigError(f"{where}: expected a JSON object with {', '.join(FIELDS)}; missing {', '.join(missing)}")

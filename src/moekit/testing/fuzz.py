@@ -11,7 +11,6 @@ field, a cache's links), and the library call that reads it, run in this process
   memory   an allocation failed under the address-space limit set around each case (RLIMIT_AS: the process's
            size then plus MEMORY_BUDGET): a size the input declares was allocated before it was checked
   touched  a file was created, changed or removed outside the case's own input (the seed, the fuzz root)
-  known    a crash whose message matches the reader's known issues (being fixed elsewhere; empty the list then)
 
 Why our own mutators and not hypothesis or atheris: a case must be reproducible and countable by its index alone
 (`random.Random(f"{reader}:{seed}:{index}")`), so that bench/fuzz.py can stop anywhere and resume at the next
@@ -38,7 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-OUTCOMES = ("ok", "error", "known", "crash", "timeout", "memory", "touched")
+OUTCOMES = ("ok", "error", "crash", "timeout", "memory", "touched")
 FAILURES = ("crash", "timeout", "memory", "touched")
 MEMORY_BUDGET = 2 << 30  # bytes of address space a case may add (the fixtures are a few hundred KiB)
 TIMEOUT = 10.0  # seconds a case may run
@@ -47,14 +46,12 @@ TIMEOUT = 10.0  # seconds a case may run
 @dataclass
 class Reader:
     """One reader of untrusted input: `build(seed_dir)` writes the valid seed once; `mutate(rng, seed_dir, case_dir)`
-    writes one case's input into the empty `case_dir`; `read(case_dir)` is the library call under test. `known`:
-    regexes of crash messages that another change fixes (they count as `known`, not `crash`)."""
+    writes one case's input into the empty `case_dir`; `read(case_dir)` is the library call under test."""
 
     name: str
     build: Callable[[Path], None]
     mutate: Callable[[random.Random, Path, Path], None]
     read: Callable[[Path], object]
-    known: tuple[str, ...] = ()
     output: str | None = None  # what `read` writes into the case folder (allowed when it succeeds, and only then)
 
 
@@ -121,7 +118,7 @@ def state_of(root: Path, skip: str | None = None) -> dict[str, tuple]:
 _MEMORY = re.compile(r"can't allocate memory|bad_alloc|Cannot allocate memory|out of memory", re.I)
 
 
-def classify(e: BaseException, known: tuple[str, ...]) -> Result:
+def classify(e: BaseException) -> Result:
     """The outcome of a reader that raised `e`."""
     from moekit.cli.main import message
     from moekit.errors import MoekitError
@@ -140,8 +137,6 @@ def classify(e: BaseException, known: tuple[str, ...]) -> Result:
     ours = [f for f in frames if "moekit" in f.filename and "testing" not in f.filename]
     where = "".join(f" at {Path(f.filename).name}:{f.lineno}" for f in [*ours[-1:], *frames[-1:]] if f)
     detail = f"{type(e).__name__}: {text[:300]}{where}"
-    if any(re.search(k, detail) for k in known):
-        return Result("known", detail)
     return Result("crash", detail)
 
 
@@ -168,7 +163,7 @@ def run_case(reader: Reader, seed_dir: Path, root: Path, seed: int, index: int,
     except BaseException as e:  # noqa: BLE001  (the outcome of every case is recorded, whatever it raised)
         if isinstance(e, KeyboardInterrupt):
             raise
-        result = classify(e, reader.known)
+        result = classify(e)
     finally:
         os.chdir(cwd)
     made = reader.output is not None and result.outcome == "ok" and (case / reader.output).exists()

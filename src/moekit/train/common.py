@@ -45,6 +45,14 @@ def adapt(recipe, model: nn.Module, tokenizer=None) -> nn.Module:
     return method(recipe.method).adapt(recipe, model, tokenizer).train()
 
 
+def check_base(recipe) -> None:
+    """A local model.path the recipe's method cannot start from, refused before any work (TrainingMethod.prepared:
+    e.g. a checkpoint upcycled with another MoE spec than the recipe's)."""
+    folder = Path(recipe.model.path)
+    if folder.is_dir():
+        method(recipe.method).prepared(recipe, folder)
+
+
 def build_model(recipe: TranslationRecipe, path: Path) -> nn.Module:
     return adapt(recipe, load_base(recipe, path))
 
@@ -104,7 +112,8 @@ def recipe_inputs(recipe) -> list[Path]:
     d, init = recipe.data, getattr(getattr(recipe, "moe", None), "init", None)
     sources = [] if init is None else init.source_models()
     paths = [*model_inputs(recipe.model.path), *(p for b in sources for p in model_inputs(b))]
-    files = [*getattr(d, "train_files", []), *getattr(d, "test_files", []), getattr(d, "corpus", None)]
+    files = [*getattr(d, "train_files", []), *getattr(d, "test_files", []), getattr(d, "corpus", None),
+             *(getattr(d, k, None) for k in ("path", "clips")), getattr(recipe.eval, "comet", None)]  # speech_llm
     return paths + [Path(f) for f in files if f]
 
 
@@ -117,13 +126,25 @@ def last_checkpoint(run: Path) -> Path | None:
 
 
 def check_checkpoint(last: Path) -> None:
-    """A checkpoint to resume from has its optimizer state and a readable trainer_state.json."""
-    if not (last / "optimizer.pt").is_file():
-        raise CheckpointError(f"cannot resume from {last}: it has no optimizer.pt (an incomplete checkpoint)")
+    """A checkpoint to resume from has a readable trainer_state.json and its optimizer state: the Trainer's
+    optimizer.pt, or under DeepSpeed its `global_step<N>/` folder with one optimizer partition per process of this
+    launch (DeepSpeed resumes a ZeRO checkpoint on as many processes as wrote it)."""
+    from moekit.train.parallel import world_size
+
     try:
-        json.loads(read_small(last / "trainer_state.json", "trainer state", CheckpointError))
-    except (ValueError, RecursionError) as e:
+        state = json.loads(read_small(last / "trainer_state.json", "trainer state", CheckpointError))
+        step = int(state["global_step"])
+    except (ValueError, RecursionError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot resume from {last}: trainer_state.json is unreadable ({e})") from None
+    if (last / "optimizer.pt").is_file():
+        return
+    zero = last / f"global_step{step}"
+    if not zero.is_dir():
+        raise CheckpointError(f"cannot resume from {last}: it has no optimizer.pt (an incomplete checkpoint)")
+    parts, n = len(list(zero.glob("*optim_states.pt"))), world_size()
+    if parts != n:
+        raise CheckpointError(f"cannot resume from {last}: its DeepSpeed optimizer state has {parts} partitions "
+                              f"(in {zero.name}), this launch {n} processes")
 
 
 def resume_point(out: Path, partial: Path, overwrite: bool) -> Path | None:
@@ -152,7 +173,9 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     (rank 0) locks and renames; the other ranks of a multi-process run use the same working directory.
     """
     from moekit.train.args import engine_of
+    from moekit.train.parallel import check_launch
 
+    check_launch()
     out = Path(recipe.out)
     partial = out.parent / f".{out.name}{PARTIAL}"
     if resume and engine_of(recipe).by_transformers:
@@ -184,6 +207,9 @@ def save_final(trainer, out: Path) -> None:
     after saving it (e.g. during evaluation) and resumed, and is replaced."""
     if trainer.is_world_process_zero() and (out / "model").exists():
         remove(out / "model")
+    if trainer.is_deepspeed_enabled and trainer.deepspeed is None:  # a finished run resumed: no engine was made,
+        trainer._save(str(out / "model"))  # the model loaded whole on every process (Trainer.save_model's own path)
+        return
     trainer.save_model(str(out / "model"))
 
 
@@ -197,4 +223,7 @@ def resume_from(trainer, last: Path | None) -> None:
             trainer._load_from_checkpoint(str(last))
             trainer.state = state
             return
-    trainer.train(resume_from_checkpoint=None if last is None else str(last))
+    from moekit.train.parallel import lost_process
+
+    with lost_process(Path(trainer.args.output_dir).parent, last_checkpoint):
+        trainer.train(resume_from_checkpoint=None if last is None else str(last))

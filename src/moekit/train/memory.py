@@ -23,10 +23,12 @@ parameters' own size):
   the frozen tensor and the trainable rows in every forward and kept for the backward: counted as buffers in every
   row.
 * DeepSpeed ZeRO-2: parameters (cast to c bytes) replicated; gradients (c bytes) and optimizer state sharded over N;
-  the optimizer state is 12 bytes per trainable parameter (fp32 master copy, exp_avg, exp_avg_sq: "K = 12" of the
-  ZeRO paper; DeepSpeed keeps the fp32 partition in fp32 training too). Its reduce and all-gather buckets
-  (reduce_bucket_size, allgather_bucket_size) are configuration, not counted.
-* DeepSpeed ZeRO-3: as ZeRO-2 with the parameters sharded too, plus the parameters gathered while a layer runs
+  the optimizer steps a copy of its partition in the master dtype w (the parameters' stored dtype in these tables:
+  float32 is DeepSpeed's default, "K = 12" of the ZeRO paper with AdamW's two states; bfloat16 is its
+  `bf16_master_weights_and_grads` with `bf16_optimizer_states`), 3w bytes per trainable parameter. Its reduce and
+  all-gather buckets (reduce_bucket_size, allgather_bucket_size) are configuration, not counted.
+* DeepSpeed ZeRO-3: as ZeRO-2 with the parameters sharded too, and no copy where the partition is already in the
+  master dtype (c = w: DeepSpeed's stage3.py reuses the partition), plus the parameters gathered while a layer runs
   (estimated as two decoder layers at c bytes: the running one and the prefetched one).
 * FSDP2 full shard (fully_shard per decoder layer, MixedPrecisionPolicy under bf16): parameters, gradients and AdamW
   state sharded over N in the parameters' stored dtype (the sharded parameters are what the optimizer steps; no
@@ -35,15 +37,19 @@ parameters' own size):
   optimizer state) split over E_p ranks; everything else as DDP (replicated), or, in the "EP + FSDP2" row, sharded
   over N as FSDP2. All-to-all dispatch buffers are not counted.
 
-Activations are per device in every row: these engines shard state, not the micro-batch.
+Activations are per device in every row: these engines shard state, not the micro-batch (DeepSpeed's are those of
+its parameters cast to 2 bytes under mixed precision).
+
+Every row of one table keeps its weights, gradients and AdamW state in one dtype w (`shares`' `param_size`): 16
+bytes per trainable parameter on every engine with float32 weights under bf16 autocast (ZeRO-2 20 in float32
+training: its master partition is a copy), 8 with bfloat16 (ZeRO-2 10).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ADAM_STEP = 4  # torch AdamW (foreach and fused) keeps `step` as a float32 scalar tensor per parameter tensor
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
-ZERO_OPTIMIZER = 12  # bytes per trainable parameter in DeepSpeed ZeRO: fp32 master + exp_avg + exp_avg_sq
 GATHERED_LAYERS = 2  # decoder layers unsharded at a time under ZeRO-3 / FSDP2 (the running and the prefetched one)
 ACTIVATION_TOLERANCE = 0.10  # the estimate vs the tensors autograd saved on tiny models (tests/test_plan.py)
 
@@ -100,11 +106,13 @@ class Share:
 
 
 def shares(c: Counts, activations: int, devices: int, expert_parallel: int | None, mixed: bool,
-           param_size: int, ep_reason: str = "") -> list[Share]:
+           param_size: int, ep_reason: str = "", cast_activations: int | None = None) -> list[Share]:
     """Per-device bytes under each engine (see the module docstring). `param_size`: bytes per element of the
-    stored parameters; `mixed`: bf16/fp16 mixed precision; `expert_parallel` None: no EP rows (`ep_reason` says
-    why)."""
+    stored parameters, the master dtype of every engine; `mixed`: bf16/fp16 mixed precision; `expert_parallel`
+    None: no EP rows (`ep_reason` says why); `cast_activations`: DeepSpeed's, computing on parameters cast to
+    2 bytes under mixed precision (default: `activations`)."""
     n, cast = devices, 2 if mixed else param_size
+    zero_acts = activations if cast_activations is None else cast_activations
     # bf16 copies of fp32 Linear weights; the full expert tensors a selection's parametrizations rebuild
     autocast = (2 * c.linear_params if mixed and param_size > 2 else 0) + c.materialized_bytes
     gathered = GATHERED_LAYERS * c.layer_params * cast + c.materialized_bytes
@@ -113,10 +121,10 @@ def shares(c: Counts, activations: int, devices: int, expert_parallel: int | Non
         Share(f"DDP × {n}", c.param_bytes, c.grad_bytes, c.optimizer_bytes, autocast + c.grad_bytes, activations,
               "buffers: gradient buckets (a second copy of the gradients)"),
         Share(f"ZeRO-2 × {n}", c.params * cast, _over(c.trainable * cast, n),
-              _over(c.state * ZERO_OPTIMIZER, n), c.materialized_bytes, activations),
+              _over(c.state * zero_optimizer(2, cast, param_size), n), c.materialized_bytes, zero_acts),
         Share(f"ZeRO-3 × {n}", _over((c.params - c.replicated) * cast, n) + c.replicated * cast,
               _over(c.trainable * cast, n),
-              _over(c.state * ZERO_OPTIMIZER, n), gathered, activations,
+              _over(c.state * zero_optimizer(3, cast, param_size), n), gathered, zero_acts,
               f"buffers: {GATHERED_LAYERS} decoder layers gathered"),
         Share(f"FSDP2 × {n}", _over(c.param_bytes - c.replicated_bytes, n) + c.replicated_bytes,
               _over(c.grad_bytes, n), _over(c.optimizer_bytes, n),
@@ -127,6 +135,21 @@ def shares(c: Counts, activations: int, devices: int, expert_parallel: int | Non
     elif ep_reason:
         rows.append(Share(f"EP: {ep_reason}", 0, 0, 0, 0, 0))
     return rows
+
+
+def zero_optimizer(stage: int, cast: int, master: int) -> int:
+    """Bytes per trainable parameter of DeepSpeed ZeRO's optimizer: the master partition (a copy, except under ZeRO-3
+    where the partition is already in the master dtype) and AdamW's two states, all in the master dtype."""
+    copy = master if stage == 2 or cast != master else 0
+    return copy + ADAM_STATES * master
+
+
+def recast(c: Counts, size: int, stored: int) -> Counts:
+    """`c` with every parameter (and rebuilt tensor) held in `size` bytes per element instead of `stored`."""
+    return replace(c, param_bytes=c.params * size, replicated_bytes=c.replicated * size,
+                   trainable_bytes=c.trainable * size, state_bytes=c.state * size, routed_bytes=c.routed * size,
+                   routed_trainable_bytes=c.routed_trainable * size, routed_state_bytes=c.routed_state * size,
+                   materialized_bytes=c.materialized_bytes * size // stored)
 
 
 def _over(nbytes: int, n: int) -> int:

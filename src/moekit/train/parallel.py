@@ -35,7 +35,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor, nn
 
-from moekit.errors import ConfigError
+from moekit.errors import ConfigError, MoekitError
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed keys the Trainer fills from TrainingArguments -> the recipe key that sets them
@@ -79,6 +79,43 @@ def world_size() -> int:
         return max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 1
+
+
+def check_launch() -> None:
+    """`accelerate launch` asked for several processes without an accelerate config (or its multi_gpu mode) on a
+    machine without GPUs runs its simple launcher: one process, given MASTER_ADDR/MASTER_PORT but no WORLD_SIZE
+    (it leaves several CPU processes to MPI, which would set the world size). Refused before any work, rather than
+    training on one process."""
+    env = os.environ
+    mpi = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    if "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env and not any(k in env for k in mpi):
+        raise ConfigError("accelerate launch started one process where several were asked for: without an "
+                          "accelerate config on a machine without GPUs it starts one unless MPI starts them; start "
+                          "them with accelerate launch's multi_gpu option (it runs torchrun; gloo on the CPU) or with "
+                          "torchrun's nproc-per-node")
+
+
+@contextlib.contextmanager
+def lost_process(work: Path, last_checkpoint) -> Iterator[None]:
+    """A collective that fails because another process of the launch ended (killed, out of memory: gloo's "Connection
+    reset/closed by peer", NCCL's errors) becomes one MoekitError naming the process that ended (in a launch of 2,
+    the other one) and what is left of the run: its last checkpoint, kept in `work` to resume from, or nothing
+    (`last_checkpoint(work)`: the checkpoint or None; the main process removes a run without one)."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        gloo = re.search(r"Connection (?:reset|closed) by peer(?: \[[^\]]*\](?::\d+)?)?", str(e))
+        if world_size() < 2 or not (gloo or isinstance(e, dist.DistBackendError)):
+            raise
+        rank, n = int(os.environ.get("RANK", "0")), world_size()
+        who = f"process {1 - rank}" if n == 2 else "another process"
+        last = last_checkpoint(work)
+        left = (f"{work} keeps {last.name}: resume=True continues it" if last is not None else
+                "no checkpoint was saved, the run is removed" if is_main() else f"no checkpoint in {work}")
+        raise MoekitError(f"process {rank} of {n}: {who} of this launch ended during training "
+                          f"({gloo.group(0) if gloo else str(e).splitlines()[0][:160]}); {left}") from None
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed config
@@ -289,9 +326,42 @@ def zero3_leaves(model: nn.Module, extra: list[nn.Module] = ()) -> list[nn.Modul
     units = [m for m in [*moe_blocks(model), *extra] if id(m) in names]
     if units:
         set_z3_leaf_modules_by_name(model, [names[id(m)] for m in units])
+        share_across_leaves(units)
     for unit in units:
         unit.register_forward_pre_hook(input_requires_grad)
     return units
+
+
+def share_across_leaves(units: list[nn.Module]) -> None:
+    """Parameters in several leaves (Omni-router: one router in every MoE block) are reduced as DeepSpeed reduces any
+    parameter outside a leaf: once their gradient is accumulated (a post-accumulate-grad hook), i.e. once per backward
+    with every use summed. DeepSpeed files a leaf parameter under the last leaf that holds it and reduces it when that
+    leaf's backward ends, the first MoE layer of the backward, before the other layers' shares arrive (a zero
+    gradient then, the real one left in .grad). DeepSpeed tells leaf parameters by a `ds_z3_leaf_module` attribute,
+    set before it makes its reduce hooks: it is removed from these in between."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    seen: dict[int, int] = {}
+    for unit in units:
+        for p in unit.parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    for unit in units:
+        for p in unit.parameters():
+            if seen[id(p)] > 1:
+                p.moekit_shared_leaf = True
+    make_hooks = Stage3.create_reduce_and_remove_grad_hooks
+    if getattr(make_hooks, "moekit", False):
+        return
+
+    def create_reduce_and_remove_grad_hooks(self):
+        for group in self.fp16_groups:
+            for p in group:
+                if getattr(p, "moekit_shared_leaf", False) and hasattr(p, "ds_z3_leaf_module"):
+                    del p.ds_z3_leaf_module
+        return make_hooks(self)
+
+    create_reduce_and_remove_grad_hooks.moekit = True
+    Stage3.create_reduce_and_remove_grad_hooks = create_reduce_and_remove_grad_hooks
 
 
 def input_requires_grad(module: nn.Module, args: tuple):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moekit.errors import ConfigError
-from moekit.train.memory import ACTIVATION_TOLERANCE, Counts, Geometry, Share, shares, token_bytes
+from moekit.train.memory import ACTIVATION_TOLERANCE, Counts, Geometry, Share, recast, shares, token_bytes
 from moekit.train.plan_model import (geometry, largest_layer, linear_params, routed_names, stages_of, trains_now,
                                      unique_params)
 
@@ -53,7 +53,9 @@ class Plan:
     activations: int | None  # per micro-batch (micro_batch × max_length tokens, every example at max_length)
     devices: int
     expert_parallel: int | None
-    shares: list[Share]
+    shares: list[Share]  # every engine with its weights and AdamW state in the parameters' stored dtype
+    other_dtype: str  # the same engines with every weight and state in this dtype instead
+    other_shares: list[Share]
     notes: list[str] = field(default_factory=list)
     geometry: Geometry | None = None  # what the activation estimate saw
 
@@ -141,15 +143,13 @@ def plan(model: nn.Module, folder: Path, shapes: str, stages: list[tuple[str, Pr
     experts = [site.num_experts for site in moe_sites(model)]
     ep, why = check_devices(s.devices, s.expert_parallel, experts)
     dtype = next((p.dtype for _, p in unique_params(model)), torch.float32)
-    p_size = torch.empty(0, dtype=dtype).element_size()
-    mixed = s.precision in ("bf16", "fp16")
-    a_size = 2 if mixed or p_size == 2 else 4
+    p_size = dtype.itemsize
+    other = torch.bfloat16 if p_size == 4 else torch.float32
     peak = max(stages, key=lambda st: sum(x.params for x in staged if x.name == st[0]))[1]
     geo = geometry(model, peak, s.aux_losses, s.lora_dropout)
-    per_token = None if geo is None else token_bytes(geo, a_size, p_size, s.gradient_checkpointing)
-    tokens = s.micro_batch * s.max_length
-    acts = None if per_token is None else per_token * tokens
-    rows = shares(c, acts or 0, s.devices, ep, mixed, p_size, why)
+    per_token, rows = _table(c, geo, s, ep, why, p_size, p_size)
+    _, other_rows = _table(c, geo, s, ep, why, other.itemsize, p_size)
+    acts = None if per_token is None else per_token * s.micro_batch * s.max_length
     frozen = c.param_bytes - c.state_bytes
     more = [*notes, *([] if geo is None else geo.notes)]
     if geo is None:
@@ -158,7 +158,24 @@ def plan(model: nn.Module, folder: Path, shapes: str, stages: list[tuple[str, Pr
                 c.param_bytes, c.trainable, c.trainable_bytes, c.grad_bytes, c.optimizer_bytes, frozen,
                 c.routed + c.replicated,
                 staged, s.micro_batch, s.max_length, s.gradient_checkpointing,
-                None if per_token is None else per_token * 1000, acts, s.devices, ep, rows, more, geo)
+                None if per_token is None else per_token * 1000, acts, s.devices, ep, rows,
+                str(other).removeprefix("torch."), other_rows, more, geo)
+
+
+def _table(c: Counts, geo: Geometry | None, s: Setting, ep: int | None, why: str, size: int,
+           stored: int) -> tuple[int | None, list[Share]]:
+    """(activation bytes per token, the engines' rows) with every weight, gradient and AdamW state in `size` bytes
+    per element (the counts `c` are in `stored` bytes). DeepSpeed computes on its parameters cast to 2 bytes under
+    bf16/fp16: its activations are those of 2-byte parameters."""
+    mixed = s.precision in ("bf16", "fp16")
+
+    def per_token(p: int) -> int | None:
+        return None if geo is None else token_bytes(geo, 2 if mixed or p == 2 else 4, p, s.gradient_checkpointing)
+
+    tokens = s.micro_batch * s.max_length
+    own, cast = per_token(size), per_token(2 if mixed else size)
+    counts = c if size == stored else recast(c, size, stored)
+    return own, shares(counts, (own or 0) * tokens, s.devices, ep, mixed, size, why, (cast or 0) * tokens)
 
 
 # ---------------------------------------------------------------------------------------------- recipes
@@ -171,16 +188,20 @@ def plan_recipe(recipe, devices: int = 8, expert_parallel: int | None = None, lo
     if devices < 1:
         raise ConfigError(f"devices must be a positive count, got {devices}")
     model, folder, shapes = recipe_model(recipe, log)
-    t = recipe.train
+    t, length, task_notes = recipe.train, _max_length(recipe), []
+    if recipe.task == "speech_llm":  # the audio modules, and a sequence length from the processor
+        from moekit.train.speech_llm import plan_setting
+
+        recipe, length, task_notes = plan_setting(recipe, model, folder)
     stages = stages_of(recipe, model)
     init = f", {recipe.moe.init.method} init" if getattr(recipe, "moe", None) is not None else ""
     setting = Setting(f"moekit train {recipe.name}: {recipe.task}, method {recipe.method}{init}, "
                       f"{recipe.model.path if recipe.task != 'asr' else recipe.model.path or 'CTC'}",
-                      t.precision, t.batch_size, _max_length(recipe), t.gradient_checkpointing,
+                      t.precision, t.batch_size, length, t.gradient_checkpointing,
                       aux_losses=recipe.method == "moe",
                       lora_dropout=getattr(recipe.lora, "dropout", 0) > 0 if recipe.lora else True,
                       devices=devices, expert_parallel=expert_parallel)
-    notes = [*_optimizer_note(t.trainer_args), *_stage_note(stages)]
+    notes = [*task_notes, *_optimizer_note(t.trainer_args), *_stage_note(stages)]
     if recipe.method == "simoe":
         notes.append("SIMoE: activations not estimated (its interpolated layers are not in the formula)")
     return plan(model, folder, shapes, stages, setting, notes=notes)

@@ -14,6 +14,7 @@ from moekit.moe.spec import MoESpec
 from moekit.simoe.model import SIMoEConfig
 from moekit.data.hf import TextDataConfig
 from moekit.speech.data import ASRDataConfig
+from moekit.speech.s2tt import S2TTDataConfig
 from moekit.train.args import check_trainer_keys
 
 
@@ -34,7 +35,7 @@ class LoraConfig(Config):
 
 class AuxConfig(Config):
     """Router auxiliary losses, added per micro-batch: λ_lb · LB + λ_z · Z, each reduced over the MoE layers
-    by `layer_reduction`: "sum" (UME eq. 3 adds α·L_B "into each MoE layer"; Omni-router L_load = Σ_l, eq.
+    by `layer_reduction`: "sum" (UME §III-C-2 adds α·L_B "into each MoE layer"; Omni-router L_load = Σ_l, eq.
     3.5-; Switch/ST-MoE add the loss per layer) or "mean" (each layer weighted λ/L). `balance_variant`: see
     moekit.losses.load_balance (topk, argmax = Switch/UME, omni = Omni-router eqs. 3.3-3.5)."""
 
@@ -124,6 +125,9 @@ class RecipeBase(Config):
                 raise ValueError(f"method={name} needs a `{section}` section, and only method={name} takes one")
         if self.freeze.schedule != "none" and not chosen.freezes:
             raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
+        if self.freeze.frozen and not chosen.keeps_frozen:
+            raise ValueError(f"freeze.frozen applies to method=moe or method=dense, not method={self.method} (whose "
+                             "training would ignore it)")
         return self
 
 
@@ -208,13 +212,62 @@ class TextRecipe(RecipeBase):
     eval: TextEvalConfig = TextEvalConfig()
 
 
-AnyRecipe = TranslationRecipe | InstructRecipe | ASRRecipe | TextRecipe
+class SpeechLLMModelConfig(Config):
+    """A speech-LLM (moekit.speech.llm: Qwen3-ASR, Qwen2-Audio) with its processor in one directory."""
+
+    path: str  # the model directory (weights, config, processor: feature extractor, tokenizer, chat template)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    freeze_audio: bool = False  # the audio encoder and adapter never train (False: they train as the recipe's stages say)
+    instruction: str | None = None  # text in the prompt, {src_name}/{tgt_name} filled in (moekit.speech.llm)
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+
+
+class SpeechLLMEvalConfig(Config):
+    batch_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(256, ge=1)  # Qwen2-Audio's evaluation: greedy, at most 256 new tokens
+    generate: bool = True  # greedy generation for BLEU/chrF (WER/CER for transcription) and COMET
+    loss_per_direction: int = Field(16, ge=1)  # test rows per direction for eval_<dir>_loss every train.eval_every
+    comet: str | None = None  # a local Unbabel/wmt22-comet-da checkpoint (folder or .ckpt); None: COMET not computed
+    comet_batch_size: int = Field(16, ge=1)
+
+
+class SpeechLLMRecipe(RecipeBase):
+    """Speech-to-text with a speech-LLM (moekit.train.speech_llm): En→XX speech translation (SPRI §3) and English
+    transcription, one path: the model's own processor and chat template, loss on the target tokens only, the
+    directions shuffled together, SPRI A.2's length filters, BLEU/chrF (Qwen2-Audio's tokenizers) and COMET."""
+
+    task: Literal["speech_llm"] = "speech_llm"
+    name: str = "speech_llm"
+    out: str = "runs/speech_llm"
+    model: SpeechLLMModelConfig
+    data: S2TTDataConfig = S2TTDataConfig()
+    eval: SpeechLLMEvalConfig = SpeechLLMEvalConfig()
+
+
+AnyRecipe = TranslationRecipe | InstructRecipe | ASRRecipe | TextRecipe | SpeechLLMRecipe
 RECIPE = TypeAdapter(Annotated[AnyRecipe, Field(discriminator="task")])
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> AnyRecipe:
-    """The recipe in a YAML file (after dotted overrides), of the class its `task` names (default
-    translation)."""
+    """The recipe in a YAML file, validated, as `moekit train` reads it.
+
+    Args:
+        path: the recipe's YAML file.
+        overrides: dotted `key=value` settings applied first (values are YAML), e.g. ["train.steps=10"].
+
+    Returns:
+        The recipe, of the class its `task` names (TranslationRecipe by default, InstructRecipe, TextRecipe,
+        ASRRecipe): its `moe` is the MoESpec for moekit.upcycle, `aux` and `freeze` are MoETrainer's settings.
+
+    Raises:
+        ConfigError: an unreadable file, an invalid override, or a key or value the recipe refuses.
+
+    Example:
+        >>> recipe = moekit.load_recipe("recipes/spri_two_stage.yaml", ["train.steps=10"])
+        >>> recipe.freeze.schedule, recipe.moe.num_experts
+        ('spri_two_stage', 8)
+    """
     data = apply_overrides(read_yaml(path), overrides or [])
     data.setdefault("task", "translation")
     return validate(RECIPE, data, source=str(path))
