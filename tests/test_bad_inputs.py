@@ -1803,7 +1803,20 @@ FUZZ_FINDS = [
     Case("fuzz-data-file-starts-with-null",
          lambda t, f: ["train", text_recipe(t, f, [write(t / "d.jsonl", 'null\n{"text": "a b"}\n')])],
          r"d\.jsonl: line 1 is not a JSON object \(each record of a JSON data file is one\)"),
+    Case("fuzz-covost-row-shorter-than-header",
+         lambda t, f: s2tt(t, lambda d: covost_first_row(d, "c0.wav\tsentence 0")),
+         r"covost_v2\.en_de\.train\.tsv:2: the row has fewer fields than the header's 4$"),
+    Case("fuzz-covost-clip-path-leaves-clips",
+         lambda t, f: s2tt(t, lambda d: covost_first_row(d, "../../../etc/passwd\tsentence 0\tde 0\tspk0")),
+         r"covost_v2\.en_de\.train\.tsv:2: clip path '\.\./\.\./\.\./etc/passwd' leaves the clips folder"),
 ]
+
+
+def covost_first_row(folder: Path, row: str) -> None:
+    """The first row of the tiny CoVoST layout's train split replaced by `row`."""
+    tsv = folder / "covost_v2.en_de.train.tsv"
+    lines = tsv.read_text().splitlines()
+    tsv.write_text("\n".join([lines[0], row, *lines[2:]]) + "\n")
 
 # issue 39 (speech-LLM recipes, task speech_llm): bad data and a model that is no speech-LLM, refused before training
 

@@ -21,7 +21,7 @@ from moekit.testing.fuzz_readers import READERS
 CASES = {"safetensors": 300, "safetensors-index": 300, "trace": 300, "selection": 300, "deepspeed": 300,
          "jsonl-pairs": 300, "jsonl-instruct": 300, "speech-manifest": 300, "ct2": 300, "moekit-json": 200,
          "config-json": 150, "hf-cache": 150, "mergekit-yaml": 150, "recipe": 150, "alpaca": 150, "sharegpt": 150,
-         "gguf": 100}
+         "gguf": 100, "covost-tsv": 200}
 
 
 # per case: three times bench/fuzz.py's 10 s, as CI may share its cores (PyYAML takes seconds to refuse a recipe

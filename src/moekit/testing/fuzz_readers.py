@@ -325,6 +325,43 @@ def _read_manifest(f: Path) -> None:
     read_manifest(f)
 
 
+COVOST_TSV = "covost/covost_v2.en_de.train.tsv"
+TSV_CELLS = ["", "../../etc/passwd", "/dev/zero", "c0.wav", "missing.wav", "x" * 10**5, "\x00", "a\"b", "\u00e9", "-1"]
+
+
+def _build_covost(seed: Path) -> None:
+    from moekit.testing.speech_llm import save_tiny_covost
+
+    save_tiny_covost(seed / "covost", directions=("de",), train=3, test=1, seconds=0.2)
+
+
+def _mutate_covost(rng: random.Random, seed: Path, case: Path) -> None:
+    """CoVoST 2's split file with cells replaced (paths that leave the clips folder, devices, empty or huge text),
+    columns dropped, renamed, repeated or reordered, rows of the wrong width; or damaged as bytes."""
+    copy_seed(seed, case)
+    f = case / COVOST_TSV
+    rows = [line.split("\t") for line in f.read_text().splitlines()]
+    for _ in range(rng.randint(1, 4)):
+        r, op = rng.randrange(len(rows)), rng.randrange(4)
+        c = rng.randrange(len(rows[r]))
+        if op == 0:
+            rows[r][c] = rng.choice(TSV_CELLS)
+        elif op == 1:
+            del rows[r][c]
+        elif op == 2:
+            rows[r].insert(c, rng.choice(rows[0]))
+        else:
+            rows[r] = rows[r][::-1]
+    text = "\n".join("\t".join(row) for row in rows) + "\n"
+    f.write_bytes(mutate_text(rng, text) if rng.random() < 0.3 else text.encode("utf-8", "surrogatepass"))
+
+
+def _read_covost(case: Path) -> None:
+    from moekit.speech.s2tt import S2TTDataConfig, load_s2tt
+
+    load_s2tt(S2TTDataConfig(path=str(case / "covost"), directions=["de"], test_split="train"), lambda e: 1)
+
+
 # ---------------------------------------------------------------------------------------------- the readers
 
 READERS: dict[str, Reader] = {r.name: r for r in [
@@ -341,4 +378,5 @@ READERS: dict[str, Reader] = {r.name: r for r in [
     _jsonl_reader("alpaca", "alpaca.jsonl", ALPACA_RECORDS, lambda f: _records(f, "alpaca")),
     _jsonl_reader("sharegpt", "chat.jsonl", CHAT_RECORDS, lambda f: _records(f, "chat")),
     _jsonl_reader("speech-manifest", "manifest.jsonl", MANIFEST, _read_manifest),
+    Reader("covost-tsv", _build_covost, _mutate_covost, _read_covost),
 ]}
