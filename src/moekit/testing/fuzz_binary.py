@@ -137,16 +137,18 @@ def _mutate_sharded(rng: random.Random, seed: Path, case: Path) -> None:
 def _build_trace(seed: Path) -> None:
     import numpy as np
 
-    from moekit.routing.trace import RoutingTrace
+    from moekit.routing.trace import SALIENCY, RoutingTrace
 
     rng = np.random.default_rng(0)
     L, N, k, E = 2, 6, 2, 4
+    saliency = rng.random((2, L, E, len(SALIENCY)))  # (languages, layers, experts, sums); counts are whole numbers
+    saliency[..., 0] = rng.integers(0, 5, (2, L, E))
     ids = np.stack([rng.permutation(E)[:k] for _ in range(L * N)]).reshape(L, N, k).astype(np.int16)
     RoutingTrace(["model.layers.0.mlp", "model.layers.1.mlp"], np.array([E, E]), ["en", "fr"], ids,
                  rng.random((L, N, k)).astype(np.float32), np.arange(N, dtype=np.int32),
                  np.array([0, 0, 0, 1, 1, 1], dtype=np.int32), np.array([0, 1, 2, 0, 1, 2], dtype=np.int32),
                  np.array([0, 0, 0, 1, 1, 1], dtype=np.int16), {"model": "tiny", "max_length": 8},
-                 rng.random((2, L, E, 4))).save(seed / "t.npz")
+                 saliency).save(seed / "t.npz")
 
 
 def _array_damage(rng: random.Random, a):
