@@ -1,16 +1,20 @@
-"""The headline claims' verdicts, copied word for word from BENCHMARKS.md into README.md (between
-<!-- claims --> and <!-- /claims -->), so that the two files cannot give a claim different words: every claims
-table the benchmarks wrote (report.claims_table, one per benchmark run with --seeds) goes to README under its
-benchmark's heading. tests/test_bench_stats.py checks that each row of README's tables is a line of BENCHMARKS.md.
+"""The headline claims' tables, rebuilt by code: every claims table of BENCHMARKS.md recomputed from the per-item
+scores committed under bench/results/<bench>/ (bench/evidence.py; a table measured before those were committed: from
+its own printed per-seed columns, marked as such), then copied word for word into README.md (between <!-- claims -->
+and <!-- /claims -->), so that the two files cannot give a claim different words or numbers.
+tests/test_bench_stats.py checks that both files are this script's output for what the repository holds.
 
-    .venv/bin/python bench/claims.py            # after the benchmarks wrote their sections to BENCHMARKS.md
+    .venv/bin/python bench/claims.py            # after a benchmark wrote its section to BENCHMARKS.md
 """
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
-from report import VERDICT_RULE, write_section  # bench/report.py
+from claim_specs import NDIGITS, SPECS, WEIGHTS, specs
+from evidence import RESULTS, VERDICT_RULE, claim_rows, claims_table, from_printed, load_scores
+from report import write_section  # bench/report.py
 
 HEADER = "| claim (paper's direction) |"
 MARK = ("<!-- claims -->", "<!-- /claims -->")
@@ -31,6 +35,33 @@ def claim_tables(text: str) -> list[tuple[str, list[str]]]:
     return tables
 
 
+def bench_of(heading: str) -> str:
+    found = re.search(r"\(bench/(\w+)\.py\)", heading)
+    if not found or found[1] not in SPECS:
+        raise ValueError(f"a claims table under '{heading}', a section of no benchmark with claims")
+    return found[1]
+
+
+def rebuild_table(heading: str, table: list[str], root: Path = RESULTS) -> list[str]:
+    """A claims table recomputed: from the bench's committed per-item scores if it has any, else from the table's
+    own per-seed columns (evidence.from_printed)."""
+    bench = bench_of(heading)
+    scores = load_scores(bench, root)
+    if scores:
+        experts = {int(m[1]) for n, _ in scores if (m := re.fullmatch(r"omni-(\d+)", n))} or {4}
+        rows = claim_rows(specs(bench, min(experts)), scores, WEIGHTS.get(bench))
+    else:
+        rows = [from_printed(line, SPECS[bench], NDIGITS[bench]) for line in table[2:]]
+    return claims_table(rows, NDIGITS[bench])
+
+
+def rebuild(benchmarks: str, root: Path = RESULTS) -> str:
+    """BENCHMARKS.md's text with every claims table rebuilt."""
+    for heading, table in claim_tables(benchmarks):
+        benchmarks = benchmarks.replace("\n".join(table), "\n".join(rebuild_table(heading, table, root)), 1)
+    return benchmarks
+
+
 def section(benchmarks: str) -> str:
     parts = [MARK[0], "Measured in miniature over the seeds named in each row; copied from BENCHMARKS.md by "
                       f"bench/claims.py. {VERDICT_RULE}"]
@@ -47,7 +78,9 @@ def main() -> None:
     ap.add_argument("--benchmarks", type=Path, default=Path("BENCHMARKS.md"))
     ap.add_argument("--readme", type=Path, default=Path("README.md"))
     args = ap.parse_args()
-    write_section(args.readme, section(args.benchmarks.read_text()), MARK)
+    text = rebuild(args.benchmarks.read_text())
+    args.benchmarks.write_text(text)
+    write_section(args.readme, section(text), MARK)
 
 
 if __name__ == "__main__":

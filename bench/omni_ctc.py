@@ -10,7 +10,7 @@ Seeds (`--seeds 0 1 2`): seed n sets `train.seed=n` (the CTC model's initializat
 `data.seed=n` (training order and SpecAugment draws) and, for MoE systems, `moe.seed=n` (expert and router
 initialization); seed 0 adds no override (today's configuration). The corpus and its test utterances are
 the same for every seed. Each (system, seed) is its own cached, resumable run (report.seed_folder); the
-report gives each claim of CLAIMS a paired bootstrap over seeds × test utterances and a verdict.
+report gives each claim of claim_specs.SPECS an interval (evidence.claim_interval) over seeds × test utterances and a verdict.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from report import VERDICT_RULE, log_progress, cached, claims_table, corpus, paired_bootstrap, seed_folder, write_section  # bench/report.py
+from claim_specs import specs  # bench/claim_specs.py
+from report import VERDICT_RULE, log_progress, cached, claims_table, claim_interval, corpus, seed_folder, write_section  # bench/report.py
 
 LANGS = ["en", "fr", "de", "sw"]
 CORPUS = dict(langs=LANGS, voices=4, test_voices=1, train_per_lang=500, test_per_lang=40, max_chars=120, seed=0)
@@ -30,7 +31,6 @@ SYSTEMS = {"dense": ("dense_ctc", None), **{f"switch-{e}": ("switch_ctc", e) for
            **{f"omni-{e}": ("omni_ctc", e) for e in (2, 4, 8)}}
 # Omni-router's headline claims (Tables 1-2: lower WER than Switch and than dense), as paired comparisons of
 # CER (WER is near 100 % for every system at this scale) and WER: (A, B, claim); the paper reports A < B.
-CLAIMS = [("omni-{e}", "switch-{e}", "Omni-router beats Switch"), ("omni-{e}", "dense", "Omni-router beats dense")]
 MARK = ("<!-- omni_ctc -->", "<!-- /omni_ctc -->")
 
 
@@ -110,22 +110,22 @@ def utterance_errors(folder: Path) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in rows.items()}
 
 
-def claims(out: Path, done: set[tuple[str, int]], experts: int = 4, resamples: int = 2000) -> list[str]:
-    """CLAIMS at `experts` experts over the seeds where both systems finished, one verdict each, on CER (WER, the
+def claims(out: Path, done: set[tuple[str, int]], experts: int = 4) -> list[str]:
+    """The claims (claim_specs.SPECS) at `experts` experts over the seeds where both systems finished, one verdict each, on CER (WER, the
     paper's metric, is near 100 % for every system here, so it is reported beside the table, not judged): paired
-    bootstrap over seeds × test utterances (report.paired_bootstrap), verdict by VERDICT_RULE."""
+    interval over seeds × test utterances (evidence.claim_interval), verdict by VERDICT_RULE."""
     rows, wer, levels = [], [], []
-    for a, b, claim in CLAIMS:
-        a, b = a.format(e=experts), b.format(e=experts)
+    for claim in specs("omni_ctc", experts):
+        a, b = claim.a, claim.b
         seeds = sorted(s for n, s in done if n == a and (b, s) in done)
         if not seeds:
             continue
         A = [utterance_errors(seed_folder(out, a, s)) for s in seeds]
         B = [utterance_errors(seed_folder(out, b, s)) for s in seeds]
-        stat = {key: paired_bootstrap(100 * np.stack([x[key] for x in A]), 100 * np.stack([x[key] for x in B]),
-                                      weights=np.stack([x[w] for x in A]), resamples=resamples)
+        stat = {key: claim_interval(100 * np.stack([x[key] for x in A]), 100 * np.stack([x[key] for x in B]),
+                                    np.stack([x[w] for x in A]))
                 for key, w in (("cer", "w_chars"), ("wer", "w_words"))}
-        rows.append({"claim": claim, "a": a, "b": b, "metric": "CER %", "direction": -1, "seeds": seeds, "stat": stat["cer"]})
+        rows.append({"claim": claim, "seeds": seeds, "stat": stat["cer"]})
         w = stat["wer"]
         wer.append(f"{a} − {b} {w['mean']:+.1f} [{w['lo']:+.1f}, {w['hi']:+.1f}]")
         levels += w["a"] + w["b"]  # each system's WER per seed
@@ -133,10 +133,8 @@ def claims(out: Path, done: set[tuple[str, int]], experts: int = 4, resamples: i
         return []
     return ["Headline claims over seeds (Omni-router Tables 1-2: the paper reports lower WER for A). One verdict per "
             f"claim, on CER: WER, the paper's metric, is {min(levels):.1f}-{max(levels):.1f} % for every system and seed "
-            f"here, so it cannot rank them (Δ WER in points, same bootstrap: {'; '.join(wer)}). CER is the mean over languages of the "
-            "language's corpus rate; Δ = A − B in points, mean over seeds × test utterances, 95 % interval by a paired "
-            f"bootstrap resampling seeds and, within each, test utterances ({resamples} resamples; bench/report.py "
-            "paired_bootstrap). " + VERDICT_RULE, "", *claims_table(rows, nd=1)]
+            f"here, so it cannot rank them (Δ WER in points, same interval: {'; '.join(wer)}). CER is the mean over languages of the "
+            "language's corpus rate; Δ = A − B in points. " + VERDICT_RULE, "", *claims_table(rows, nd=1)]
 
 
 def main() -> None:

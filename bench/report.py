@@ -6,6 +6,7 @@ import statistics
 import time
 from pathlib import Path
 
+from evidence import VERDICT_RULE, VERDICTS, Claim, claim_interval, claims_table, holm, seed_interval, verdict  # noqa: F401 (the claims' statistics, bench/evidence.py)
 from moekit._fs import write_text_atomic
 
 
@@ -82,12 +83,7 @@ def corpus(out: Path, **cfg) -> Path:
     return out
 
 
-# --- seeds: paired bootstrap over seeds × test items, and the verdict rule shared by the benchmarks ---
-
-VERDICT_RULE = ("Verdict rule (the same for every claim): **reproduced** if the 95 % interval of the difference "
-                "lies entirely on the side of 0 the paper reports, **contradicted** if it lies entirely on the other "
-                "side, **not reproduced at this scale** otherwise (the interval contains 0).")
-VERDICTS = ("reproduced", "not reproduced at this scale", "contradicted")
+# --- seeds: where each run lives ---
 
 
 def seed_folder(out: Path, name: str, seed: int) -> Path:
@@ -99,7 +95,9 @@ def seed_folder(out: Path, name: str, seed: int) -> Path:
 def paired_bootstrap(a, b, weights=None, resamples: int = 2000, seed: int = 0) -> dict:
     """The mean difference a − b over seeds × test items and its 95 % interval, by a two-level paired
     bootstrap: each resample draws the seeds with replacement and, within each drawn seed, its test items
-    with replacement; both systems take the same draw (paired: same seeds, same items).
+    with replacement; both systems take the same draw (paired: same seeds, same items). For one seed's
+    table of differences over test items; over several seeds it under-covers (the items' effect, shared by
+    the seeds, averages away; issue 41), and the claims' verdicts use evidence.claim_interval instead.
 
     a, b: (seeds, items) per-item scores of two systems, row s from the runs with seed s, column i the same
     test item in every row. weights: (seeds, items) or (items,), default equal; the statistic is the
@@ -126,47 +124,3 @@ def paired_bootstrap(a, b, weights=None, resamples: int = 2000, seed: int = 0) -
     return {"mean": float((d * w).sum() / w.sum()), "lo": float(lo), "hi": float(hi),
             "per_seed": ((d * w).sum(1) / wsum).tolist(), "a": ((a * w).sum(1) / wsum).tolist(),
             "b": ((b * w).sum(1) / wsum).tolist(), "seeds": S, "items": N, "resamples": resamples}
-
-
-def verdict(lo: float, hi: float, direction: int) -> str:
-    """VERDICT_RULE for an interval [lo, hi] of a difference the paper reports as > 0 (direction +1) or < 0 (−1)."""
-    if direction not in (1, -1):
-        raise ValueError("direction must be +1 or -1")
-    lo, hi = sorted((direction * lo, direction * hi))
-    return VERDICTS[0] if lo > 0 else VERDICTS[2] if hi < 0 else VERDICTS[1]
-
-
-def claims_table(rows: list[dict], nd: int = 2) -> list[str]:
-    """Markdown table of claims: each row {"claim", "a", "b", "metric", "direction", "stat" (a
-    paired_bootstrap result), "seeds" (the seed numbers)}; with the verdict of VERDICT_RULE."""
-    head = ["| claim (paper's direction) | A − B | metric | seeds | A mean (per seed) | B mean (per seed) "
-            "| Δ mean [95 % CI] | Δ per seed | verdict |", "|---" * 9 + "|"]
-    out = []
-    for r in rows:
-        s = r["stat"]
-        per = lambda xs: " / ".join(f"{x:.{nd}f}" for x in xs)  # noqa: E731
-        sign = "A > B" if r["direction"] > 0 else "A < B"
-        out.append(f"| {r['claim']} ({sign}) | {r['a']} − {r['b']} | {r['metric']} | {', '.join(map(str, r['seeds']))} "
-                   f"| {sum(s['a']) / len(s['a']):.{nd}f} ({per(s['a'])}) | {sum(s['b']) / len(s['b']):.{nd}f} "
-                   f"({per(s['b'])}) | {s['mean']:+.{nd}f} [{s['lo']:+.{nd}f}, {s['hi']:+.{nd}f}] | "
-                   f"{' / '.join(f'{x:+.{nd}f}' for x in s['per_seed'])} | "
-                   f"{verdict(s['lo'], s['hi'], r['direction'])} |")
-    return [*head, *out]
-
-
-def t_interval(a, b, level: float = 0.95) -> dict:
-    """The mean over seeds of the per-seed difference a[s] − b[s] and its Student-t interval (n − 1 degrees of
-    freedom; the evidence rule for claims over seeds): a, b are one score per seed of two systems, paired by seed.
-    Returns paired_bootstrap's keys ("mean", "lo", "hi", "per_seed", "a", "b", "seeds") so claims_table prints it;
-    with one seed the interval is unbounded (nan)."""
-    import numpy as np
-    from scipy import stats
-
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if a.ndim != 1 or a.shape != b.shape or a.size == 0:
-        raise ValueError(f"a and b must be per-seed scores of one length, got {a.shape} and {b.shape}")
-    d = a - b
-    n, mean = len(d), float(d.mean())
-    half = float(stats.t.ppf((1 + level) / 2, n - 1) * d.std(ddof=1) / n ** 0.5) if n > 1 else float("nan")
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "per_seed": d.tolist(), "a": a.tolist(),
-            "b": b.tolist(), "seeds": n}

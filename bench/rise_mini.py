@@ -17,7 +17,7 @@ Seeds (`--seeds 0 1 2`): seed n repeats the whole pipeline in OUT/seed{n} (seed 
 upcycling seed (Drop-Upcycling's re-initialized neurons, routers), stage 1's Trainer seed and data order,
 the random selection's draw and each selection's fine-tuning seed (data order); seed 0 is today's
 configuration. The corpus split is the same for every seed, so every seed is scored on the same held-out
-verses, and the report gives each claim of CLAIMS a paired bootstrap over seeds × held-out verses and a
+verses, and the report gives each claim of claim_specs.SPECS an interval (evidence.claim_interval) over seeds × held-out verses and a
 verdict (report.VERDICT_RULE).
 """
 from __future__ import annotations
@@ -50,7 +50,8 @@ from moekit.train.recipe import AuxConfig
 from moekit.train.common import last_checkpoint, load_tokenizer, resume_from
 from moekit.train.trainer import MoETrainer
 from moekit.upcycling import upcycle
-from report import VERDICT_RULE, log_progress, cached, claims_table, paired_bootstrap, write_section  # bench/report.py
+from claim_specs import specs  # bench/claim_specs.py
+from report import VERDICT_RULE, log_progress, cached, claim_interval, claims_table, write_section  # bench/report.py
 
 LANGS = {"en": "k", "fr": "l", "de": "e", "es": "v", "sw": "h", "tl": "f", "id": "6", "vi": "7"}
 HIGH, LOW, TARGET = ["en", "fr", "de", "es"], ["sw", "tl", "id", "vi"], "sw"
@@ -63,9 +64,6 @@ MARK = ("<!-- rise_mini -->", "<!-- /rise_mini -->")
 # RISE's headline claims (abstract, Table 3, Obs. 1-2), as paired comparisons of held-out mean token NLL
 # after fine-tuning (lower is better): (A, B, languages, claim), "base" = the stage-1 model before any
 # fine-tuning; the paper reports A < B (for the last: no increase over the base model).
-CLAIMS = [("rise", "random", "target", "RISE adapts the target more than random experts"),
-          ("rise", "esft", "target", "RISE adapts the target more than ESFT"),
-          ("rise", "base", "others", "RISE leaves the other languages' loss unchanged or lower (minimal cross-lingual degradation)")]
 
 
 def spec(seed: int = 0) -> MoESpec:
@@ -222,29 +220,26 @@ def verse_losses(items: dict, langs: list[str]):
     return nll / np.maximum(tokens, 1), tokens
 
 
-def claims(results: dict[int, dict], resamples: int = 2000) -> list[str]:
-    """CLAIMS over the seeds whose runs have both systems: held-out loss after fine-tuning, paired bootstrap
-    over seeds × verses (report.paired_bootstrap), verdict by VERDICT_RULE."""
+def claims(results: dict[int, dict]) -> list[str]:
+    """The claims (claim_specs.SPECS) over the seeds whose runs have both systems: held-out loss after fine-tuning, interval
+    over seeds × verses (evidence.claim_interval), verdict by VERDICT_RULE."""
     groups = {"target": [TARGET], "others": [lang for lang in LANGS if lang != TARGET]}
     items = lambda r, name: r["before_items"] if name == "base" else r["methods"][name]["ft_items"]  # noqa: E731
     rows = []
-    for a, b, group, claim in CLAIMS:
+    for claim in specs("rise_mini"):
+        a, b, group = claim.a, claim.b, claim.key
         seeds = [s for s, r in sorted(results.items()) if all(n == "base" or n in r["methods"] for n in (a, b))]
         if not seeds:
             continue
         A = [verse_losses(items(results[s], a), groups[group]) for s in seeds]
         B = [verse_losses(items(results[s], b), groups[group]) for s in seeds]
-        stat = paired_bootstrap(np.stack([x[0] for x in A]), np.stack([x[0] for x in B]),
-                                weights=np.stack([x[1] for x in A]), resamples=resamples)
-        metric = f"loss {TARGET}" if group == "target" else "loss, other 7 languages"
-        rows.append({"claim": claim, "a": a, "b": b, "metric": metric, "direction": -1, "seeds": seeds, "stat": stat})
+        stat = claim_interval(np.stack([x[0] for x in A]), np.stack([x[0] for x in B]), np.stack([x[1] for x in A]))
+        rows.append({"claim": claim, "seeds": seeds, "stat": stat})
     if not rows:
         return []
     return [f"Headline claims over seeds (RISE abstract, Table 3, Obs. 1-2: the paper reports A < B). Metric: held-out "
             f"mean token NLL after fine-tuning (base: the stage-1 model before it), pooled over the tokens of {TARGET} "
-            "or of the 7 other languages; Δ = A − B in nats, mean over seeds × held-out verses, 95 % interval by a paired "
-            f"bootstrap resampling seeds and, within each, verses ({resamples} resamples; bench/report.py "
-            "paired_bootstrap). " + VERDICT_RULE, "", *claims_table(rows, nd=3)]
+            "or of the 7 other languages; Δ = A − B in nats. " + VERDICT_RULE, "", *claims_table(rows, nd=3)]
 
 
 def omega_mass(out: Path, seed: int, method: str, row: dict) -> dict[str, float]:

@@ -10,7 +10,7 @@ Seeds (`--seeds 0 1 2`): seed n sets `train.seed=n` (the Trainer's seed and data
 `moe.seed=n` (expert noise and router initialization); seed 0 adds no override (today's configuration).
 The data split (`data.seed`) stays fixed, so every seed is scored on the same test verses. Each (system,
 seed) is its own cached, resumable run (report.seed_folder), and the report gives each headline claim of
-CLAIMS a paired bootstrap over seeds × test verses and a verdict (report.VERDICT_RULE):
+claim_specs.SPECS an interval over seeds × test verses and a verdict (report.VERDICT_RULE):
 
     .venv/bin/python bench/spri_mini.py --out runs/spri_mini --seeds 0 1 2 --only dense_ft naive spri spri_two_stage
 """
@@ -22,7 +22,8 @@ import statistics
 import time
 from datetime import date
 from pathlib import Path
-from report import (VERDICT_RULE, device_name, log_progress, claims_table, measured_on, paired_bootstrap, seed_folder,
+from claim_specs import specs  # bench/claim_specs.py
+from report import (VERDICT_RULE, device_name, log_progress, claim_interval, claims_table, measured_on, seed_folder,
                     write_section)  # bench/report.py
 
 SYSTEMS = {name: (name, []) for name in
@@ -57,11 +58,6 @@ OVERRIDES = [
 ]
 # SPRI's headline claims (§4, Table 2), each a paired comparison of sentence chrF (higher is better):
 # (A, B, claim); the paper reports A > B for each
-CLAIMS = [("spri_two_stage", "dense_ft", "SPRI (two-stage) beats dense fine-tuning"),
-          ("spri", "dense_ft", "SPRI one-stage beats dense fine-tuning"),
-          ("spri_two_stage", "naive", "SPRI (two-stage) beats naive upcycling"),
-          ("spri", "naive", "SPRI one-stage beats naive upcycling"),
-          ("spri_two_stage", "spri", "two-stage training beats one-stage")]
 MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
 ABLATION_MARK = ("<!-- spri_mini_ablations -->", "<!-- /spri_mini_ablations -->")
 EXTRA_MARK = ("<!-- spri_mini_issue30 -->", "<!-- /spri_mini_issue30 -->")
@@ -189,27 +185,25 @@ def sentence_chrf(out: Path, name: str, seed: int, refs: dict[str, list[str]]):
                      for lang in refs]).T
 
 
-def claims(out: Path, done: set[tuple[str, int]], resamples: int = 2000) -> list[str]:
-    """CLAIMS over the seeds where both systems finished: sentence chrF per test verse (mean over the
-    directions), paired bootstrap over seeds × verses (report.paired_bootstrap), verdict by VERDICT_RULE."""
+def claims(out: Path, done: set[tuple[str, int]]) -> list[str]:
+    """The claims (claim_specs.SPECS) over the seeds where both systems finished: sentence chrF per test verse (mean over the
+    directions), interval over seeds × verses (evidence.claim_interval), verdict by VERDICT_RULE."""
     import numpy as np
 
     rows = []
-    for a, b, claim in CLAIMS:
+    for claim in specs("spri_mini"):
+        a, b = claim.a, claim.b
         seeds = sorted(s for n, s in done if n == a and (b, s) in done)
         if not seeds:
             continue
         refs = references(b, out, seeds[0])
         A = np.stack([sentence_chrf(out, a, s, refs).mean(1) for s in seeds])  # (seeds, verses)
         B = np.stack([sentence_chrf(out, b, s, refs).mean(1) for s in seeds])
-        rows.append({"claim": claim, "a": a, "b": b, "metric": "sentence chrF", "direction": 1, "seeds": seeds,
-                     "stat": paired_bootstrap(A, B, resamples=resamples)})
+        rows.append({"claim": claim, "seeds": seeds, "stat": claim_interval(A, B)})
     if not rows:
         return []
     return ["Headline claims over seeds (SPRI §4 / Table 2: the paper reports A > B in each). Metric: sentence "
-            "chrF per test verse, averaged over the directions; Δ = A − B, mean over seeds × verses, 95 % interval "
-            f"by a paired bootstrap resampling seeds and, within each, test verses ({resamples} resamples; "
-            "bench/report.py paired_bootstrap). " + VERDICT_RULE, "", *claims_table(rows)]
+            "chrF per test verse, averaged over the directions; Δ = A − B. " + VERDICT_RULE, "", *claims_table(rows)]
 
 
 def paired(out: Path, names: list[str], base: str = "dense_ft", resamples: int = 2000) -> list[str]:

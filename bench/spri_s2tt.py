@@ -23,8 +23,8 @@ import statistics
 from datetime import date
 from pathlib import Path
 
-from report import (VERDICT_RULE, cached, claims_table, corpus, device_name, log_progress, measured_on, t_interval,
-                    write_section)  # bench/report.py
+from evidence import VERDICT_RULE, Claim, claims_table, seed_interval  # bench/evidence.py
+from report import cached, corpus, device_name, log_progress, measured_on, write_section  # bench/report.py
 
 RECIPE = Path("recipes/spri_s2tt.yaml")
 MODEL = "whisper-base-smollm2-135m"
@@ -153,8 +153,9 @@ def table(runs: dict) -> list[str]:
 
 
 def claims(runs: dict, seeds: list[int]) -> list[str]:
-    """SPRI's three headline claims on chrF averaged over the directions (and BLEU beside it): per seed the
-    difference of the two systems' averages, a Student-t interval over the seeds where both finished."""
+    """SPRI's three headline claims on chrF and BLEU averaged over the directions: per seed the difference of the two
+    systems' averages, a t-interval over the seeds where both finished (bench/evidence.py seed_interval: these runs
+    keep corpus-level scores only, so the test items' variance is not in it)."""
     def avg(name, seed, metric):
         return runs[(name, seed)][0]["avg"][metric]
 
@@ -166,17 +167,24 @@ def claims(runs: dict, seeds: list[int]) -> list[str]:
               *([("spri_two_stage", best, f"SPRI beats the best upcycling baseline ({best}, by mean chrF)")]
                 if best else []),
               ("spri_two_stage", "spri", "two-stage training beats one-stage")]
-    rows = [{"claim": claim, "a": a, "b": b, "metric": f"{metric} avg over {len(DIRECTIONS)} directions",
-             "direction": 1, "seeds": both(a, b),
-             "stat": t_interval([avg(a, s, metric) for s in both(a, b)], [avg(b, s, metric) for s in both(a, b)])}
-            for a, b, claim in wanted if len(both(a, b)) >= 2 for metric in ("chrf", "bleu")]
+    rows = []
+    for a, b, text in wanted:
+        for metric in ("chrf", "bleu"):
+            s = both(a, b)
+            if len(s) < 2:
+                continue
+            sa, sb = [avg(a, x, metric) for x in s], [avg(b, x, metric) for x in s]
+            stat = {**seed_interval([x - y for x, y in zip(sa, sb)]), "a": sa, "b": sb,
+                    "per_seed": [x - y for x, y in zip(sa, sb)]}
+            rows.append({"claim": Claim(text, a, b, metric, f"{metric} avg over {len(DIRECTIONS)} directions", 1),
+                         "seeds": s, "stat": stat})
     if not rows:
         return ["No claim has both of its systems finished on two seeds or more yet (a t-interval needs two; the "
                 "evidence rule asks for five)."]
-    return [f"Headline claims (SPRI §4 / Table 2: the paper reports A > B in each), over the seeds named in each row: "
+    return ["Headline claims (SPRI §4 / Table 2: the paper reports A > B in each), over the seeds named in each row: "
             "Δ = A − B of the corpus-level score averaged over the directions, per seed; its mean over seeds and a "
-            "95 % Student-t interval (n − 1 degrees of freedom; bench/report.py t_interval). The best upcycling baseline is chosen on the same test sets. {VERDICT_RULE}", "",
-            *claims_table(rows)]
+            "95 % t-interval over the seeds (bench/evidence.py seed_interval). The best upcycling baseline is chosen "
+            f"on the same test sets. {VERDICT_RULE}", "", *claims_table(rows)]
 
 
 def stage0_lines(out: Path) -> list[str]:

@@ -12,7 +12,7 @@ SpecAugment draws) and, for UME, `moe.seed=n` (router initialization); seed 0 ad
 configuration); the pretrained model is evaluated once (seed 0), being the same for every seed, and the rows no
 claim compares (the ablations w/o freezing / balancing, the scratch baselines) run once, at seed 0. The corpus
 and its test utterances are the same for every seed. Each (system, seed) is its own cached, resumable run
-(report.seed_folder); the report gives each claim of CLAIMS a paired bootstrap over seeds × test utterances
+(report.seed_folder); the report gives each claim of claim_specs.SPECS an interval (evidence.claim_interval) over seeds × test utterances
 and a verdict (report.VERDICT_RULE):
 
     .venv/bin/python bench/ume_whisper.py --out runs/ume_whisper --seeds 0 1 2
@@ -25,7 +25,8 @@ import platform
 from datetime import date
 from pathlib import Path
 
-from report import VERDICT_RULE, log_progress, cached, claims_table, corpus, paired_bootstrap, seed_folder, write_section  # bench/report.py
+from claim_specs import specs  # bench/claim_specs.py
+from report import VERDICT_RULE, log_progress, cached, claim_interval, claims_table, corpus, seed_folder, write_section  # bench/report.py
 
 CORPUS = dict(langs=["en"], voices=4, test_voices=2, train_per_lang=640, test_per_lang=48, max_chars=120,
               flite_test=True, seed=0)
@@ -43,8 +44,6 @@ SYSTEMS.update({name: recipe for name, (recipe, _, _) in SCRATCH.items()})
 # UME's headline claims (Table I-II: lower error rates than FMFT; §IV-D / Table III: less forgetting), as
 # paired WER comparisons on the in-domain and the unseen voice family: (A, B, family, claim); the paper
 # reports A < B.
-CLAIMS = [("ume", "fmft", "espeak-ng", "UME beats full fine-tuning (in-domain voices)"),
-          ("ume", "fmft", "flite", "UME forgets less than full fine-tuning (unseen voice family)")]
 MARK = ("<!-- ume_whisper -->", "<!-- /ume_whisper -->")
 EXTRA_MARK = ("<!-- ume_whisper_scratch -->", "<!-- /ume_whisper_scratch -->")  # runs with a SCRATCH system
 
@@ -137,31 +136,29 @@ def utterance_wer(folder: Path, family: dict[str, str], name: str):
     return np.array([e["wer"] for e in er]), np.array([max(e["words"], 1) for e in er], float)
 
 
-def claims(out: Path, corpus_dir: Path, done: set[tuple[str, int]], resamples: int = 2000) -> list[str]:
-    """CLAIMS over the seeds where both systems finished: WER, paired bootstrap over seeds × test utterances
-    (report.paired_bootstrap), verdict by VERDICT_RULE."""
+def claims(out: Path, corpus_dir: Path, done: set[tuple[str, int]]) -> list[str]:
+    """The claims (claim_specs.SPECS) over the seeds where both systems finished: WER, interval over seeds × test utterances
+    (evidence.claim_interval), verdict by VERDICT_RULE."""
     import numpy as np
 
     from moekit.speech.corpus import read_manifest
 
     family = {u.id: u.family for u in read_manifest(corpus_dir)}
     rows = []
-    for a, b, fam, claim in CLAIMS:
+    for claim in specs("ume_whisper"):
+        a, b, fam = claim.a, claim.b, claim.key.split()[1]
         seeds = sorted(s for n, s in done if n == a and (b, s) in done)
         if not seeds:
             continue
         A = [utterance_wer(folder_of(out, a, s), family, fam) for s in seeds]
         B = [utterance_wer(folder_of(out, b, s), family, fam) for s in seeds]
-        stat = paired_bootstrap(100 * np.stack([x[0] for x in A]), 100 * np.stack([x[0] for x in B]),
-                                weights=np.stack([x[1] for x in A]), resamples=resamples)
-        rows.append({"claim": claim, "a": a, "b": b, "metric": f"WER % ({fam})", "direction": -1, "seeds": seeds,
-                     "stat": stat})
+        stat = claim_interval(100 * np.stack([x[0] for x in A]), 100 * np.stack([x[0] for x in B]),
+                              np.stack([x[1] for x in A]))
+        rows.append({"claim": claim, "seeds": seeds, "stat": stat})
     if not rows:
         return []
     return ["Headline claims over seeds (UME Tables I-III: the paper reports lower error rates for A). Metric: WER "
-            "of the voice family (corpus rate: per-utterance WER weighted by reference words); Δ = A − B in points, "
-            "mean over seeds × test utterances, 95 % interval by a paired bootstrap resampling seeds and, within "
-            f"each, test utterances ({resamples} resamples; bench/report.py paired_bootstrap). " + VERDICT_RULE, "",
+            "of the voice family (corpus rate: per-utterance WER weighted by reference words); Δ = A − B in points. " + VERDICT_RULE, "",
             *claims_table(rows, nd=1)]
 
 
@@ -190,7 +187,7 @@ def main() -> None:
     corpus_dir = corpus(args.out / "corpus", **CORPUS)
     # every system of one seed before the next seed; the pretrained model is the same for every seed, and the
     # rows no claim compares (ablations, scratch baselines) are single runs (seed 0)
-    claimed = {n for a, b, *_ in CLAIMS for n in (a, b)}
+    claimed = {n for c in specs("ume_whisper") for n in (c.a, c.b)}
     wanted = [(n, s) for s in args.seeds for n in args.systems if s == 0 or (SYSTEMS[n] and n in claimed)]
     if args.report_only:
         summaries = {(n, s): {**json.loads((folder_of(args.out, n, s) / "summary.json").read_text()),

@@ -1203,7 +1203,7 @@ MORE = [
     Case("collect-max-texts-zero", lambda t, f: collect(moe(t, f), t / "t.npz", f"en={text(t, f)}",
                                                         extra=["--max-texts", 0]), r"--max-texts must be ≥ 1"),
     Case("train-model-is-moekit-checkpoint", lambda t, f: ["train", recipe(t, f), f"model.path={moe(t, f)}",
-                                                           f"out={t / 'run'}"],
+                                                           f"out={t / 'run'}", "method=dense", "moe=null"],
          r"is a moekit MoE checkpoint, not a dense model"),
     Case("train-data-not-jsonl",
          lambda t, f: ["train", recipe(t, f), f"data.train_files=[{write(t / 'bad.jsonl', 'not json' + chr(10))}]",
@@ -1560,7 +1560,7 @@ BIGGER_THAN_MEMORY = [
          r"the following arguments are required: --top"),
     Case("trace-saliency-wrong-shape",
          lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: a[:, :1]), "--top", 2,
-                       "--out", t / "s.json"], r"saliency has shape \(2, 1, 4, 4\) \(float64\), expected \(2, 2, 4, 4\)"),
+                       "--out", t / "s.json"], r"saliency has shape \(2, 1, 4, 6\) \(float64\), expected \(2, 2, 4, 6\)"),
     Case("trace-saliency-negative",
          lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: -a - 1), "--top", 2,
                        "--out", t / "s.json"], r"finite, non-negative sums"),
@@ -1711,6 +1711,113 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}),
 ]
 
+
+# issue 37 §7 (fuzz finds): inputs that bench/fuzz.py and tests/test_fuzz.py found crashing a reader (a traceback),
+# hanging it, or making it allocate what the input declares; each is refused in one line now
+
+
+def config_set(key: str, value):
+    return lambda d: edit_json(d / "config.json", lambda c: c.__setitem__(key, value))
+
+
+def npy_lie(t: Path, fx: Fx, shape: str = "(4398046511104,)") -> Path:
+    """An uncompressed trace whose ids.npy header declares `shape` (8 TiB of int16) over the few bytes it holds."""
+    import zipfile
+
+    path = trace_with(t, fx)
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    header = f"{{'descr': '<i2', 'fortran_order': False, 'shape': {shape}, }}".ljust(117) + "\n"
+    members["ids.npy"] = members["ids.npy"][:8] + struct.pack("<H", len(header)) + header.encode() + b"\0" * 8
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for n, data in members.items():
+            z.writestr(n, data)
+    return path
+
+
+def header_dims(d: Path) -> None:
+    """model.safetensors re-written with one more tensor of shape [2**64, 0]: no bytes, a dim beyond int64."""
+    blob = (d / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    header["extra"] = {"dtype": "F32", "shape": [2**64, 0], "data_offsets": [end, end]}
+    raw = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n:])
+
+
+NOT_UTF8 = b'{"src": "\xff"}\n'
+
+FUZZ_FINDS = [
+    Case("fuzz-index-shard-name-a-list",
+         lambda t, f: upc(dense_with(t, f, lambda d: index(d, ["model.safetensors"])), t / "o"),
+         r"shard name \['model\.safetensors'\] is not a plain file name"),
+    Case("fuzz-index-shard-name-with-nul",
+         lambda t, f: upc(dense_with(t, f, lambda d: index(d, "model\x00.safetensors")), t / "o"),
+         r"shard name 'model\\x00\.safetensors' is not a plain file name"),
+    Case("fuzz-shard-links-to-itself",
+         lambda t, f: upc(dense_with(t, f, lambda d: ((d / "model.safetensors").unlink(),
+                                                      symlink(d / "model.safetensors", "model.safetensors"))), t / "o"),
+         r"model\.safetensors is missing \(a dangling symbolic link\)"),
+    Case("fuzz-header-dim-beyond-int64", lambda t, f: upc(dense_with(t, f, header_dims), t / "o"),
+         r"model\.safetensors is not a readable safetensors file \(bad entry for 'extra'\)"),
+    Case("fuzz-config-field-of-wrong-type", lambda t, f: upc(dense_with(t, f, config_set("mlp_bias", 1)), t / "o"),
+         r"config\.json does not load: .*mlp_bias.* expected bool, got int"),
+    Case("fuzz-config-architectures-a-mapping",
+         lambda t, f: upc(dense_with(t, f, config_set("architectures", {"0": "LlamaForCausalLM"})), t / "o"),
+         r"config\.json: architectures must be a list of class names"),
+    Case("fuzz-config-2-to-the-64-layers",
+         lambda t, f: upc(dense_with(t, f, config_set("num_hidden_layers", 2**64)), t / "o"),
+         r"config\.json: num_hidden_layers is 18446744073709551616, more layers than any model has", seconds=30),
+    Case("fuzz-config-negative-size",
+         lambda t, f: upc(dense_with(t, f, config_set("intermediate_size", -64)), t / "o"),
+         r"config\.json describes no model that can be built: RuntimeError: Trying to create tensor with negative "
+         r"dimension"),
+    Case("fuzz-config-unknown-rope-type",
+         lambda t, f: upc(dense_with(t, f, config_set("rope_parameters", {"rope_theta": 1e4, "rope_type": "DEFAULT"})),
+                          t / "o"), r"config\.json (does not load|describes no model that can be built)"),
+    Case("fuzz-config-wider-than-its-weights",
+         lambda t, f: ["routes", "collect", "--model", dense_with(t, f, config_set("hidden_size", 4096)), "--texts",
+                       f"en={text(t, f)}", "--out", t / "t.npz"],
+         r"\S+\.weight is \[128, 32\] in the weights but \[128, 4096\] by its config\.json"),
+    Case("fuzz-moekit-json-layout-beyond-tensor-sizes",
+         lambda t, f: ["inspect", meta_set(t, f, "layers.0.layout.intermediate_size", 10**30)],
+         r"moekit\.json: the layout of layer model\.layers\.1\.mlp cannot be built"),
+    Case("fuzz-trace-npy-header-declares-8-tib", lambda t, f: ["routes", "report", npy_lie(t, f), "--out", t / "r"],
+         r"ids\.npy declares 8796093022208 bytes of data but holds"),
+    Case("fuzz-trace-ids-0-d", lambda t, f: ["routes", "report", trace_with(t, f, ids=np.array(3, np.int16)),
+                                             "--out", t / "r"], r"ids has shape \(\) \(int16\), expected"),
+    Case("fuzz-mergekit-experts-a-number",
+         lambda t, f: (["upcycle", write(t / "mk.yml", yaml.safe_dump({"base_model": str(dense(t, f)), "experts": 3})),
+                        t / "o"], t / "o"), r"experts: Input should be a valid list"),
+    Case("fuzz-deepspeed-nested-too-deeply",
+         lambda t, f: ["train", recipe(t, f), "train.trainer_args=" + json.dumps(
+             {"deepspeed": str(write(t / "ds.json", "[" * 100_000 + "]" * 100_000))}), f"out={t / 'run'}"],
+         r"DeepSpeed config .*ds\.json is not JSON"),
+    Case("fuzz-jsonl-not-utf8",
+         lambda t, f: ["train", recipe(t, f), f"data.train_files=[{write(t / 'bad.jsonl', NOT_UTF8)}]",
+                       f"out={t / 'run'}"], r"bad\.jsonl:1: not UTF-8 \(byte 0x"),
+    Case("fuzz-jsonl-number-too-long",
+         lambda t, f: ["train", recipe(t, f), f"data.train_files=[{write(t / 'big.jsonl', '9' * 5000)}]",
+                       f"out={t / 'run'}"], r"big\.jsonl:1: not valid JSON \(Exceeds the limit"),
+    Case("fuzz-data-file-starts-with-null",
+         lambda t, f: ["train", text_recipe(t, f, [write(t / "d.jsonl", 'null\n{"text": "a b"}\n')])],
+         r"d\.jsonl: line 1 is not a JSON object \(each record of a JSON data file is one\)"),
+    Case("fuzz-covost-row-shorter-than-header",
+         lambda t, f: s2tt(t, lambda d: covost_first_row(d, "c0.wav\tsentence 0")),
+         r"covost_v2\.en_de\.train\.tsv:2: the row has fewer fields than the header's 4$"),
+    Case("fuzz-covost-clip-path-leaves-clips",
+         lambda t, f: s2tt(t, lambda d: covost_first_row(d, "../../../etc/passwd\tsentence 0\tde 0\tspk0")),
+         r"covost_v2\.en_de\.train\.tsv:2: clip path '\.\./\.\./\.\./etc/passwd' leaves the clips folder"),
+]
+
+
+def covost_first_row(folder: Path, row: str) -> None:
+    """The first row of the tiny CoVoST layout's train split replaced by `row`."""
+    tsv = folder / "covost_v2.en_de.train.tsv"
+    lines = tsv.read_text().splitlines()
+    tsv.write_text("\n".join([lines[0], row, *lines[2:]]) + "\n")
+
 # issue 39 (speech-LLM recipes, task speech_llm): bad data and a model that is no speech-LLM, refused before training
 
 def s2tt(t: Path, damage: Callable[[Path], object] = lambda d: None, *overrides: str) -> list:
@@ -1764,9 +1871,208 @@ def deepspeed_checkpoint(folder: Path) -> None:
     for rank in (0, 1):
         (folder / "global_step1" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
 
+# issue 37 §4 "Pruning and selections" and §5 traces: misshapen tensors, selections made for another model, REAP's
+# gate on an older trace, saliency sums that rank nothing
+def transposed(folder: Path, name: str) -> Path:
+    """`folder` with tensor `name`'s header shape reversed: the same byte count, the wrong shape."""
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header[name]["shape"] = header[name]["shape"][::-1]
+    f.write_bytes(data[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(n) + data[8 + n:])
+    return folder
+
+
+def other_model_sel(t: Path, experts: dict, counts: dict, config: str | None = None) -> Path:
+    """A selection whose source is another model: the config of moekit.testing's builder `config` (e.g. tiny_olmoe)
+    and the MoE layers `counts`."""
+    import moekit.testing
+    from moekit.routing.trace import config_digest
+
+    digest = None if config is None else config_digest(getattr(moekit.testing, config)().config)
+    source = {"config_sha256": digest, "experts": counts, "trace": "other.npz"}
+    return selection(t, {"method": "reap", "budget": sum(map(len, experts.values())), "experts": experts,
+                         "source": source})
+
+
+GATE_PROJ = "model.layers.1.mlp.experts.2.gate_proj.weight"
+MISSHAPEN = re.escape(GATE_PROJ) + r" is \[32, 24\] in the weights but \[24, 32\] by its config\.json$"
+OTHER = r"the selection was made for another model \(trace other\.npz\): "
+NATIVE_LAYERS = {f"model.layers.{i}.mlp": 8 for i in range(3)}
+PRUNING_AND_SELECTIONS = [
+    Case("prune-keep-transposed-tensor",
+         lambda t, f: prune_damaged(t, f, lambda d: transposed(d, GATE_PROJ)), MISSHAPEN),
+    *(Case(f"collect-stream-{mode}-transposed-tensor",
+           lambda t, f, m=mode: collect(transposed(f.copy(f.native, t / "q3"), GATE_PROJ), t / "t.npz",
+                                        f"en={text(t, f)}", extra=["--stream", m]), MISSHAPEN)
+      for mode in ("on", "off")),
+    Case("prune-keep-selection-of-another-model",
+         lambda t, f: prune_native(t, f, other_model_sel(t, {n: [0, 1, 2, 3] for n in NATIVE_LAYERS}, NATIVE_LAYERS,
+                                                         "tiny_olmoe")),
+         OTHER + r"its config \(sha256 [0-9a-f]{12}\) is not this model's \([0-9a-f]{12}\); pass --allow-other-model "
+                 r"to use it anyway$"),
+    Case("prune-selection-of-another-models-expert-counts",
+         lambda t, f: ["prune", "--model", moe(t, f), "--experts",
+                       other_model_sel(t, {f.layers[0]: [0]}, {f.layers[0]: 8, f.layers[1]: 4}), "--out", t / "p"],
+         OTHER + r"model\.layers\.1\.mlp has 8 experts there, 4 here; pass --allow-other-model"),
+    Case("finetune-selection-of-a-layer-the-model-lacks",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts",
+                       other_model_sel(t, {f.layers[0]: [0]}, {f.layers[0]: 4, "model.layers.2.mlp": 4}),
+                       "--data", f"en={text(t, f)}", "--out", t / "ft"],
+         OTHER + r"model\.layers\.2\.mlp has 4 experts there, no such MoE layer here"),
+    Case("select-reap-softmax-gate-on-an-older-trace",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: a[..., :4]), "--top", 2, "--gate",
+                       "softmax", "--out", t / "s.json"],
+         r"the trace's saliency sums hold no plain softmax gate \(recorded by an older moekit\): record the trace "
+         r"again"),
+    Case("trace-saliency-float16",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=lambda a: a.astype(np.float16)), "--top", 2,
+                       "--out", t / "s.json"], r"saliency has shape \(2, 2, 4, 6\) \(float16\), expected "
+                                               r"\(2, 2, 4, 6\) float64"),
+    Case("trace-saliency-fractional-counts",
+         lambda t, f: ["select", "usage", trace_with(t, f, saliency=set_item((0, 0, 0, 0), 0.5)), "--top", 2,
+                       "--out", t / "s.json"],
+         r"saliency counts \(routed token slots\) must be whole numbers"),
+    Case("trace-saliency-overflows-over-languages",
+         lambda t, f: ["select", "reap", trace_with(t, f, saliency=set_item((..., 0, 0, 3), 1e308)), "--top", 2,
+                       "--out", t / "s.json"],
+         r"saliency must hold finite, non-negative sums \(also summed over its 2 languages\)"),
+    Case("trace-weights-float16",
+         lambda t, f: ["select", "esft", trace_with(t, f, weights=lambda w: w.astype(np.float16)), "--target", "en",
+                       "--out", t / "s.json"],
+         r"routing weights are float16, expected float32"),
+]
+
+# issue 37 §5 (bad inputs helper): PEFT adapters beside the weights, hostile configs, YAML alias bombs, chat
+# templates that hang or leave the sandbox, data lines that are not UTF-8 or nest too deeply
+
+
+def peft_adapter(model: Path, dest: Path | None = None) -> Path:
+    """A PEFT LoRA adapter of `model` saved into `dest` (default: `model` itself, beside its weights), as
+    PeftModel.save_pretrained writes it; B is random (not zero), so applying it changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(model),
+                          LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    lora.save_pretrained(dest or model)
+    return dest or model
+
+
+def native_with(t: Path, f: Fx, damage: Callable[[Path], object]) -> Path:
+    """A copy of the tiny Qwen3-MoE that `damage` changed first."""
+    model = f.copy(f.native, t / "q3")
+    damage(model)
+    return model
+
+
+def config_set(key: str, value):
+    """A change for dense_with / prune_damaged: config.json's `key` set to `value`."""
+    return lambda d: edit_json(d / "config.json", lambda c: c.update({key: value}))
+
+
+def dry_run_on(t: Path, f: Fx, damage: Callable[[Path], object]) -> list:
+    """train --dry-run of the tiny recipe on a copy of the dense model that `damage` changed first."""
+    return ["train", recipe(t, f, **{"model.path": str(dense_with(t, f, damage))}), f"out={t / 'run'}", "--dry-run"]
+
+
+def laughs(levels: int = 9) -> str:
+    """Billion laughs in YAML: level i is a list of ten aliases of level i-1, so level 9 expands to 10**9 items."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def chat_run(t: Path, f: Fx, template: str) -> list:
+    """train on two ShareGPT records with the dense model's chat template replaced by `template`."""
+    record = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    files = [write(t / "chat.jsonl", (json.dumps(record) + "\n") * 4)]
+    return also(["train", text_recipe(t, f, files, "chat")], write(t / "dense" / "chat_template.jinja", template))
+
+
+SHAREGPT = json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})
+ALPACA_LINE = json.dumps({"instruction": "say hi", "input": "", "output": "hi"})
+PAIR_LINE = json.dumps({"src": "the day", "tgt": "le jour", "tgt_lang": "fr"})
+
+
+def not_utf8(line: str) -> bytes:
+    """`line` with byte 0xff (never UTF-8) inside its first "hi"."""
+    return line.encode().replace(b"hi", b"h\xffi", 1)
+
+
+DEEP = "[" * 200_000 + "]" * 200_000
+ADAPTER = r"holds a PEFT adapter \(adapter_config\.json\); moekit reads only whole models: merge it into its base " \
+          r"model first \(peft's merge_and_unload, then save_pretrained\)"
+ISSUE37_BAD_INPUTS = [
+    *(Case(f"collect-stream-{mode}-model-with-peft-adapter",
+           lambda t, f, m=mode: collect(native_with(t, f, peft_adapter), t / "t.npz",
+                                        *texts(("en", text(t, f))), extra=["--stream", m]), ADAPTER)
+      for mode in ("on", "off")),
+    Case("upcycle-dense-with-peft-adapter", lambda t, f: upc(peft_adapter(dense(t, f)), t / "o"), ADAPTER),
+    Case("upcycle-peft-adapter-folder", lambda t, f: upc(peft_adapter(dense(t, f), t / "lora"), t / "o"), ADAPTER),
+    Case("prune-keep-model-with-peft-adapter", lambda t, f: prune_damaged(t, f, peft_adapter), ADAPTER),
+    Case("train-dry-run-hidden-size-2-40", lambda t, f: dry_run_on(t, f, config_set("hidden_size", 2**40)),
+         r"model\.embed_tokens\.weight is \[128, 32\] in the weights but \[128, 1099511627776\] by its config\.json"),
+    Case("train-dry-run-attention-heads-2-40",
+         lambda t, f: dry_run_on(t, f, config_set("num_attention_heads", 2**40)),
+         r"config\.json does not load: .*hidden size \(32\) is not a multiple of the number of attention heads "
+         r"\(1099511627776\)"),
+    Case("train-override-python-tag",
+         lambda t, f: ["train", recipe(t, f), "model.path=!!python/object/apply:os.system [touch pwned]",
+                       f"out={t / 'run'}", "--dry-run"],
+         r"override 'model\.path=!!python/object/apply:os\.system \[touch pwned\]' is not valid YAML: could not "
+         r"determine a constructor for the tag 'tag:yaml\.org,2002:python/object/apply:os\.system'"),
+    Case("validate-recipe-yaml-alias-bomb",
+         lambda t, f: ["validate", write(t / "r.yaml", f.recipe.read_text() + laughs())],
+         r"r\.yaml is not valid YAML: its aliases expand to more than 100000 values \(an alias bomb\?\)",
+         seconds=30),
+    Case("train-override-yaml-alias-bomb",
+         lambda t, f: ["validate", recipe(t, f), "train.trainer_args={" + laughs().replace("\n", ", ") + "}"],
+         r"override 'train\.trainer_args=.*' is not valid YAML: its aliases expand to more than 100000 values",
+         seconds=30),
+    Case("upcycle-mergekit-yaml-alias-bomb",
+         lambda t, f: ["upcycle", write(t / "mk.yml", f"base_model: {dense(t, f)}\n{laughs()}experts: *l9\n"), t / "o"],
+         r"mk\.yml is not valid YAML: its aliases expand to more than 100000 values", seconds=30),
+    Case("upcycle-config-200000-layers",
+         lambda t, f: upc(dense_with(t, f, config_set("num_hidden_layers", 200_000)), t / "o"),
+         r"config\.json: num_hidden_layers is 200000, but no tensor of its weights has a layer index above 3",
+         seconds=30),
+    Case("collect-stream-on-config-200000-layers",
+         lambda t, f: collect(native_with(t, f, config_set("num_hidden_layers", 200_000)), t / "t.npz",
+                              *texts(("en", text(t, f))), extra=["--stream", "on"]),
+         r"num_hidden_layers is 200000, but no tensor of its weights has a layer index above 2", seconds=30),
+    Case("train-chat-template-loops-forever",
+         lambda t, f: chat_run(t, f, "{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) "
+                                     "%}{% endfor %}{% endfor %}{% endfor %}"),
+         r"chat\.jsonl: record \d: the tokenizer's chat template did not finish rendering within 10 s", seconds=60),
+    Case("train-chat-template-leaves-the-sandbox",
+         lambda t, f: chat_run(t, f, "{{ ''.__class__.__mro__[1].__subclasses__() }}"),
+         r"chat\.jsonl: record \d: the tokenizer's chat template tried to leave the Jinja sandbox \(access to "
+         r"attribute '__class__' of 'str' object is unsafe\); the sandbox held and stopped it"),
+    *(Case(f"text-data-{fmt}-{name}", lambda t, f, b=bad, g=good, m=fmt: ["train", text_recipe(
+        t, f, [write(t / "d.jsonl", f"{g}\n{g}\n".encode() + b + b"\n")], m)], msg)
+      for fmt, good in (("chat", SHAREGPT), ("alpaca", ALPACA_LINE))
+      for name, bad, msg in (
+          ("invalid-utf8", not_utf8(good), rf"d\.jsonl as json: line 3 is not UTF-8 \(byte 0xff at column "
+                                           rf"{good.index('hi') + 2}\)"),
+          ("nested-200000-deep", DEEP.encode(),
+           r"d\.jsonl as json: line 3 is not valid JSON: nested deeper than Python reads$"))),
+    *(Case(f"translation-jsonl-{name}",
+           lambda t, f, b=bad: ["train", recipe(t, f, **{"data.train_files": [str(write(
+               t / "p.jsonl", f"{PAIR_LINE}\n".encode() + b + b"\n"))]}),
+                                f"out={t / 'run'}"], msg)
+      for name, bad, msg in (("invalid-utf8", not_utf8(PAIR_LINE.replace("the day", "hi")),
+                              rf"p\.jsonl:2: not UTF-8 \(byte 0xff at column {PAIR_LINE.index('the') + 2}\)"),
+                             ("nested-200000-deep", DEEP.encode(),
+                              r"p\.jsonl:2: not valid JSON: nested deeper than Python reads$"))),
+]
+
+
 CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTIONS, *NUMBERS_AND_WRONG_INPUT, *MORE,
          *LOCKS_AND_KINDS, *CONTAINMENT, *UNEXPECTED_BEFORE, *MESSAGES, *HUB_AND_MERGEKIT, *BIGGER_THAN_MEMORY,
-         *BEYOND_ONE_DEVICE, *SPEECH_LLM, *SPEECH_LLM_TRANSCRIPTS]
+         *BEYOND_ONE_DEVICE, *SPEECH_LLM, *PRUNING_AND_SELECTIONS,
+         *ISSUE37_BAD_INPUTS, *FUZZ_FINDS, *SPEECH_LLM_TRANSCRIPTS]
 
 # issue 37 §6 (model cards and the mergekit command line)
 def qwen2_base_llama_expert(t: Path, f: Fx) -> Path:
@@ -1787,6 +2093,41 @@ CASES += [
          r"differ: the first has no model\.layers\.0\.self_attn\.q_proj\.bias$"),
 ]
 
+
+# issue 39 (more): a recipe's model.path holding an upcycled checkpoint is trained as it is only if it was upcycled
+# with the recipe's own MoE spec, and in moekit's format
+
+def upcycled_qwen3_asr(t: Path) -> Path:
+    """A tiny Qwen3-ASR upcycled with 4 experts (spri_s2tt.yaml has 8), saved in moekit's format."""
+    from moekit.checkpoint.dense import load_dense
+    from moekit.checkpoint.format import save
+    from moekit.moe.spec import MoESpec
+    from moekit.testing.speech_llm import save_tiny_qwen3_asr
+    from moekit.upcycling import upcycle
+
+    dense = load_dense(save_tiny_qwen3_asr(t / "qwen3_asr_dense"))
+    return save(upcycle(dense, MoESpec(num_experts=4, top_k=2, every=4, shared_expert=True, init="spri")), t / "up")
+
+
+OTHER_SPEC = (r"was upcycled with moe\.shared_expert=False \(its moekit.json\), the recipe has moe\.shared_expert=True: "
+              r"give the recipe the checkpoint's spec, or start from the dense model$")
+CASES += [
+    Case("train-upcycled-checkpoint-other-spec",
+         lambda t, f: ["train", recipe(t, f), f"model.path={moe(t, f)}", f"out={t / 'run'}"], OTHER_SPEC),
+    Case("train-dry-run-upcycled-checkpoint-other-spec",
+         lambda t, f: ["train", recipe(t, f), f"model.path={moe(t, f)}", "--dry-run"], OTHER_SPEC),
+    Case("train-upcycled-checkpoint-native-format",
+         lambda t, f: ["train", recipe(t, f), f"out={t / 'run'}", "model.path=" + str(also(
+             f.copy(f.native, t / "native"), write(t / "native" / "moekit_spec.json", "{}")))],
+         r"native is an upcycled checkpoint in a native MoE format \(moekit_spec.json\); method=moe trains a dense "
+         r"model or its upcycled checkpoint in moekit's format$"),
+    Case("train-s2tt-upcycled-checkpoint-other-experts", lambda t, f: [*s2tt(t), f"model.path={upcycled_qwen3_asr(t)}"],
+         r"up was upcycled with moe\.num_experts=4 \(its moekit.json\), the recipe has moe\.num_experts=8"),
+    Case("train-dry-run-s2tt-model-without-processor",  # the plan's sequence length comes from the processor
+         lambda t, f: [*s2tt(t), "--dry-run", "model.path=" + str(also(t / "qwen3_asr", *(
+             p.unlink() for p in (t / "qwen3_asr").iterdir() if p.name.startswith(("processor", "tokenizer")))))],
+         r"qwen3_asr has no usable processor: "),
+]
 
 def params(cases: list[Case]) -> list:
     return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.bug)] if c.bug else [])
@@ -1856,3 +2197,106 @@ def test_report_and_selection_read_padding_slots(fx, tmp_path, run, monkeypatch)
     assert table.sum() == (choice[0] >= 0).sum() - 1  # token 1 has no expert at layer 1: left out
     rc, _, err = run("select", "topk", trace, "--target", "en", "--budget", 2, "--out", tmp_path / "s.json")
     assert rc == 0, err
+
+
+# ---------------------------------------------------------------------------------------------- issue 37 §5 (bad inputs helper): tests that are no rows
+
+
+def test_a_1_gib_model_card_is_read_only_for_its_header(tmp_path):
+    """The card's base_model comes from README.md's YAML header within its first 64 KiB: a 1 GiB README (sparse here)
+    is not read whole (it was: 2.38 GiB peak), and the header is still found."""
+    import tracemalloc
+
+    from moekit.checkpoint.card import CARD_HEADER_BYTES, card_base_model
+
+    readme = write(tmp_path / "README.md", "---\nbase_model: org/base\n---\n\n# a card\n")
+    os.truncate(readme, 1 << 30)
+    tracemalloc.start()
+    try:
+        found = card_base_model(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found == "org/base"
+    assert peak < 4 * CARD_HEADER_BYTES, f"{peak} bytes allocated"
+    write(tmp_path / "README.md", "---\nbase_model: org/base\n" + "x" * CARD_HEADER_BYTES + "\n---\n")
+    assert card_base_model(tmp_path) is None  # a header that does not end within the bytes read is not guessed at
+
+
+HANG = """import sys, time
+import moekit.checkpoint.remove, moekit.routing.streamed as streamed
+from moekit.cli.main import main
+streamed.needs_spill = lambda *a: True  # the calibration set is too large to keep in memory: spill it
+streamed._run_layer = moekit.checkpoint.remove.report = lambda *a, **k: time.sleep(600)  # stop mid-way
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def killed_midway(argv: list, tmp: Path, leftover: Callable[[], list[Path]]) -> list[Path]:
+    """Run the CLI with `argv` in a subprocess made to hang mid-way (HANG), SIGKILL it once `leftover()` (its
+    temporaries) lists something with a file in it, and return what it left."""
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", HANG, *map(str, argv)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(p.is_dir() and any(p.iterdir()) for p in leftover()):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "no temporary appeared within 240 s"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    return leftover()
+
+
+def test_collect_killed_midway_leaves_nothing_after_the_next_run(fx, tmp_path, run, monkeypatch):
+    """routes collect --stream on, SIGKILLed while its hidden states are spilled: the next run removes the spill
+    folder and the dead lock, writes the same trace as an uninterrupted run, and changes nothing else."""
+    import tempfile
+
+    from moekit.routing import streamed
+    from moekit.routing.trace import RoutingTrace
+
+    work, scratch = tmp_path / "work", tmp_path / "scratch"
+    model, en = fx.copy(fx.native, work / "q3"), text(work, fx)
+    write(scratch / "keep.txt", "someone else's temporary file")
+    argv = collect(model, work / "t.npz", *texts(("en", en)), extra=["--stream", "on", "--max-length", 16])
+    before = {d: snapshot(d) for d in (work, scratch)}
+    left = killed_midway(argv, scratch, lambda: sorted(scratch.glob(f".{streamed.SPILL}.moekit-tmp-*")))
+    assert len(left) == 1 and (work / ".t.npz.moekit-lock").is_file()  # what SIGKILL left
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(streamed, "needs_spill", lambda *a: True)
+    rc, _, err = run(*argv)
+    assert rc == 0, err
+    assert snapshot(scratch) == before[scratch]  # the spill folder gone, nothing else touched
+    after = snapshot(work)
+    assert {k: v for k, v in after.items() if k != "t.npz"} == before[work]  # lock gone, inputs unchanged
+    rc, _, err = run(*collect(model, tmp_path / "ref.npz", *texts(("en", en)), extra=argv[-4:]))
+    assert rc == 0, err
+    got, ref = RoutingTrace.load(work / "t.npz"), RoutingTrace.load(tmp_path / "ref.npz")
+    assert np.array_equal(got.ids, ref.ids) and np.array_equal(got.weights, ref.weights)
+
+
+def test_prune_killed_midway_leaves_nothing_after_the_next_run(fx, tmp_path, run, monkeypatch):
+    """prune --keep, SIGKILLed while it writes the pruned checkpoint: the next run removes the dead run's temporary
+    output and lock, writes the same checkpoint as an uninterrupted run, and changes nothing else."""
+    work = tmp_path / "work"
+    model, sel = fx.copy(fx.native, work / "q3"), native_sel(work)
+    argv = ["prune", "--model", model, "--experts", sel, "--keep", "--out", work / "p"]
+    before = snapshot(work)
+    left = killed_midway(argv, tmp_path, lambda: sorted(work.glob(".p.moekit-tmp-*")))
+    assert len(left) == 1 and (work / ".p.moekit-lock").is_file()  # what SIGKILL left
+    rc, _, err = run(*argv)
+    assert rc == 0, err
+    after = snapshot(work)
+    assert {k: v for k, v in after.items() if not k.startswith("p")} == before  # temporary and lock gone
+    rc, _, err = run(*argv[:-1], tmp_path / "ref")
+    assert rc == 0, err
+    ref = snapshot(tmp_path / "ref")
+    assert {k.removeprefix("p/"): v for k, v in after.items() if k.startswith("p/") and k != "p/README.md"} == \
+        {k: v for k, v in ref.items() if k != "README.md"}  # the card names the command, which differs

@@ -132,7 +132,7 @@ def test_losses_are_differentiable_in_the_logits():
 def test_over_layers_sums_or_averages():
     a = _info(LOGITS, [[1], [1], [0]])
     b = _info(torch.zeros(3, 2), [[0], [1], [0]])
-    assert over_layers(load_balance, [a, b]).item() == pytest.approx(8.2 / 9 + 1.0, abs=1e-6)  # sum: UME eq. 3
+    assert over_layers(load_balance, [a, b]).item() == pytest.approx(8.2 / 9 + 1.0, abs=1e-6)  # sum: UME §III-C-2
     assert over_layers(load_balance, [a, b], reduction="mean").item() == pytest.approx((8.2 / 9 + 1.0) / 2, abs=1e-6)
     assert over_layers(load_balance, [a, b], reduction="mean", variant="argmax").item() == pytest.approx(
         (9.8 / 9 + 1.0) / 2, abs=1e-6)

@@ -51,6 +51,15 @@ def test_a_new_method_needs_only_its_registration(monkeypatch):
         validate(TranslationRecipe, {"method": Frozen.name, "freeze": {"schedule": "ume"}})
 
 
+@pytest.mark.parametrize("method", ["lora", "simoe"])
+def test_freeze_frozen_is_refused_where_training_would_ignore_it(method):
+    """freeze.frozen is honoured by the moe and dense methods' FreezeCallback only; elsewhere it is refused."""
+    section = {"lora": {"lora": {}}, "simoe": {"simoe": {}}}[method]
+    with pytest.raises(ConfigError, match=f"freeze.frozen applies to method=moe or method=dense, not method={method}"):
+        validate(TranslationRecipe, {"method": method, **section, "freeze": {"frozen": ["model.embed_tokens"]}})
+    assert validate(TranslationRecipe, {"method": "dense", "freeze": {"frozen": ["model.embed_tokens"]}}).freeze.frozen
+
+
 def test_method_for_reads_the_model_state():
     torch.manual_seed(0)
     assert method_for(tiny_llama()).name == "dense"

@@ -191,3 +191,57 @@ def test_keep_prunes_moekits_own_qwen3_moe_export(tmp_path, run):
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "p")  # plain transformers loads the output
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 2
+
+
+def test_a_selection_names_the_model_it_was_made_for(tmp_path, run):
+    """routes collect records the model's config digest (one digest from both --stream modes); select carries it,
+    with the trace's layers, expert counts and file, into the selection. prune --keep takes it for that model, refuses
+    it for a Qwen3-MoE with the same layer names and expert counts but another config (naming what differs), and
+    takes it there with --allow-other-model. A reap selection without a source (an older moekit's) is taken with one
+    warning line, a hand-written one silently (issue 37 §4)."""
+    import json
+
+    from moekit.checkpoint.dense import load_config
+    from moekit.routing.trace import RoutingTrace, config_digest
+    from moekit.select.selection import Source
+    from moekit.testing import tiny_qwen3_moe
+
+    for name, model in (("q3", tiny_qwen3_moe()), ("other", tiny_qwen3_moe(seed=1, norm_topk_prob=False))):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    (tmp_path / "en.txt").write_text("the day was long\nwe walk home\n")
+    digest = config_digest(load_config(tmp_path / "q3"))
+    for mode in ("on", "off"):
+        rc, _, err = run("routes", "collect", "--model", tmp_path / "q3", "--texts", f"en={tmp_path / 'en.txt'}",
+                         "--out", tmp_path / f"{mode}.npz", "--stream", mode)
+        assert rc == 0, err
+        assert RoutingTrace.load(tmp_path / f"{mode}.npz").meta["config_sha256"] == digest
+    rc, _, err = run("select", "reap", tmp_path / "on.npz", "--top", 4, "--out", tmp_path / "s.json")
+    assert rc == 0, err
+    sel = Selection.load(tmp_path / "s.json")
+    layers = {f"model.layers.{i}.mlp": 8 for i in range(3)}
+    assert sel.source == Source(config_sha256=digest, experts=layers, trace=str(tmp_path / "on.npz"))
+
+    def prune_keep(model, selection, out, *extra):
+        return run("prune", "--model", tmp_path / model, "--experts", selection, "--keep", "--out", tmp_path / out,
+                   *extra)
+
+    rc, _, err = prune_keep("q3", tmp_path / "s.json", "p1")
+    assert rc == 0 and "warning" not in err, err
+    rc, _, err = prune_keep("other", tmp_path / "s.json", "p2")
+    other = config_digest(load_config(tmp_path / "other"))
+    assert rc == 2 and err.splitlines()[-1] == (
+        f"moekit: error: the selection was made for another model (trace {tmp_path / 'on.npz'}): its config (sha256 "
+        f"{digest[:12]}) is not this model's ({other[:12]}); pass --allow-other-model to use it anyway")
+    assert not (tmp_path / "p2").exists()
+    rc, _, err = prune_keep("other", tmp_path / "s.json", "p2", "--allow-other-model")
+    assert rc == 0, err
+    older = {k: v for k, v in json.loads((tmp_path / "s.json").read_text()).items() if k != "source"}
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    (tmp_path / "manual.json").write_text(json.dumps({**older, "method": "manual"}))
+    rc, _, err = prune_keep("other", tmp_path / "older.json", "p3")
+    assert rc == 0 and [line for line in err.splitlines() if "warning" in line] == [
+        "moekit: warning: the reap selection does not record the model it was made for (made by an older moekit): "
+        "only its layers and expert ids are checked"]
+    rc, _, err = prune_keep("other", tmp_path / "manual.json", "p4")
+    assert rc == 0 and "warning" not in err, err

@@ -85,6 +85,8 @@ CHECKS: list[tuple[str, Callable[[Path, str], bool]]] = [
     ("moekit train text.yaml\n", lambda w, out: all(
         steps(w, f"runs/{r}") == 10 and yaml.safe_load((w / f"runs/{r}/recipe.yaml").read_text())["data"]["format"] == f
         for r, f in (("text", "text"), ("alpaca", "alpaca"), ("chat", "chat")))),
+    ("runs/py-train-own/model", lambda w, out: spec(w, "runs/py-train-own/model")["init"]["method"] == "spri" and all(
+        (w / f"runs/{r}/checkpoints/checkpoint-4/moekit.json").is_file() for r in ("py-train", "py-train-own"))),
     ("runs/py-spri-qwen2moe", lambda w, out: spec(w, "runs/py-spri")["num_experts"] == 8 and all(
         config(w, f"runs/{d}")["model_type"] == "qwen2_moe" for d in ("py-spri-auto", "py-spri-qwen2moe"))),
     ("--out runs/smollm2-granular", lambda w, out: (c := config(w, "runs/smollm2-granular"))["model_type"] == "mixtral"

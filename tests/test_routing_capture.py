@@ -85,6 +85,9 @@ def test_save_load_merge_roundtrip(tmp_path):
         other.run(*batch(), language="en")
     with pytest.raises(TraceError, match="different models"):
         RoutingTrace.merge([traces[0], other.trace()])
+    same_layers = RoutingTrace(**{**vars(traces[1]), "meta": {"config_sha256": "0" * 64}})  # another config
+    with pytest.raises(TraceError, match=r"different models \(layers, experts, top-k or config differ\)"):
+        RoutingTrace.merge([traces[0], same_layers])
 
 
 def test_errors(tmp_path):

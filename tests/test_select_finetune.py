@@ -221,7 +221,7 @@ def test_cli_finetune_moekit_model(tmp_path, run):
 
 
 def test_train_selected_counts_epochs_of_the_effective_batch():
-    """RISE §4.1's budget: epochs over the data at an effective batch split into accumulation steps."""
+    """RISE §5.1's budget: epochs over the data at an effective batch split into accumulation steps."""
     model = TINY_HF_MOE["qwen3_moe"]()
     sel = Selection(method="manual", budget=2, experts=selection_for(model))
     lines = ["the light of the world", "is good and the day was long"] * 5  # 10 examples

@@ -152,9 +152,10 @@ def test_read_manifest_errors(tmp_path):
     path = tmp_path / "manifest.jsonl"
     path.write_text(json.dumps(good) + "\n\n")
     assert read_manifest(tmp_path)[0].audio == tmp_path.resolve() / "audio/en/a.wav"
-    for bad, message in [("{oops", "not JSON"), (json.dumps({"id": "a"}), "missing audio"),
+    for bad, message in [("{oops", "not valid JSON"), (b"\xff", r"not UTF-8 \(byte 0xff at column 1\)"),
+                         ("[" * 200_000, "not valid JSON: nested deeper than Python reads"), (json.dumps({"id": "a"}), "missing audio"),
                          (json.dumps(good | {"split": "dev"}), "split"), ("[1]", "expected a JSON object")]:
-        path.write_text(json.dumps(good) + "\n" + bad + "\n")
+        path.write_bytes(json.dumps(good).encode() + b"\n" + (bad if isinstance(bad, bytes) else bad.encode()) + b"\n")
         with pytest.raises(ConfigError, match=f"manifest.jsonl:2: .*{message}"):
             read_manifest(path)
     with pytest.raises(ConfigError, match="cannot read manifest"):

@@ -319,3 +319,56 @@ def test_speech_corpus_targets_write_covost_layout_that_trains(tiny, tmp_path, m
         "data.path": str(corpus), "data.clips": str(corpus / "audio" / "en"), "train.steps": 1}))
     assert rc == 0, err
     assert json.loads((out / "data.json").read_text())["test"] == {"de": {"kept": 2}, "fr": {"kept": 2}}
+
+
+# ------------------------------------------------------------------------------------------------------ dry run
+
+
+def test_dry_run_counts_the_audio_modules_and_the_decoders_moe_layers(tiny, tmp_path):
+    from moekit.train.plan import plan_recipe
+
+    keys = _overrides(tiny, "qwen3_asr", tmp_path / "run", **{"train.steps": 10})
+    plans = {frozen: plan_recipe(load_recipe(RECIPE, [*keys, f"model.freeze_audio={str(frozen).lower()}"]))
+             for frozen in (False, True)}
+    dense, inputs = _inputs(tiny["qwen3_asr"])
+    moe = upcycle(dense, load_recipe(RECIPE, keys).moe)
+    audio = sum(p.numel() for path in audio_paths(moe, inputs.family) for p in moe.get_submodule(path).parameters())
+    experts = sum(p.numel() for path, m in moe_layers(moe) for p in m.experts.parameters())
+    for plan in plans.values():
+        assert (plan.params, plan.routed) == (sum(p.numel() for p in moe.parameters()), experts)
+        assert plan.max_length == 512 - 1 + 15 * 13  # the prompt bound, its placeholder as 15 s of audio tokens
+        assert plan.activations == plan.activations_per_1k * 4 * plan.max_length // 1000 > 0
+    trains, frozen = plans[False], plans[True]
+    assert [s.params for s in trains.stages][0] == [s.params for s in frozen.stages][0]  # routers, down projections
+    assert trains.stages[1].params - frozen.stages[1].params == audio > 0
+    assert (trains.frozen_bytes, frozen.frozen_bytes) == (0, 4 * audio)
+
+
+# ------------------------------------------------------------------------------------------------------ clips
+
+
+def test_mp3_and_flac_clips_decode_through_soundfile(tmp_path):
+    """Common Voice's MP3 (48 kHz) and a stereo FLAC read as WAV clips do: 16 kHz mono, the tone's pitch kept, FLAC
+    (lossless) to its 16-bit quantization; a non-WAV file that is not audio is an unreadable row."""
+    import numpy as np
+
+    sf = pytest.importorskip("soundfile")
+    from moekit.speech.audio import decode
+
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(48000) / 48000)
+    data = save_tiny_covost(tmp_path / "covost", directions=("de",), train=2, test=2)
+    sf.write(data / "clips" / "c0.mp3", tone, 48000, format="MP3")
+    sf.write(data / "clips" / "c1.flac", np.stack([tone[::3], tone[::3]], axis=1), 16000, format="FLAC")
+    (data / "clips" / "c2.mp3").write_bytes(b"not an mp3 " * 20)
+    for split in ("train", "test"):
+        tsv = data / f"covost_v2.en_de.{split}.tsv"
+        tsv.write_text(tsv.read_text().replace("c0.wav", "c0.mp3").replace("c1.wav", "c1.flac")
+                       .replace("c2.wav", "c2.mp3"))
+    train, _, report = load_s2tt(S2TTDataConfig(path=str(data), directions=["de"], on_bad="skip"), lambda e: 0)
+    assert report.as_dict()["test"]["de"] == {"unreadable_audio": 1, "kept": 1} and len(train) == 2
+    for e in train:
+        samples = e.samples()
+        assert e.seconds == pytest.approx(1.0, abs=0.01) and samples.shape == (16000,)
+        assert np.argmax(np.abs(np.fft.rfft(samples))) == 440  # 1 Hz bins over one second
+    flac = decode(data / "clips" / "c1.flac", "c1.flac")
+    assert np.abs(flac - tone[::3]).max() <= 1 / 32768

@@ -84,28 +84,30 @@ def test_bfloat16_streamed_trace_agrees_with_the_in_memory_one(checkpoints):
 
 
 def _independent_sums(model, data) -> np.ndarray:
-    """(Λ, L, E, 4) count, Σ g, Σ ‖f‖, Σ g‖f‖ from forward hooks on the experts and plain matmuls of their fused
-    weights (f = down · act(gate x) ⊙ up x), not the experts' own forward."""
+    """(Λ, L, E, 6) count, Σ g, Σ ‖f‖, Σ g‖f‖, Σ p, Σ p‖f‖ from forward hooks on the experts and plain matmuls of
+    their fused weights (f = down · act(gate x) ⊙ up x) and of the router's (p = softmax(W x) over all experts), not
+    the experts' or the router's own forward."""
     sites = find_sites(model)
     langs = list(dict.fromkeys(b.language for b in data))
-    sums = np.zeros((len(langs), len(sites), max(s.num_experts for s in sites), 4))
+    sums = np.zeros((len(langs), len(sites), max(s.num_experts for s in sites), 6))
     current = {}
 
-    def hook(li):
+    def hook(li, router):
         def fn(experts, args):
             x, ids, w = args[:3]
             keep = current["mask"]
             x, ids, w = x[keep].double(), ids[keep], w[keep].double()
+            probs = torch.softmax(x @ router.weight.double().T, dim=-1)  # (T, E)
             for t in range(x.shape[0]):
                 for s in range(ids.shape[1]):
                     e = int(ids[t, s])
                     gate, up = (experts.gate_up_proj[e].double() @ x[t]).chunk(2)
                     f = experts.down_proj[e].double() @ (F.silu(gate) * up)
-                    row = sums[current["lang"], li, e]
-                    row += [1.0, float(w[t, s]), float(f.norm()), float(w[t, s] * f.norm())]
+                    g, p, norm = float(w[t, s]), float(probs[t, e]), float(f.norm())
+                    sums[current["lang"], li, e] += [1.0, g, norm, g * norm, p, p * norm]
         return fn
 
-    handles = [s.experts.register_forward_pre_hook(hook(i)) for i, s in enumerate(sites)]
+    handles = [s.experts.register_forward_pre_hook(hook(i, s.router)) for i, s in enumerate(sites)]
     try:
         with torch.no_grad():
             for b in data:
@@ -306,3 +308,62 @@ def test_routes_collect_resolves_a_hub_id_from_the_cache(tmp_path, run, monkeypa
         assert rc == 0, err
     a, b = RoutingTrace.load(tmp_path / "hub.npz"), RoutingTrace.load(tmp_path / "dir.npz")
     assert np.array_equal(a.ids, b.ids) and np.array_equal(a.weights, b.weights)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stored_shapes_cover_every_tensor_of_both_layouts(checkpoints, tmp_path, family):
+    """The shapes the config's model gives (moekit.checkpoint.dense.stored_shapes) name every tensor transformers
+    writes, in the Hub's per-expert layout and in transformers 5's fused one, with the shape written; one expert
+    tensor's header transposed (the same byte count) is refused, naming the tensor and both shapes."""
+    import json
+    import re
+    import struct
+
+    from moekit.checkpoint.dense import check_stored_shapes, meta_model, stored_shapes
+    from moekit.checkpoint.files import read_headers
+    from moekit.errors import CheckpointError
+
+    TINY_HF_MOE[family]().save_pretrained(tmp_path / "fused", save_original_format=False)
+    want = stored_shapes(meta_model(checkpoints[family]))
+    for folder in (checkpoints[family], tmp_path / "fused"):
+        assert {k: tuple(i.shape) for k, i in read_headers(folder).items()}.items() <= want.items()
+    data = (checkpoints[family] / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    name = next(k for k, v in header.items() if ".experts." in k and len(set(v.get("shape", ()))) == 2)
+    header[name]["shape"] = header[name]["shape"][::-1]
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_bytes((checkpoints[family] / "config.json").read_bytes())
+    (tmp_path / "bad" / "model.safetensors").write_bytes(data[:8] + text + data[8 + n:])
+    shape = header[name]["shape"]
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)} is \[{shape[0]}, {shape[1]}\] in the weights but "
+                                              rf"\[{shape[1]}, {shape[0]}\] by its config\.json$"):
+        check_stored_shapes(tmp_path / "bad", meta_model(tmp_path / "bad"))
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_reap_gate_applied_or_plain_softmax_on_a_top1_qwen3_moe(renormalize):
+    """Closed form on a top-1 Qwen3-MoE. Without norm_topk_prob the model applies the plain softmax p: both gates
+    give one sum. With it, every applied weight is p / p = 1, so Σ g = count and Σ g‖f‖ = Σ ‖f‖, while Σ p‖f‖ stays
+    below Σ ‖f‖ (p < 1 among 8 experts); `reap` ranks by Σ g‖f‖ / count, and with gate "softmax" by Σ p‖f‖ / count
+    (REAP's reference code's default)."""
+    from moekit.routing.trace import SALIENCY
+    from moekit.select import select
+    from moekit.testing import tiny_qwen3_moe
+
+    trace = collect_in_memory(tiny_qwen3_moe(num_experts_per_tok=1, norm_topk_prob=renormalize).eval(), batches())
+    count, g, norm, g_norm, p, p_norm = np.moveaxis(trace.saliency.sum(0), -1, 0)  # (L, E) each
+    assert SALIENCY == ("count", "gate", "norm", "gate_norm", "softmax", "softmax_norm")
+    routed = count > 0
+    assert (p[routed] < count[routed]).all() and (p_norm[routed] < norm[routed]).all()
+    if renormalize:
+        np.testing.assert_array_equal(g, count)
+        np.testing.assert_allclose(g_norm, norm, rtol=1e-6)
+    else:
+        np.testing.assert_allclose(g, p, rtol=1e-6)
+        np.testing.assert_allclose(g_norm, p_norm, rtol=1e-6)
+    mean = lambda s: np.divide(s, count, out=np.zeros_like(s), where=routed)  # noqa: E731
+    for gate, want in (("applied", mean(g_norm)), ("softmax", mean(p_norm))):
+        got = select(trace, "reap", None, top=2, gate=gate).scores
+        np.testing.assert_allclose(np.array(list(got.values())), want, rtol=1e-12)

@@ -11,7 +11,9 @@ from moekit.errors import MoekitError
 _API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit.moe", "moe_layers": "moekit.moe",
         "load": "moekit.checkpoint.format", "save": "moekit.checkpoint.format", "upcycle": "moekit.upcycling",
         "upcycle_checkpoint": "moekit.checkpoint.upcycle", "export_checkpoint": "moekit.checkpoint.upcycle",
-        "export_model": "moekit.checkpoint.export"}
+        "export_model": "moekit.checkpoint.export", "MoETrainer": "moekit.train.trainer",
+        "MoECallback": "moekit.train.trainer", "AuxConfig": "moekit.train.recipe", "load_recipe": "moekit.train.recipe",
+        "FreezeConfig": "moekit.methods.freeze", "training_args": "moekit.train.args"}
 
 __all__ = ["MoekitError", *_API]
 

@@ -31,6 +31,7 @@ import secrets
 import shutil
 import signal
 import stat
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -245,6 +246,17 @@ def _remove_stale(parent: Path, name: str) -> None:
         pid = m and int(m.group(1))
         if pid and pid != os.getpid() and not _pid_alive(pid) and entry.lstat().st_uid == os.getuid():
             remove(entry)
+
+
+def scratch(name: str) -> Path:
+    """A new empty directory `.NAME.moekit-tmp-PID-XXXXXXXX` (this user's only) in the system's temporary directory,
+    for work files the caller removes (`remove`) when done; the ones that killed processes left (SIGKILL) are
+    removed first (`_remove_stale`: nothing else is touched)."""
+    parent = Path(tempfile.gettempdir())
+    _remove_stale(parent, name)
+    path = parent / f".{name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir(mode=0o700)
+    return path
 
 
 class _Lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import math
 import os
 import re
 import sqlite3
@@ -29,9 +30,10 @@ import torch
 from torch import nn
 
 from moekit.checkpoint.card import HUB_ID, hub_id as card_hub_id
+from moekit.checkpoint.hub import resolve_hub
 from moekit.ct2 import convert_whisper
-from moekit.errors import AssetError
-from moekit._fs import hub_cache, output, read_small
+from moekit.errors import AssetError, MoekitError
+from moekit._fs import hub_cache, output
 
 Log = Callable[[str], None]
 
@@ -191,6 +193,30 @@ def strip_quantization(model: nn.Module) -> nn.Module:
     return clean.eval()
 
 
+def _check_gguf_size(gguf: Path) -> None:
+    """The model a GGUF's metadata describes (built on the meta device) has as many layers as its tensors and needs
+    no more than twice the values they hold plus 2**20: checked before transformers allocates that model."""
+    import transformers as tf
+    from gguf import GGUFReader
+
+    from moekit.checkpoint.dense import check_layer_limit
+
+    tensors = GGUFReader(gguf).tensors
+    have = sum(math.prod(int(d) for d in t.shape) for t in tensors)
+    config = tf.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    check_layer_limit(config.to_dict(), f"GGUF checkpoint {gguf}")
+    blocks = len({m[1] for t in tensors if (m := re.match(r"blk\.(\d+)\.", t.name))})
+    if getattr(config, "num_hidden_layers", blocks) != blocks:  # e.g. no block_count: transformers' default, 32
+        raise AssetError(f"GGUF checkpoint {gguf}: its metadata describes {config.num_hidden_layers} layers, its "
+                         f"tensors hold {blocks}")
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    need = sum({id(p): p.numel() for p in model.parameters()}.values())
+    if need > 2 * have + 2**20:
+        raise AssetError(f"GGUF checkpoint {gguf}: its metadata describes a model of {need:,} parameters, but its "
+                         f"tensors hold {have:,} values")
+
+
 def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
     """Load a GGUF checkpoint (dequantized to float32) with transformers and save it, with its
     tokenizer, as a safetensors model directory `out` (atomically)."""
@@ -198,18 +224,23 @@ def convert_gguf(gguf: Path, out: Path, overwrite: bool = False) -> Path:
 
     try:  # transformers and tqdm progress bars go to stderr: keep library calls silent
         with contextlib.redirect_stderr(io.StringIO()):
-            model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            _check_gguf_size(gguf)
+            model, info = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                                 output_loading_info=True)
             tokenizer = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except (OSError, ValueError, KeyError) as e:
-        raise AssetError(f"cannot load GGUF checkpoint {gguf}: {e}") from None
+    except Exception as e:  # noqa: BLE001  (gguf's reader and transformers' conversion raise many types for a damaged file)
+        if isinstance(e, MoekitError):
+            raise
+        raise AssetError(f"cannot load GGUF checkpoint {gguf}: {type(e).__name__}: {' '.join(str(e).split())[:300]}") \
+            from None
+    lost = sorted(info["missing_keys"]) + sorted(k for k, *_ in info["mismatched_keys"])
+    if lost:  # transformers initialized them at random: the metadata does not describe the tensors
+        raise AssetError(f"GGUF checkpoint {gguf}: its metadata describes tensors it does not hold ({', '.join(lost[:3])})")
     model = strip_quantization(model)
     with output(out, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return out
-
-
-HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "README.md"]  # no pickles, no code
 
 
 def model_inputs(name_or_path: str | Path | None) -> list[Path]:
@@ -235,66 +266,6 @@ def hub_id(name_or_path: str | Path | None) -> str | list[str] | None:
         if real.parent == Path(os.path.realpath(cache_dir() / "models")) and real.name in MODELS:
             return MODELS[real.name].hub_id
     return card_hub_id(name_or_path)
-
-
-def resolve_hub(repo: str, log: Log | None = None) -> Path:
-    """The local snapshot of Hub repository `org/name[@revision]`: its configs, safetensors weights and
-    tokenizer files (never pickles or code), from the Hugging Face cache or downloaded into it. Honours
-    HF_HUB_OFFLINE (then only the cache) and the token in the environment (HF_TOKEN)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    repo_id, _, revision = repo.partition("@")
-    if revision and any(part in ("", ".", "..") for part in revision.split("/")):
-        raise AssetError(f"{revision!r} in {repo} is not a revision name: a branch, tag or commit has no empty, "
-                         "'.' or '..' parts")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-    _say(log, f"{'looking up' if offline else 'fetching'} {repo} in the Hugging Face cache {hub_cache()}")
-    entry = hub_cache() / f"models--{repo_id.replace('/', '--')}"
-    _check_ref(entry / "refs" / (revision or "main"))
-    try:
-        found = Path(snapshot_download(repo_id, revision=revision or None, cache_dir=hub_cache(),
-                                       allow_patterns=HUB_FILES, local_files_only=offline))
-    except LocalEntryNotFoundError:
-        raise AssetError(_cache_miss(repo_id, revision or "main")) from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise AssetError(f"cannot fetch {repo} from the Hugging Face Hub: {' '.join(str(e).split())[:300]}") from None
-    snapshots = Path(os.path.realpath(entry / "snapshots"))
-    if snapshots not in Path(os.path.realpath(found)).parents:
-        raise AssetError(f"{repo} resolved to {found}, outside its cache folder {snapshots}: a damaged or tampered "
-                         "Hugging Face cache; download the repository again")
-    return found
-
-
-def _check_ref(ref: Path) -> None:
-    """A cache ref (refs/main, refs/<branch>) holds one commit hash in a small regular file: a path, a FIFO or a
-    device (reads forever) is refused before huggingface_hub follows it."""
-    if not (ref.exists() or ref.is_symlink()):
-        return
-
-    commit = read_small(ref, "Hugging Face cache ref", AssetError, limit=256).strip()
-    if not re.fullmatch(r"[0-9a-f]{40}", commit):
-        raise AssetError(f"{ref} holds {commit[:60]!r}, not a commit hash: a damaged or tampered Hugging Face cache; "
-                         "download the repository again")
-
-
-def _cache_miss(repo_id: str, revision: str) -> str:
-    """Why the Hugging Face cache cannot give `repo_id` at `revision` offline: what is wrong in its cache folder."""
-    entry = hub_cache() / f"models--{repo_id.replace('/', '--')}"
-    ref = entry / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
-    snapshot = entry / "snapshots" / commit
-    if entry.is_dir() and ref.is_file() and not snapshot.is_dir():
-        return (f"{ref} names commit {commit[:40]!r}, whose snapshot {snapshot} is missing (an interrupted or "
-                "deleted download); download the repository again")
-    dangling = sorted(p.name for p in snapshot.iterdir() if p.is_symlink() and not p.exists()) \
-        if snapshot.is_dir() else []
-    if dangling:
-        return (f"the cached snapshot {snapshot} links {', '.join(dangling[:3])} to blobs that are missing; download "
-                "the repository again")
-    return (f"{repo_id} is no local directory, and as a Hub repository it is not in the Hugging Face cache "
-            f"{hub_cache()} at revision {revision!r} while HF_HUB_OFFLINE is set (or the Hub cannot be reached); "
-            "download it first, or unset HF_HUB_OFFLINE")
 
 
 def resolve_model(name_or_path: str | Path, log: Log | None = None) -> Path:

@@ -45,6 +45,45 @@ def _nul_at(data: Any, at: str = "") -> str | None:
     return None
 
 
+MAX_YAML_VALUES = 100_000  # with aliases expanded: a recipe holds hundreds, a billion-laughs document 10**9
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load's loader that refuses a document whose aliases expand to more than MAX_YAML_VALUES values
+    before it builds anything: every reader of the document (validation, dumping) would walk them all."""
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is not None and _expanded(node, {}) > MAX_YAML_VALUES:
+            raise yaml.YAMLError(f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb?); "
+                                 "write the values out")
+        return None if node is None else self.construct_document(node)
+
+
+def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values `node` stands for with every alias expanded, capped just above MAX_YAML_VALUES; each node
+    is counted once however often it is aliased (so this is linear in the document), and a node inside itself
+    (a recursive alias) counts as too many."""
+    if id(node) not in sizes:
+        sizes[id(node)] = MAX_YAML_VALUES + 1
+        children = node.value if isinstance(node, yaml.SequenceNode) else \
+            [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else ()
+        sizes[id(node)] = min(1 + sum(_expanded(c, sizes) for c in children), MAX_YAML_VALUES + 1)
+    return sizes[id(node)]
+
+
+def parse_yaml(text: str, source: str):
+    """The value of a YAML document from an untrusted `source` (plain YAML only: no tags that build Python
+    objects, aliases bounded), or one ConfigError "SOURCE is not valid YAML: why"."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506  (_Loader is a SafeLoader)
+    except (yaml.YAMLError, RecursionError) as e:
+        why = " ".join(filter(None, (getattr(e, "context", None), getattr(e, "problem", None)))) or str(e)
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{source} is not valid YAML: {' '.join(why.split())}{at}") from None
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a copy."""
     out = yaml.safe_load(yaml.safe_dump(data)) or {}
@@ -58,7 +97,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p!r} is not a mapping")
-        node[leaf] = yaml.safe_load(raw)
+        node[leaf] = parse_yaml(raw, f"override {item!r}")
     return out
 
 
@@ -71,11 +110,7 @@ def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = read_small(path, "config file", ConfigError)
-    try:
-        data = yaml.safe_load(text) or {}
-    except (yaml.YAMLError, RecursionError) as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    data = parse_yaml(read_small(path, "config file", ConfigError), str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must contain a mapping at the top level")
     return data

@@ -107,6 +107,8 @@ class _Cursor:
         if nbytes != math.prod(shape) * dtype.itemsize:
             raise AssetError(f"{self.source}: variable {name} {shape} {dtype} has {nbytes} bytes")
         data = torch.from_numpy(np.frombuffer(self.take(nbytes), dtype=np.uint8).copy())
+        if not nbytes:  # a zero-size variable: a view of no bytes as a wider dtype is refused by torch
+            return name, torch.empty(shape, dtype=dtype)
         return name, data.view(dtype).reshape(shape)
 
 
@@ -206,9 +208,12 @@ def read_vocabulary(ct2_dir: Path) -> list[str]:
     """The tokens of a CT2 folder in id order (vocabulary.json, else vocabulary.txt)."""
     try:
         if (ct2_dir / "vocabulary.json").is_file():
-            return json.loads((ct2_dir / "vocabulary.json").read_text(encoding="utf-8"))
+            tokens = json.loads((ct2_dir / "vocabulary.json").read_text(encoding="utf-8"))
+            if not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+                raise ValueError("vocabulary.json must hold a JSON list of token strings")
+            return tokens
         text = (ct2_dir / "vocabulary.txt").read_text(encoding="utf-8")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise AssetError(f"cannot read the vocabulary of CT2 model {ct2_dir}: {e}") from None
     return text.removesuffix("\n").split("\n")
 

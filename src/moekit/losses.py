@@ -63,7 +63,7 @@ def z_loss(info: RoutingInfo, mask: Tensor | None = None) -> Tensor:
 
 def over_layers(fn, infos: Sequence[RoutingInfo], mask: Tensor | None = None,
                 reduction: Literal["sum", "mean"] = "sum", **kw) -> Tensor:
-    """A per-layer loss summed (UME eq. 3, Omni-router L_load) or averaged over MoE layers."""
+    """A per-layer loss summed (UME §III-C-2, Omni-router L_load) or averaged over MoE layers."""
     if not infos:
         raise ValueError("no routing information: run a forward pass through an MoE model first")
     per_layer = torch.stack([fn(i, mask, **kw) for i in infos])

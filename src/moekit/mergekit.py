@@ -74,7 +74,7 @@ def read_mergekit(data: dict, source: str) -> MergekitMoE:
     """The validated config; an unknown key is one ConfigError naming the valid keys where it stands."""
     _unknown_keys(data, MergekitMoE, "", source)
     for field in ("experts", "shared_experts"):
-        for i, e in enumerate(data.get(field) or []):
+        for i, e in enumerate(data.get(field) if isinstance(data.get(field), list) else []):
             if isinstance(e, dict):
                 _unknown_keys(e, MergekitExpert, f"{field}[{i}].", source)
     cfg = validate(MergekitMoE, data, source=source)

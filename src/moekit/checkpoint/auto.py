@@ -13,16 +13,24 @@ from moekit.checkpoint.wrapped import MODEL_TYPE, MoekitConfig
 
 
 class MoekitModel:
-    """What the Auto classes map a moekit config to (they need only `config_class` and `from_pretrained`): `from_pretrained` returns the checkpoint loaded by moekit
-    (the base model's class with its MoE or SIMoE layers), cast to `dtype` and moved to `device_map` if given."""
+    """What the Auto classes map a moekit config to (they need only `config_class` and `from_pretrained`):
+    `from_pretrained` returns the checkpoint loaded by moekit (the base model's class with its MoE or SIMoE layers) from a directory or
+    a Hub repository id (at `revision`; moekit.checkpoint.hub.resolve_hub: the Hugging Face cache, HF_HUB_OFFLINE, the
+    environment's token), cast to `dtype` and moved to `device_map` if given."""
 
     config_class = MoekitConfig
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        from pathlib import Path
+
+        from moekit.checkpoint.hub import resolve_hub
         from moekit.checkpoint.format import load_model
 
-        model = load_model(pretrained_model_name_or_path)  # moekit.json or a state codec's own format decides
+        path, revision = Path(pretrained_model_name_or_path), kwargs.get("revision")
+        if not path.is_dir():  # AutoConfig found its config.json on the Hub
+            path = resolve_hub(f"{pretrained_model_name_or_path}@{revision}" if revision else str(path))
+        model = load_model(path)  # moekit.json or a state codec's own format decides
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         if dtype not in (None, "auto"):
             model = model.to(dtype)

@@ -9,14 +9,16 @@ import json
 import os
 import re
 import shlex
+import stat
 import sys
 from importlib import metadata
 from pathlib import Path
 
-import yaml
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import ModelCardData
 
 from moekit.checkpoint.dense import architecture
+from moekit.config import parse_yaml
+from moekit.errors import ConfigError
 from moekit.moe.diversity import init_diversity
 from moekit.routing.sites import param_counts
 from moekit.state import spec_of
@@ -62,14 +64,26 @@ def pipeline_tag(architecture: str | None) -> str | None:
     return None
 
 
+CARD_HEADER_BYTES = 64 << 10  # how much of a README.md is read for its YAML header (a card's is a few hundred bytes)
+
+
 def card_data(folder: Path) -> ModelCardData | None:
-    """The YAML header of the model card (README.md) in `folder`, parsed by huggingface_hub; None without one."""
+    """The YAML header of the model card (README.md) in `folder`, within its first CARD_HEADER_BYTES (the rest of
+    the file is never read; aliases bounded by moekit.config.parse_yaml), as huggingface_hub's ModelCardData; None
+    without one."""
     try:
-        with open(Path(folder) / "README.md", encoding="utf-8") as f:
-            text = f.read(2**20)
-        return ModelCard(text, ignore_metadata_errors=True).data if text.startswith("---") else None
-    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+        fd = os.open(Path(folder) / "README.md", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            head = os.read(fd, CARD_HEADER_BYTES) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
+        parts = head.decode("utf-8", errors="replace").split("---")
+        header = parse_yaml(parts[1], "README.md") if parts[0] == "" and len(parts) > 2 else None
+    except (OSError, ConfigError):
         return None
+    if not isinstance(header, dict):
+        return None
+    return ModelCardData(ignore_metadata_errors=True, **{k: v for k, v in header.items() if isinstance(k, str)})
 
 
 def card_base_model(folder: Path) -> str | list[str] | None:

@@ -7,17 +7,20 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
+import re
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers.initialization import no_init_weights
 
 from moekit.checkpoint.codecs import read_state
-from moekit.checkpoint.files import check_dir, read_headers, read_text
+from moekit.checkpoint.files import check_dir, read_headers, read_text, refuse_adapter
 from moekit.errors import CheckpointError, NumericsError
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
@@ -74,14 +77,57 @@ def load_config(folder: Path, trust_remote_code: bool = False):
     check_remote_code(folder, trust_remote_code)
     _native_module(folder)
     data = _config_json(folder)
+    check_layer_limit(data, f"{folder}/config.json")
+    check_layer_counts(folder, data)
     try:
         if data.get("model_type") == MODEL_TYPE:
             config = base_config(data)
             config.name_or_path = str(folder)  # its card names the base model (moekit.checkpoint.card.hub_id)
-            return config
-        return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())}") from None
+        else:
+            config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError) as e:
+        # transformers 5 checks its config fields' types (huggingface_hub's strict dataclasses) and looks a dtype
+        # name up on torch: a field of the wrong type is one of these, not a bug
+        raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())[:500]}") from None
+    arch = getattr(config, "architectures", None)
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise CheckpointError(f"{folder}/config.json: architectures must be a list of class names, got {arch!r:.100}")
+    return config
+
+
+MAX_LAYERS = 10_000  # no published model has more; building 2**64 layers (even on the meta device) never ends
+LAYER_COUNT = re.compile(r"(^|_)(n_)?layers?$")  # num_hidden_layers, encoder_layers, n_layer, num_layers
+
+
+def check_layer_limit(data: dict, source: str, at: str = "") -> None:
+    """Refuse a layer count (of the config or a sub-config such as text_config) above MAX_LAYERS, whatever the
+    weights (check_layer_counts compares the counts with the weights where there are safetensors)."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            check_layer_limit(value, source, f"{at}{key}.")
+        elif isinstance(key, str) and LAYER_COUNT.search(key) and isinstance(value, int) and value > MAX_LAYERS:
+            raise CheckpointError(f"{source}: {at}{key} is {value}, more layers than any model has "
+                                  f"(at most {MAX_LAYERS:,} are accepted)")
+
+
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
+
+
+def check_layer_counts(folder: Path, data: dict) -> None:
+    """Refuse a config.json claiming more layers than its safetensors weights hold (a count above 1 + the largest
+    layer index, the first number in a tensor's name) before transformers builds them: building 200,000 layers,
+    even on the meta device, takes minutes. Counts are read at the top level and in sub-configs (text_config)."""
+    claims = [(f"{k}.{c}" if k else c, v) for k, d in [("", data), *data.items()] if isinstance(d, dict)
+              for c in LAYER_COUNTS if isinstance(v := d.get(c), int) and not isinstance(v, bool)]
+    if not claims or not has_safetensors(folder, allow_pickle=True):
+        return
+    firsts = [next((int(p) for p in name.split(".") if p.isascii() and p.isdigit() and len(p) < 19), None)
+              for name in read_headers(folder)]
+    top = max((i for i in firsts if i is not None), default=None)
+    for key, count in claims:
+        if top is not None and count > top + 1:
+            raise CheckpointError(f"{folder}/config.json: {key} is {count}, but no tensor of its weights has a layer "
+                                  f"index above {top}")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -136,13 +182,15 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     path = check_dense_dir(path)
     has_st = has_safetensors(path, allow_pickle)
     config = load_config(path, trust_remote_code)
-    if has_st:
-        read_headers(path)  # shard names, headers and coverage checked before transformers opens anything
+    if has_st:  # shard names, headers, coverage, shapes and size checked before transformers opens anything
+        model = meta_model(path, trust_remote_code)
+        check_stored_shapes(path, model)
+        check_size(model, read_headers(path), path)
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = model_class(arch, path) if arch and not trust_remote_code else transformers.AutoModel
     try:
         model = cls.from_pretrained(path, use_safetensors=has_st, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path} does not load: {' '.join(str(e).split())[:500]}") from None
     if not allow_nonfinite:
         check_finite(model.named_parameters(), str(path))
@@ -154,6 +202,7 @@ def check_dense_dir(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         check_dir(path)
+        refuse_adapter(path)
     for file, kind, hint in (("moekit.json", "a moekit MoE checkpoint", "moekit inspect / moekit export"),
                              ("simoe.json", "a SIMoE checkpoint", "moekit simoe export --merge TASK")):
         if (path / file).is_file():
@@ -177,13 +226,56 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
         where = init_empty_weights(include_buffers=False)
     else:
         where = torch.device("meta")
-    with where, no_init_weights():
-        if arch and not trust_remote_code:
-            model = model_class(arch, path)._from_config(config)
-        else:
-            model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    cls = model_class(arch, path) if arch and not trust_remote_code else None
+    try:
+        with where, no_init_weights():
+            if cls is not None:
+                model = cls._from_config(config)
+            else:
+                model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError, ZeroDivisionError,
+            AssertionError) as e:
+        # sizes, names and kinds in config.json that the model's code cannot build with (negative or overflowing
+        # sizes, an unknown activation or rope type)
+        raise CheckpointError(f"{path}/config.json describes no model that can be built: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint
     return model
+
+
+def check_size(model: nn.Module, headers: dict, path: Path) -> None:
+    """The model that config.json describes (on the meta device) may not need more than twice the values the shard
+    headers hold plus 2**20: a config that declares a model far larger than its files is refused before that memory
+    is allocated."""
+    need = sum({id(p): p.numel() for p in model.parameters()}.values())
+    have = sum(math.prod(info.shape) for info in headers.values())
+    if need > 2 * have + 2**20:
+        raise CheckpointError(f"{path}/config.json describes a model of {need:,} parameters, but its weights hold "
+                              f"{have:,} values: the config does not belong to these weights")
+
+
+def stored_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the tensors a checkpoint of `model` (built from its config on the meta device) may hold: the
+    model's own names (transformers 5's fused experts) and the names transformers saves it under
+    (revert_weight_conversion, as save_pretrained: the Hub's per-expert tensors). Shapes come from the family's own
+    model class, so this holds for every family transformers converts."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    own = model.state_dict()
+    saved = revert_weight_conversion(model, remove_tied_weights_from_state_dict(dict(own), model))
+    return {k: tuple(v.shape) for k, v in (own | saved).items()}
+
+
+def check_stored_shapes(folder: Path, model: nn.Module) -> None:
+    """Every safetensors tensor of `folder` that `model` (its config's model on the meta device) names has the shape
+    the config gives it: a header with a transposed shape of the same byte count is refused before any weight is
+    read (transformers would report the tensor missing, or a copy would carry the wrong shape on)."""
+    want = stored_shapes(model)
+    for name, info in read_headers(folder).items():
+        if name in want and tuple(info.shape) != want[name]:
+            raise CheckpointError(f"{folder}: {name} is {list(info.shape)} in the weights but {list(want[name])} by "
+                                  "its config.json")
 
 
 def has_safetensors(path: Path, allow_pickle: bool) -> bool:

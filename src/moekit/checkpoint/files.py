@@ -92,12 +92,26 @@ def check_dir(folder: str | Path) -> Path:
     for e in entries:
         if e.is_dir(follow_symlinks=False):
             continue
-        if e.is_symlink() and e.is_dir():
+        if e.is_symlink() and os.path.isdir(e.path):  # False for a link loop (DirEntry.is_dir raises ELOOP)
             if root not in Path(os.path.realpath(e.path)).parents:
                 raise CheckpointError(f"{e.path} leads outside the checkpoint directory {folder}")
             continue
         contained(folder, e.name)
     return folder
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")  # what peft saves
+
+
+def refuse_adapter(folder: str | Path) -> None:
+    """Refuse a directory holding a PEFT adapter: transformers' from_pretrained would apply it to the weights beside
+    it while every reader of the weights themselves (streaming, upcycling, pruning) would not, so one directory would
+    give two models. moekit reads whole models only."""
+    found = [name for name in ADAPTER_FILES if os.path.lexists(Path(folder) / name)]
+    if found:
+        raise CheckpointError(f"{folder} holds a PEFT adapter ({found[0]}); moekit reads only whole models: merge it "
+                              "into its base model first (peft's merge_and_unload, then save_pretrained) and give that "
+                              "directory")
 
 
 def open_file(folder: str | Path, name: str, what: str = "file") -> int:
@@ -151,7 +165,8 @@ def copy_file(folder: str | Path, name: str, dst: Path) -> None:
 
 
 def _plain_name(folder: Path, name: object) -> str:
-    if not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", ".."):
+    if not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", "..") \
+            or "\x00" in name:
         where = "an absolute path" if isinstance(name, str) and os.path.isabs(name) else "not a plain file name"
         raise CheckpointError(f"{folder / INDEX}: shard name {name!r} is {where}; the index must name files "
                               "inside the checkpoint directory")
@@ -170,7 +185,8 @@ def weight_map(folder: str | Path) -> dict[str, Path] | None:
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError(f"{folder / INDEX} has no weight_map")
-    shards = {name: contained(folder, _plain_name(folder, name), "weight file") for name in set(wmap.values())}
+    names = [_plain_name(folder, name) for name in wmap.values()]  # all strings before any is hashed
+    shards = {name: contained(folder, name, "weight file") for name in sorted(set(names))}
     return {key: shards[name] for key, name in wmap.items()}
 
 
@@ -204,7 +220,7 @@ def read_header(f: Path, fd: int) -> dict[str, TensorInfo]:
         try:
             dtype, shape, (begin, end) = v["dtype"], tuple(v["shape"]), v["data_offsets"]
             ok = dtype in DTYPES and all(isinstance(d, int) and d >= 0 for d in shape) and 0 <= begin <= end \
-                and isinstance(begin, int) and isinstance(end, int)
+                and isinstance(begin, int) and isinstance(end, int) and math.prod(d or 1 for d in shape) < 2**63
             nbytes = math.prod(shape) * DTYPES[dtype].itemsize if ok else -1
         except (KeyError, TypeError, ValueError):
             ok = False

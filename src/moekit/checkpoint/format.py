@@ -26,7 +26,7 @@ from moekit._fs import output
 from moekit.checkpoint.card import write_model_card
 from moekit.checkpoint.codecs import own_format, own_writer, read_state, write_state
 from moekit.checkpoint.dense import architecture, load_config, load_dense, load_generation_config, model_class
-from moekit.checkpoint.files import ShardReader, check_dir, read_headers, read_text
+from moekit.checkpoint.files import ShardReader, check_dir, read_headers, read_text, refuse_adapter
 from moekit.checkpoint.meta import MoekitMeta
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
@@ -135,6 +135,7 @@ def read_meta(folder: str | Path, file: str = "moekit.json", schema: type[BaseMo
     if not (f.exists() or f.is_symlink()):
         raise CheckpointError(f"{folder} is not a {kind} checkpoint (no {file})")
     check_dir(folder)
+    refuse_adapter(folder)
     try:
         data = json.loads(read_text(folder, file, f"{kind} metadata"))
     except (ValueError, RecursionError) as e:
@@ -186,7 +187,11 @@ def _build(meta: dict, config, folder: Path) -> nn.Module:
         model = cls._from_config(config)
     routers = {}
     for e in meta["layers"]:
-        moe = from_layout(e["layout"], router=routers.get(e["router_of"]))
+        try:
+            moe = from_layout(e["layout"], router=routers.get(e["router_of"]))
+        except (RuntimeError, TypeError, ValueError, OverflowError) as err:  # sizes beyond what a tensor can have
+            raise CheckpointError(f"{folder}/moekit.json: the layout of layer {e['path']} cannot be built "
+                                  f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from None
         routers.setdefault(e["path"], moe.router)
         moe.slot = {k: e[k] for k in ("stack", "index", "adapter")}
         moe.init_diversity = e.get("init_diversity")
@@ -265,14 +270,37 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
         super(type(self), self).save_pretrained(save_directory, *args, **kwargs)
 
 
+def _push_to_hub(self, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
+                 private: bool | None = None, token: bool | str | None = None, revision: str | None = None,
+                 create_pr: bool = False):
+    """push_to_hub of a model made by moekit: what its save_pretrained writes (moekit's format with moekit's model
+    card), uploaded to Hub repository `repo_id` (created if missing) in one commit; returns huggingface_hub's
+    CommitInfo. transformers' push_to_hub would replace the card with its template. `AutoModelForCausalLM.
+    from_pretrained(repo_id)` loads it back (with moekit imported)."""
+    import tempfile
+
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token, library_name="moekit")
+    repo = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision is not None and not revision.startswith("refs/pr"):
+        api.create_branch(repo, branch=revision, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        self.save_pretrained(Path(tmp) / "model")
+        return api.upload_folder(repo_id=repo, folder_path=Path(tmp) / "model", revision=revision, create_pr=create_pr,
+                                 commit_message=commit_message or f"Upload {type(self).__name__} (moekit)",
+                                 commit_description=commit_description)
+
+
 def adopt(model):
-    """Make `model.save_pretrained` write moekit's format: the model's class becomes a subclass of the same name
-    with only that method replaced (so isinstance, type names and copies behave as before). Returns `model`."""
+    """Make `model.save_pretrained` and `model.push_to_hub` write moekit's format: the model's class becomes a
+    subclass of the same name with only these methods replaced (so isinstance, type names and copies behave as
+    before). Returns `model`."""
     cls = type(model)
     if cls in _ADOPTED.values():
         return model
     if cls not in _ADOPTED:
-        _ADOPTED[cls] = type(cls.__name__, (cls,), {"save_pretrained": _save_pretrained, "__module__": cls.__module__,
-                                                     "__doc__": cls.__doc__})
+        _ADOPTED[cls] = type(cls.__name__, (cls,), {"save_pretrained": _save_pretrained, "push_to_hub": _push_to_hub,
+                                                     "__module__": cls.__module__, "__doc__": cls.__doc__})
     model.__class__ = _ADOPTED[cls]
     return model

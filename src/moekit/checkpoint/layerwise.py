@@ -225,9 +225,10 @@ def _meta_model(folder: Path, dtype: torch.dtype | None, trust_remote_code: bool
 
         model = build_from_meta(folder, buffers=True)[0]
     else:
-        from moekit.checkpoint.dense import meta_model
+        from moekit.checkpoint.dense import check_stored_shapes, meta_model
 
         model = meta_model(folder, trust_remote_code, buffers=True)
+        check_stored_shapes(folder, model)  # a misshapen tensor is named as such, before any layer runs
     if dtype is not None:  # parameters only: buffers such as rotary frequencies keep their own dtype
         for name, p in list(model.named_parameters()):
             module, _, leaf = name.rpartition(".")

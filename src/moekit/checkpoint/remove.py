@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from moekit._fs import output
 from moekit.checkpoint.card import hub_id, write_card
-from moekit.checkpoint.dense import check_dense_dir
+from moekit.checkpoint.dense import check_dense_dir, check_stored_shapes, meta_model
 from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, read_headers, read_text
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
@@ -137,9 +137,10 @@ def check_keep(keep: dict[int, list[int]], moe_layers: list[int], experts: int, 
 
 
 def remove_experts(src: str | Path, out: str | Path, keep: dict[int, list[int]], overwrite: bool = False,
-                   inputs=(), max_shard_size: int = DEFAULT_SHARD) -> int:
+                   inputs=(), max_shard_size: int = DEFAULT_SHARD, trust_remote_code: bool = False) -> int:
     """Write `src` with only the experts `keep` {decoder layer index: expert ids} to `out` (atomically; module
-    docstring); returns the bytes written. Progress: "pruning" per tensor."""
+    docstring); returns the bytes written. Every tensor's shape is checked against the config's model first
+    (`trust_remote_code`: a family with its own code builds it). Progress: "pruning" per tensor."""
     src = check_dense_dir(src)
     if Path(os.path.realpath(src)) in Path(os.path.realpath(out)).parents:
         raise ConfigError(f"the output {out} is inside the checkpoint {src}: write it elsewhere (a checkpoint "
@@ -149,6 +150,7 @@ def remove_experts(src: str | Path, out: str | Path, keep: dict[int, list[int]],
     headers = read_headers(src)
     moe_layers = sorted({i for n in headers if (i := _expert_layer(n)) is not None})
     kept = check_keep(keep, moe_layers, experts, config.get("num_experts_per_tok"), config.get("n_group"))
+    check_stored_shapes(src, meta_model(src, trust_remote_code))  # else a misshapen tensor is copied on as it is
     cuts = plan_cuts(headers, experts, {i: sorted(ids) for i, ids in keep.items()})
     plan = [Planned(c.name, c.shape, c.info.torch_dtype) for c in cuts]
     with output(out, [src, *inputs], overwrite, sum(p.nbytes for p in plan)) as tmp, ShardReader(src) as reader:

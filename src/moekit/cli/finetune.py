@@ -21,10 +21,10 @@ def add_parser(sub) -> None:
     common(p)
     p.add_argument("--data", type=lang_file, nargs="+", action="extend", required=True, metavar="LANG=FILE",
                    help="training text, one example per line (several per flag, or repeat the flag)")
-    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (RISE §4.1)")
+    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (RISE §5.1)")
     p.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
-    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, linear decay (RISE §4.1)")
-    p.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (RISE §4.1)")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, linear decay (RISE §5.1)")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per optimizer step (RISE §5.1)")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="split each optimizer step's batch into this many micro-batches (RISE: 8 of 2)")
     p.add_argument("--max-length", type=int, default=128, help="tokens per line, longer lines are cut")
@@ -62,6 +62,13 @@ def common(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model directory that ships its own Python code (auto_map); it will run")
+    p.add_argument("--allow-other-model", action="store_true",
+                   help="use a selection made for another model (another config, or other MoE layers or expert "
+                        "counts than its trace recorded); the layers and expert ids are still checked")
+
+
+def warn(text: str) -> None:
+    err_console().print(f"moekit: warning: {text}", markup=False)
 
 
 def inputs_of(args: argparse.Namespace) -> list[Path]:
@@ -102,7 +109,7 @@ FINETUNE_OWNED = {"train_micro_batch_size_per_gpu": "--batch-size / --grad-accum
 
 
 def run_finetune(args: argparse.Namespace) -> None:
-    from moekit.select.common import save_model
+    from moekit.select.common import check_source, save_model
     from moekit.train.finetune import check_finetune, finetune
     from moekit.train.parallel import engine_of, is_main, leave_launch
 
@@ -133,6 +140,7 @@ def run_finetune(args: argparse.Namespace) -> None:
     with reserve(args.out, inputs_of(args), args.overwrite) if main else contextlib.nullcontext(args.out) as out:
         lines = read_lines(data)
         selection, model, tokenizer = prepare(args)
+        check_source(selection, model, args.allow_other_model, warn)
         if tokenizer is None:
             raise CheckpointError(f"{args.model} has no tokenizer files; finetune needs one to read the text")
         with progress():
@@ -165,12 +173,14 @@ def _trainer_settings(s: dict) -> dict:
 
 def run_prune(args: argparse.Namespace) -> None:
     from moekit._fs import reserve
+    from moekit.select.common import check_source
     from moekit.select.prune import prune, save_pruned
 
     if args.keep or args.drop:
         return run_remove(args)
     with reserve(args.out, inputs_of(args), args.overwrite) as out:
         selection, model, tokenizer = prepare(args)
+        check_source(selection, model, args.allow_other_model, warn)
         prune(model, selection)
         save_pruned(model, out, args.overwrite, tokenizer)
     total = sum(p.numel() for p in model.parameters())
@@ -190,9 +200,11 @@ def run_remove(args: argparse.Namespace) -> None:
     with reserve(args.out, inputs_of(args), args.overwrite):
         selection = Selection.load(args.experts)
         model = resolve_model(args.model)
-        keep = kept_experts(model, selection, "keep" if args.keep else "drop")
+        keep = kept_experts(model, selection, "keep" if args.keep else "drop", args.allow_other_model,
+                            args.trust_remote_code, warn)
         with progress():
-            nbytes = remove_experts(model, args.out, keep, args.overwrite, inputs_of(args))
+            nbytes = remove_experts(model, args.out, keep, args.overwrite, inputs_of(args),
+                                    trust_remote_code=args.trust_remote_code)
     kept, mode = len(next(iter(keep.values()))), "--keep" if args.keep else "--drop"
     out_console().print(f"kept {kept} experts in each of {len(keep)} MoE layers ({mode}); wrote {args.out}: "
                         f"{nbytes / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s, peak RSS "

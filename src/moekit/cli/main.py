@@ -24,7 +24,7 @@ COMMANDS = (upcycle, inspect, export, listing, train, evaluate, demo, routes, se
 # The library words a remedy as the keyword argument it takes (`overwrite=True`); the command line as its flag.
 FLAGS = {f"{name}=True": "--" + name.replace("_", "-")
          for name in ("overwrite", "allow_pickle", "allow_nonfinite", "trust_remote_code", "force", "resume",
-                     "allow_same_experts", "allow_crimes")}
+                     "allow_same_experts", "allow_crimes", "allow_other_model")}
 
 
 class Version(argparse.Action):

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
     given = {k: getattr(args, k) for k in settings_of(args.method) if getattr(args, k) is not None}
     with reserve(args.out, [args.trace], args.overwrite, what="selection", kind="file"):  # as typed: "s.json/"
         trace = RoutingTrace.load(args.trace)
-        selection = select(trace, args.method, args.target, args.budget, **given)
+        selection = select(trace, args.method, args.target, args.budget, **given).from_trace(args.trace)
         selection.save(out, overwrite=args.overwrite)
     print_selection(selection, trace.num_experts, out)
 

@@ -8,8 +8,17 @@ that the generation prompt supplies at inference. Templates that do not render c
 (each prefix's rendering a prefix of the next) are refused rather than guessed at. Each span is tokenized
 on its own, so no token straddles a prompt/answer boundary; the prompt side of every assistant turn is
 exactly what `apply_chat_template(..., add_generation_prompt=True)` gives at inference.
+
+The template comes with the model and is untrusted: transformers renders it in Jinja's sandbox (which stops a
+template that reaches for Python internals), and each rendering here gets RENDER_SECONDS (a template can loop for
+ever: nested `range` loops); either is one ConfigError naming the record.
 """
 from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
 
 from moekit.errors import ConfigError
 
@@ -51,18 +60,68 @@ def messages_of(record: dict, where: str) -> list[dict]:
     return check_messages(prompt + [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns], where)
 
 
-def render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+RENDER_SECONDS = 10  # one rendering of a conversation takes milliseconds
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """TimeoutError inside the block once `seconds` have passed (SIGALRM, so in the main thread only; elsewhere
+    no limit). A timer set before (e.g. a caller's alarm) still fires when it was due, or is re-armed after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    start, previous = time.monotonic(), signal.getsignal(signal.SIGALRM)
+    due, interval = signal.setitimer(signal.ITIMER_REAL, 0)
+    outer = {"first": 0 < due < seconds, "fired": False}
+
+    def expire(signum, frame):
+        if outer["first"] and not outer["fired"]:  # the caller's timer: its handler runs, ours goes on
+            outer["fired"] = True
+            signal.setitimer(signal.ITIMER_REAL, max(seconds - (time.monotonic() - start), 1e-3))
+            if callable(previous):
+                previous(signum, frame)
+            return
+        raise TimeoutError
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, due if outer["first"] else seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if due and not outer["fired"]:
+            signal.setitimer(signal.ITIMER_REAL, max(due - (time.monotonic() - start), 1e-3), interval)
+
+
+def render(tok, messages: list[dict], where: str, generation_prompt: bool = False) -> str:
+    """The chat template's text of `messages`, within RENDER_SECONDS; a template that fails, takes too long or
+    tries to leave Jinja's sandbox is one ConfigError."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import SecurityError
+
+    what = f"{where}: the tokenizer's chat template"
+    try:
+        with time_limit(RENDER_SECONDS):
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TimeoutError:
+        raise ConfigError(f"{what} did not finish rendering within {RENDER_SECONDS} s (a loop without end?); use "
+                          "another template") from None
+    except SecurityError as e:
+        raise ConfigError(f"{what} tried to leave the Jinja sandbox ({str(e).rstrip('.')}); the sandbox held and "
+                          "stopped it; use another template") from None
+    except (TemplateError, RecursionError) as e:
+        raise ConfigError(f"{what} fails on this conversation: {' '.join(str(e).split())}") from None
 
 
 def assistant_spans(tok, messages: list[dict], where: str) -> tuple[str, list[Span]]:
     """(the rendered conversation, its spans in order, covering it, assistant turns scored)."""
-    full = render(tok, messages)
+    full = render(tok, messages, where)
     spans, pos = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start, end = render(tok, messages[:i], True), render(tok, messages[:i + 1])
+        start, end = render(tok, messages[:i], where, True), render(tok, messages[:i + 1], where)
         if not (full.startswith(end) and end.startswith(start) and len(start) >= pos):
             raise ConfigError(f"{where}: the tokenizer's chat template does not render this conversation "
                               "incrementally (a prefix renders differently inside the whole), so its assistant "

@@ -15,7 +15,6 @@ Only local files are read, with datasets' packaged builders (no dataset scripts,
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
@@ -28,7 +27,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moekit.config import Config
-from moekit.data.parallel import DEFAULT_TEMPLATE, LANG_NAMES, TEMPLATE_FIELDS, Pair, check_template, encode_pair
+from moekit.data.parallel import DEFAULT_TEMPLATE, LANG_NAMES, TEMPLATE_FIELDS, Pair, check_template, encode_pair, \
+    parse_line
 from moekit.errors import ConfigError
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -125,26 +125,41 @@ def read_located(files: list[str], builder: str | None) -> list[tuple[str, dict]
     name = builder_of(files, builder)
     out = []
     for f in files:
+        if name == "json":
+            _check_first_record(f)
         with tempfile.TemporaryDirectory(prefix="moekit-datasets-") as cache, _quiet():
             try:
-                ds = datasets.load_dataset(name, data_files=[str(Path(f).resolve())], split="train",
-                                           cache_dir=cache, keep_in_memory=True)
+                rows = datasets.load_dataset(name, data_files=[str(Path(f).resolve())], split="train",
+                                             cache_dir=cache, keep_in_memory=True).to_list()  # decodes the text
             except Exception as e:  # noqa: BLE001  (pyarrow and datasets raise many types for a malformed file)
                 raise ConfigError(f"cannot read {f} as {name}: {_malformed(f, name, e)}") from None
-        out += [(f"{f}: record {n}", r) for n, r in enumerate(ds.to_list())]
+        out += [(f"{f}: record {n}", r) for n, r in enumerate(rows)]
     return out
 
 
+def _check_first_record(f: str) -> None:
+    """The first non-blank line of a JSON data file opens a record (`{`) or a list of them (`[`): pyarrow's JSON
+    reader (inside `datasets`) crashes the process (SIGSEGV, pyarrow 22) on a file that starts with `null`."""
+    with open(f, "rb") as fh:
+        for n, line in enumerate(fh, 1):
+            start = line.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+            if start:
+                if start not in (b"{", b"["):
+                    raise ConfigError(f"{f}: line {n} is not a JSON object (each record of a JSON data file is one)")
+                return
+
+
 def _malformed(f: str, builder: str, e: BaseException) -> str:
-    """What is wrong with a file datasets could not read: the first line that is not JSON (JSON Lines), else
-    the innermost error's message (pyarrow / pandas name the row or line)."""
-    if builder == "json" and Path(f).suffix.lower() == ".jsonl":
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            for n, line in enumerate(fh, 1):
+    """What is wrong with a file datasets could not read: its first line that is not UTF-8 (text formats) or, in
+    JSON Lines, not JSON; else the innermost error's message (pyarrow / pandas name the row or line)."""
+    if builder != "parquet":
+        as_json = builder == "json" and Path(f).suffix.lower() == ".jsonl"
+        with open(f, "rb") as fh:
+            for n, raw in enumerate(fh, 1):
                 try:
-                    line.strip() and json.loads(line)
+                    raw.strip() and parse_line(raw, as_json)
                 except ValueError as err:
-                    return f"line {n} is not valid JSON ({err})"
+                    return f"line {n} is {err}"
     while e.__cause__ is not None:
         e = e.__cause__
     return " ".join(str(e).split()) or type(e).__name__

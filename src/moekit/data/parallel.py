@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -106,6 +106,35 @@ def _bible_pairs(cfg: DataConfig) -> dict[str, list[Pair]]:
     return out
 
 
+def parse_line(raw: bytes, as_json: bool = True):
+    """One line of a data file, decoded (and with `as_json`, parsed); ValueError saying what the line is instead:
+    "not UTF-8 (byte 0xff at column 4)", "not valid JSON (...)", "not valid JSON: nested deeper than Python reads"."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+    if not as_json:
+        return text
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("not valid JSON: nested deeper than Python reads") from None
+    except ValueError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+
+
+def json_lines(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, value) of every non-empty line of the JSON Lines file `path`; a line that is not UTF-8 or
+    not JSON is one ConfigError naming file and line."""
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            if raw.strip():
+                try:
+                    yield n, parse_line(raw)
+                except ValueError as e:
+                    raise ConfigError(f"{path}:{n}: {e}") from None
+
+
 def read_jsonl(files: list[str], fields: str, build: Callable[[dict, str], T]) -> list[T]:
     """`build(record, default_id)` for every non-empty line of the JSONL `files`; a missing file or a line
     that is not a JSON object with `fields` is one ConfigError naming file and line."""
@@ -114,12 +143,11 @@ def read_jsonl(files: list[str], fields: str, build: Callable[[dict, str], T]) -
         path = Path(f)
         if not path.is_file():
             raise ConfigError(f"data file not found: {path}")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    out.append(build(json.loads(line), f"{path.name}:{n}"))
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ConfigError(f"{path}:{n}: expected a JSON object with {fields} ({e})") from None
+        for n, record in json_lines(path):
+            try:
+                out.append(build(record, f"{path.name}:{n}"))
+            except (KeyError, TypeError) as e:
+                raise ConfigError(f"{path}:{n}: expected a JSON object with {fields} ({e})") from None
     return out
 
 

@@ -65,7 +65,7 @@ class ExpertInitConfig(Config):
         return ctx.dense
 
     def shared(self, ctx: InitContext) -> FFNWeights | None:
-        """The always-on shared expert if the spec has one: the dense FFN (SPRI eq. 3)."""
+        """The always-on shared expert if the spec has one: the dense FFN (SPRI eq. 8)."""
         return ctx.dense if ctx.spec.shared_expert else None
 
     def init_experts(self, ctx: InitContext) -> ExpertWeights:

@@ -169,7 +169,7 @@ class SPRIInit(ExpertInitConfig):
 
     def check(self, spec) -> None:
         if self.dense_as == "shared" and not spec.shared_expert:
-            raise ValueError("spri keeps the dense FFN as the shared expert (eq. 3): set shared_expert: true, or "
+            raise ValueError("spri keeps the dense FFN as the shared expert (eq. 8): set shared_expert: true, or "
                              "init.dense_as: routed for the paper's 'w/o shared expert' ablation (A.3)")
         if self.dense_as == "routed" and spec.shared_expert:
             raise ValueError("spri with dense_as: routed puts the dense FFN among the routed experts; set "

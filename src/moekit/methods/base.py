@@ -16,10 +16,14 @@ from moekit.registry import Registry
 
 def load_base(recipe, path: Path) -> nn.Module:
     """The recipe's base model from its resolved directory, in the recipe's dtype (moekit.checkpoint.dense's policy:
-    safetensors unless model.allow_pickle, the model's own code only with model.trust_remote_code)."""
+    safetensors unless model.allow_pickle, the model's own code only with model.trust_remote_code), or the recipe's
+    model already adapted where the directory holds it (TrainingMethod.prepared: an upcycled moekit checkpoint)."""
     from moekit.checkpoint.dense import load_dense
+    from moekit.checkpoint.format import load
 
     dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
+    if method(recipe.method).prepared(recipe, path):
+        return load(path).to(dtype)
     return load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)
 
 
@@ -78,10 +82,16 @@ class TrainingMethod:
     section: ClassVar[str | None] = None  # the recipe section with the method's settings: required iff chosen
     tasks: ClassVar[frozenset[str]] = frozenset({"translation", "instruct", "text"})  # recipe tasks it trains
     freezes: ClassVar[bool] = False  # whether it takes a freeze.schedule (moekit.methods.freeze)
+    keeps_frozen: ClassVar[bool] = False  # whether it honours freeze.frozen (module paths that never train)
 
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         """The model the recipe trains, built from the loaded base model (`tokenizer`: for router prompts)."""
         return model
+
+    def prepared(self, recipe, folder: Path) -> bool:
+        """Whether `folder` holds, in moekit's format, the model `adapt` would build from the recipe's base model (so
+        that it trains as it is); an error for a checkpoint of this method that the recipe cannot train so."""
+        return False
 
     def callbacks(self, recipe, model: nn.Module) -> list:
         return []

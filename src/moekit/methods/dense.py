@@ -9,6 +9,7 @@ from moekit.methods.base import METHODS, TrainingMethod
 class Dense(TrainingMethod):
     name = "dense"
     tasks = frozenset({"translation", "instruct", "text", "asr", "speech_llm"})
+    keeps_frozen = True
 
     def callbacks(self, recipe, model):
         """Parameters under freeze.frozen (a speech-LLM's audio encoder and adapter) never train."""

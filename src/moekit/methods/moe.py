@@ -2,9 +2,12 @@
 train it with the router auxiliary losses; freeze schedules (SPRI §2.4 two-stage, UME §III-C) apply."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from moekit.errors import ConfigError
 from moekit.methods.base import METHODS, CheckpointFormat, TrainingMethod
 from moekit.moe.layer import moe_layers
 
@@ -14,6 +17,7 @@ class MoE(TrainingMethod):
     name = "moe"
     section = "moe"
     tasks = frozenset({"translation", "instruct", "text", "asr", "speech_llm"})
+    keeps_frozen = True
     freezes = True
 
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
@@ -21,10 +25,38 @@ class MoE(TrainingMethod):
         from moekit.checkpoint.dense import load_dense
         from moekit.upcycling import upcycle
 
+        if moe_layers(model):  # model.path held the recipe's upcycled checkpoint (`prepared`)
+            return model
         m = recipe.model
         branches = [load_dense(resolve_model(b), m.allow_pickle, m.trust_remote_code, model.dtype)
                     for b in recipe.moe.init.source_models()]  # btx, sources: the FFNs' models
         return upcycle(model, recipe.moe, branches or None, tokenizer=tokenizer)
+
+    def prepared(self, recipe, folder: Path) -> bool:
+        """Whether `folder` is a moekit checkpoint upcycled with the recipe's MoE spec (`moekit upcycle`, or a
+        checkpoint of an earlier run), which then trains without upcycling again: the freeze schedule and aux losses
+        apply as to the model the recipe upcycles itself. A spec that differs in any field (its moekit.json against
+        the recipe's `moe` section, both with their defaults) is refused naming the first field that differs, as is
+        an upcycled checkpoint in a native MoE format (no moekit MoE layers to train)."""
+        from moekit.checkpoint.format import read_meta
+        from moekit.config import validate
+        from moekit.moe.spec import MoESpec
+
+        if (folder / "moekit_spec.json").is_file():
+            raise ConfigError(f"{folder} is an upcycled checkpoint in a native MoE format (moekit_spec.json); "
+                              "method=moe trains a dense model or its upcycled checkpoint in moekit's format")
+        if not (folder / "moekit.json").is_file():
+            return False
+        recorded = read_meta(folder)["spec"]
+        if recorded is None:
+            raise ConfigError(f"{folder}/moekit.json records no MoE spec to compare with the recipe's moe section")
+        theirs = validate(MoESpec, recorded, source=f"MoE spec in {folder}/moekit.json").model_dump(mode="json")
+        differs = first_difference(recipe.moe.model_dump(mode="json"), theirs)
+        if differs is not None:
+            key, ours, stored = differs
+            raise ConfigError(f"{folder} was upcycled with moe.{key}={stored!r} (its moekit.json), the recipe has "
+                              f"moe.{key}={ours!r}: give the recipe the checkpoint's spec, or start from the dense model")
+        return True
 
     def callbacks(self, recipe, model: nn.Module) -> list:
         from moekit.methods.freeze import FreezeCallback
@@ -70,3 +102,16 @@ class MoE(TrainingMethod):
         from moekit.checkpoint.format import read_meta, write_checkpoint
 
         return CheckpointFormat("moekit.json", write_checkpoint, read_meta)
+
+
+def first_difference(ours: dict, theirs: dict, prefix: str = "") -> tuple[str, object, object] | None:
+    """(dotted key, our value, their value) of the first field where two nested dicts differ, in `ours`' order."""
+    for key in {**ours, **theirs}:
+        a, b = ours.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found = first_difference(a, b, f"{prefix}{key}.")
+            if found is not None:
+                return found
+        elif a != b:
+            return f"{prefix}{key}", a, b
+    return None

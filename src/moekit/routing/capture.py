@@ -2,10 +2,12 @@
 sums that its criteria need, from the routed tokens only.
 
 Saliency sums (`saliency=True`), per language, MoE layer and expert j, over the (token, slot) pairs routed to j
-(padding excluded): count, Σ g, Σ ‖f‖₂ and Σ g·‖f‖₂, where g is the weight the model applies to expert j's output
-(what the layer passes its experts: the router's softmax, renormalized over the top-k where the family renormalizes)
-and f the expert's output before that weight. REAP's saliency (Lasby et al., "REAP the Experts", arXiv 2510.13999)
-is Σ g·‖f‖₂ / count, EAN's Σ ‖f‖₂, frequency the count (moekit.select.oneshot). f is computed by the layer's own
+(padding excluded): count, Σ g, Σ ‖f‖₂, Σ g·‖f‖₂, Σ p and Σ p·‖f‖₂, where g is the weight the model applies to expert
+j's output (what the layer passes its experts: the router's softmax, renormalized over the top-k where the family
+renormalizes), p the plain softmax of the router's logits over all experts (REAP's reference code's default gate,
+renormalize_router_weights=False) and f the expert's output before the weight. REAP's saliency (Lasby et al., "REAP
+the Experts", arXiv 2510.13999) is Σ g·‖f‖₂ / count (or Σ p·‖f‖₂ / count), EAN's Σ ‖f‖₂, frequency the count
+(moekit.select.oneshot). f is computed by the layer's own
 experts module on the tokens routed to each expert, one slot at a time, while the layer runs: one more pass over
 the routed experts, never every expert on every token.
 """
@@ -45,7 +47,8 @@ class RoutingCapture:
         self._handles: list = []
         self._parts: list[dict[str, np.ndarray]] = []
         self._languages: list[str] = []
-        self._sums: dict[str, np.ndarray] = {}  # language -> (L, E, 4) float64 (SALIENCY order)
+        self._sums: dict[str, np.ndarray] = {}  # language -> (L, E, 6) float64 (SALIENCY order)
+        self._logits: dict[int, Tensor] = {}  # layer -> its router's latest logits (T, E)
         self._next_sample = 0
         self._batch, self._mask, self._language, self._inside = 0, None, None, False
 
@@ -53,6 +56,7 @@ class RoutingCapture:
         for i, site in enumerate(self.sites):
             self._handles.append(site.on_decision(self._keeper(i)))
             if self.saliency and site.experts_take_routing:
+                self._handles.append(site.router.register_forward_hook(self._logit_keeper(i, site)))
                 self._handles.append(site.experts.register_forward_pre_hook(self._summer(i, site)))
             elif self.saliency:  # Llama 4: the block's input, with the decision its router just made
                 self._handles.append(site.block.register_forward_pre_hook(self._block_summer(i, site)))
@@ -73,39 +77,46 @@ class RoutingCapture:
             self._decisions.setdefault(self._batch, [None] * len(self.sites))[i] = (ids.detach(), weights.detach())
         return keep
 
+    def _logit_keeper(self, i: int, site: RouterSite):
+        def hook(router: nn.Module, args, out) -> None:
+            self._logits[i] = site.logits_of(out).detach()  # (T, E), read by the experts' pre-hook that follows
+        return hook
+
     def _summer(self, i: int, site: RouterSite):
         def pre_hook(experts: nn.Module, args) -> None:
             if not self._inside:  # the hook's own calls of the experts below
-                self._add_sums(i, site, *args[:3])
+                self._add_sums(i, site, *args[:3], self._logits.pop(i))
         return pre_hook
 
     def _block_summer(self, i: int, site: RouterSite):
         def pre_hook(block: nn.Module, args) -> None:
             x = args[0].reshape(-1, args[0].shape[-1])  # (T, H)
             logits, ids, w = site.decision(site.router(x))  # the router is deterministic: its decision for x
-            self._add_sums(i, site, x, ids, w)
+            self._add_sums(i, site, x, ids, w, logits)
         return pre_hook
 
     @torch.no_grad()
-    def _add_sums(self, i: int, site: RouterSite, x: Tensor, ids: Tensor, w: Tensor) -> None:
-        """Saliency sums of layer i from its experts' input x (T, H), ids (T, k), weights (T, k)."""
+    def _add_sums(self, i: int, site: RouterSite, x: Tensor, ids: Tensor, w: Tensor, logits: Tensor) -> None:
+        """Saliency sums of layer i from its experts' input x (T, H), ids (T, k), weights (T, k) and its router's
+        logits (T, E)."""
         if self._mask is not None:
             keep = self._mask.to(x.device)  # (T,)
-            x, ids, w = x[keep], ids[keep], w[keep]
+            x, ids, w, logits = x[keep], ids[keep], w[keep], logits[keep]
         self._inside = True
         try:
             norms = site.expert_norms(x, ids)  # (T', k) ‖f‖ per slot
         finally:
             self._inside = False
         g = w.float()  # (T', k)
-        sums = torch.zeros(site.num_experts, len(SALIENCY), dtype=torch.float64, device=x.device)  # (E, 4)
-        for column, value in enumerate((torch.ones_like(g), g, norms, g * norms)):
+        p = torch.softmax(logits.float(), dim=-1).gather(1, ids)  # (T', k) plain softmax over all experts
+        sums = torch.zeros(site.num_experts, len(SALIENCY), dtype=torch.float64, device=x.device)  # (E, 6)
+        for column, value in enumerate((torch.ones_like(g), g, norms, g * norms, p, p * norms)):
             sums[:, column].index_add_(0, ids.reshape(-1), value.reshape(-1).double())
         table = self._sums.setdefault(self._language, self._empty_sums())
         table[i, : site.num_experts] += sums.cpu().numpy()
 
     def _empty_sums(self) -> np.ndarray:
-        return np.zeros((len(self.sites), max(s.num_experts for s in self.sites), len(SALIENCY)))  # (L, E, 4)
+        return np.zeros((len(self.sites), max(s.num_experts for s in self.sites), len(SALIENCY)))  # (L, E, 6)
 
     def record(self, input_ids: Tensor | None, attention_mask: Tensor | None, language: str,
                sample_ids: Tensor | None = None, batch: int | None = None) -> None:
@@ -154,7 +165,7 @@ class RoutingCapture:
         cat = lambda key, axis=0: np.concatenate([p[key] for p in self._parts], axis=axis)  # noqa: E731
         sums = None
         if self.saliency:
-            sums = np.stack([self._sums.get(lang, self._empty_sums()) for lang in self._languages])  # (Λ, L, E, 4)
+            sums = np.stack([self._sums.get(lang, self._empty_sums()) for lang in self._languages])  # (Λ, L, E, 6)
         return RoutingTrace([s.name for s in self.sites], np.array([s.num_experts for s in self.sites]),
                             list(self._languages), cat("ids", 1), cat("weights", 1), cat("token"), cat("sample"),
                             cat("position"), cat("lang"), meta, sums)

@@ -69,6 +69,10 @@ class RouterSite:
         raise UnsupportedModelError(f"the router of {self.name} ({type(self.router).__name__}) returns "
                                     f"{type(out).__name__}; moekit reads (logits, weights, indices, ...) or (scores, logits)")
 
+    def logits_of(self, out) -> Tensor:
+        """(T, E) logits from this layer's router output (moekit's RoutingInfo, or a transformers router's tuple)."""
+        return out.logits if self.is_moekit else self.decision(out)[0]
+
     def on_decision(self, fn: DecisionFn) -> RemovableHandle:
         """Call fn with this layer's decision after every forward (a shared router still reports per layer)."""
         if self.is_moekit:

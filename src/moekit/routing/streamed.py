@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +20,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from moekit._fs import available_memory
+from moekit._fs import available_memory, remove, scratch
 from moekit.checkpoint.layerwise import LayerStream
 from moekit.errors import UnsupportedModelError
 from moekit.progress import report
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
-from moekit.routing.trace import RoutingTrace
+from moekit.routing.trace import RoutingTrace, config_digest
 
 
 @dataclass
@@ -41,29 +40,32 @@ class _Stop(Exception):
     """Raised by the first pass once the last decoder layer has been reached."""
 
 
+SPILL = "moekit-hidden"  # the spill folder: .moekit-hidden.moekit-tmp-PID-XXXXXXXX in the temporary directory
+
+
 class HiddenStates:
     """The hidden states of every batch between two layers: in memory, or (`spill`) in a temporary folder, one file
-    per batch, removed when the store closes."""
+    per batch, removed when the store closes (or, after a SIGKILL, by the next store that spills: moekit._fs.scratch)."""
 
     def __init__(self, spill: bool):
-        self._folder = tempfile.TemporaryDirectory(prefix="moekit-hidden-") if spill else None
+        self._folder = scratch(SPILL) if spill else None
         self._kept: dict[int, Tensor] = {}
 
     def put(self, b: int, h: Tensor) -> None:
         if self._folder is None:
             self._kept[b] = h
         else:
-            torch.save(h, Path(self._folder.name) / f"{b}.pt")
+            torch.save(h, self._folder / f"{b}.pt")
 
     def get(self, b: int) -> Tensor:
         if self._folder is None:
             return self._kept[b]
-        return torch.load(Path(self._folder.name) / f"{b}.pt", weights_only=True)
+        return torch.load(self._folder / f"{b}.pt", weights_only=True)
 
     def close(self) -> None:
         self._kept.clear()
         if self._folder is not None:
-            self._folder.cleanup()
+            remove(self._folder)
 
 
 def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -146,7 +148,8 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
                      dtype: torch.dtype | None = None, device: str | torch.device = "cpu", saliency: bool = True,
                      trust_remote_code: bool = False, spill: bool | None = None) -> RoutingTrace:
     """The RoutingTrace (with saliency sums) of `batches` through the checkpoint `folder`, one decoder layer
-    resident at a time (module docstring). Progress: "recording" per decoder layer."""
+    resident at a time (module docstring), its meta naming the model (config_sha256: trace.config_digest). Progress:
+    "recording" per decoder layer."""
     with LayerStream(folder, dtype, trust_remote_code) as stream:
         model = stream.model
         find_sites(model, layers)  # a model without an MoE layer moekit reads is refused before anything runs
@@ -167,7 +170,7 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
                     report("recording", i + 1, len(stack), f"{path}.{i}")
                 for b, batch in enumerate(batches):
                     cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
-            return cap.trace()
+            return cap.trace(config_sha256=config_digest(model.config))
         finally:
             store.close()
 
@@ -199,8 +202,8 @@ def batches_of(tokenizer, texts: dict[str, list[str]], max_length: int, batch_si
 
 def collect_in_memory(model: nn.Module, batches: list[Batch], layers: str | None = None,
                       saliency: bool = True) -> RoutingTrace:
-    """The RoutingTrace (with saliency sums) of `batches` through a loaded model, batch by batch (progress:
-    "recording" batches)."""
+    """The RoutingTrace (with saliency sums) of `batches` through a loaded model, batch by batch, its meta naming the
+    model (config_sha256: trace.config_digest) (progress: "recording" batches)."""
     device = next(model.parameters()).device
     with RoutingCapture(model, layers, saliency=saliency) as cap:
         for b, batch in enumerate(batches):
@@ -209,4 +212,4 @@ def collect_in_memory(model: nn.Module, batches: list[Batch], layers: str | None
                 model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
             cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
             report("recording", b + 1, len(batches), batch.language)
-    return cap.trace()
+    return cap.trace(config_sha256=config_digest(model.config))

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
+import math
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +16,14 @@ from ..errors import MoekitError
 
 FIELDS = ("layers", "num_experts", "languages", "ids", "weights", "token", "sample", "position", "lang", "meta")
 # the per-language, per-layer, per-expert sums of one-shot pruning criteria (moekit.routing.capture), last axis:
-SALIENCY = ("count", "gate", "norm", "gate_norm")  # routed (token, slot) pairs, Σ g, Σ ‖f‖₂, Σ g·‖f‖₂
+# routed (token, slot) pairs, Σ g, Σ ‖f‖₂, Σ g·‖f‖₂ (g the weight the model applies), Σ p, Σ p·‖f‖₂ (p the plain
+# softmax of the router's logits); traces recorded before the plain softmax was hold the first four only
+SALIENCY = ("count", "gate", "norm", "gate_norm", "softmax", "softmax_norm")
 MAX_BYTES = 64 << 30  # uncompressed arrays larger than this are refused (a zip bomb, not a trace)
+VOLATILE = ("transformers_version", "dtype", "torch_dtype")  # config keys that leave the model as it is
+
+
+HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 class TraceError(MoekitError):
@@ -28,8 +36,9 @@ class RoutingTrace:
 
     ids (L, N, k) int16 expert ids (-1 pads layers with a smaller k), weights (L, N, k) float32
     combine weights, token/sample/position (N,) int32, lang (N,) int16 index into `languages`,
-    num_experts (L,) experts per layer, layers the MoE layers' module paths; saliency (Λ, L, E, 4) float64 the sums
-    of SALIENCY per language, layer and expert (E the most experts of any layer), or None when not recorded.
+    num_experts (L,) experts per layer, layers the MoE layers' module paths; saliency (Λ, L, E, 6) float64 the sums
+    of SALIENCY per language, layer and expert (E the most experts of any layer; (Λ, L, E, 4) in older traces), or
+    None when not recorded.
     """
 
     layers: list[str]
@@ -42,7 +51,7 @@ class RoutingTrace:
     position: np.ndarray  # (N,)
     lang: np.ndarray  # (N,)
     meta: dict = field(default_factory=dict)
-    saliency: np.ndarray | None = None  # (Λ, L, E, 4)
+    saliency: np.ndarray | None = None  # (Λ, L, E, 6)
 
     @property
     def num_layers(self) -> int:
@@ -101,7 +110,7 @@ class RoutingTrace:
     def validate(self, name: str = "trace") -> RoutingTrace:
         """Shapes, dtypes and ranges: ids in [-1, E) per layer (-1 pads a smaller top-k), languages indexed."""
         L, n = len(self.layers), self.token.shape[0] if self.token.ndim == 1 else -1
-        shapes = {"num_experts": (self.num_experts, (L,)), "ids": (self.ids, (L, n, self.ids.shape[-1])),
+        shapes = {"num_experts": (self.num_experts, (L,)), "ids": (self.ids, (L, n, self.ids.shape[-1] if self.ids.ndim else 0)),
                   "weights": (self.weights, self.ids.shape), "token": (self.token, (n,)),
                   "sample": (self.sample, (n,)), "position": (self.position, (n,)), "lang": (self.lang, (n,))}
         for key, (a, shape) in shapes.items():
@@ -120,13 +129,28 @@ class RoutingTrace:
             raise TraceError(f"{name}: language indices outside the {len(self.languages)} languages")
         if not np.isfinite(self.weights).all():
             raise TraceError(f"{name}: routing weights are not finite")
+        if self.weights.dtype != np.float32:
+            raise TraceError(f"{name}: routing weights are {self.weights.dtype}, expected float32 (as moekit writes "
+                             "them: sums over many tokens stay finite)")
         if self.saliency is not None:
-            want = (len(self.languages), L, int(self.num_experts.max()) if L else 0, len(SALIENCY))
-            a = self.saliency
-            if a.shape != want or a.dtype.kind != "f" or not np.isfinite(a).all() or (a < 0).any():
-                raise TraceError(f"{name}: saliency has shape {a.shape} ({a.dtype}), expected {want} finite, "
-                                 "non-negative sums (languages, layers, experts, count / gate / norm / gate_norm)")
+            self._check_saliency(name)
         return self
+
+    def _check_saliency(self, name: str) -> None:
+        """(Λ, L, E, 6) float64 (or 4 columns: older traces), whole counts, finite and non-negative sums, also summed
+        over the languages as the selectors sum them (moekit.select.oneshot)."""
+        a, L = self.saliency, len(self.layers)
+        want = (len(self.languages), L, int(self.num_experts.max()) if L else 0)
+        if a.ndim != 4 or a.shape[:3] != want or a.shape[3] not in (4, len(SALIENCY)) or a.dtype != np.float64:
+            raise TraceError(f"{name}: saliency has shape {a.shape} ({a.dtype}), expected {(*want, len(SALIENCY))} "
+                             f"float64 (languages, layers, experts, {' / '.join(SALIENCY)})")
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = np.isfinite(a.sum(0)).all()
+        if not finite or (a < 0).any():
+            raise TraceError(f"{name}: saliency must hold finite, non-negative sums (also summed over its "
+                             f"{len(self.languages)} languages)")
+        if (a[..., 0] != np.floor(a[..., 0])).any():
+            raise TraceError(f"{name}: saliency counts (routed token slots) must be whole numbers")
 
     @classmethod
     def merge(cls, traces: list[RoutingTrace]) -> RoutingTrace:
@@ -135,8 +159,9 @@ class RoutingTrace:
             raise TraceError("nothing to merge")
         first = traces[0]
         for t in traces[1:]:
-            if t.layers != first.layers or not np.array_equal(t.num_experts, first.num_experts) or t.top_k != first.top_k:
-                raise TraceError("cannot merge traces of different models (layers, experts or top-k differ)")
+            if t.layers != first.layers or not np.array_equal(t.num_experts, first.num_experts) or \
+                    t.top_k != first.top_k or t.meta.get("config_sha256") != first.meta.get("config_sha256"):
+                raise TraceError("cannot merge traces of different models (layers, experts, top-k or config differ)")
         languages = list(dict.fromkeys(lang for t in traces for lang in t.languages))
         offset, parts = 0, []
         for t in traces:
@@ -145,8 +170,9 @@ class RoutingTrace:
             offset += int(t.sample.max()) + 1 if t.num_tokens else 0
         cat = np.concatenate
         saliency = None
-        if all(t.saliency is not None for t in traces):
-            saliency = np.zeros((len(languages), *first.saliency.shape[1:]))  # (Λ, L, E, 4)
+        columns = {None if t.saliency is None else t.saliency.shape[-1] for t in traces}
+        if len(columns) == 1 and None not in columns:  # every trace has the same sums
+            saliency = np.zeros((len(languages), *first.saliency.shape[1:]))  # (Λ, L, E, 6)
             for t in traces:
                 for li, lang in enumerate(t.languages):
                     saliency[languages.index(lang)] += t.saliency[li]
@@ -156,6 +182,14 @@ class RoutingTrace:
                    cat([p[1] for p in parts]).astype(np.int16), dict(first.meta), saliency)
 
 
+def config_digest(config) -> str:
+    """sha256 of a transformers config as it parses (defaults filled in: a sparse config.json and its re-saved copy
+    agree), without what leaves the model as it is (private keys such as its path, VOLATILE): the model a trace was
+    recorded on, which its selections carry (moekit.select.selection.Source)."""
+    data = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in VOLATILE}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _check_size(path: Path) -> None:
     """Refuse a file that is not a regular file, or whose arrays would decompress to more than MAX_BYTES,
     before decompressing them."""
@@ -163,10 +197,31 @@ def _check_size(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as z:
             size = sum(i.file_size for i in z.infolist())
-    except (OSError, zipfile.BadZipFile, ValueError) as e:
+            if size > MAX_BYTES:
+                raise TraceError(f"{path}: its arrays would take {size / 2**30:.1f} GiB (more than {MAX_BYTES >> 30} GiB)")
+            for info in z.infolist():
+                _check_member(z, info, path)
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001  (zipfile, zlib and numpy's header parser: a damaged file)
         raise TraceError(f"{path}: not a moekit routing trace ({type(e).__name__}: {e})") from None
-    if size > MAX_BYTES:
-        raise TraceError(f"{path}: its arrays would take {size / 2**30:.1f} GiB (more than {MAX_BYTES >> 30} GiB)")
+
+
+def _check_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path) -> None:
+    """An array's .npy header declares no more bytes than its zip entry holds (numpy allocates the declared shape
+    before it reads the data): read from the header alone."""
+    if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+        raise TraceError(f"{path}: the zip entry {info.filename} claims {info.file_size} bytes but stores "
+                         f"{info.compress_size}")
+    with z.open(info) as f:
+        read = HEADERS.get(np.lib.format.read_magic(f))
+        if read is None:
+            raise ValueError(f"{info.filename} is not a .npy array of format 1.0 or 2.0")
+        shape, _, dtype = read(f, max_header_size=10_000)
+        declared = math.prod(shape) * dtype.itemsize
+        if declared > info.file_size - f.tell():
+            raise TraceError(f"{path}: {info.filename} declares {declared} bytes of data but holds "
+                             f"{info.file_size - f.tell()}")
 
 
 def _read_meta(text: str) -> dict:

@@ -12,7 +12,9 @@ from ..checkpoint.card import write_model_card
 from ..checkpoint.codecs import write_state
 from ..checkpoint.format import write_checkpoint
 from ..moe.layer import moe_layers
-from ..routing.sites import RouterSite, find_sites
+from ..routing.sites import RouterSite, find_sites, moe_sites
+from ..routing.trace import config_digest
+from .registry import SELECTORS
 from .selection import Selection
 from moekit.state import model_state
 
@@ -39,6 +41,29 @@ def resolve(model: nn.Module, selection: Selection | dict[str, list[int]]) -> li
             raise ConfigError(f"{name}: expert ids must be distinct and in [0, {site.num_experts}), got {ids}")
         out.append((site, sorted(ids)))
     return out
+
+
+def check_source(selection: Selection, model: nn.Module, allow_other_model: bool = False, log=None) -> None:
+    """Refuse (ConfigError naming what differs) a selection made for another model than `model` (loaded, or built on
+    the meta device): another config (moekit.routing.trace.config_digest), or a MoE layer of its trace that `model`
+    lacks or holds another number of experts in; `allow_other_model` takes it anyway. A selection without a source
+    (written by hand, or by moekit before selections recorded one) is taken as it is, `log` told so when a selection
+    method made it."""
+    src = selection.source
+    if src is None:
+        if log is not None and selection.method in SELECTORS:
+            log(f"the {selection.method} selection does not record the model it was made for (made by an older "
+                "moekit): only its layers and expert ids are checked")
+        return
+    digest, sites = config_digest(model.config), {s.name: s.num_experts for s in moe_sites(model)}
+    differ = [f"its config (sha256 {src.config_sha256[:12]}) is not this model's ({digest[:12]})"
+              ] if src.config_sha256 not in (None, digest) else []
+    differ += [f"{name} has {n} experts there, " + (f"{sites[name]} here" if name in sites else "no such MoE layer here")
+               for name, n in src.experts.items() if sites.get(name) != n][:3]
+    if differ and not allow_other_model:
+        where = f" (trace {src.trace})" if src.trace else ""
+        raise ConfigError(f"the selection was made for another model{where}: {'; '.join(differ)}; pass "
+                          "allow_other_model=True to use it anyway")
 
 
 def write_pruned(model: nn.Module, folder: Path) -> None:

@@ -223,7 +223,7 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
                    device: str = "auto", deepspeed: dict | None = None) -> list[dict]:
     """Train only the selected experts of `model` (in place) on plain text lines with transformers'
     Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history. Defaults are
-    RISE's (§4.1: 3 epochs, effective batch 16 = 2 × 8 accumulation steps, lr 2e-5); `steps` replaces the
+    RISE's (§5.1: 3 epochs, effective batch 16 = 2 × 8 accumulation steps, lr 2e-5); `steps` replaces the
     epochs; `batch_size` counts examples per optimizer step, split into `grad_accum` micro-batches. `device`:
     "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present).
     Under a distributed launch the Trainer runs DDP (on the CPU: gloo, every process its share of the data), or

@@ -4,7 +4,10 @@ lower expert id), from the saliency sums a trace records over the routed tokens 
   usage  frequency: the (token, slot) pairs routed to expert j;
   reap   REAP's saliency (Lasby et al. 2025, "REAP the Experts: Why Pruning Prevails for One-Shot MoE
          Compression", arXiv 2510.13999): S_j = mean over the tokens routed to j of g_j(x)·‖f_j(x)‖₂, g_j the
-         weight the model applies to j's output, f_j the expert's output before it (0 for an expert nothing reached);
+         weight the model applies to j's output (gate "applied", the default: renormalized over the top-k where the
+         family renormalizes, as Qwen3-MoE and Mixtral do) or the plain softmax of the router's logits (gate
+         "softmax": the default of REAP's reference code, renormalize_router_weights=False, for comparison with its
+         published numbers), f_j the expert's output before it (0 for an expert nothing reached);
   ean    EAN, REAP's baseline: Σ ‖f_j(x)‖₂ over the tokens routed to j.
 
 The selection lists the kept experts; `moekit prune --keep` removes the others from a checkpoint. Every token of
@@ -31,11 +34,11 @@ class OneShot(Selector):
     top: int = Field(..., ge=1, description="experts to keep in every MoE layer (required)")
 
     def scores(self, sums: np.ndarray) -> np.ndarray:
-        """(L, E) scores from the (L, E, 4) saliency sums."""
+        """(L, E) scores from the (L, E, 6) saliency sums (SALIENCY)."""
         raise NotImplementedError
 
     def select(self, trace: RoutingTrace, target: str | None = None, budget: int | None = None) -> Selection:
-        sums = self.sums(trace, target)  # (L, E, 4)
+        sums = self.sums(trace, target)  # (L, E, 6)
         valid = expert_mask(trace)  # (L, E)
         k = trace.top_k
         small = [f"{name} ({int(e)})" for name, e in zip(trace.layers, trace.num_experts) if e < self.top]
@@ -81,10 +84,17 @@ class Reap(OneShot):
     expert of its gate weight times the norm of its output (Lasby et al. 2025, arXiv 2510.13999)."""
 
     method: Literal["reap"] = "reap"
+    gate: Literal["applied", "softmax"] = Field(
+        "applied", description="the gate weight g: the one the model applies to the expert's output, or the plain "
+                               "softmax over all experts (REAP's reference code's default)")
 
     def scores(self, sums: np.ndarray) -> np.ndarray:
         count = _column(sums, "count")
-        return np.divide(_column(sums, "gate_norm"), count, out=np.zeros_like(count), where=count > 0)
+        if sums.shape[-1] <= SALIENCY.index("softmax_norm") and self.gate == "softmax":
+            raise ConfigError("the trace's saliency sums hold no plain softmax gate (recorded by an older moekit): "
+                              "record the trace again to rank by it")
+        weighted = _column(sums, "gate_norm" if self.gate == "applied" else "softmax_norm")
+        return np.divide(weighted, count, out=np.zeros_like(count), where=count > 0)
 
 
 @SELECTORS.register("ean")

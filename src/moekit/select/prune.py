@@ -26,7 +26,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from ..moe.router import Router, route
 from ..routing.sites import RerouteFn, RouterSite
 from ..checkpoint.codecs import StateCodec
-from .common import PRUNED_FILE, resolve, save_model, write_pruned
+from .common import PRUNED_FILE, check_source, resolve, save_model, write_pruned
 from .selection import Selection
 from moekit.state import model_state
 
@@ -168,11 +168,14 @@ def reapply(model: nn.Module, folder: str | Path) -> nn.Module:
     return model
 
 
-def kept_experts(model_dir: str | Path, selection: Selection, mode: str) -> dict[int, list[int]]:
+def kept_experts(model_dir: str | Path, selection: Selection, mode: str, allow_other_model: bool = False,
+                 trust_remote_code: bool = False, log=None) -> dict[int, list[int]]:
     """{decoder layer index: expert ids to keep} of a native checkpoint for `selection`: its experts (mode "keep")
-    or every other expert of each MoE layer it names (mode "drop"); for moekit.checkpoint.remove."""
+    or every other expert of each MoE layer it names (mode "drop"); for moekit.checkpoint.remove. A selection made
+    for another model is refused unless `allow_other_model` (moekit.select.common.check_source, with `log`)."""
     import json
 
+    from moekit.checkpoint.dense import meta_model
     from moekit.checkpoint.files import read_text
     from moekit.checkpoint.remove import MOE_BLOCK, expert_count, native_config
 
@@ -181,6 +184,7 @@ def kept_experts(model_dir: str | Path, selection: Selection, mode: str) -> dict
                           "checkpoint (`moekit export` writes one), or disable them (moekit prune without keep or "
                           "drop)")
     experts = expert_count(native_config(json.loads(read_text(model_dir, "config.json", "config"))))[1]
+    check_source(selection, meta_model(model_dir, trust_remote_code), allow_other_model, log)
     out, named = {}, {}
     for name, ids in selection.experts.items():
         m = re.fullmatch(MOE_BLOCK, name)

@@ -10,7 +10,7 @@ from moekit.config import Config, validate
 from moekit.errors import ConfigError
 from moekit.registry import Registry
 from moekit.routing.trace import RoutingTrace
-from moekit.select.selection import Selection
+from moekit.select.selection import Selection, Source
 
 
 class Selector(Config):
@@ -80,12 +80,14 @@ def top(scores: np.ndarray, eligible: np.ndarray, k: int) -> np.ndarray:
 
 def to_selection(trace: RoutingTrace, selector: Selector, target: str, chosen: np.ndarray, scores: np.ndarray,
                  **extra) -> Selection:
-    """A Selection of the experts where `chosen` (L, E) is true, with each layer's `scores` (L, E) and the
-    selector's settings (plus `extra`) as params. Every layer of the trace gets a key, empty or not."""
+    """A Selection of the experts where `chosen` (L, E) is true, with each layer's `scores` (L, E), the
+    selector's settings (plus `extra`) as params and the trace's model as its source. Every layer of the trace gets a
+    key, empty or not."""
     n = [int(e) for e in trace.num_experts]
     return Selection(
         method=selector.method, target=target, budget=int(chosen.sum()),
         experts={name: np.flatnonzero(chosen[li]).tolist() for li, name in enumerate(trace.layers)},
         scores={name: [float(s) for s in scores[li, :n[li]]] for li, name in enumerate(trace.layers)},
         params={**selector.params(), **extra},
+        source=Source(config_sha256=trace.meta.get("config_sha256"), experts=dict(zip(trace.layers, n))),
     )

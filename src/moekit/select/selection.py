@@ -11,8 +11,18 @@ from ..config import Config, validate
 from ..errors import ConfigError
 
 
+class Source(Config):
+    """What a selection was made from: the model its trace was recorded on (the config's digest,
+    moekit.routing.trace.config_digest, and the trace's MoE layers with their experts) and the trace's file."""
+
+    config_sha256: str | None = None  # None: the trace did not record it
+    experts: dict[str, StrictInt]  # MoE layer path -> its experts
+    trace: str | None = None
+
+
 class Selection(Config):
-    """Which experts of which MoE layers (keys are the layers' module paths, as in RoutingTrace.layers)."""
+    """Which experts of which MoE layers (keys are the layers' module paths, as in RoutingTrace.layers), and the
+    model it was made for (`source`; None: written by hand, or by moekit before selections recorded it)."""
 
     method: str
     target: str | None = None
@@ -20,6 +30,7 @@ class Selection(Config):
     experts: dict[str, list[StrictInt]]  # JSON integers only: true, 2.0 and "2" are refused
     scores: dict[str, list[float]] = {}  # per layer, one score per expert (method-specific)
     params: dict = {}  # the method's settings (alpha, ratios, top_p, seed, ...)
+    source: Source | None = None
 
     @field_validator("experts")
     @classmethod
@@ -30,6 +41,12 @@ class Selection(Config):
             if len(set(ids)) != len(ids):
                 raise ValueError(f"{layer}: expert {next(e for e in ids if ids.count(e) > 1)} is named twice")
         return experts
+
+    def from_trace(self, path: str | Path) -> Selection:
+        """This selection with its source naming the trace file `path` it was made from."""
+        if self.source is None:
+            return self
+        return self.model_copy(update={"source": self.source.model_copy(update={"trace": str(path)})})
 
     @property
     def count(self) -> int:

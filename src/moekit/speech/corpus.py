@@ -26,7 +26,7 @@ from typing import NamedTuple
 from pydantic import Field, model_validator
 
 from moekit.config import Config
-from moekit.data.parallel import BIBLE_CODE, LANG_NAMES
+from moekit.data.parallel import BIBLE_CODE, LANG_NAMES, json_lines
 from moekit.errors import ConfigError
 from moekit._fs import output, reserve
 from moekit.progress import report
@@ -266,21 +266,14 @@ def read_manifest(path: str | Path) -> list[Utterance]:
     if path.is_dir():
         path = path / "manifest.jsonl"
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        records = list(json_lines(path))
+    except OSError as e:
         raise ConfigError(f"cannot read manifest {path}: {e}") from None
-    root, out = path.parent.resolve(), []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            out.append(_utterance(line, root, f"{path}:{n}"))
-    return out
+    root = path.parent.resolve()
+    return [_utterance(d, root, f"{path}:{n}") for n, d in records]
 
 
-def _utterance(line: str, root: Path, where: str) -> Utterance:
-    try:
-        d = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: not JSON ({e})") from None
+def _utterance(d, root: Path, where: str) -> Utterance:
     if not isinstance(d, dict) or set(FIELDS) - set(d):
         missing = sorted(set(FIELDS) - set(d)) if isinstance(d, dict) else list(FIELDS)
         raise ConfigError(f"{where}: expected a JSON object with {', '.join(FIELDS)}; missing {', '.join(missing)}")

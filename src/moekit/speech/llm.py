@@ -103,6 +103,15 @@ class SpeechLLMInputs:
         """Prompt (audio placeholder unexpanded) + target tokens: what data.max_prompt_tokens bounds (SPRI A.2)."""
         return len(self.tok(self.prompt(e), add_special_tokens=False)["input_ids"]) + len(self.target_ids(e))
 
+    def audio_tokens(self, seconds: float) -> int:
+        """The audio tokens the processor expands a clip of `seconds` into (the decoder positions it takes)."""
+        import numpy as np
+
+        audio = self.processor.audio_token
+        enc = self.processor(text=[audio], audio=[np.zeros(round(seconds * 16000), "float32")], sampling_rate=16000,
+                             return_tensors="pt")
+        return int((enc["input_ids"] == self.tok.convert_tokens_to_ids(audio)).sum())
+
     def prompts(self, batch: list[Example]) -> dict[str, torch.Tensor]:
         """The processor's inputs for the prompts of `batch`, left-padded: input_ids, attention_mask, audio
         features."""

@@ -136,11 +136,18 @@ def probe_seconds(audio: Path | bytes) -> float:
     return soundfile.info(src).duration
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # e.g. a name longer than the file system allows
+        return False
+
+
 def _row(report: Report, split: str, d: str, where: str, audio: Path | bytes | None, target: str, **kw
          ) -> Example | None:
     """The Example of one row, or None (counted in `report`) if its clip is missing or unreadable or its target
     empty."""
-    if audio is None or (isinstance(audio, Path) and not audio.is_file()):
+    if audio is None or (isinstance(audio, Path) and not _is_file(audio)):
         report.add(split, d, "missing_clip", f"{where}: clip {audio} not found")
         return None
     if not target.strip():
@@ -176,9 +183,21 @@ def _tsv(path: Path, need: tuple[str, ...]) -> list[dict]:
             if missing:
                 raise ConfigError(f"{path} has no column {', '.join(missing)} (CoVoST 2's split files have path, "
                                   "sentence, translation, client_id)")
-            return list(reader)
+            rows = list(reader)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
+    for n, r in enumerate(rows, 2):
+        if None in r or None in r.values():  # DictReader's marks of a row longer / shorter than the header
+            raise ConfigError(f"{path}:{n}: the row has {'more' if None in r else 'fewer'} fields than the header's "
+                              f"{len(reader.fieldnames)}")
+    return rows
+
+
+def _clip(clips: Path, name: str, where: str) -> Path:
+    """The clip a row names: a relative path inside the clips folder (never absolute, never through '..')."""
+    if Path(name).is_absolute() or ".." in Path(name).parts or "\0" in name:
+        raise ConfigError(f"{where}: clip path {name[:80]!r} leaves the clips folder {clips}")
+    return clips / name
 
 
 def _covost(cfg: S2TTDataConfig, split: str, d: str, report: Report) -> list[Example]:
@@ -188,7 +207,7 @@ def _covost(cfg: S2TTDataConfig, split: str, d: str, report: Report) -> list[Exa
         raise ConfigError(f"{path} not found (CoVoST 2's split file for {SOURCE}->{pair}, {split})")
     column = cfg.source_column if d == SOURCE else cfg.target_column
     clips = Path(cfg.clips) if cfg.clips else Path(cfg.path) / "clips"
-    rows = (_row(report, split, d, f"{path.name}:{n}", clips / r["path"], r[column] or "",
+    rows = (_row(report, split, d, f"{path.name}:{n}", _clip(clips, r["path"], f"{path.name}:{n}"), r[column] or "",
                  source=r.get(cfg.source_column) or "") for n, r in enumerate(_tsv(path, ("path", column)), 2))
     return [e for e in rows if e is not None]
 

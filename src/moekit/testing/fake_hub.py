@@ -4,10 +4,15 @@ snapshot files as relative symbolic links into `blobs/`. Test infrastructure, ne
 
 It serves local directories as repositories at one commit each, with the few endpoints `snapshot_download` asks:
 the revision info (`/api/models/ORG/NAME/revision/REV`), the file tree (`/api/models/ORG/NAME/tree/REV`) and the
-files (`/ORG/NAME/resolve/REV/FILE`, HEAD and GET, with the commit and ETag headers the client checks).
+files (`/ORG/NAME/resolve/REV/FILE`, HEAD and GET, with the commit and ETag headers the client checks). Given an
+`uploads` directory it also takes pushes (`create_repo`, `upload_folder`, `push_to_hub`): the repository creation
+(`/api/repos/create`), the README's YAML check (`/api/validate-yaml`), the upload modes
+(`/api/models/ORG/NAME/preupload/main`: every file "regular", sent inline) and the commit
+(`/api/models/ORG/NAME/commit/main`), whose files it writes into `uploads`/ORG/NAME and serves from then on.
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -31,6 +36,7 @@ def _blob_id(data: bytes) -> str:
 
 class _Handler(BaseHTTPRequestHandler):
     repos: dict[str, Path] = {}
+    uploads: Path | None = None
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -76,12 +82,40 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._route(head=False)
 
+    def do_POST(self) -> None:
+        path = unquote(urlsplit(self.path).path)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.uploads is None:
+            return self._send(403, b"", {"X-Error-Message": "this fake Hub takes no uploads"})
+        if path == "/api/repos/create":
+            data = json.loads(body)
+            repo = "/".join(filter(None, (data.get("organization"), data["name"])))
+            self.repos.setdefault(repo, self.uploads / repo).mkdir(parents=True, exist_ok=True)
+            return self._json({"url": f"http://{self.headers['Host']}/{repo}", "name": repo})
+        if path == "/api/validate-yaml":
+            return self._json({"errors": [], "warnings": []})
+        m = re.fullmatch(r"/api/models/(.+)/(preupload|commit)/main", path)
+        if not m or m.group(1) not in self.repos:
+            return self._send(404, b"", {"X-Error-Code": "RepoNotFound"})
+        repo = m.group(1)
+        if m.group(2) == "preupload":
+            return self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                         for f in json.loads(body)["files"]]})
+        for item in map(json.loads, body.splitlines()):
+            if item["key"] == "file":
+                target = self.repos[repo] / item["value"]["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(base64.b64decode(item["value"]["content"]))
+        self._json({"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/{commit_of(repo)}",
+                    "commitOid": commit_of(repo), "pullRequestUrl": None})
+
 
 @contextlib.contextmanager
-def fake_hub(repos: dict[str, Path]) -> Iterator[str]:
+def fake_hub(repos: dict[str, Path], uploads: Path | None = None) -> Iterator[str]:
     """Serve {repository id: local directory} on 127.0.0.1; yields the endpoint URL (for HF_ENDPOINT or
-    `snapshot_download(endpoint=...)`). The server stops when the block ends."""
-    handler = type("Handler", (_Handler,), {"repos": dict(repos)})
+    `snapshot_download(endpoint=...)`). `uploads`: where pushed repositories are written (None: pushes are
+    refused). The server stops when the block ends."""
+    handler = type("Handler", (_Handler,), {"repos": dict(repos), "uploads": uploads})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -73,10 +73,27 @@ def use_cpu(device: str | None = None) -> bool:
     return device == "cpu" or not has_accelerator()
 
 
-def training_args(recipe, out: Path):
-    """The TrainingArguments of `recipe` (translation, text or ASR) writing to `out`/checkpoints. On a machine
-    without an accelerator use_cpu is set: accelerate then runs bf16 autocast on the CPU and, under torchrun,
-    CPU DDP (gloo); without it every process would train alone on all the data."""
+def training_args(recipe, out: str | Path):
+    """The transformers.TrainingArguments `moekit train` trains a recipe with.
+
+    On a machine without an accelerator use_cpu is set: accelerate then runs bf16 autocast on the CPU and, under
+    torchrun, CPU DDP (gloo); without it every process would train alone on all the data.
+
+    Args:
+        recipe: a validated recipe (moekit.load_recipe; translation, instruct, text or ASR).
+        out: the run directory; the Trainer's checkpoints go to `out`/checkpoints.
+
+    Returns:
+        TrainingArguments from the recipe's `train` and `optim` sections, `train.trainer_args` on top.
+
+    Raises:
+        ValueError: a `train.trainer_args` value that TrainingArguments refuses.
+
+    Example:
+        >>> args = moekit.training_args(moekit.load_recipe("recipes/spri_two_stage.yaml"), "runs/mine")
+        >>> args.max_steps, args.learning_rate
+        (160, 0.0001)
+    """
     from transformers import TrainingArguments
 
     from moekit.train.parallel import deepspeed_config
@@ -87,7 +104,7 @@ def training_args(recipe, out: Path):
         extra["deepspeed"] = deepspeed_config(extra["deepspeed"])
     return TrainingArguments(
         use_cpu=use_cpu(),
-        output_dir=str(out / "checkpoints"), max_steps=t.steps, per_device_train_batch_size=t.batch_size,
+        output_dir=str(Path(out) / "checkpoints"), max_steps=t.steps, per_device_train_batch_size=t.batch_size,
         gradient_accumulation_steps=t.grad_accum, learning_rate=o.lr, weight_decay=o.weight_decay,
         lr_scheduler_type="constant_with_warmup" if o.schedule == "constant" else o.schedule,
         warmup_steps=o.warmup_ratio, max_grad_norm=o.max_grad_norm,

@@ -45,6 +45,14 @@ def adapt(recipe, model: nn.Module, tokenizer=None) -> nn.Module:
     return method(recipe.method).adapt(recipe, model, tokenizer).train()
 
 
+def check_base(recipe) -> None:
+    """A local model.path the recipe's method cannot start from, refused before any work (TrainingMethod.prepared:
+    e.g. a checkpoint upcycled with another MoE spec than the recipe's)."""
+    folder = Path(recipe.model.path)
+    if folder.is_dir():
+        method(recipe.method).prepared(recipe, folder)
+
+
 def build_model(recipe: TranslationRecipe, path: Path) -> nn.Module:
     return adapt(recipe, load_base(recipe, path))
 

@@ -132,7 +132,7 @@ def read_deepspeed(value) -> dict:
     text = read_small(Path(value), "DeepSpeed config", ConfigError)
     try:
         config = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ConfigError(f"DeepSpeed config {value} is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"DeepSpeed config {value} must hold a JSON object")

@@ -188,16 +188,20 @@ def plan_recipe(recipe, devices: int = 8, expert_parallel: int | None = None, lo
     if devices < 1:
         raise ConfigError(f"devices must be a positive count, got {devices}")
     model, folder, shapes = recipe_model(recipe, log)
-    t = recipe.train
+    t, length, task_notes = recipe.train, _max_length(recipe), []
+    if recipe.task == "speech_llm":  # the audio modules, and a sequence length from the processor
+        from moekit.train.speech_llm import plan_setting
+
+        recipe, length, task_notes = plan_setting(recipe, model, folder)
     stages = stages_of(recipe, model)
     init = f", {recipe.moe.init.method} init" if getattr(recipe, "moe", None) is not None else ""
     setting = Setting(f"moekit train {recipe.name}: {recipe.task}, method {recipe.method}{init}, "
                       f"{recipe.model.path if recipe.task != 'asr' else recipe.model.path or 'CTC'}",
-                      t.precision, t.batch_size, _max_length(recipe), t.gradient_checkpointing,
+                      t.precision, t.batch_size, length, t.gradient_checkpointing,
                       aux_losses=recipe.method == "moe",
                       lora_dropout=getattr(recipe.lora, "dropout", 0) > 0 if recipe.lora else True,
                       devices=devices, expert_parallel=expert_parallel)
-    notes = [*_optimizer_note(t.trainer_args), *_stage_note(stages)]
+    notes = [*task_notes, *_optimizer_note(t.trainer_args), *_stage_note(stages)]
     if recipe.method == "simoe":
         notes.append("SIMoE: activations not estimated (its interpolated layers are not in the formula)")
     return plan(model, folder, shapes, stages, setting, notes=notes)

@@ -34,6 +34,7 @@ def trains_now(p: nn.Parameter, name: str, trains: Predicate) -> bool:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FROM_META = "moekit.json and config.json, checked against every tensor header (no tensor data read)"
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -55,7 +56,7 @@ def hub_config(repo: str, log=None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    from moekit.assets import HUB_FILES, hub_cache, resolve_hub
+    from moekit.checkpoint.hub import HUB_FILES, hub_cache, resolve_hub
 
     repo_id, _, revision = repo.partition("@")
     if revision and any(part in ("", ".", "..") for part in revision.split("/")):
@@ -112,9 +113,11 @@ def check_weights(model: nn.Module, folder: Path) -> str:
 
 def recipe_model(recipe, log=None) -> tuple[nn.Module, Path, str]:
     """(the model `recipe` trains, on the meta device; its base model's directory; where the shapes came from).
-    An MoE is built from the spec's layout (moekit.checkpoint.stream.meta_moe_model: the same parameters as the
+    An upcycled moekit checkpoint the recipe trains as it is (TrainingMethod.prepared) is built from its moekit.json;
+    an MoE is built from the spec's layout (moekit.checkpoint.stream.meta_moe_model: the same parameters as the
     in-memory upcycle, without its init math); LoRA and SIMoE by their method's own `adapt`."""
     from moekit.checkpoint.dense import meta_model
+    from moekit.checkpoint.format import build_from_meta
     from moekit.methods import method
 
     m = recipe.model
@@ -123,6 +126,8 @@ def recipe_model(recipe, log=None) -> tuple[nn.Module, Path, str]:
                           "so its size is known only once training reads the data")
     folder = model_folder(m.path, log)
     dtype = DTYPES[getattr(m, "dtype", "float32")]
+    if method(recipe.method).prepared(recipe, folder):  # an upcycled checkpoint, trained as it is
+        return build_from_meta(folder)[0].to(dtype), folder, FROM_META
     dense = meta_model(folder, m.trust_remote_code).to(dtype)
     shapes = check_weights(dense, folder)
     if getattr(recipe, "moe", None) is None:
@@ -154,19 +159,19 @@ def finetune_model(name: str, trust_remote_code: bool = False, log=None) -> tupl
                                     "finetune trains")
     if (folder / "moekit.json").is_file():
         model, _ = build_from_meta(folder)
-        return model, folder, "moekit.json and config.json, checked against every tensor header (no tensor data read)"
+        return model, folder, FROM_META
     model = meta_model(folder, trust_remote_code).to(torch.float32)
     return model, folder, check_weights(model, folder)
 
 
 def stages_of(recipe, model: nn.Module) -> list[tuple[str, Predicate]]:
-    """[(name, trains(parameter name))] of the recipe's freeze schedule (moekit.methods.freeze), evaluated at each
-    step where a schedule can change (step 0 and τ·T)."""
+    """[(name, trains(parameter name))] of the recipe's freeze schedule and freeze.frozen (moekit.methods.freeze),
+    evaluated at each step where a schedule can change (step 0 and τ·T)."""
     from moekit.methods import method
     from moekit.methods.freeze import stage_predicate
 
     cfg, total = recipe.freeze, recipe.train.steps
-    if not method(recipe.method).freezes or cfg.schedule == "none":
+    if (not method(recipe.method).freezes or cfg.schedule == "none") and not cfg.frozen:
         return [("all steps", lambda name: True)]
     names = [n for n, _ in unique_params(model)]
     stages: list[tuple[int, int, Predicate, set[str]]] = []
@@ -178,7 +183,8 @@ def stages_of(recipe, model: nn.Module) -> list[tuple[str, Predicate]]:
         if stages:
             stages[-1] = (stages[-1][0], start, *stages[-1][2:])
         stages.append((start, total, trains, chosen))
-    return [(f"{cfg.schedule}, steps {a + 1}-{b}", trains) for a, b, trains, _ in stages]
+    name = cfg.schedule if cfg.schedule != "none" else "freeze.frozen"
+    return [(f"{name}, steps {a + 1}-{b}", trains) for a, b, trains, _ in stages]
 
 
 # ---------------------------------------------------------------------------------------------- counts

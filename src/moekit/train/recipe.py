@@ -35,7 +35,7 @@ class LoraConfig(Config):
 
 class AuxConfig(Config):
     """Router auxiliary losses, added per micro-batch: λ_lb · LB + λ_z · Z, each reduced over the MoE layers
-    by `layer_reduction`: "sum" (UME eq. 3 adds α·L_B "into each MoE layer"; Omni-router L_load = Σ_l, eq.
+    by `layer_reduction`: "sum" (UME §III-C-2 adds α·L_B "into each MoE layer"; Omni-router L_load = Σ_l, eq.
     3.5-; Switch/ST-MoE add the loss per layer) or "mean" (each layer weighted λ/L). `balance_variant`: see
     moekit.losses.load_balance (topk, argmax = Switch/UME, omni = Omni-router eqs. 3.3-3.5)."""
 
@@ -125,6 +125,9 @@ class RecipeBase(Config):
                 raise ValueError(f"method={name} needs a `{section}` section, and only method={name} takes one")
         if self.freeze.schedule != "none" and not chosen.freezes:
             raise ValueError(f"freeze.schedule={self.freeze.schedule} applies to MoE models (method=moe) only")
+        if self.freeze.frozen and not chosen.keeps_frozen:
+            raise ValueError(f"freeze.frozen applies to method=moe or method=dense, not method={self.method} (whose "
+                             "training would ignore it)")
         return self
 
 
@@ -247,8 +250,24 @@ RECIPE = TypeAdapter(Annotated[AnyRecipe, Field(discriminator="task")])
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> AnyRecipe:
-    """The recipe in a YAML file (after dotted overrides), of the class its `task` names (default
-    translation)."""
+    """The recipe in a YAML file, validated, as `moekit train` reads it.
+
+    Args:
+        path: the recipe's YAML file.
+        overrides: dotted `key=value` settings applied first (values are YAML), e.g. ["train.steps=10"].
+
+    Returns:
+        The recipe, of the class its `task` names (TranslationRecipe by default, InstructRecipe, TextRecipe,
+        ASRRecipe): its `moe` is the MoESpec for moekit.upcycle, `aux` and `freeze` are MoETrainer's settings.
+
+    Raises:
+        ConfigError: an unreadable file, an invalid override, or a key or value the recipe refuses.
+
+    Example:
+        >>> recipe = moekit.load_recipe("recipes/spri_two_stage.yaml", ["train.steps=10"])
+        >>> recipe.freeze.schedule, recipe.moe.num_experts
+        ('spri_two_stage', 8)
+    """
     data = apply_overrides(read_yaml(path), overrides or [])
     data.setdefault("task", "translation")
     return validate(RECIPE, data, source=str(path))

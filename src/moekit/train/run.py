@@ -18,7 +18,7 @@ from moekit.train.args import check_training_args
 from moekit.train.parallel import is_main
 from moekit.train.recipe import TranslationRecipe
 from moekit.train.trainer import MoETrainer
-from moekit.train.common import (adapt, evaluation_model, load_tokenizer, make_trainer, recipe_inputs,
+from moekit.train.common import (adapt, check_base, evaluation_model, load_tokenizer, make_trainer, recipe_inputs,
                                  resume_from, run_directory, save_final, write_run_files)
 
 
@@ -36,7 +36,8 @@ def kl_examples(recipe: TranslationRecipe, test: dict[str, list], tok) -> list[d
 
 def dense_reference(recipe: TranslationRecipe, dense: nn.Module, tok, test, saved: Path | None) -> DenseReference | None:
     """The dense model's log-probs on the KL subset, computed once and kept in the run directory (`saved`:
-    the directory of the run being resumed, whose reference is reused)."""
+    the directory of the run being resumed, whose reference is reused). `dense` is the model as loaded: for a run
+    from an upcycled checkpoint (moekit.methods.moe.MoE.prepared), the checkpoint, the dense model not being at hand."""
     out = Path(recipe.out)
     if not recipe.eval.kl_examples:
         return None
@@ -108,7 +109,9 @@ def train(recipe: TranslationRecipe, overwrite: bool = False, resume: bool = Fal
     """Train `recipe` and evaluate the result; with `resume`, continue from the last checkpoint
     (see `run_directory` for where the run lives meanwhile). `final_out`: where the run will finally live, as
     recorded in its recipe.yaml, if not `recipe.out` (`moekit demo` builds its runs inside its own output).
-    `inputs`: files read besides the recipe's own (e.g. the recipe file), which `out` may not be or contain."""
+    `inputs`: files read besides the recipe's own (e.g. the recipe file), which `out` may not be or contain.
+    `recipe.model.path`: the base model, or for method=moe also its checkpoint upcycled as the recipe says."""
+    check_base(recipe)
     if recipe.task == "speech_llm":  # checks its data before it makes the run directory
         from moekit.train.speech_llm import train_speech_llm
 

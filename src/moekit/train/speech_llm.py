@@ -22,7 +22,7 @@ from moekit.eval.s2tt import CSV_COLUMNS, batches, check_comet, evaluate_speech_
 from moekit.eval.usage import inference
 from moekit.methods.base import load_base
 from moekit.routing.permutation import mean_loss
-from moekit.speech.llm import SpeechLLMInputs, audio_paths, family_of, load_processor
+from moekit.speech.llm import Family, SpeechLLMInputs, audio_paths, family_of, load_processor
 from moekit.speech.s2tt import load_s2tt
 from moekit.train.args import check_training_args
 from moekit.train.common import (adapt, evaluation_model, make_trainer, recipe_inputs, resume_from, run_directory,
@@ -60,12 +60,17 @@ def train_speech_llm(recipe: SpeechLLMRecipe, overwrite: bool = False, resume: b
 def prepare(recipe: SpeechLLMRecipe, folder: Path):
     """(family, SpeechLLMInputs, training rows, test rows, data report) for the model in `folder`: nothing loaded but
     its config and processor, and the data."""
-    m = recipe.model
-    family = family_of(load_config(folder, m.trust_remote_code), str(folder))
-    inputs = SpeechLLMInputs(load_processor(folder, m.trust_remote_code), family, m.instruction)
+    family, inputs = model_inputs(recipe, folder)
     if recipe.eval.generate:
         check_comet(recipe.eval.comet)
     return (family, inputs, *load_s2tt(recipe.data, inputs.prompt_tokens))
+
+
+def model_inputs(recipe: SpeechLLMRecipe, folder: Path) -> tuple[Family, SpeechLLMInputs]:
+    """The speech-LLM family of the model in `folder` and its SpeechLLMInputs (its config and processor read)."""
+    m = recipe.model
+    family = family_of(load_config(folder, m.trust_remote_code), str(folder))
+    return family, SpeechLLMInputs(load_processor(folder, m.trust_remote_code), family, m.instruction)
 
 
 def evaluate_run(recipe: SpeechLLMRecipe, run_dir: Path, device: str) -> dict:
@@ -80,13 +85,38 @@ def evaluate_run(recipe: SpeechLLMRecipe, run_dir: Path, device: str) -> dict:
     return report(recipe, model, inputs, test, history)
 
 
+def audio_frozen(recipe: SpeechLLMRecipe, model, family) -> SpeechLLMRecipe:
+    """The recipe with the model's audio encoder and adapter under freeze.frozen where model.freeze_audio says."""
+    if not recipe.model.freeze_audio:
+        return recipe
+    return recipe.model_copy(update={"freeze": recipe.freeze.model_copy(update={
+        "frozen": [*recipe.freeze.frozen, *audio_paths(model, family)]})})
+
+
+def plan_setting(recipe: SpeechLLMRecipe, model, folder: Path) -> tuple[SpeechLLMRecipe, int, list[str]]:
+    """What the dry run (moekit.train.plan) needs besides the model it would train (`model`, on the meta device):
+    the recipe with the audio modules frozen as in training (`audio_frozen`), the longest decoder sequence the data
+    filters let through (data.max_prompt_tokens, the audio placeholder expanded to a clip of data.max_seconds), and
+    a note on the audio encoder and adapter, whose parameters the plan counts and whose activations it does not."""
+    m, d = recipe.model, recipe.data
+    family, inputs = model_inputs(recipe, folder)
+    audio = audio_paths(model, family)
+    n = sum(p.numel() for path in audio for p in model.get_submodule(path).parameters())
+    frames = inputs.audio_tokens(d.max_seconds)
+    notes = [f"sequence: at most {d.max_prompt_tokens - 1 + frames} decoder tokens, data.max_prompt_tokens="
+             f"{d.max_prompt_tokens} with the audio placeholder expanded to {frames} audio tokens for a clip of "
+             f"data.max_seconds={d.max_seconds:g}",
+             f"audio encoder and adapter ({', '.join(audio)}): {n:,} parameters, in the counts above "
+             f"({'frozen: model.freeze_audio' if m.freeze_audio else 'trained as the stages say'}); their activations "
+             "are not estimated (the per-device totals leave them out)"]
+    return audio_frozen(recipe, model, family), d.max_prompt_tokens - 1 + frames, notes
+
+
 def _train(recipe: SpeechLLMRecipe, last: Path | None, prepared, callbacks, final_out: str):
     path, family, inputs, train, test, data_report = prepared
     out = Path(recipe.out)
     model = load_base(recipe, path)
-    if recipe.model.freeze_audio:
-        recipe = recipe.model_copy(update={"freeze": recipe.freeze.model_copy(update={
-            "frozen": [*recipe.freeze.frozen, *audio_paths(model, family)]})})
+    recipe = audio_frozen(recipe, model, family)
     model = adapt(recipe, model)
     losses = LossCallback(recipe, inputs, test)
     trainer = make_trainer(recipe, model, train, inputs, [losses, *callbacks])

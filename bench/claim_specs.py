@@ -1,0 +1,39 @@
+"""The headline claims each benchmark judges (bench/evidence.py Claim), in one light module: the benchmarks compute
+their verdicts from them, and bench/claims.py rebuilds every claims table of BENCHMARKS.md from them and the per-item
+scores committed under bench/results/<bench>/ (or, for a table measured before those were committed, from its
+printed per-seed columns). WEIGHTS: per bench, the per-item scores that weight a metric's items (corpus rates)."""
+from __future__ import annotations
+
+from evidence import Claim
+
+RISE_MARGIN = ("margin: RISE §5.2 Obs. 2 and Table 4, every general-ability score shifts by less than 1 % after RISE "
+               "training")
+
+SPECS: dict[str, list[Claim]] = {
+    "spri_mini": [Claim("SPRI (two-stage) beats dense fine-tuning", "spri_two_stage", "dense_ft", "chrf", "sentence chrF", 1),
+                  Claim("SPRI one-stage beats dense fine-tuning", "spri", "dense_ft", "chrf", "sentence chrF", 1),
+                  Claim("SPRI (two-stage) beats naive upcycling", "spri_two_stage", "naive", "chrf", "sentence chrF", 1),
+                  Claim("SPRI one-stage beats naive upcycling", "spri", "naive", "chrf", "sentence chrF", 1),
+                  Claim("two-stage training beats one-stage", "spri_two_stage", "spri", "chrf", "sentence chrF", 1)],
+    "rise_mini": [Claim("RISE adapts the target more than random experts", "rise", "random", "target", "loss sw", -1),
+                  Claim("RISE adapts the target more than ESFT", "rise", "esft", "target", "loss sw", -1),
+                  Claim("RISE keeps the other languages' loss within 1 % of the model before it (minimal cross-lingual "
+                        "degradation)", "rise", "base", "others", "loss, other 7 languages", -1, 0.01, True, RISE_MARGIN)],
+    "omni_ctc": [Claim("Omni-router beats Switch", "omni-{e}", "switch-{e}", "cer", "CER %", -1),
+                 Claim("Omni-router beats dense", "omni-{e}", "dense", "cer", "CER %", -1)],
+    "ume_whisper": [Claim("UME beats full fine-tuning (in-domain voices)", "ume", "fmft", "wer espeak-ng",
+                          "WER % (espeak-ng)", -1),
+                    Claim("UME forgets less than full fine-tuning (unseen voice family)", "ume", "fmft", "wer flite",
+                          "WER % (flite)", -1)],
+}
+WEIGHTS: dict[str, dict[str, str]] = {
+    "rise_mini": {"target": "target tokens", "others": "others tokens"},
+    "omni_ctc": {"cer": "cer weight", "wer": "wer weight"},
+    "ume_whisper": {"wer espeak-ng": "words espeak-ng", "wer flite": "words flite"},
+}
+NDIGITS = {"spri_mini": 2, "rise_mini": 3, "omni_ctc": 1, "ume_whisper": 1}
+
+
+def specs(bench: str, experts: int = 4) -> list[Claim]:
+    """A bench's claims with their system names filled in (omni_ctc: at `experts` experts)."""
+    return [Claim(**{**c.__dict__, "a": c.a.format(e=experts), "b": c.b.format(e=experts)}) for c in SPECS[bench]]

@@ -1,0 +1,133 @@
+"""Fuzz every reader of untrusted input (moekit.testing.fuzz, issue 37 §7): --cases per reader (default 10,000),
+resumable, counts per outcome written to BENCHMARKS.md.
+
+Cases run in chunks, each chunk in a child process (a reader that kills its process, e.g. with SIGSEGV, costs the
+chunk, which is then rerun one case per process to name the case). Progress is kept in --state after every
+chunk: run the same command again to continue where it stopped; --cases can be raised to go on further.
+
+    nice -n 19 .venv/bin/python bench/fuzz.py --cases 10000 --write BENCHMARKS.md
+    .venv/bin/python bench/fuzz.py --show runs/fuzz/case --reader trace --index 123   # rebuild one case's input
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report import write_section  # bench/report.py  # noqa: E402
+
+from moekit._fs import write_text_atomic  # noqa: E402
+from moekit.testing.fuzz import OUTCOMES, run_reader, write_case  # noqa: E402
+from moekit.testing.fuzz_readers import READERS  # noqa: E402
+
+MARK = ("<!-- fuzz -->", "<!-- /fuzz -->")
+KEEP = 20  # failures kept per reader in the state file
+
+
+def child(args) -> None:
+    """Run one chunk in this process; print one JSON line per case."""
+    def show(index, result):
+        print(json.dumps({"index": index, "outcome": result.outcome, "detail": result.detail}), flush=True)
+
+    run_reader(READERS[args.reader], Path(args.work), count=0)  # the seed, built once
+    print(json.dumps({"ready": True}), flush=True)
+    run_reader(READERS[args.reader], Path(args.work), args.seed, args.start, args.count, show, args.timeout)
+
+
+def run_chunk(args, name: str, start: int, count: int) -> list[dict]:
+    """The results of cases start..start+count-1 of `name`, from a child process; the case a child died in (the
+    one after the last it reported) is a crash named by the exit status, and the rest go on in a new child."""
+    cmd = [sys.executable, __file__, "--child", "--reader", name, "--start", str(start), "--count", str(count),
+           "--seed", str(args.seed), "--work", str(args.work), "--timeout", str(args.timeout)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:  # not even the seed: the harness itself is broken
+        raise SystemExit(f"{name}: the child process failed before any case: {proc.stderr.strip()[-2000:]}")
+    results = lines[1:]
+    if proc.returncode == 0 and len(results) == count:
+        return results
+    died = start + len(results)
+    results.append({"index": died, "outcome": "crash",
+                    "detail": f"the process died (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"})
+    return results + (run_chunk(args, name, died + 1, start + count - died - 1) if died + 1 < start + count else [])
+
+
+def load_state(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def fuzz(args, report) -> dict:
+    """Every reader in turn up to --cases; `report(state)` after every chunk."""
+    state = load_state(args.state)
+    for name in args.readers:
+        entry = state.setdefault(name, {"next": 0, "counts": {}, "failures": [], "seconds": 0.0})
+        while entry["next"] < args.cases:
+            n = min(args.chunk, args.cases - entry["next"])
+            t0 = time.perf_counter()
+            for r in run_chunk(args, name, entry["next"], n):
+                entry["counts"][r["outcome"]] = entry["counts"].get(r["outcome"], 0) + 1
+                if r["outcome"] not in ("ok", "error") and len(entry["failures"]) < KEEP:
+                    entry["failures"].append(r)
+            entry["next"] += n
+            entry["seconds"] += time.perf_counter() - t0
+            args.state.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(args.state, json.dumps(state, indent=1))
+            report(state)
+            print(f"{name}: {entry['next']} cases {entry['counts']} ({entry['seconds']:.0f} s)", file=sys.stderr)
+    return state
+
+
+def section(state: dict, command: str) -> str:
+    cols = list(OUTCOMES)
+    rows = [f"| {name} | {e['next']:,} | " + " | ".join(f"{e['counts'].get(o, 0):,}" for o in cols)
+            + f" | {1000 * e['seconds'] / max(e['next'], 1):.0f} |" for name, e in sorted(state.items())]
+    failures = [f"- {name} case {f['index']}: {f['outcome']}: {' '.join(f['detail'].split())[-200:]}"
+                for name, e in sorted(state.items()) for f in e["failures"]]
+    return "\n".join([
+        MARK[0], "## Fuzzing the readers of untrusted input (bench/fuzz.py)", "",
+        f"{date.today()}, CPU (`{command}`; the same command continues a run that stopped). Seed 0, cases 0..N-1 "
+        "of each reader (moekit.testing.fuzz_readers): structure-aware mutations of a valid tiny input, read by the "
+        "library call in a child process with a 10 s limit per case and an address space of 2 GiB more than the "
+        "process had. ok: accepted; error: one MoekitError line; crash, timeout, memory (a declared size allocated before it was checked), "
+        "touched (a file changed outside the case's output): failures, each to become a fixed bug and a row in "
+        "tests/test_bad_inputs.py.", "",
+        "| reader | cases | " + " | ".join(cols) + " | ms / case |", "|---|" + "---:|" * (len(cols) + 2), *rows, "",
+        *(["Failures kept (first 20 per reader):", "", *failures, ""] if failures else []), MARK[1]])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", type=int, default=10_000, help="cases per reader (default: %(default)s)")
+    p.add_argument("--readers", nargs="+", default=sorted(READERS), choices=sorted(READERS), metavar="READER",
+                   help="readers to fuzz (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="the fuzz seed (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=500, help="cases per child process (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per case (default: %(default)s)")
+    p.add_argument("--state", type=Path, default=Path("runs/fuzz/state.json"), help="progress file (default: %(default)s)")
+    p.add_argument("--work", type=Path, default=Path("runs/fuzz/work"), help="seeds and cases (default: %(default)s)")
+    p.add_argument("--write", type=Path, help="BENCHMARKS.md to put the table in")
+    p.add_argument("--show", type=Path, help="write case --index of --reader into this folder and stop")
+    p.add_argument("--reader", help=argparse.SUPPRESS)
+    p.add_argument("--index", type=int, default=0, help="the case --show writes (default: %(default)s)")
+    p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    if args.show:
+        run_reader(READERS[args.reader], args.work, count=0)  # the seed
+        print(write_case(READERS[args.reader], args.work / args.reader / "seed", args.seed, args.index, args.show))
+        return None
+    command = " ".join(["bench/fuzz.py", *sys.argv[1:]])
+    fuzz(args, lambda state: args.write and write_section(args.write, section(state, command), MARK))
+
+
+if __name__ == "__main__":
+    main()
