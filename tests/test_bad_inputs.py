@@ -1768,7 +1768,8 @@ FUZZ_FINDS = [
          r"config\.json: architectures must be a list of class names"),
     Case("fuzz-config-2-to-the-64-layers",
          lambda t, f: upc(dense_with(t, f, config_set("num_hidden_layers", 2**64)), t / "o"),
-         r"config\.json: num_hidden_layers is 18446744073709551616, more layers than any model has", seconds=30),
+         r"config\.json: num_hidden_layers is 18446744073709551616, but no tensor of its weights has a layer index "
+         r"above", seconds=30),
     Case("fuzz-config-negative-size",
          lambda t, f: upc(dense_with(t, f, config_set("intermediate_size", -64)), t / "o"),
          r"config\.json describes no model that can be built: RuntimeError: Trying to create tensor with negative "
@@ -2300,3 +2301,14 @@ def test_prune_killed_midway_leaves_nothing_after_the_next_run(fx, tmp_path, run
     ref = snapshot(tmp_path / "ref")
     assert {k.removeprefix("p/"): v for k, v in after.items() if k.startswith("p/") and k != "p/README.md"} == \
         {k: v for k, v in ref.items() if k != "README.md"}  # the card names the command, which differs
+
+
+def test_a_layer_count_beyond_any_model_is_refused_where_no_weights_tell():
+    """Without safetensors to compare with (a GGUF's metadata), a layer count above MAX_LAYERS is refused outright,
+    in sub-configs too; MAX_LAYERS itself is accepted."""
+    from moekit.checkpoint.dense import MAX_LAYERS, check_layer_limit
+    from moekit.errors import CheckpointError
+
+    check_layer_limit({"num_hidden_layers": MAX_LAYERS, "text_config": {"n_layer": 2}}, "c")
+    with pytest.raises(CheckpointError, match=r"^c: text_config\.num_layers is 10001, more layers than any model"):
+        check_layer_limit({"text_config": {"num_layers": MAX_LAYERS + 1}}, "c")

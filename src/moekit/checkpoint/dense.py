@@ -77,8 +77,8 @@ def load_config(folder: Path, trust_remote_code: bool = False):
     check_remote_code(folder, trust_remote_code)
     _native_module(folder)
     data = _config_json(folder)
+    check_layer_counts(folder, data)  # against the weights' layer indices; without safetensors, a fixed limit:
     check_layer_limit(data, f"{folder}/config.json")
-    check_layer_counts(folder, data)
     try:
         if data.get("model_type") == MODEL_TYPE:
             config = base_config(data)
