@@ -42,7 +42,7 @@ from transformers.initialization import no_init_weights
 from moekit._fs import write_text_atomic
 from moekit.checkpoint.export.base import EXPORTERS
 from moekit.moe.spec import MoESpec
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 from report import spread, write_section  # bench/report.py
 
 MARK = ("<!-- model_throughput -->", "<!-- /model_throughput -->")

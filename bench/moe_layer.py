@@ -35,7 +35,7 @@ import transformers
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from moekit.losses import load_balance, z_loss
+from moekit.moe.losses import load_balance, z_loss
 from moekit.moe.experts import Experts
 from moekit.moe.router import Router
 from report import device_name, spread, write_section  # bench/report.py

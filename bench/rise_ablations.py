@@ -82,7 +82,7 @@ def train_lora(model, tok, lines: list[str], seed: int = 0):
     from transformers import Trainer, TrainingArguments
 
     from moekit.data.parallel import TranslationCollator
-    from moekit.select.finetune import encode_lines
+    from moekit.train.finetune import encode_lines
 
     data = encode_lines(lines, tok, R.MAX_LEN)
     random.Random(seed).shuffle(data)
@@ -103,7 +103,7 @@ def train_lora(model, tok, lines: list[str], seed: int = 0):
 def run_variant(name: str, out: Path, data, tok, trace, before: dict, seed: int = 0) -> dict:
     import moekit
     from moekit.routing.stats import activation_frequency, overlap_mass, overlap_share
-    from moekit.select.finetune import train_selected
+    from moekit.train.finetune import train_selected
     from moekit.select.prune import prune
     from moekit.select.registry import select
 

@@ -42,14 +42,14 @@ from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.report import write_report
 from moekit.routing.stats import activation_frequency, overlap_mass, overlap_share
-from moekit.select.finetune import encode_lines, train_selected
+from moekit.train.finetune import encode_lines, train_selected
 from moekit.select.prune import prune
 from moekit.select.registry import select
 from moekit.methods.freeze import FreezeCallback, FreezeConfig
 from moekit.train.recipe import AuxConfig
 from moekit.train.common import last_checkpoint, load_tokenizer, resume_from
 from moekit.train.trainer import MoETrainer
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 from claim_specs import specs  # bench/claim_specs.py
 from report import VERDICT_RULE, log_progress, cached, claim_interval, claims_table, write_section  # bench/report.py
 

@@ -20,7 +20,7 @@ import transformers
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.testing import tiny_llama, tiny_olmoe, tiny_qwen3_moe
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 from report import spread, write_section  # bench/report.py
 
 MARK = ("<!-- routing_capture -->", "<!-- /routing_capture -->")

@@ -69,7 +69,7 @@ def memory_child(system: str, layers: int) -> dict:
     from moekit.moe.spec import MoESpec
     from moekit.simoe.model import SIMoEConfig, simoe_upcycle
     from moekit.simoe.objective import param_groups, penalty
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cfg = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,

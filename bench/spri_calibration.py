@@ -34,7 +34,7 @@ def measured(dense, recipe: str, init: dict) -> float:
     from moekit.config import read_yaml, validate
     from moekit.moe.diversity import init_diversity
     from moekit.moe.spec import MoESpec
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     moe = read_yaml(Path("recipes") / f"{recipe}.yaml")["moe"]
     spec = validate(MoESpec, {**moe, "init": {**moe["init"], **init}})

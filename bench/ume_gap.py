@@ -15,7 +15,7 @@ from moekit.assets import resolve_model
 from moekit.config import validate
 from moekit.checkpoint.dense import load_dense, load_tokenizer
 from moekit.moe.spec import MoESpec
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 TEXTS = ["In the beginning God created the heaven and the earth.",
          "And the earth was without form, and void; and darkness was upon the face of the deep."]

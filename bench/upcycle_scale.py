@@ -128,7 +128,7 @@ SPRI_REF = textwrap.dedent('''
     import json, sys, torch, transformers as tf
     from moekit.checkpoint.dense import load_dense
     from moekit.moe.spec import MoESpec
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
     dense, native = sys.argv[1], sys.argv[2]
     spec = MoESpec(num_experts=8, top_k=2, every=4, shared_expert=True, init="spri")
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def child(job: str, model_dir: str, out: str) -> None:
 
     from moekit.checkpoint.dense import load_dense, model_class
     from moekit.checkpoint.format import save
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     transformers.utils.logging.disable_progress_bar()
     model_class(json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0])

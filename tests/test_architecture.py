@@ -14,12 +14,10 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = SRC / "moekit"
 
 LAYERS = [  # (name, module prefixes): a prefix names a module or a package and everything in it
-    ("foundation", ["moekit.errors", "moekit._fs", "moekit.registry", "moekit.config", "moekit.progress",
-                    "moekit.ffn", "moekit.training_progress"]),
-    ("model", ["moekit.moe", "moekit.init", "moekit.surgery", "moekit.state", "moekit.losses", "moekit.routing.sites"]),
-    ("checkpoint", ["moekit.checkpoint", "moekit.upcycling", "moekit.mergekit"]),
-    ("sources and analysis", ["moekit.assets", "moekit.ct2", "moekit.data", "moekit.speech", "moekit.routing",
-                              "moekit.eval"]),
+    ("foundation", ["moekit.errors", "moekit._fs", "moekit.registry", "moekit.config", "moekit.progress"]),
+    ("model", ["moekit.moe", "moekit.init", "moekit.surgery", "moekit.routing.sites"]),
+    ("checkpoint", ["moekit.checkpoint"]),
+    ("sources and analysis", ["moekit.assets", "moekit.data", "moekit.speech", "moekit.routing", "moekit.eval"]),
     ("methods' state", ["moekit.select", "moekit.simoe"]),
     ("training methods", ["moekit.methods"]),
     ("training", ["moekit.train"]),

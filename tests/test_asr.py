@@ -198,7 +198,7 @@ def test_fig5_token_entropy_and_fig6_relative_wer_change(tiny_speech):
     from moekit.moe.spec import MoESpec
     from moekit.speech.ctc import CTCConfig, CTCEncoderForASR
     from moekit.eval.asr import CTCTranscriber, permuted_wer, routing_report
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     train, test = load_split(ASRDataConfig(corpus=str(tiny_speech["corpus"]), langs=["en", "fr"]))
     vocab = CharVocab.build(spoken_text(u.text) for u in train)

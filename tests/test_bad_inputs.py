@@ -103,7 +103,7 @@ def fx(tmp_path_factory, tiny_recipe_overrides):
     from moekit.moe.spec import MoESpec
     from moekit.select.selection import Selection
     from moekit.testing import tiny_llama, tiny_tokenizer
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     root = tmp_path_factory.mktemp("bad_inputs")
     f = Fx(root, tiny_recipe_overrides.dense.parent)
@@ -2104,7 +2104,7 @@ def upcycled_qwen3_asr(t: Path) -> Path:
     from moekit.checkpoint.format import save
     from moekit.moe.spec import MoESpec
     from moekit.testing.speech_llm import save_tiny_qwen3_asr
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     dense = load_dense(save_tiny_qwen3_asr(t / "qwen3_asr_dense"))
     return save(upcycle(dense, MoESpec(num_experts=4, top_k=2, every=4, shared_expert=True, init="spri")), t / "up")

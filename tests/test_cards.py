@@ -104,7 +104,7 @@ def test_outputs_name_no_path_of_this_machine(hub, tmp_path, run, monkeypatch):
     assert header(tmp_path / "out" / "dir").base_model is None  # a local directory without a card: no Hub id
 
     from moekit.checkpoint.format import load
-    from moekit.state import spec_of
+    from moekit.moe.state import spec_of
 
     assert spec_of(load(tmp_path / "out" / "local")).init.branches == ["a/dense", "b/dense"]  # it validates
 

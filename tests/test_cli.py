@@ -1,5 +1,5 @@
 import subprocess
-from moekit.state import spec_of
+from moekit.moe.state import spec_of
 import sys
 
 import pytest
@@ -14,7 +14,7 @@ from moekit.routing.sites import param_counts
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def save_tokenizer(folder):

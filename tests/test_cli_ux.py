@@ -333,7 +333,7 @@ def test_training_and_evaluation_report_steps_loss_and_examples(tmp_path, tiny_r
 def test_the_library_prints_no_progress(tmp_path, capfd):
     from moekit.moe.spec import MoESpec
     from moekit.testing import tiny_llama
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     upcycle(tiny_llama(), MoESpec(num_experts=2, top_k=1))
     assert capfd.readouterr() == ("", "")  # progress records go to the moekit.progress logger, unseen by default
@@ -344,7 +344,7 @@ def test_progress_records_carry_their_counts(caplog):
 
     from moekit.moe.spec import MoESpec
     from moekit.testing import tiny_llama
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     with caplog.at_level(logging.INFO, logger="moekit.progress"):
         upcycle(tiny_llama(), MoESpec(num_experts=2, top_k=1, every=2))

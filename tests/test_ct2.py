@@ -1,4 +1,4 @@
-"""CTranslate2 Whisper -> HF conversion (moekit.ct2): a tiny model written in the CT2 format by a writer here
+"""CTranslate2 Whisper -> HF conversion (moekit.assets.ct2): a tiny model written in the CT2 format by a writer here
 converts back exactly; malformed files fail cleanly; BPE merges rebuilt from ranks; real assets (MOEKIT_SLOW=1)."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch
 import transformers as tf
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from moekit import assets, ct2
+from moekit import assets
+from moekit.assets import ct2
 from moekit.errors import AssetError, OutputExistsError
 from moekit.testing import tiny_inputs, logits, tiny_whisper
 

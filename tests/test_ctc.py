@@ -11,7 +11,7 @@ from moekit.checkpoint.dense import load_dense
 from moekit.config import validate
 from moekit.moe import MoESpec, moe_layers
 from moekit.speech.ctc import CTCConfig, CTCEncoderForASR, ctc_loss
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def tiny_ctc(seed: int = 0, **kw) -> CTCEncoderForASR:

@@ -8,7 +8,7 @@ from moekit.config import validate
 from moekit.moe.diversity import diversity
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import tiny_gpt2, tiny_llama
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 E = 4
 

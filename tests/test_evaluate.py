@@ -20,7 +20,7 @@ from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
 from moekit.eval.plots import plot_curves, plot_usage
 from moekit.testing import tiny_llama
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 WORDS = ("Translate from English to French German . : in the beginning God created heaven and earth light was good "
          "au commencement Dieu créa le ciel et la terre lumière était bonne im Anfang schuf Gott Himmel die Erde "

@@ -119,7 +119,7 @@ def test_ct2_zero_size_variable_reads(tmp_path):
     """Fuzz find (ct2 case 5874): a zero-size int32 variable crashed torch's byte view (stride 0)."""
     import torch
 
-    from moekit import ct2
+    from moekit.assets import ct2
     from moekit.testing.fuzz_binary import ct2_bytes
 
     blob, _ = ct2_bytes({"a": torch.zeros(0, 3, dtype=torch.int32), "b": torch.ones(2)})

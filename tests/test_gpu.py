@@ -115,7 +115,7 @@ def _layer(E, k, H, I, dtype, dispatch="auto"):
 def test_a_training_step_of_the_layer_has_no_host_sync(dispatch):
     """Router, experts, load-balance and z-loss, forward and backward, under torch's sync debug mode "error"
     (after one warm-up step: Triton's autotuning and the grouped_mm probe run once)."""
-    from moekit.losses import load_balance, z_loss
+    from moekit.moe.losses import load_balance, z_loss
 
     layer = _layer(8, 2, 256, 512, torch.bfloat16, dispatch)
     x = torch.randn(2, 512, 256, device=CUDA, dtype=torch.bfloat16, requires_grad=True)

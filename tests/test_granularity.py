@@ -12,7 +12,7 @@ from moekit.checkpoint.format import load
 from moekit.checkpoint.dense import load_dense
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_qwen3, tiny_tokenizer
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 TOL = 1e-5
 E, K = 4, 2

@@ -1,17 +1,17 @@
 """The contract every registered expert-init method must honour (driven by the registry)."""
 from __future__ import annotations
 
-from moekit.state import spec_of
+from moekit.moe.state import spec_of
 import pytest
 import torch
 
 from moekit.checkpoint import format as io
 from moekit.config import validate
 from moekit.init import EXPERT_INITS
-from moekit.losses import load_balance, over_layers
+from moekit.moe.losses import load_balance, over_layers
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_inputs
-from moekit.upcycling import layer_generator, upcycle
+from moekit.checkpoint.upcycle_model import layer_generator, upcycle
 
 E, K = 4, 2
 METHODS = EXPERT_INITS.names()

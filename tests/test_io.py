@@ -1,7 +1,7 @@
 """moekit checkpoint format (atomic save, aliases, bit-identical load), dense loading, metrics."""
 from __future__ import annotations
 
-from moekit.state import spec_of
+from moekit.moe.state import spec_of
 import functools
 import json
 import math
@@ -18,7 +18,7 @@ from moekit.eval.upcycling import kl_dense_moe
 from moekit.routing.sites import param_counts
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_gpt2, tiny_inputs, tiny_llama
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def _spec(**kw) -> MoESpec:

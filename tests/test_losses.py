@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moekit.losses import load_balance, over_layers, z_loss
+from moekit.moe.losses import load_balance, over_layers, z_loss
 from moekit.moe.router import RoutingInfo
 
 LN3, LN9 = math.log(3.0), math.log(9.0)

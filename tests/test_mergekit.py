@@ -16,7 +16,7 @@ from moekit.checkpoint.format import load
 from moekit.checkpoint.dense import load_dense
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_tokenizer
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 PROMPTS = [(["hello world", "good day to you"], []),
            (["def f(x): return x", "x = 1; y = 2"], ["hello"]),
@@ -297,7 +297,7 @@ def test_readme_tables_every_mergekit_flag_and_key():
     from pathlib import Path
 
     from moekit.cli.mergekit_flags import MERGEKIT_FLAGS, MERGEKIT_REFUSED_NEGATIONS
-    from moekit.mergekit import MergekitExpert, MergekitMoE
+    from moekit.checkpoint.mergekit import MergekitExpert, MergekitMoE
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     for flag in [*MERGEKIT_FLAGS, *MERGEKIT_REFUSED_NEGATIONS]:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 import moekit.moe.experts as experts_mod
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.moe import Experts, MoELayer, Router, RoutingInfo, SharedExpert
 
 E, K = 4, 2

@@ -14,7 +14,7 @@ from moekit.errors import ConfigError, ExportError
 from moekit.checkpoint.export import EXPORTERS
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import logits, tiny_inputs, tiny_llama, tiny_whisper
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def spec(**kw) -> MoESpec:

@@ -295,7 +295,7 @@ def finetune_inputs(tmp_path_factory):
     from moekit.routing.sites import find_sites
     from moekit.select.selection import Selection
     from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     root = tmp_path_factory.mktemp("finetune")
     text = root / "sw.txt"

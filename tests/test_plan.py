@@ -100,7 +100,7 @@ def tiny_moe(tmp_path_factory):
     from moekit.checkpoint.format import save
     from moekit.moe.spec import MoESpec
     from moekit.testing import tiny_llama, tiny_tokenizer
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     root = tmp_path_factory.mktemp("plan_moe")
     save(upcycle(tiny_llama(), MoESpec(num_experts=4, top_k=2, every=2)), root / "moe", tokenizer=tiny_tokenizer())
@@ -135,7 +135,7 @@ def test_finetune_plan_equals_a_real_run_and_scales_with_k(kind, k, tiny_moe, tm
 
     from moekit.checkpoint.dense import load_tokenizer
     from moekit.checkpoint.format import load_model
-    from moekit.select.finetune import train_selected
+    from moekit.train.finetune import train_selected
     from moekit.select.selection import Selection
     from moekit.train.plan import plan_finetune
 

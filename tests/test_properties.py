@@ -1,7 +1,7 @@
 """Property tests (hypothesis): any generated MoE spec or recipe either validates or raises moekit's own
 ConfigError, never another exception; every valid spec that fits the model upcycles and round-trips through
 save/load bit for bit."""
-from moekit.state import spec_of
+from moekit.moe.state import spec_of
 import json
 
 import pytest
@@ -16,7 +16,7 @@ from moekit.checkpoint.format import load, save
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama
 from moekit.train.recipe import load_recipe
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 METHODS = ["naive", "noise", "drop", "ume", "scaled_copy", "spri", "btx", "scratch", "bogus"]
 junk = st.none() | st.booleans() | st.integers(-3, 10) | st.floats(allow_nan=True) | st.text(max_size=5)

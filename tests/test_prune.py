@@ -1,5 +1,5 @@
 """Pruning: disabled experts are never picked, the top-k is renormalized over the rest, and it survives save/load."""
-from moekit.state import model_state
+from moekit.moe.state import model_state
 import pytest
 import torch
 
@@ -11,7 +11,7 @@ from moekit.routing.sites import find_sites
 from moekit.select.prune import load_pruned, prune, save_pruned
 from moekit.select.selection import Selection
 from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def moekit_model(scoring="topk_softmax"):

@@ -9,7 +9,7 @@ from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
 from moekit.routing.trace import RoutingTrace, TraceError
 from moekit.testing import TINY_HF_MOE, tiny_llama
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def moekit_model(sharing="none"):

@@ -13,7 +13,7 @@ from moekit.routing.stats import (activation_frequency, adjacent_association, al
                                   usage_entropy)
 from moekit.routing.trace import RoutingTrace
 from moekit.testing import TINY_HF_MOE, tiny_llama
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def moekit_model():

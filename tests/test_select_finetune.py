@@ -9,10 +9,11 @@ from moekit.checkpoint.format import load_model
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
-from moekit.select.finetune import attach, merge, train_selected
+from moekit.select.finetune import attach, merge
+from moekit.train.finetune import train_selected
 from moekit.select.selection import Selection
 from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def upcycled(num_experts=4, top_k=2):

@@ -18,7 +18,7 @@ from moekit.speech.llm import SpeechLLMInputs, audio_paths, family_of, load_proc
 from moekit.speech.s2tt import Example, S2TTDataConfig, load_s2tt
 from moekit.testing.speech_llm import save_tiny_covost, save_tiny_qwen2_audio, save_tiny_qwen3_asr, write_wav
 from moekit.train.recipe import SpeechLLMRecipe, load_recipe
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "spri_s2tt.yaml"
 BUILDERS = {"qwen3_asr": save_tiny_qwen3_asr, "qwen2_audio": save_tiny_qwen2_audio}

@@ -12,7 +12,7 @@ from moekit.init.spri import svd_blocks
 from moekit.moe.diversity import diversity, expert_diversity
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,9 +17,9 @@ from moekit.checkpoint.export import EXPORTERS
 from moekit.checkpoint.format import load, save
 from moekit.checkpoint.dense import load_dense
 from moekit.moe.spec import MoESpec
-from moekit.state import spec_of
+from moekit.moe.state import spec_of
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama, tiny_qwen2, tiny_qwen3
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 METHODS = {
     "naive": {}, "noise": {"init": {"method": "noise", "ratio": 0.5, "std": 0.1}}, "drop": {"init": "drop"},

@@ -16,7 +16,7 @@ from moekit.moe.spec import MoESpec
 from moekit.routing.sites import find_sites
 from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
 from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 FAMILIES = sorted(TINY_HF_MOE)
 

@@ -10,7 +10,7 @@ from moekit.errors import ConfigError, UnsupportedModelError
 from moekit.moe import MoELayer, MoESpec, moe_layers
 from moekit.surgery import find_slots, slot_at, supported_families
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama, tiny_whisper
-from moekit.upcycling import selected_slots, upcycle
+from moekit.checkpoint.upcycle_model import selected_slots, upcycle
 
 # family -> (stacks with their block counts, adapter, FFN path in the block, activation)
 EXPECTED = {

@@ -9,7 +9,7 @@ from moekit.config import validate
 from moekit.errors import ConfigError
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_inputs, tiny_llama
-from moekit.upcycling import upcycle
+from moekit.checkpoint.upcycle_model import upcycle
 
 FAMILIES = ["llama", "qwen3", "gpt2", "whisper"]
 TOL = 1e-5

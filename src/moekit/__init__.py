@@ -9,7 +9,7 @@ from moekit import _auto
 from moekit.errors import MoekitError
 
 _API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit.moe", "moe_layers": "moekit.moe",
-        "load": "moekit.checkpoint.format", "save": "moekit.checkpoint.format", "upcycle": "moekit.upcycling",
+        "load": "moekit.checkpoint.format", "save": "moekit.checkpoint.format", "upcycle": "moekit.checkpoint.upcycle_model",
         "upcycle_checkpoint": "moekit.checkpoint.upcycle", "export_checkpoint": "moekit.checkpoint.upcycle",
         "export_model": "moekit.checkpoint.export", "MoETrainer": "moekit.train.trainer",
         "MoECallback": "moekit.train.trainer", "AuxConfig": "moekit.train.recipe", "load_recipe": "moekit.train.recipe",

@@ -21,7 +21,7 @@ from moekit.config import parse_yaml
 from moekit.errors import ConfigError
 from moekit.moe.diversity import init_diversity
 from moekit.routing.sites import param_counts
-from moekit.state import spec_of
+from moekit.moe.state import spec_of
 
 
 def moekit_version() -> str:

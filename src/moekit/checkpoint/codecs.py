@@ -1,4 +1,4 @@
-"""Model state that a method adds to a model (a field of moekit.state.ModelState) and how a checkpoint keeps it:
+"""Model state that a method adds to a model (a field of moekit.moe.state.ModelState) and how a checkpoint keeps it:
 the one extension point of the checkpoint formats for state they do not know.
 
 A StateCodec names its field and its file. It either rides along another format (`write` beside the weights of a
@@ -21,7 +21,7 @@ from pathlib import Path
 from torch import nn
 
 from moekit.errors import CheckpointError
-from moekit.state import model_state
+from moekit.moe.state import model_state
 
 GROUP = "moekit.state_codecs"
 

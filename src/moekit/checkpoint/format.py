@@ -34,7 +34,7 @@ from moekit.errors import CheckpointError, MoekitError
 from moekit.moe.build import from_layout, layout
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import MoESpec
-from moekit.state import model_state, spec_of
+from moekit.moe.state import model_state, spec_of
 from moekit.surgery import slot_at
 
 def unique_tensors(model: nn.Module, full: dict[str, torch.Tensor] | None = None

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.moe.layer import MoELayer
 
 # (name relative to the MoE layer, tensor or tensors concatenated along dim 0, index along dim 0 of the stacked

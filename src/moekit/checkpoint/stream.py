@@ -23,7 +23,7 @@ from moekit.checkpoint.format import unique_tensors
 from moekit.checkpoint.parts import Item, LayerParts, item_shape, moekit_items, per_expert
 from moekit.checkpoint.writer import Planned, ShardWriter
 from moekit.errors import CheckpointError, NumericsError
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.init.base import InitContext
 from moekit.moe.diversity import diversity_by_rows
 from moekit.moe.build import from_layout, layout
@@ -32,8 +32,8 @@ from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
 from moekit.progress import report
 from moekit.surgery import Slot, slot_at
-from moekit.upcycling import release_freed_memory
-from moekit.state import model_state
+from moekit.checkpoint.upcycle_model import release_freed_memory
+from moekit.moe.state import model_state
 
 
 

@@ -31,8 +31,8 @@ from moekit.moe.diversity import init_diversity
 from moekit.moe.layer import moe_layers
 from moekit.moe.spec import PROMPT_INITS, MoESpec
 from moekit.routing.sites import param_counts
-from moekit.state import spec_of
-from moekit.upcycling import layer_generator, router_groups, selected_slots
+from moekit.moe.state import spec_of
+from moekit.checkpoint.upcycle_model import layer_generator, router_groups, selected_slots
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FORMATS = ("auto", "moekit", "mixtral", "qwen2_moe", "qwen3_moe")

@@ -165,7 +165,7 @@ def run_finetune(args: argparse.Namespace) -> None:
 
 
 def _trainer_settings(s: dict) -> dict:
-    from moekit.select.finetune import trainer_settings
+    from moekit.train.finetune import trainer_settings
 
     return trainer_settings(1, s["steps"], s["epochs"], s["lr"], s["batch_size"], s["grad_accum"],
                             s["weight_decay"], s["seed"])

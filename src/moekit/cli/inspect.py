@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
 def show_moekit(folder: str) -> None:
     from moekit.checkpoint.format import load, read_meta
     from moekit.moe.layer import moe_layers
-    from moekit.state import spec_of
+    from moekit.moe.state import spec_of
 
     meta = read_meta(folder)  # a clear error before loading anything
     model = load(folder)

@@ -194,7 +194,7 @@ def read_recipe(args: argparse.Namespace) -> tuple[UpcycleRecipe, str, str]:
     then validated once; or a mergekit-moe config (`mergekit_recipe`)."""
     from moekit.checkpoint.upcycle import UpcycleRecipe
     from moekit.config import apply_overrides, read_yaml, validate
-    from moekit.mergekit import is_mergekit
+    from moekit.checkpoint.mergekit import is_mergekit
 
     if args.recipe is not None and "=" in args.recipe and not Path(args.recipe).exists():
         args.recipe, args.overrides = None, [args.recipe, *args.overrides]  # no recipe, only overrides
@@ -224,10 +224,10 @@ SPEC_FLAGS = ("model", "method", "experts", "top_k", "granularity", "every", "la
 
 
 def mergekit_recipe(args: argparse.Namespace, data: dict) -> tuple[UpcycleRecipe, str, str]:
-    """A mergekit-moe config as `moekit upcycle CONFIG OUT` takes it (moekit.mergekit): flags that would change the
+    """A mergekit-moe config as `moekit upcycle CONFIG OUT` takes it (moekit.checkpoint.mergekit): flags that would change the
     MoE are refused (the config says it all); --format and --dtype replace what `architecture` and `dtype` choose."""
     from moekit.checkpoint.upcycle import UpcycleRecipe
-    from moekit.mergekit import output_dtype, output_format, read_mergekit, to_spec
+    from moekit.checkpoint.mergekit import output_dtype, output_format, read_mergekit, to_spec
 
     source = str(args.recipe)
     given = [f"--{f.replace('_', '-')}" for f in SPEC_FLAGS if getattr(args, f) is not None] + ["--set"] * bool(args.set)
@@ -249,7 +249,7 @@ def check_mergekit_architectures(args: argparse.Namespace, model_dir: Path, bran
     if not (args.recipe and branches and getattr(args, "from_mergekit", False)):
         return
     from moekit.checkpoint.dense import load_config
-    from moekit.mergekit import check_architectures
+    from moekit.checkpoint.mergekit import check_architectures
 
     kinds = {str(m): load_config(m, args.trust_remote_code).model_type for m in (model_dir, *branches)}
     check_architectures(kinds, args.mergekit_allow_crimes)

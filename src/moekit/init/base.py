@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from moekit.config import Config
-from moekit.ffn import ExpertWeights, FFNWeights
+from moekit.moe.ffn import ExpertWeights, FFNWeights
 from moekit.moe.spec import EXPERT_INITS, MoESpec  # noqa: F401  (EXPERT_INITS: the methods register here)
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 

@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from moekit.config import Config
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 

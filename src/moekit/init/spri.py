@@ -10,7 +10,7 @@ import torch
 from pydantic import Field
 
 from moekit.errors import ConfigError
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.init.base import EXPERT_INITS, ExpertInitConfig, InitContext
 
 

@@ -159,6 +159,6 @@ def method_for(model: nn.Module) -> TrainingMethod:
     """The method of a model trained without a recipe (MoETrainer used directly): simoe for a SIMoE model,
     moe for a model with MoE layers, dense otherwise."""
     from moekit.moe.layer import moe_layers
-    from moekit.state import model_state
+    from moekit.moe.state import model_state
 
     return method("simoe" if model_state(model).simoe is not None else "moe" if moe_layers(model) else "dense")

@@ -23,7 +23,7 @@ class MoE(TrainingMethod):
     def adapt(self, recipe, model: nn.Module, tokenizer=None) -> nn.Module:
         from moekit.assets import resolve_model
         from moekit.checkpoint.dense import load_dense
-        from moekit.upcycling import upcycle
+        from moekit.checkpoint.upcycle_model import upcycle
 
         if moe_layers(model):  # model.path held the recipe's upcycled checkpoint (`prepared`)
             return model
@@ -78,7 +78,7 @@ class MoE(TrainingMethod):
     def extra_loss(self, trainer, model: nn.Module, mask: torch.Tensor | None) -> torch.Tensor | None:
         """λ_lb·LB + λ_z·Z, each summed or averaged over the MoE layers (aux.layer_reduction), padding
         excluded; logged per layer with usage entropy and max load fraction."""
-        from moekit.losses import load_balance, z_loss
+        from moekit.moe.losses import load_balance, z_loss
         from moekit.eval.usage import routing_stats
 
         layers, aux, logs = moe_layers(model), trainer.aux, trainer.aux_logs

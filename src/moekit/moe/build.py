@@ -6,7 +6,7 @@ import math
 import torch
 from transformers.initialization import no_init_weights
 
-from moekit.ffn import ExpertWeights, FFNWeights
+from moekit.moe.ffn import ExpertWeights, FFNWeights
 from moekit.moe.experts import Experts
 from moekit.moe.layer import MoELayer, SharedExpert
 from moekit.moe.router import Router

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 from transformers.activations import ACT2FN
 
-from moekit.ffn import ExpertWeights
+from moekit.moe.ffn import ExpertWeights
 from moekit.moe import triton_experts
 from moekit.moe.permute import Combine, Gather, sort_by_expert
 

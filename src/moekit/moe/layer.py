@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.moe.experts import Experts
 from moekit.moe.router import Router, RoutingInfo
 

@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import ConfigError, UnsupportedModelError
 from ..moe.layer import MoELayer, moe_layers
 from ..moe.router import RoutingInfo
-from ..state import model_state
+from moekit.moe.state import model_state
 
 # fn(ids (T, k), weights (T, k)) after each decision
 DecisionFn = Callable[[Tensor, Tensor], None]

@@ -16,7 +16,7 @@ from ..routing.sites import RouterSite, find_sites, moe_sites
 from ..routing.trace import config_digest
 from .registry import SELECTORS
 from .selection import Selection
-from moekit.state import model_state
+from moekit.moe.state import model_state
 
 PRUNED_FILE = "pruned_experts.json"
 

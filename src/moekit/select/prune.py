@@ -28,7 +28,7 @@ from ..routing.sites import RerouteFn, RouterSite
 from ..checkpoint.codecs import StateCodec
 from .common import PRUNED_FILE, check_source, resolve, save_model, write_pruned
 from .selection import Selection
-from moekit.state import model_state
+from moekit.moe.state import model_state
 
 
 def _softmax_rule(top_k: int, renormalize: bool, mask: Tensor) -> RerouteFn:
@@ -133,7 +133,7 @@ def _plan(site: RouterSite, ids: list[int], rules) -> tuple[Tensor, Callable | N
 def prune(model: nn.Module, selection: Selection | dict[str, list[int]]) -> PruneHandle:
     """Disable the selected experts of `model` (in place). Every layer is checked before any changes.
     Layers named with an empty list get the rule too (then it decides as the model does).
-    The disabled experts are recorded in moekit.state.model_state(model).pruned (saved by moekit.select.common.save_model)."""
+    The disabled experts are recorded in moekit.moe.state.model_state(model).pruned (saved by moekit.select.common.save_model)."""
     layers = resolve(model, selection)
     again = [s.name for s, _ in layers if s.name in model_state(model).pruned]
     if again:

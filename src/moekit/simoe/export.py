@@ -27,7 +27,7 @@ from moekit.errors import CheckpointError
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoEConfig, install, si_modules
-from moekit.state import model_state
+from moekit.moe.state import model_state
 
 def is_simoe(model: nn.Module) -> bool:
     return model_state(model).simoe is not None

@@ -19,7 +19,7 @@ from moekit.config import Config
 from moekit.errors import ConfigError
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import MaskInit, Routing, SILinear, SINorm, SparseInterpolated
-from moekit.state import model_state
+from moekit.moe.state import model_state
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "out_proj"]
 

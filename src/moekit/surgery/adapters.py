@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.moe.layer import MoELayer
 
 

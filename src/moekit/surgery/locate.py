@@ -7,7 +7,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from moekit.errors import UnsupportedModelError
-from moekit.ffn import FFNWeights
+from moekit.moe.ffn import FFNWeights
 from moekit.moe.layer import MoELayer
 from moekit.surgery.adapters import ADAPTERS, ADAPTERS_BY_NAME, Adapter, supported_families
 

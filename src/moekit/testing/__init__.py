@@ -174,7 +174,7 @@ def save_tiny_whisper_asr(folder, multilingual: bool = True, seed: int = 0, **co
         eos_token_id=ids("<|endoftext|>"), decoder_start_token_id=ids("<|startoftranscript|>")), **config})
     model = _build(tf.WhisperForConditionalGeneration, cfg, seed)
     langs = [t for t in WHISPER_SPECIALS if len(t) == 6]  # <|xx|>
-    # an English-only model has no lang_to_id at all (as moekit.ct2 writes it): generate would detect a language
+    # an English-only model has no lang_to_id at all (as moekit.assets.ct2 writes it): generate would detect a language
     multi = dict(lang_to_id={t: ids(t) for t in langs}, task_to_id={"transcribe": ids("<|transcribe|>")})
     model.generation_config = tf.GenerationConfig(
         decoder_start_token_id=cfg.decoder_start_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
@@ -191,7 +191,7 @@ def randomized_moe(build, seed: int = 0, **spec):
     routers and experts randomized, so that routing and experts differ (export and client tests)."""
     from moekit.moe.layer import moe_layers
     from moekit.moe.spec import MoESpec
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     model = upcycle(build(), MoESpec(**{"num_experts": 4, "top_k": 2, "init": "drop", **spec}))
     g = torch.Generator().manual_seed(seed)

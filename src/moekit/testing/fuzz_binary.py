@@ -263,7 +263,7 @@ def _ct2_string(s: str) -> bytes:
 
 
 def ct2_bytes(variables: dict, aliases=(), spec: str = "WhisperSpec", revision: int = 3) -> tuple[bytes, list]:
-    """A CTranslate2 model.bin (binary version 6, moekit.ct2's docstring) and the (offset, width) of its integer
+    """A CTranslate2 model.bin (binary version 6, moekit.assets.ct2's docstring) and the (offset, width) of its integer
     fields (counts, ranks, dims, dtype ids, byte counts, string lengths)."""
     import torch
 
@@ -309,7 +309,7 @@ def _build_ct2(seed: Path) -> None:
     blob, fields = ct2_bytes(_ct2_variables(), aliases=[("decoder/projection/weight", "decoder/embeddings/weight")])
     (seed / "model.bin").write_bytes(blob)
     (seed / "fields.json").write_text(json.dumps(fields))
-    from moekit.ct2 import SPECIALS
+    from moekit.assets.ct2 import SPECIALS
 
     (seed / "vocabulary.json").write_text(json.dumps(["a", "b", "Ġthe", *SPECIALS, "<|en|>"]))
 
@@ -328,7 +328,7 @@ def _mutate_ct2(rng: random.Random, seed: Path, case: Path) -> None:
 
 
 def _read_ct2(case: Path) -> None:
-    from moekit import ct2
+    from moekit.assets import ct2
 
     ck = ct2.read_model_bin(case / "model.bin")
     ck.weight("encoder/layer_0/ffn/linear_0/weight")

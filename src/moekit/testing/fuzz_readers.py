@@ -20,7 +20,7 @@ def _build_moe(seed: Path) -> None:
     from moekit.checkpoint.format import save
     from moekit.moe.spec import MoESpec
     from moekit.testing import tiny_llama
-    from moekit.upcycling import upcycle
+    from moekit.checkpoint.upcycle_model import upcycle
 
     save(upcycle(tiny_llama(num_hidden_layers=2), MoESpec(num_experts=4, top_k=2, every=1)), seed / "model")
 
@@ -190,7 +190,7 @@ MERGEKIT = {"base_model": "org/base", "gate_mode": "hidden", "dtype": "bfloat16"
 
 def _read_mergekit(case: Path) -> None:
     from moekit.config import read_yaml
-    from moekit.mergekit import output_dtype, output_format, read_mergekit, to_spec
+    from moekit.checkpoint.mergekit import output_dtype, output_format, read_mergekit, to_spec
 
     source = str(case / "moe.yaml")
     cfg = read_mergekit(read_yaml(source), source)

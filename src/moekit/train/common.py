@@ -20,7 +20,7 @@ from moekit.methods import method
 from moekit.methods.base import load_base
 from moekit.train.args import training_args
 from moekit.train.parallel import is_main
-from moekit.training_progress import TrainProgress
+from moekit.train.progress import TrainProgress
 from moekit.train.recipe import RecipeBase, TranslationRecipe
 from moekit.train.trainer import MoETrainer
 

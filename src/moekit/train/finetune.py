@@ -17,6 +17,8 @@ the rows that fall in it (`attach_local`, between transformers' expert split and
 """
 from __future__ import annotations
 
+import math
+import random
 import tempfile
 from dataclasses import dataclass
 
@@ -25,6 +27,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from moekit.errors import ConfigError
+from moekit.select.common import experts_of
+from moekit.select.finetune import attach
+from moekit.select.selection import Selection
 from moekit.train.args import use_cpu
 from moekit.train.parallel import (Engine, deepspeed_config, distribute, input_requires_grad, is_main, no_zero_init,
                                    zero3_leaves)
@@ -132,7 +137,6 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
     from transformers import TrainingArguments
 
     from moekit.select.common import experts_of
-    from moekit.select.finetune import attach, prepare_lines, selective_trainer, train_selected, trainer_settings
 
     config = None if deepspeed is None else deepspeed_config(deepspeed)
     if not engine.sharded:  # one process, DDP or ZeRO-1/2: every rank holds the model whole
@@ -211,3 +215,83 @@ def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_
 
 
 __all__ = ["check_finetune", "finetune"]
+
+
+def encode_lines(lines: list[str], tokenizer, max_length: int) -> list[dict[str, list[int]]]:
+    """Causal-LM examples: each non-empty line + eos, truncated to max_length; labels = input_ids."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = []
+    for line in lines:
+        if line.strip():
+            ids = (tokenizer(line.strip(), add_special_tokens=False)["input_ids"] + eos)[:max_length]
+            out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def prepare_lines(lines: list[str], tokenizer, max_length: int, seed: int) -> list[dict[str, list[int]]]:
+    """The training examples of `lines` (encode_lines), in the order of `seed`; refuses text without a line."""
+    data = encode_lines(lines, tokenizer, max_length)
+    if not data:
+        raise ConfigError("no training text: every line is empty")
+    random.Random(seed).shuffle(data)
+    return data
+
+
+def trainer_settings(examples: int, steps: int | None, epochs: float, lr: float, batch_size: int, grad_accum: int,
+                     weight_decay: float, seed: int) -> dict:
+    """TrainingArguments of selective fine-tuning (causal LM, AdamW, linear schedule), besides where and on which
+    device: `steps` optimizer steps, or `epochs` passes over `examples`; `batch_size` examples per optimizer step,
+    split into `grad_accum` micro-batches (per process: a distributed launch multiplies it)."""
+    total = steps or max(1, math.ceil(epochs * math.ceil(examples / batch_size)))
+    return dict(max_steps=total, per_device_train_batch_size=batch_size // grad_accum,
+                gradient_accumulation_steps=grad_accum, learning_rate=lr, weight_decay=weight_decay,
+                lr_scheduler_type="linear", seed=seed, data_seed=seed, logging_steps=max(1, total // 10),
+                save_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False,
+                dataloader_num_workers=0, dataloader_pin_memory=False)
+
+
+def selective_trainer(model: nn.Module, args, data: list[dict], tokenizer):
+    """transformers' Trainer over the selected rows, reporting progress (TrainProgress), its log not printed."""
+    from transformers import Trainer
+    from transformers.trainer_callback import PrinterCallback
+
+    from moekit.data.parallel import TranslationCollator
+    from moekit.train.progress import TrainProgress
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad),
+                      callbacks=[TrainProgress()])
+    trainer.remove_callback(PrinterCallback)  # the log dicts are returned, not printed
+    return trainer
+
+
+def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]], tokenizer, lines: list[str],
+                   steps: int | None = None, epochs: float = 3.0, lr: float = 2e-5, batch_size: int = 16,
+                   grad_accum: int = 1, max_length: int = 128, weight_decay: float = 0.0, seed: int = 0,
+                   device: str = "auto", deepspeed: dict | None = None) -> list[dict]:
+    """Train only the selected experts of `model` (in place) on plain text lines with transformers'
+    Trainer (causal LM, AdamW, linear schedule), then merge. Returns the Trainer's log history. Defaults are
+    RISE's (§5.1: 3 epochs, effective batch 16 = 2 × 8 accumulation steps, lr 2e-5); `steps` replaces the
+    epochs; `batch_size` counts examples per optimizer step, split into `grad_accum` micro-batches. `device`:
+    "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present).
+    Under a distributed launch the Trainer runs DDP (on the CPU: gloo, every process its share of the data), or
+    DeepSpeed ZeRO-1/2 with `deepspeed` (a resolved config dict); moekit.train.finetune adds the engines that
+    shard the model (ZeRO-3, FSDP2, expert parallelism)."""
+    from transformers import TrainingArguments
+
+    data = prepare_lines(lines, tokenizer, max_length, seed)
+    if not experts_of(selection):
+        raise ConfigError("the selection is empty")
+    handle = attach(model, selection)
+    model.train()
+    try:
+        with tempfile.TemporaryDirectory(prefix="moekit-finetune-") as tmp:
+            args = TrainingArguments(output_dir=tmp, use_cpu=device == "cpu" or not torch.accelerator.is_available(),
+                                     deepspeed=deepspeed, **trainer_settings(len(data), steps, epochs, lr, batch_size,
+                                                                             grad_accum, weight_decay, seed))
+            trainer = selective_trainer(model, args, data, tokenizer)
+            trainer.train()
+            return trainer.state.log_history
+    finally:
+        handle.merge()
+        model.eval()

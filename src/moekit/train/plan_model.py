@@ -133,7 +133,7 @@ def recipe_model(recipe, log=None) -> tuple[nn.Module, Path, str]:
     if getattr(recipe, "moe", None) is None:
         return method(recipe.method).adapt(recipe, dense, None), folder, shapes
     from moekit.checkpoint.stream import meta_moe_model
-    from moekit.upcycling import router_groups, selected_slots
+    from moekit.checkpoint.upcycle_model import router_groups, selected_slots
 
     spec = recipe.moe
     for branch in spec.init.source_models():  # BTX / sources: their FFNs must have the base's shapes
@@ -235,7 +235,7 @@ def linear_params(model: nn.Module) -> int:
 def geometry(model: nn.Module, trains: Predicate, aux_losses: bool, lora_dropout: bool) -> Geometry | None:
     """The decoder's shapes and, per layer, what trains in the stage `trains` (None where the estimate does not
     apply: encoder-decoder and SIMoE models, or no decoder stack found)."""
-    from moekit.state import model_state
+    from moekit.moe.state import model_state
 
     cfg = getattr(model, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -37,7 +37,7 @@ class AuxConfig(Config):
     """Router auxiliary losses, added per micro-batch: λ_lb · LB + λ_z · Z, each reduced over the MoE layers
     by `layer_reduction`: "sum" (UME §III-C-2 adds α·L_B "into each MoE layer"; Omni-router L_load = Σ_l, eq.
     3.5-; Switch/ST-MoE add the loss per layer) or "mean" (each layer weighted λ/L). `balance_variant`: see
-    moekit.losses.load_balance (topk, argmax = Switch/UME, omni = Omni-router eqs. 3.3-3.5)."""
+    moekit.moe.losses.load_balance (topk, argmax = Switch/UME, omni = Omni-router eqs. 3.3-3.5)."""
 
     load_balance: float = Field(1e-2, ge=0.0)  # λ_lb
     z_loss: float = Field(1e-3, ge=0.0)  # λ_z

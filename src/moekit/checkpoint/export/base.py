@@ -34,7 +34,7 @@ from moekit.checkpoint.parts import Item, LayerParts, assemble, classic_items, r
 from moekit.errors import ConfigError, ExportError
 from moekit.moe.layer import MoELayer, moe_layers
 from moekit.registry import Registry
-from moekit.state import spec_of
+from moekit.moe.state import spec_of
 
 EXPORTERS: Registry["NativeFormat"] = Registry("export format")
 LAYOUTS = ("classic", "fused")  # see the module docstring

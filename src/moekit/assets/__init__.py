@@ -5,7 +5,7 @@ if needed, and cached under `cache_dir()` ($MOEKIT_CACHE, default ~/.cache/moeki
 
   <cache>/pkgs/<package>/     the installed package (never imported, only read)
   <cache>/models/<name>/      a converted model: config.json, model.safetensors, tokenizer files
-                              (GGUF via transformers, CTranslate2 Whisper via `moekit.ct2`)
+                              (GGUF via transformers, CTranslate2 Whisper via `moekit.assets.ct2`)
 
 Both are written atomically (temporary sibling directory, then rename), so an interrupted fetch
 leaves nothing behind and the next call starts over.
@@ -31,7 +31,7 @@ from torch import nn
 
 from moekit.checkpoint.card import HUB_ID, hub_id as card_hub_id
 from moekit.checkpoint.hub import resolve_hub
-from moekit.ct2 import convert_whisper
+from moekit.assets.ct2 import convert_whisper
 from moekit.errors import AssetError, MoekitError
 from moekit._fs import hub_cache, output
 
@@ -68,7 +68,7 @@ class GGUFModel:
 
 @dataclass(frozen=True)
 class CT2WhisperModel:
-    """A CTranslate2 (faster-whisper) Whisper folder in a package, converted by `moekit.ct2`."""
+    """A CTranslate2 (faster-whisper) Whisper folder in a package, converted by `moekit.assets.ct2`."""
 
     package: Package
     folder: str  # the CT2 folder inside the package: config.json, vocabulary, model.bin unless `pieces`

@@ -12,7 +12,7 @@ from torch import nn
 
 from moekit.checkpoint.format import adopt
 from moekit.errors import ConfigError, NumericsError
-from moekit.ffn import ExpertWeights
+from moekit.moe.ffn import ExpertWeights
 from moekit.init.base import InitContext
 from moekit.moe.diversity import expert_diversity
 from moekit.moe.build import build_moe, init_router, shared_gate_weight
@@ -21,7 +21,7 @@ from moekit.moe.router import Router
 from moekit.moe.spec import PROMPT_INITS, MoESpec
 from moekit.progress import report
 from moekit.surgery import Slot, find_slots
-from moekit.state import model_state
+from moekit.moe.state import model_state
 
 
 def layer_generator(seed: int, path: str) -> torch.Generator:
