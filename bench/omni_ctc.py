@@ -46,8 +46,8 @@ def overrides(out: Path, corpus_dir: Path, experts: int | None, steps: int, seed
 
 
 def run_system(name: str, out: Path, corpus_dir: Path, steps: int, seed: int = 0) -> dict:
-    from moekit.train.asr import train_asr
-    from moekit.train.recipe import load_recipe
+    from moekit.training.asr import train_asr
+    from moekit.training.recipe import load_recipe
 
     recipe_name, experts = SYSTEMS[name]
     folder = seed_folder(out, name, seed)

@@ -82,7 +82,7 @@ def train_lora(model, tok, lines: list[str], seed: int = 0):
     from transformers import Trainer, TrainingArguments
 
     from moekit.data.parallel import TranslationCollator
-    from moekit.train.finetune import encode_lines
+    from moekit.training.finetune import encode_lines
 
     data = encode_lines(lines, tok, R.MAX_LEN)
     random.Random(seed).shuffle(data)
@@ -103,9 +103,9 @@ def train_lora(model, tok, lines: list[str], seed: int = 0):
 def run_variant(name: str, out: Path, data, tok, trace, before: dict, seed: int = 0) -> dict:
     import moekit
     from moekit.routing.stats import activation_frequency, overlap_mass, overlap_share
-    from moekit.train.finetune import train_selected
-    from moekit.select.prune import prune
-    from moekit.select.registry import select
+    from moekit.training.finetune import train_selected
+    from moekit.selection.prune import prune
+    from moekit.selection.registry import select
 
     def go() -> dict:
         torch.manual_seed(seed)
@@ -185,7 +185,7 @@ def render(out: Path, rows: dict, before: dict, stage1_from: str | None, cmd: st
 def main() -> None:
     from moekit.assets import resolve_model
     from moekit.routing.trace import RoutingTrace
-    from moekit.train.run import load_tokenizer
+    from moekit.training.run import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/rise_ablations"))

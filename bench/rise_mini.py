@@ -42,13 +42,13 @@ from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.report import write_report
 from moekit.routing.stats import activation_frequency, overlap_mass, overlap_share
-from moekit.train.finetune import encode_lines, train_selected
-from moekit.select.prune import prune
-from moekit.select.registry import select
+from moekit.training.finetune import encode_lines, train_selected
+from moekit.selection.prune import prune
+from moekit.selection.registry import select
 from moekit.methods.freeze import FreezeCallback, FreezeConfig
-from moekit.train.recipe import AuxConfig
-from moekit.train.common import last_checkpoint, load_tokenizer, resume_from
-from moekit.train.trainer import MoETrainer
+from moekit.training.recipe import AuxConfig
+from moekit.training.common import last_checkpoint, load_tokenizer, resume_from
+from moekit.training.trainer import MoETrainer
 from moekit.checkpoint.upcycle_model import upcycle
 from claim_specs import specs  # bench/claim_specs.py
 from report import VERDICT_RULE, log_progress, cached, claim_interval, claims_table, write_section  # bench/report.py
@@ -248,7 +248,7 @@ def omega_mass(out: Path, seed: int, method: str, row: dict) -> dict[str, float]
     if "omega_mass" in row:
         return row["omega_mass"]
     from moekit.routing.trace import RoutingTrace
-    from moekit.select.selection import Selection
+    from moekit.selection.selection import Selection
 
     folder = seed_dir(out, seed)
     trace = RoutingTrace.load(folder / "trace.npz")

@@ -1,7 +1,7 @@
 """Trainable-state bytes of selective expert fine-tuning vs training whole fused expert tensors (RISE Table 12).
 
 For K selected experts (spread evenly over the MoE layers) on random transformers v5 MoE models with
-64 experts per layer, moekit.select.finetune.attach is applied, one AdamW step is taken on a small
+64 experts per layer, moekit.selection.finetune.attach is applied, one AdamW step is taken on a small
 batch, and the bytes of every trainable parameter, its gradient and its AdamW state (exp_avg,
 exp_avg_sq, step) are summed from the actual tensors. The baseline trains the whole 3-D expert
 tensors (requires_grad on the fused parameters, everything else frozen), which is all requires_grad
@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from moekit.routing.sites import find_sites
-from moekit.select.finetune import attach
+from moekit.selection.finetune import attach
 from moekit.testing import tiny_olmoe, tiny_qwen3_moe
 from report import write_section  # bench/report.py
 

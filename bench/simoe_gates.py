@@ -16,9 +16,9 @@ import torch
 from moekit.checkpoint.format import load_model
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.model import si_modules
-from moekit.train.recipe import load_recipe
-from moekit.train.run import evaluate, load_data
-from moekit.train.common import load_tokenizer
+from moekit.training.recipe import load_recipe
+from moekit.training.run import evaluate, load_data
+from moekit.training.common import load_tokenizer
 from report import write_section  # bench/report.py
 
 MARK = ("<!-- simoe_gates -->", "<!-- /simoe_gates -->")

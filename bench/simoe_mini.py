@@ -56,8 +56,8 @@ def folder_of(out: Path, label: str) -> Path:
 
 def child(label: str, out: Path) -> None:
     """Train one system (resuming from its last checkpoint) and write its summary.json."""
-    from moekit.train.recipe import load_recipe
-    from moekit.train.run import train
+    from moekit.training.recipe import load_recipe
+    from moekit.training.run import train
 
     recipe_name, extra = SYSTEMS[label]
     folder = folder_of(out, label)
@@ -93,7 +93,7 @@ def run_system(label: str, out: Path) -> dict:
 
 
 def row(label: str, folder: Path, s: dict) -> str:
-    from moekit.train.recipe import load_recipe
+    from moekit.training.recipe import load_recipe
 
     r = json.loads((folder / "results.json").read_text())
     g, p = r["groups"], r["params"]
@@ -118,7 +118,7 @@ def per_task(out: Path, labels: list[str]) -> list[str]:
 def held_out(out: Path, label: str) -> tuple[dict, list[str]]:
     """({task: test pairs}, unseen task names) of a system's run; every system shares them (same data overrides)."""
     from moekit.data.instruct import load_instruct_pairs
-    from moekit.train.recipe import load_recipe
+    from moekit.training.recipe import load_recipe
 
     data = load_recipe(folder_of(out, label) / "recipe.yaml").data
     return load_instruct_pairs(data)[1], data.task_names()[1]

@@ -83,8 +83,8 @@ def btx_branches(out: Path) -> tuple[list[str], float]:
     no generation), each cached; returns the branches' model folders, one per direction, and the seconds
     spent on branches not cached before."""
     from moekit.config import load_yaml
-    from moekit.train.recipe import TranslationRecipe
-    from moekit.train.run import train
+    from moekit.training.recipe import TranslationRecipe
+    from moekit.training.run import train
 
     paths, seconds = [], 0.0
     for d in directions():
@@ -118,8 +118,8 @@ def adopt_references(out: Path, source: Path) -> None:
 
 def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: int = 0) -> dict:
     from moekit.config import load_yaml
-    from moekit.train.recipe import TranslationRecipe
-    from moekit.train.run import train
+    from moekit.training.recipe import TranslationRecipe
+    from moekit.training.run import train
 
     folder = seed_folder(out, name, seed)
     if (folder / "summary.json").is_file():  # cached (written after results.json)
@@ -168,7 +168,7 @@ def table(out: Path, summaries: dict) -> list[str]:
 def references(name: str, out: Path, seed: int = 0) -> dict[str, list[str]]:
     """The test references of a system's run (same verses for every system and seed)."""
     from moekit.data.parallel import load_pairs
-    from moekit.train.recipe import load_recipe
+    from moekit.training.recipe import load_recipe
 
     recipe = load_recipe(seed_folder(out, name, seed) / "recipe.yaml")
     return {lang: [p.tgt for p in pairs] for lang, pairs in load_pairs(recipe.data)[1].items()}

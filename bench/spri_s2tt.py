@@ -72,8 +72,8 @@ def run(name: str, folder: Path, overrides: list[str], keep: Path, steps: int) -
     summary.json (a cached run of other steps stops the bench: another configuration belongs in another --out) and
     resumed from its last checkpoint if it was killed; the small result files are copied to `keep` (no weights)."""
     from moekit.config import load_yaml
-    from moekit.train.recipe import SpeechLLMRecipe
-    from moekit.train.run import train
+    from moekit.training.recipe import SpeechLLMRecipe
+    from moekit.training.run import train
 
     def go() -> dict:
         recipe = load_yaml(RECIPE, SpeechLLMRecipe, [*overrides, *precision(), f"train.steps={steps}",

@@ -77,7 +77,7 @@ def scratch_whisper(out: Path, ffn_factor: int, seed: int = 0) -> Path:
 
 
 def recipe_for(name: str, folder: Path, corpus_dir: Path, steps: int, seed: int = 0):
-    from moekit.train.recipe import load_recipe
+    from moekit.training.recipe import load_recipe
 
     keys = {"out": str(folder), "data.corpus": str(corpus_dir), "train.steps": steps, "train.eval_every": steps // 4,
             "train.logging_steps": max(1, min(5, steps // 10)), "train.save_every": steps // 2, "eval.routing_batches": 2}
@@ -104,7 +104,7 @@ def folder_of(out: Path, name: str, seed: int = 0) -> Path:
 
 def run_system(name: str, out: Path, corpus_dir: Path, steps: int, seed: int = 0) -> dict:
     from moekit.speech.data import load_split
-    from moekit.train.asr import build, report, train_asr
+    from moekit.training.asr import build, report, train_asr
 
     folder = folder_of(out, name, seed)
     recipe = recipe_for(name, folder, corpus_dir, steps, seed)

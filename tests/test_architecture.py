@@ -18,9 +18,9 @@ LAYERS = [  # (name, module prefixes): a prefix names a module or a package and 
     ("model", ["moekit.moe", "moekit.init", "moekit.surgery", "moekit.routing.sites"]),
     ("checkpoint", ["moekit.checkpoint"]),
     ("sources and analysis", ["moekit.assets", "moekit.data", "moekit.speech", "moekit.routing", "moekit.eval"]),
-    ("methods' state", ["moekit.select", "moekit.simoe"]),
+    ("methods' state", ["moekit.selection", "moekit.simoe"]),
     ("training methods", ["moekit.methods"]),
-    ("training", ["moekit.train"]),
+    ("training", ["moekit.training"]),
     ("entry points", ["moekit.cli", "moekit.__main__", "moekit._auto", "moekit.testing"]),
 ]
 ROOT = "moekit"  # the package's __init__: the public API, imported lazily by name, above everything
@@ -133,7 +133,7 @@ def test_the_checker_sees_a_circle_and_an_upward_import():
     global GRAPH
     saved = GRAPH
     try:
-        GRAPH = {**saved, "moekit.errors": saved["moekit.errors"] | {"moekit.train.run"}}
+        GRAPH = {**saved, "moekit.errors": saved["moekit.errors"] | {"moekit.training.run"}}
         for test in (test_no_import_climbs_to_a_higher_layer, test_no_import_circles):
             try:
                 test()

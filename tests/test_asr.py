@@ -1,4 +1,4 @@
-"""ASR recipes (moekit.train.asr), data collators and evaluation on a tiny synthesized corpus and tiny models."""
+"""ASR recipes (moekit.training.asr), data collators and evaluation on a tiny synthesized corpus and tiny models."""
 from __future__ import annotations
 
 import json
@@ -19,8 +19,8 @@ from moekit.eval.asr import error_table
 from moekit.speech.features import log_mel, stack_frames
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.speech.tts import load_audio
-from moekit.train.recipe import ASRRecipe
-from moekit.train.recipe import load_recipe
+from moekit.training.recipe import ASRRecipe
+from moekit.training.recipe import load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "asr").glob("*.yaml"))
 ids = [p.stem for p in RECIPES]
@@ -140,7 +140,7 @@ def test_error_table_pools_edits_over_voices(tiny_speech):
 
 def test_ume_whisper_freezing_keeps_everything_but_moe_layers(tiny_speech, tmp_path):
     from moekit.config import load_yaml
-    from moekit.train.asr import train_asr
+    from moekit.training.asr import train_asr
 
     path = next(p for p in RECIPES if p.stem == "ume_whisper_tiny")
     recipe = load_yaml(path, ASRRecipe, tiny_overrides(path, tiny_speech, tmp_path / "r",

@@ -101,7 +101,7 @@ def fx(tmp_path_factory, tiny_recipe_overrides):
     from moekit.config import apply_overrides
     from moekit.checkpoint.format import save
     from moekit.moe.spec import MoESpec
-    from moekit.select.selection import Selection
+    from moekit.selection.selection import Selection
     from moekit.testing import tiny_llama, tiny_tokenizer
     from moekit.checkpoint.upcycle_model import upcycle
 
@@ -1608,7 +1608,7 @@ MESSAGES = [  # the outcome was right, the words misled
 ]
 
 
-DRY_RUN = [  # `moekit train|finetune --dry-run` (moekit.train.plan): refused before any plan, nothing written
+DRY_RUN = [  # `moekit train|finetune --dry-run` (moekit.training.plan): refused before any plan, nothing written
     Case("train-dry-run-model-missing",
          lambda t, f: ["train", recipe(t, f), f"model.path={t / 'nowhere'}", f"out={t / 'run'}", "--dry-run"],
          r"'.*nowhere' is neither an existing model directory, a built-in model nor a Hugging Face repository id"),

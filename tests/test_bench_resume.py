@@ -28,7 +28,7 @@ def test_stage1_stopped_after_a_checkpoint_resumes_to_the_uninterrupted_weights(
     from transformers import TrainerCallback
 
     from moekit.assets import resolve_model
-    from moekit.train.common import load_tokenizer
+    from moekit.training.common import load_tokenizer
 
     R = rise_mini
     data, tok = R.corpus(), load_tokenizer(resolve_model("smollm2-135m"))

@@ -84,7 +84,7 @@ def test_upcycle_help_shows_the_spec_defaults():
 
 
 @pytest.mark.parametrize("package, registry", [("moekit.init", "EXPERT_INITS"), ("moekit.checkpoint.export", "EXPORTERS"),
-                                               ("moekit.select", "SELECTORS")])
+                                               ("moekit.selection", "SELECTORS")])
 def test_registries_read_from_source_equal_the_imported_ones(package, registry):
     from moekit.registry import declared
 
@@ -123,7 +123,7 @@ def test_help_imports_neither_torch_nor_transformers():
     ("topk", {}),
 ])
 def test_each_select_method_has_its_own_help(run, method, settings):
-    from moekit.select import SELECTORS
+    from moekit.selection import SELECTORS
 
     rc, out, _ = run("select", method, "--help")
     text = " ".join(out.split())

@@ -13,8 +13,8 @@ from moekit.errors import ConfigError
 from moekit.eval.translation import examples_loss
 from moekit.checkpoint.format import load
 from moekit.testing import CHATML, tiny_chat_tokenizer, tiny_llama, tiny_tokenizer
-from moekit.train.recipe import load_recipe
-from moekit.train.common import load_tokenizer
+from moekit.training.recipe import load_recipe
+from moekit.training.common import load_tokenizer
 
 DOCS = ["the light of the world", "is good and the day was long", "a", "we walk to school at dawn"]
 ALPACA_RECORDS = [{"instruction": "reverse the words", "input": "day long", "output": "long day"},

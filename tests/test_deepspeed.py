@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moekit.checkpoint.format import load
-from moekit.train.recipe import load_recipe
-from moekit.train.common import build_model
+from moekit.training.recipe import load_recipe
+from moekit.training.common import build_model
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",

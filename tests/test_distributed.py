@@ -41,7 +41,7 @@ import peft
 import transformers
 
 import moekit.cli.main as cli
-import moekit.train.run as run
+import moekit.training.run as run
 import moekit.checkpoint.format as io_module
 
 rank = int(os.environ["RANK"])

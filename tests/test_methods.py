@@ -8,7 +8,7 @@ from moekit.methods import METHODS, TrainingMethod, method, method_for
 from moekit.moe.spec import MoESpec
 from moekit.simoe.model import SIMoEConfig, simoe_upcycle
 from moekit.testing import tiny_llama
-from moekit.train.recipe import ASRRecipe, LoraConfig, TranslationRecipe
+from moekit.training.recipe import ASRRecipe, LoraConfig, TranslationRecipe
 from moekit.checkpoint.upcycle_model import upcycle
 
 SECTIONS = {"moe": MoESpec(num_experts=2, top_k=1), "lora": LoraConfig(), "simoe": SIMoEConfig()}

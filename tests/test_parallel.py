@@ -217,7 +217,7 @@ def test_a_rank_killed_under_zero3_ends_the_other_with_one_line(tiny_recipe_over
     import signal
     import time
 
-    from moekit.train.common import check_checkpoint, last_checkpoint
+    from moekit.training.common import check_checkpoint, last_checkpoint
 
     pytest.importorskip("deepspeed")
     (tmp_path / "zero3.json").write_text(json.dumps(ZERO3))
@@ -255,8 +255,8 @@ def test_a_rank_killed_under_zero3_ends_the_other_with_one_line(tiny_recipe_over
 def test_resume_is_refused_where_transformers_shards(tiny_recipe_overrides, tmp_path):
     """transformers checkpoints a model it shards (FSDP2, EP) without its optimizer state: no resuming from them."""
     from moekit.errors import ConfigError
-    from moekit.train.common import run_directory
-    from moekit.train.recipe import load_recipe
+    from moekit.training.common import run_directory
+    from moekit.training.recipe import load_recipe
 
     for key in ("train.fsdp", "train.expert_parallel"):
         recipe = load_recipe(recipe_of("naive"), tiny_recipe_overrides(tmp_path / "run", **{key: 2 if "expert" in key
@@ -293,7 +293,7 @@ def finetune_inputs(tmp_path_factory):
     from moekit.checkpoint.format import save
     from moekit.moe.spec import MoESpec
     from moekit.routing.sites import find_sites
-    from moekit.select.selection import Selection
+    from moekit.selection.selection import Selection
     from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
     from moekit.checkpoint.upcycle_model import upcycle
 
@@ -367,7 +367,7 @@ END = """
 import atexit
 import torch.distributed as dist
 from moekit.cli.main import end_process
-from moekit.train.parallel import leave_launch
+from moekit.training.parallel import leave_launch
 atexit.register(print, "teardown ran")
 print("outside a launch", end_process(3))  # the code is returned
 dist.init_process_group("gloo", init_method="file://{rendezvous}", rank=0, world_size=1)

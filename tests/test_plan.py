@@ -1,4 +1,4 @@
-"""`moekit train|finetune --dry-run` (moekit.train.plan): the plan's parameter, gradient and optimizer-state bytes equal
+"""`moekit train|finetune --dry-run` (moekit.training.plan): the plan's parameter, gradient and optimizer-state bytes equal
 a real run's on tiny models, byte for byte (one or two optimizer steps through the Trainer, counted from the model and
 the optimizer), for every training method and freeze stage and for selective fine-tuning with K = 1 and 2 experts
 per layer; the activation estimate is checked against the tensors autograd really saves; a dry run reads no weight
@@ -16,7 +16,7 @@ import torch
 import yaml
 from transformers import TrainerCallback
 
-from moekit.train.memory import ACTIVATION_TOLERANCE, Counts, shares, token_bytes
+from moekit.training.memory import ACTIVATION_TOLERANCE, Counts, shares, token_bytes
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 TINY_MOE = ["moe.num_experts=4", "moe.top_k=2", "moe.every=2"]
@@ -36,7 +36,7 @@ class Probe(TrainerCallback):
         self.trainable = self.grads = self.state = self.params = 0
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-        from moekit.select.finetune import ExpertRows
+        from moekit.selection.finetune import ExpertRows
 
         params = list(model.parameters())
         self.trainable = max(self.trainable, sum(p.numel() for p in params if p.requires_grad))
@@ -69,9 +69,9 @@ CASES = {  # id: (recipe, overrides)
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_plan_equals_a_real_run(case, tiny_recipe_overrides, tmp_path):
-    from moekit.train.plan import plan_recipe
-    from moekit.train.recipe import load_recipe
-    from moekit.train.run import train
+    from moekit.training.plan import plan_recipe
+    from moekit.training.recipe import load_recipe
+    from moekit.training.run import train
 
     name, extra = CASES[case]
     path, overrides = recipe_args(name, tiny_recipe_overrides, tmp_path / "run", *extra)
@@ -119,7 +119,7 @@ LAYERS = {"moe": ("model.layers.1.mlp", "model.layers.3.mlp"),
 
 
 def selection(root: Path, k: int, kind: str = "moe") -> Path:
-    from moekit.select.selection import Selection
+    from moekit.selection.selection import Selection
 
     path = root / f"sel{k}.json"
     first, second = LAYERS[kind]
@@ -135,9 +135,9 @@ def test_finetune_plan_equals_a_real_run_and_scales_with_k(kind, k, tiny_moe, tm
 
     from moekit.checkpoint.dense import load_tokenizer
     from moekit.checkpoint.format import load_model
-    from moekit.train.finetune import train_selected
-    from moekit.select.selection import Selection
-    from moekit.train.plan import plan_finetune
+    from moekit.training.finetune import train_selected
+    from moekit.selection.selection import Selection
+    from moekit.training.plan import plan_finetune
 
     folder = tiny_moe / kind
     sel = selection(tmp_path, k, kind)
@@ -203,9 +203,9 @@ def test_activation_estimate_is_within_tolerance_of_what_autograd_saves(case, ti
     from moekit.methods import method
     from moekit.methods.base import load_base
     from moekit.methods.freeze import apply_mask, stage_predicate
-    from moekit.train.common import adapt
-    from moekit.train.plan import plan_recipe
-    from moekit.train.recipe import load_recipe
+    from moekit.training.common import adapt
+    from moekit.training.plan import plan_recipe
+    from moekit.training.recipe import load_recipe
 
     name, extra = ACTIVATIONS[case]
     path, overrides = recipe_args(name, tiny_recipe_overrides, tmp_path / "run", "data.max_length=64",
@@ -227,9 +227,9 @@ def test_activation_estimate_is_within_tolerance_of_what_autograd_saves(case, ti
 
 def test_finetune_activation_estimate_is_within_tolerance(tiny_moe, tmp_path):
     from moekit.checkpoint.format import load_model
-    from moekit.select.finetune import attach
-    from moekit.select.selection import Selection
-    from moekit.train.plan import plan_finetune
+    from moekit.selection.finetune import attach
+    from moekit.selection.selection import Selection
+    from moekit.training.plan import plan_finetune
 
     sel = selection(tmp_path, 1)
     plan = plan_finetune(str(tiny_moe / "moe"), str(sel), batch_size=4, max_length=32)
@@ -291,7 +291,7 @@ def test_every_engine_of_a_table_keeps_one_precision(stored, mixed):
     AdamW's float32 step (4 B per tensor). ZeRO keeps weights, gradients in the compute dtype (2 B under bf16) and a
     master copy (ZeRO-3: none where the partition is in the master dtype) and AdamW's two states in the master
     dtype."""
-    from moekit.train.memory import recast
+    from moekit.training.memory import recast
 
     n = 1000
     fp32 = Counts(params=n, param_bytes=4 * n, replicated=0, replicated_bytes=0, trainable=n, trainable_bytes=4 * n,
@@ -307,8 +307,8 @@ def test_every_engine_of_a_table_keeps_one_precision(stored, mixed):
 def test_the_plan_shows_both_precisions(tiny_recipe_overrides, tmp_path):
     """A recipe with float32 parameters under bf16: its table at 16 B per trainable parameter on every engine, the
     other at bfloat16 (DDP 8 B, ZeRO-2 10 B), from the same counts."""
-    from moekit.train.plan import plan_recipe
-    from moekit.train.recipe import load_recipe
+    from moekit.training.plan import plan_recipe
+    from moekit.training.recipe import load_recipe
 
     path, overrides = recipe_args("naive", tiny_recipe_overrides, tmp_path / "run", "train.precision=bf16")
     plan = plan_recipe(load_recipe(path, overrides), devices=1, expert_parallel=None)
@@ -327,7 +327,7 @@ def test_the_plan_shows_both_precisions(tiny_recipe_overrides, tmp_path):
 
 def test_expert_parallel_must_divide_the_experts_and_the_devices():
     from moekit.errors import ConfigError
-    from moekit.train.plan import check_devices
+    from moekit.training.plan import check_devices
 
     assert check_devices(8, None, [8, 8]) == (8, "")
     assert check_devices(6, None, [8])[0] is None  # no EP row by default, with the reason

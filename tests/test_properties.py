@@ -15,7 +15,7 @@ from moekit.errors import ConfigError, MoekitError
 from moekit.checkpoint.format import load, save
 from moekit.moe.spec import MoESpec
 from moekit.testing import logits, tiny_inputs, tiny_llama
-from moekit.train.recipe import load_recipe
+from moekit.training.recipe import load_recipe
 from moekit.checkpoint.upcycle_model import upcycle
 
 METHODS = ["naive", "noise", "drop", "ume", "scaled_copy", "spri", "btx", "scratch", "bogus"]

@@ -8,8 +8,8 @@ from moekit.checkpoint.format import load_model, save
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
-from moekit.select.prune import load_pruned, prune, save_pruned
-from moekit.select.selection import Selection
+from moekit.selection.prune import load_pruned, prune, save_pruned
+from moekit.selection.selection import Selection
 from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
 from moekit.checkpoint.upcycle_model import upcycle
 
@@ -203,7 +203,7 @@ def test_a_selection_names_the_model_it_was_made_for(tmp_path, run):
 
     from moekit.checkpoint.dense import load_config
     from moekit.routing.trace import RoutingTrace, config_digest
-    from moekit.select.selection import Source
+    from moekit.selection.selection import Source
     from moekit.testing import tiny_qwen3_moe
 
     for name, model in (("q3", tiny_qwen3_moe()), ("other", tiny_qwen3_moe(seed=1, norm_topk_prob=False))):

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from moekit.config import read_yaml
-from moekit.train.recipe import load_recipe
-from moekit.train.run import train
+from moekit.training.recipe import load_recipe
+from moekit.training.run import train
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 ids = [p.stem for p in RECIPES]

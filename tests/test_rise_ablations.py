@@ -3,7 +3,7 @@ only; the others' shares of the budget are dropped, not moved to the kept groups
 import pytest
 
 from moekit.errors import ConfigError
-from moekit.select import select
+from moekit.selection import select
 
 from test_select import chosen, random_trace  # tests/test_select.py's trace builders
 

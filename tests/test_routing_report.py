@@ -118,7 +118,7 @@ def test_cli_collect_matches_library_capture(hf_moe, tmp_path, run):
 
 
 def test_cli_report_with_selection(hf_moe, tmp_path, run):
-    from moekit.select.selection import Selection
+    from moekit.selection.selection import Selection
 
     trace_path = tmp_path / "trace.npz"
     rc, _, err = run("routes", "collect", "--model", hf_moe / "model", "--texts", f"en={hf_moe / 'en.txt'}",

@@ -5,9 +5,9 @@ import pytest
 from moekit.errors import ConfigError
 from moekit.routing.stats import activation_frequency
 from moekit.routing.trace import RoutingTrace
-from moekit.select import SELECTORS, Selection, select
-from moekit.select.esft import entry_threshold, relevance
-from moekit.select.rise import composite_scores, overlap, region_budgets, specificity
+from moekit.selection import SELECTORS, Selection, select
+from moekit.selection.esft import entry_threshold, relevance
+from moekit.selection.rise import composite_scores, overlap, region_budgets, specificity
 
 BIG = {"shallow": 10**6, "middle": 10**6, "deep": 10**6}
 
@@ -242,7 +242,7 @@ def test_topk_takes_the_targets_most_activated_experts_over_all_layers():
 # ---- shared contract --------------------------------------------------------------------------------
 
 NEEDS_BUDGET = [m for m in SELECTORS.names() if SELECTORS.get(m).needs_budget]
-BUDGETED = [m for m in SELECTORS.names() if not SELECTORS.get(m).per_layer]  # per-layer ones: moekit.select.oneshot
+BUDGETED = [m for m in SELECTORS.names() if not SELECTORS.get(m).per_layer]  # per-layer ones: moekit.selection.oneshot
 
 
 @pytest.mark.parametrize("method", BUDGETED)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from moekit.routing.trace import RoutingTrace
-from moekit.select import Selection
+from moekit.selection import Selection
 
 
 @pytest.fixture

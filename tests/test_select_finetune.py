@@ -9,9 +9,9 @@ from moekit.checkpoint.format import load_model
 from moekit.moe.spec import MoESpec
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
-from moekit.select.finetune import attach, merge
-from moekit.train.finetune import train_selected
-from moekit.select.selection import Selection
+from moekit.selection.finetune import attach, merge
+from moekit.training.finetune import train_selected
+from moekit.selection.selection import Selection
 from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
 from moekit.checkpoint.upcycle_model import upcycle
 

@@ -17,7 +17,7 @@ from moekit.moe.spec import MoESpec
 from moekit.speech.llm import SpeechLLMInputs, audio_paths, family_of, load_processor
 from moekit.speech.s2tt import Example, S2TTDataConfig, load_s2tt
 from moekit.testing.speech_llm import save_tiny_covost, save_tiny_qwen2_audio, save_tiny_qwen3_asr, write_wav
-from moekit.train.recipe import SpeechLLMRecipe, load_recipe
+from moekit.training.recipe import SpeechLLMRecipe, load_recipe
 from moekit.checkpoint.upcycle_model import upcycle
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "spri_s2tt.yaml"
@@ -325,7 +325,7 @@ def test_speech_corpus_targets_write_covost_layout_that_trains(tiny, tmp_path, m
 
 
 def test_dry_run_counts_the_audio_modules_and_the_decoders_moe_layers(tiny, tmp_path):
-    from moekit.train.plan import plan_recipe
+    from moekit.training.plan import plan_recipe
 
     keys = _overrides(tiny, "qwen3_asr", tmp_path / "run", **{"train.steps": 10})
     plans = {frozen: plan_recipe(load_recipe(RECIPE, [*keys, f"model.freeze_audio={str(frozen).lower()}"]))

@@ -159,12 +159,12 @@ def test_streamed_memory_is_flat_in_the_number_of_layers(tmp_path):
 def test_removed_experts_load_in_transformers_as_the_disabled_model(checkpoints, tmp_path, family, mode):
     """prune --keep/--drop writes the same family with 4 of 8 experts per MoE layer, one tensor at a time; plain
     transformers loads it (no missing or unexpected weight) and its float32 logits equal the original model's with
-    the other experts disabled (moekit.select.prune)."""
+    the other experts disabled (moekit.selection.prune)."""
     import transformers as tf
 
     from moekit.checkpoint.remove import remove_experts
-    from moekit.select.prune import kept_experts, prune
-    from moekit.select.selection import Selection
+    from moekit.selection.prune import kept_experts, prune
+    from moekit.selection.selection import Selection
     from moekit.testing import tiny_inputs
 
     model = loaded(checkpoints[family])
@@ -186,7 +186,7 @@ def test_one_shot_selectors_rank_by_their_criteria():
     """usage, reap and ean on hand-made sums: the per-layer top N by count, Σg‖f‖/count and Σ‖f‖, ties to the lower
     id, one language or all."""
     from moekit.routing.trace import RoutingTrace
-    from moekit.select import select
+    from moekit.selection import select
 
     ids = np.zeros((2, 1, 2), dtype=np.int16)
     ids[:, 0, 1] = 1
@@ -212,8 +212,8 @@ def test_collect_select_reap_and_prune_keep_from_the_command_line(tmp_path, run,
 
     import moekit._fs
     from moekit.routing.trace import RoutingTrace
-    from moekit.select.prune import prune
-    from moekit.select.selection import Selection
+    from moekit.selection.prune import prune
+    from moekit.selection.selection import Selection
     from moekit.testing import tiny_inputs, tiny_qwen3_moe
 
     model = tiny_qwen3_moe().eval()
@@ -349,7 +349,7 @@ def test_reap_gate_applied_or_plain_softmax_on_a_top1_qwen3_moe(renormalize):
     below Σ ‖f‖ (p < 1 among 8 experts); `reap` ranks by Σ g‖f‖ / count, and with gate "softmax" by Σ p‖f‖ / count
     (REAP's reference code's default)."""
     from moekit.routing.trace import SALIENCY
-    from moekit.select import select
+    from moekit.selection import select
     from moekit.testing import tiny_qwen3_moe
 
     trace = collect_in_memory(tiny_qwen3_moe(num_experts_per_tok=1, norm_topk_prob=renormalize).eval(), batches())

@@ -10,8 +10,8 @@ from moekit.errors import CheckpointError, ConfigError, OutputExistsError
 from moekit.checkpoint.format import load_weights
 from moekit.moe.layer import moe_layers
 from moekit.testing import tiny_llama, tiny_tokenizer
-from moekit.train.recipe import TranslationRecipe
-from moekit.train.run import train
+from moekit.training.recipe import TranslationRecipe
+from moekit.training.run import train
 
 WORDS = "the light of the world is good and the day was long".split()
 
@@ -61,7 +61,7 @@ def changed(a, b, pred):
 
 
 def initial_state(assets, r):
-    from moekit.train.common import build_model
+    from moekit.training.common import build_model
 
     torch.manual_seed(0)
     return {k: v.clone() for k, v in build_model(r, assets / "dense").state_dict().items()}
@@ -140,7 +140,7 @@ def test_resume_gives_the_same_losses(assets, tmp_path):
 
 def test_resume_after_a_stop_during_the_final_evaluation(assets, tmp_path, monkeypatch):
     """Stopped after the final model was saved (during evaluation): resume replaces that model folder."""
-    import moekit.train.run as run_mod
+    import moekit.training.run as run_mod
 
     over = {"train": {"steps": 2, "batch_size": 4, "save_every": 2}, "moe": {"num_experts": 4, "top_k": 2}}
     r = recipe(assets, tmp_path / "run", **over)

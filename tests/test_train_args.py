@@ -1,4 +1,4 @@
-"""Trainer options of a recipe (moekit.train.args): train.trainer_args, report_to, gradient_checkpointing,
+"""Trainer options of a recipe (moekit.training.args): train.trainer_args, report_to, gradient_checkpointing,
 precision. Keys are checked when the recipe is validated, values before any work of a run."""
 import json
 from pathlib import Path
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from moekit.errors import ConfigError
-from moekit.train.args import DOCS, has_accelerator, training_args
-from moekit.train.recipe import load_recipe
-from moekit.train.run import train
+from moekit.training.args import DOCS, has_accelerator, training_args
+from moekit.training.recipe import load_recipe
+from moekit.training.run import train
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 cpu_only = pytest.mark.skipif(has_accelerator(), reason="what a machine without an accelerator refuses")
@@ -76,7 +76,7 @@ def one_step(tiny_recipe_overrides, out, checkpointing: bool):
 
 
 def test_gradient_checkpointing_gives_the_same_step(tiny_recipe_overrides, tmp_path):
-    from moekit.train.common import build_model
+    from moekit.training.common import build_model
 
     r, plain, loss = one_step(tiny_recipe_overrides, tmp_path / "plain", False)
     _, ckpt, loss_ckpt = one_step(tiny_recipe_overrides, tmp_path / "ckpt", True)

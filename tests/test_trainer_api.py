@@ -10,8 +10,8 @@ from moekit.data.parallel import TranslationCollator
 from moekit.errors import ConfigError
 from moekit.eval.translation import encode_pairs
 from moekit.testing import tiny_llama
-from moekit.train.common import load_tokenizer
-from moekit.train.run import load_data, train
+from moekit.training.common import load_tokenizer
+from moekit.training.run import load_data, train
 
 RECIPE = "recipes/spri_two_stage.yaml"
 
@@ -48,7 +48,7 @@ def recipe(tiny_recipe_overrides, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli(recipe):
-    """`moekit train`'s run of the recipe (moekit.train.run.train, what the command calls)."""
+    """`moekit train`'s run of the recipe (moekit.training.run.train, what the command calls)."""
     rec = Record()
     trainer = train(recipe, callbacks=[rec])
     return steps(trainer.state.log_history), rec

@@ -61,8 +61,8 @@ def test_upcycled_checkpoint_trains_as_the_recipe_upcycling_it(task, name, tiny_
 
 
 def test_dry_run_plans_the_upcycled_checkpoint_as_the_upcycle(tiny_recipe_overrides, tmp_path, run):
-    from moekit.train.plan import plan_recipe
-    from moekit.train.recipe import load_recipe
+    from moekit.training.plan import plan_recipe
+    from moekit.training.recipe import load_recipe
 
     recipe = RECIPES / "spri_two_stage.yaml"
     keys = tiny_recipe_overrides(tmp_path / "run", **{"train.steps": 10})

@@ -11,9 +11,9 @@ from moekit.errors import MoekitError
 _API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit.moe", "moe_layers": "moekit.moe",
         "load": "moekit.checkpoint.format", "save": "moekit.checkpoint.format", "upcycle": "moekit.checkpoint.upcycle_model",
         "upcycle_checkpoint": "moekit.checkpoint.upcycle", "export_checkpoint": "moekit.checkpoint.upcycle",
-        "export_model": "moekit.checkpoint.export", "MoETrainer": "moekit.train.trainer",
-        "MoECallback": "moekit.train.trainer", "AuxConfig": "moekit.train.recipe", "load_recipe": "moekit.train.recipe",
-        "FreezeConfig": "moekit.methods.freeze", "training_args": "moekit.train.args"}
+        "export_model": "moekit.checkpoint.export", "MoETrainer": "moekit.training.trainer",
+        "MoECallback": "moekit.training.trainer", "AuxConfig": "moekit.training.recipe", "load_recipe": "moekit.training.recipe",
+        "FreezeConfig": "moekit.methods.freeze", "training_args": "moekit.training.args"}
 
 __all__ = ["MoekitError", *_API]
 

@@ -3,7 +3,7 @@ the one extension point of the checkpoint formats for state they do not know.
 
 A StateCodec names its field and its file. It either rides along another format (`write` beside the weights of a
 moekit or transformers checkpoint when the field is set; `read` re-applies the file to the model loaded from such a
-checkpoint: the disabled experts of moekit.select.prune) or is a format of its own (`save` writes the whole
+checkpoint: the disabled experts of moekit.selection.prune) or is a format of its own (`save` writes the whole
 checkpoint of a model whose field is set; `load` reads a checkpoint that holds its file: SIMoE's simoe.json).
 
 Codecs are found as entry points of the group `moekit.state_codecs` (pyproject.toml), loaded the first time a

@@ -1,5 +1,5 @@
 """Removing experts from a native transformers MoE checkpoint, one tensor at a time (REAP-style one-shot pruning;
-moekit.select.prune only disables them).
+moekit.selection.prune only disables them).
 
 Every tensor of the checkpoint is read, cut and written in its own dtype, so memory holds one tensor. Under a
 decoder layer's MoE block (`model.layers.N.{mlp, block_sparse_moe, feed_forward}`):

@@ -22,7 +22,7 @@ from moekit.cli.progress import progress
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from moekit.train.recipe import TranslationRecipe
+    from moekit.training.recipe import TranslationRecipe
 
 SYSTEMS = {
     "naive": {"moe": {"init": "naive"}, "freeze": {"schedule": "none"}},
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
 
 def recipes(out: Path, overrides: list[str]) -> dict[str, TranslationRecipe]:
     from moekit.config import apply_overrides, validate
-    from moekit.train.recipe import TranslationRecipe
+    from moekit.training.recipe import TranslationRecipe
 
     built = {}
     for name, system in SYSTEMS.items():
@@ -79,7 +79,7 @@ def run_systems(systems: dict[str, TranslationRecipe], folder: Path, final: Path
     """Train and evaluate each system into `folder`/<system> (to be renamed `final`); the comparison table."""
     from rich.table import Table
 
-    from moekit.train.run import train
+    from moekit.training.run import train
 
     table = Table(title="moekit demo: SmolLM2-135M upcycled (E=8, top-2, every 4th block), equal fine-tuning budget")
     for col in ("system", "BLEU", "chrF", "target loss", "KL(dense‖model)", "diversity init → trained", "total params",

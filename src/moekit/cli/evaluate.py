@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> None:
     from moekit.cli.tables import result_rows, results_table
     from moekit.eval.translation import DenseReference
     from moekit.methods import method
-    from moekit.train.recipe import load_recipe
-    from moekit.train.run import load_data, report
-    from moekit.train.common import load_tokenizer
+    from moekit.training.recipe import load_recipe
+    from moekit.training.run import load_data, report
+    from moekit.training.common import load_tokenizer
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file() or not (run_dir / "model").is_dir():
@@ -53,7 +53,7 @@ def run_asr(recipe, run_dir: Path, device: str) -> None:
     from moekit.cli.tables import asr_table
     from moekit.methods import method
     from moekit.speech.data import load_split
-    from moekit.train.asr import load_speech, report
+    from moekit.training.asr import load_speech, report
 
     _, test = load_split(recipe.data)
     log = run_dir / "log_history.json"
@@ -66,7 +66,7 @@ def run_asr(recipe, run_dir: Path, device: str) -> None:
 
 def run_speech_llm(recipe, run_dir: Path, device: str) -> None:
     from moekit.cli.tables import run_table
-    from moekit.train.speech_llm import evaluate_run
+    from moekit.training.speech_llm import evaluate_run
 
     with progress():
         results = evaluate_run(recipe, run_dir, device)
@@ -78,7 +78,7 @@ def run_text(recipe, run_dir: Path, device: str) -> None:
     from moekit.data.hf import load_text_data
     from moekit.eval.text import report_text
     from moekit.methods import method
-    from moekit.train.common import load_tokenizer
+    from moekit.training.common import load_tokenizer
 
     _, test = load_text_data(recipe.data, load_tokenizer(run_dir / "model", recipe.model.trust_remote_code))
     log = run_dir / "log_history.json"

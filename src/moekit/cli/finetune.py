@@ -82,7 +82,7 @@ def prepare(args: argparse.Namespace):
     from moekit.assets import resolve_model
     from moekit.checkpoint.format import load_model
     from moekit.checkpoint.dense import load_tokenizer
-    from moekit.select.selection import Selection
+    from moekit.selection.selection import Selection
 
     selection = Selection.load(args.experts)
     model_dir = resolve_model(args.model, log=err_console().print)
@@ -109,9 +109,9 @@ FINETUNE_OWNED = {"train_micro_batch_size_per_gpu": "--batch-size / --grad-accum
 
 
 def run_finetune(args: argparse.Namespace) -> None:
-    from moekit.select.common import check_source, save_model
-    from moekit.train.finetune import check_finetune, finetune
-    from moekit.train.parallel import engine_of, is_main, leave_launch
+    from moekit.selection.common import check_source, save_model
+    from moekit.training.finetune import check_finetune, finetune
+    from moekit.training.parallel import engine_of, is_main, leave_launch
 
     from moekit._fs import reserve
 
@@ -122,7 +122,7 @@ def run_finetune(args: argparse.Namespace) -> None:
     data = lang_files(args.data, "--data")
     if args.dry_run:
         from moekit.cli.plan import print_plan
-        from moekit.train.plan import plan_finetune
+        from moekit.training.plan import plan_finetune
 
         print_plan(plan_finetune(args.model, args.experts, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                  max_length=args.max_length, trust_remote_code=args.trust_remote_code,
@@ -165,7 +165,7 @@ def run_finetune(args: argparse.Namespace) -> None:
 
 
 def _trainer_settings(s: dict) -> dict:
-    from moekit.train.finetune import trainer_settings
+    from moekit.training.finetune import trainer_settings
 
     return trainer_settings(1, s["steps"], s["epochs"], s["lr"], s["batch_size"], s["grad_accum"],
                             s["weight_decay"], s["seed"])
@@ -173,8 +173,8 @@ def _trainer_settings(s: dict) -> dict:
 
 def run_prune(args: argparse.Namespace) -> None:
     from moekit._fs import reserve
-    from moekit.select.common import check_source
-    from moekit.select.prune import prune, save_pruned
+    from moekit.selection.common import check_source
+    from moekit.selection.prune import prune, save_pruned
 
     if args.keep or args.drop:
         return run_remove(args)
@@ -193,8 +193,8 @@ def run_remove(args: argparse.Namespace) -> None:
     from moekit._fs import peak_memory, reserve
     from moekit.assets import resolve_model
     from moekit.checkpoint.remove import remove_experts
-    from moekit.select.prune import kept_experts
-    from moekit.select.selection import Selection
+    from moekit.selection.prune import kept_experts
+    from moekit.selection.selection import Selection
 
     start = time.perf_counter()
     with reserve(args.out, inputs_of(args), args.overwrite):

@@ -125,13 +125,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def end_process(code: int) -> int:
-    """`code`, returned; but a process whose distributed launch is over (moekit.train.parallel.leave_launch) ends
+    """`code`, returned; but a process whose distributed launch is over (moekit.training.parallel.leave_launch) ends
     here with `code`, its output flushed, without the interpreter's teardown. DeepSpeed keeps its gloo process
     groups referenced past destroy_process_group, so their worker threads outlive it, and a C++ thread that still
     touches Python once the interpreter finalizes aborts the process ("terminate called without an active
     exception", SIGABRT): CI saw it once on a ZeRO-2 rank that had finished, and torchrun then reported the whole
     launch failed. Everything the command writes is written and renamed into place before this point."""
-    launch = sys.modules.get("moekit.train.parallel")  # imported by every command that trains
+    launch = sys.modules.get("moekit.training.parallel")  # imported by every command that trains
     if launch is None or not launch.left_launch():
         return code
     import logging

@@ -1,4 +1,4 @@
-"""`--dry-run` of `moekit train` and `moekit finetune`: the options and the rendering of a moekit.train.plan.Plan."""
+"""`--dry-run` of `moekit train` and `moekit finetune`: the options and the rendering of a moekit.training.plan.Plan."""
 from __future__ import annotations
 
 import argparse
@@ -94,7 +94,7 @@ def share_table(plan, rows, dtype: str, device_memory: int | None) -> Table:
 
 
 def print_plan(plan, device_memory: int | None = None) -> None:
-    from moekit.train.memory import ACTIVATION_TOLERANCE
+    from moekit.training.memory import ACTIVATION_TOLERANCE
 
     out = out_console()
     out.print(f"plan of {plan.title} (dry run: no weight read, nothing written)")
@@ -108,7 +108,7 @@ def print_plan(plan, device_memory: int | None = None) -> None:
     notes = [
         "DDP: everything replicated, plus its gradient buckets; ZeRO-2: gradients and optimizer state sharded, "
         "parameters replicated; ZeRO-3 and FSDP2: parameters, gradients and optimizer state sharded; EP: each MoE "
-        "layer's routed experts split over the EP ranks (moekit.train.memory states each engine's convention)",
+        "layer's routed experts split over the EP ranks (moekit.training.memory states each engine's convention)",
         "each table keeps every engine's weights and AdamW state in one dtype: float32 (16 B per trainable "
         "parameter under bf16 autocast: DeepSpeed's default fp32 master copy, or the float32 parameters of DDP and "
         "FSDP2) or bfloat16 (8 B: DDP and FSDP2 on bfloat16 parameters, DeepSpeed with bf16_master_weights_and_grads "
@@ -116,7 +116,7 @@ def print_plan(plan, device_memory: int | None = None) -> None:
         "gradients are in bf16 under bf16/fp16 precision",
         "buffers: autocast's bf16 copies of fp32 Linear weights (single, DDP, EP), DDP's gradient buckets, the "
         "decoder layers ZeRO-3 / FSDP2 gather",
-        f"activations: an estimate of what autograd keeps for the backward (moekit.train.memory.token_bytes; within "
+        f"activations: an estimate of what autograd keeps for the backward (moekit.training.memory.token_bytes; within "
         f"{ACTIVATION_TOLERANCE:.0%} of the tensors tiny models really saved); the backward's transient buffers, "
         "communication buckets and allocator fragmentation come on top",
         *plan.notes,

@@ -147,7 +147,7 @@ def run_report(args: argparse.Namespace) -> None:
         trace = RoutingTrace.load(args.trace)
         experts = target = None
         if args.selection is not None:
-            from moekit.select.selection import Selection
+            from moekit.selection.selection import Selection
 
             sel = Selection.load(args.selection)
             experts, target = sel.experts, sel.target if sel.target in trace.languages else None

@@ -30,14 +30,14 @@ def add_parser(sub) -> None:
                                    "with the scores that produced it. `moekit select METHOD --help` shows a "
                                    "method's settings.")
     methods = p.add_subparsers(dest="method", required=True, metavar="METHOD", parser_class=LazyParser)
-    for name, doc in declared("moekit.select", "SELECTORS").items():
+    for name, doc in declared("moekit.selection", "SELECTORS").items():
         methods.add_parser(name, help=summary(doc), description=" ".join(doc.split()),
                            build=partial(add_method_arguments, method=name))
 
 
 def add_method_arguments(p: argparse.ArgumentParser, method: str) -> None:
     """The arguments every method takes, then one flag per setting of the method's config class."""
-    from moekit.select import SELECTORS
+    from moekit.selection import SELECTORS
 
     selector = SELECTORS.get(method)
     p.add_argument("trace", help="routing trace (.npz)")
@@ -73,7 +73,7 @@ def value_of(annotation) -> dict:
 
 def settings_of(method: str) -> dict:
     """{name: pydantic field} of a selection method's settings."""
-    from moekit.select import SELECTORS
+    from moekit.selection import SELECTORS
 
     return {k: f for k, f in SELECTORS.get(method).model_fields.items() if k != "method"}
 
@@ -81,7 +81,7 @@ def settings_of(method: str) -> dict:
 def run(args: argparse.Namespace) -> None:
     from moekit._fs import reserve
     from moekit.routing.trace import RoutingTrace
-    from moekit.select import select
+    from moekit.selection import select
 
     out = Path(args.out)
     given = {k: getattr(args, k) for k in settings_of(args.method) if getattr(args, k) is not None}

@@ -32,7 +32,7 @@ def _open(run_dir: str):
     """(model, tokenizer, recipe or None) of a run directory or a bare SIMoE checkpoint."""
     from moekit.checkpoint.dense import load_tokenizer
     from moekit.simoe.export import load
-    from moekit.train.recipe import load_recipe
+    from moekit.training.recipe import load_recipe
 
     run = Path(run_dir)
     folder = run / "model" if (run / "model").is_dir() else run
@@ -45,7 +45,7 @@ def _routing(model, tok, recipe) -> dict[str, list[float]] | None:
     """Mean routing per test task (or direction) of the run's recipe."""
     from moekit.data.parallel import prompt_of
     from moekit.simoe.analysis import task_routing
-    from moekit.train.run import load_data
+    from moekit.training.run import load_data
 
     if recipe is None or tok is None:
         return None

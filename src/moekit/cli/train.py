@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> None:
-    from moekit.train.recipe import load_recipe
+    from moekit.training.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     out_console().print(f"{args.recipe}: valid ({recipe.task}, {recipe.method}, {recipe.train.steps} steps, "
@@ -37,7 +37,7 @@ def run_validate(args: argparse.Namespace) -> None:
 
 def run_train(args: argparse.Namespace) -> None:
     from moekit.cli.tables import run_table
-    from moekit.train.recipe import load_recipe
+    from moekit.training.recipe import load_recipe
 
     overrides = list(args.overrides)
     if args.expert_parallel and not args.dry_run:  # --expert-parallel N runs as train.expert_parallel=N
@@ -45,16 +45,16 @@ def run_train(args: argparse.Namespace) -> None:
     recipe = load_recipe(args.recipe, overrides)
     if args.dry_run:
         from moekit.cli.plan import print_plan
-        from moekit.train.plan import plan_recipe
+        from moekit.training.plan import plan_recipe
 
         ep = args.expert_parallel or (recipe.train.expert_parallel if recipe.train.expert_parallel > 1 else None)
         print_plan(plan_recipe(recipe, args.devices, ep, log=err_console().print), args.device_memory)
         return
     if recipe.task == "asr":
-        from moekit.train.asr import train_asr as train
+        from moekit.training.asr import train_asr as train
     else:
-        from moekit.train.run import train
-    from moekit.train.parallel import leave_launch
+        from moekit.training.run import train
+    from moekit.training.parallel import leave_launch
 
     with progress():
         trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])

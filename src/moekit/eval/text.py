@@ -1,4 +1,4 @@
-"""Evaluation of text recipes (moekit.train.text): held-out loss and perplexity over the labelled tokens,
+"""Evaluation of text recipes (moekit.training.text): held-out loss and perplexity over the labelled tokens,
 expert usage, diversity and parameter counts; results.json/csv and plots in the run directory."""
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ class MoELayer(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else None
         self.last_routing: RoutingInfo | None = None
         # optional RoutingInfo -> RoutingInfo applied after the router: routing analysis uses it to
-        # permute decisions (moekit.routing.permutation) and to disable experts (moekit.select.prune)
+        # permute decisions (moekit.routing.permutation) and to disable experts (moekit.selection.prune)
         self.reroute: Callable[[RoutingInfo], RoutingInfo] | None = None
         self.init_diversity: float | None = None  # the experts' diversity when upcycled (SPRI A.1; moekit.json)
 

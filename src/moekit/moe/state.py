@@ -18,7 +18,7 @@ class ModelState:
     spec: MoESpec | None = None  # how the MoE layers were made (moekit.upcycle, a streamed meta model, moekit.json)
     # moekit.simoe.model.SIMoE: the SIMoE router and dual variable, also the submodule `model.simoe` (it trains, saves)
     simoe: nn.Module | None = None
-    pruned: dict[str, list[int]] = field(default_factory=dict)  # {router site: disabled expert ids} (moekit.select)
+    pruned: dict[str, list[int]] = field(default_factory=dict)  # {router site: disabled expert ids} (moekit.selection)
 
 
 def model_state(model: nn.Module) -> ModelState:

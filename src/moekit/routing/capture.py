@@ -7,7 +7,7 @@ j's output (what the layer passes its experts: the router's softmax, renormalize
 renormalizes), p the plain softmax of the router's logits over all experts (REAP's reference code's default gate,
 renormalize_router_weights=False) and f the expert's output before the weight. REAP's saliency (Lasby et al., "REAP
 the Experts", arXiv 2510.13999) is Σ g·‖f‖₂ / count (or Σ p·‖f‖₂ / count), EAN's Σ ‖f‖₂, frequency the count
-(moekit.select.oneshot). f is computed by the layer's own
+(moekit.selection.oneshot). f is computed by the layer's own
 experts module on the tokens routed to each expert, one slot at a time, while the layer runs: one more pass over
 the routed experts, never every expert on every token.
 """

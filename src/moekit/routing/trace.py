@@ -138,7 +138,7 @@ class RoutingTrace:
 
     def _check_saliency(self, name: str) -> None:
         """(Λ, L, E, 6) float64 (or 4 columns: older traces), whole counts, finite and non-negative sums, also summed
-        over the languages as the selectors sum them (moekit.select.oneshot)."""
+        over the languages as the selectors sum them (moekit.selection.oneshot)."""
         a, L = self.saliency, len(self.layers)
         want = (len(self.languages), L, int(self.num_experts.max()) if L else 0)
         if a.ndim != 4 or a.shape[:3] != want or a.shape[3] not in (4, len(SALIENCY)) or a.dtype != np.float64:
@@ -185,7 +185,7 @@ class RoutingTrace:
 def config_digest(config) -> str:
     """sha256 of a transformers config as it parses (defaults filled in: a sparse config.json and its re-saved copy
     agree), without what leaves the model as it is (private keys such as its path, VOLATILE): the model a trace was
-    recorded on, which its selections carry (moekit.select.selection.Source)."""
+    recorded on, which its selections carry (moekit.selection.selection.Source)."""
     data = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in VOLATILE}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 

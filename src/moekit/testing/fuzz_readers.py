@@ -175,7 +175,7 @@ SELECTION = {"method": "rise", "target": "fr", "budget": 3, "experts": {"model.l
 
 
 def _read_selection(case: Path) -> None:
-    from moekit.select.selection import Selection
+    from moekit.selection.selection import Selection
 
     Selection.load(case / "sel.json")
 
@@ -226,7 +226,7 @@ def _mutate_recipe(rng: random.Random, seed: Path, case: Path) -> None:
 
 
 def _read_recipe(case: Path) -> None:
-    from moekit.train.recipe import load_recipe
+    from moekit.training.recipe import load_recipe
 
     load_recipe(case / "recipe.yaml")
 
@@ -238,7 +238,7 @@ DEEPSPEED = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_st
 
 
 def _read_deepspeed(case: Path) -> None:
-    from moekit.train.parallel import deepspeed_config, zero_stage
+    from moekit.training.parallel import deepspeed_config, zero_stage
 
     zero_stage(deepspeed_config(str(case / "ds.json")))
 

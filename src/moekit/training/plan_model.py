@@ -1,4 +1,4 @@
-"""The model a run would train, on the meta device, and what moekit.train.memory needs to know about it: where its
+"""The model a run would train, on the meta device, and what moekit.training.memory needs to know about it: where its
 config comes from (a local directory, a built-in asset, or a Hub id's config.json alone), its shapes checked against
 the safetensors headers, the freeze stages, the routed experts, and the decoder geometry of the activation
 estimate."""
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moekit.errors import AssetError, ConfigError, UnsupportedModelError
-from moekit.train.memory import Ffn, Geometry, Layer, Lora
+from moekit.training.memory import Ffn, Geometry, Layer, Lora
 
 Predicate = Callable[[str], bool]
 

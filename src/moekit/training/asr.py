@@ -21,9 +21,9 @@ from moekit.routing.permutation import mean_loss
 from moekit.speech.data import CTCCollator, WhisperCollator, load_split
 from moekit.eval.asr import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
-from moekit.train.args import check_training_args
-from moekit.train.recipe import ASRRecipe
-from moekit.train.common import (adapt, evaluation_model, make_trainer, recipe_inputs, resume_from, run_directory,
+from moekit.training.args import check_training_args
+from moekit.training.recipe import ASRRecipe
+from moekit.training.common import (adapt, evaluation_model, make_trainer, recipe_inputs, resume_from, run_directory,
                                  save_final, write_run_files)
 
 VOCAB_FILE = "ctc_vocab.json"
@@ -105,7 +105,7 @@ class LossCallback(TrainerCallback):
 
 def train_asr(recipe: ASRRecipe, overwrite: bool = False, resume: bool = False, callbacks=(), inputs=()):
     """Train an ASR recipe and evaluate the result (results.json/csv, loss.png, usage.png in `out`); the run
-    lives in a working directory until it has finished (moekit.train.common.run_directory)."""
+    lives in a working directory until it has finished (moekit.training.common.run_directory)."""
     check_training_args(recipe)
     with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
         return _train_asr(work, last, callbacks, final_out=recipe.out)

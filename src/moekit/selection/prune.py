@@ -133,7 +133,7 @@ def _plan(site: RouterSite, ids: list[int], rules) -> tuple[Tensor, Callable | N
 def prune(model: nn.Module, selection: Selection | dict[str, list[int]]) -> PruneHandle:
     """Disable the selected experts of `model` (in place). Every layer is checked before any changes.
     Layers named with an empty list get the rule too (then it decides as the model does).
-    The disabled experts are recorded in moekit.moe.state.model_state(model).pruned (saved by moekit.select.common.save_model)."""
+    The disabled experts are recorded in moekit.moe.state.model_state(model).pruned (saved by moekit.selection.common.save_model)."""
     layers = resolve(model, selection)
     again = [s.name for s, _ in layers if s.name in model_state(model).pruned]
     if again:
@@ -156,7 +156,7 @@ def prune(model: nn.Module, selection: Selection | dict[str, list[int]]) -> Prun
 def save_pruned(model: nn.Module, out: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
     """Save a pruned model with its pruned_experts.json (moekit format or save_pretrained)."""
     if not model_state(model).pruned:
-        raise ConfigError("the model has no pruned experts; call moekit.select.prune.prune first")
+        raise ConfigError("the model has no pruned experts; call moekit.selection.prune.prune first")
     return save_model(model, out, overwrite, tokenizer)
 
 
@@ -172,7 +172,7 @@ def kept_experts(model_dir: str | Path, selection: Selection, mode: str, allow_o
                  trust_remote_code: bool = False, log=None) -> dict[int, list[int]]:
     """{decoder layer index: expert ids to keep} of a native checkpoint for `selection`: its experts (mode "keep")
     or every other expert of each MoE layer it names (mode "drop"); for moekit.checkpoint.remove. A selection made
-    for another model is refused unless `allow_other_model` (moekit.select.common.check_source, with `log`)."""
+    for another model is refused unless `allow_other_model` (moekit.selection.common.check_source, with `log`)."""
     import json
 
     from moekit.checkpoint.dense import meta_model

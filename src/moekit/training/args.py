@@ -96,7 +96,7 @@ def training_args(recipe, out: str | Path):
     """
     from transformers import TrainingArguments
 
-    from moekit.train.parallel import deepspeed_config
+    from moekit.training.parallel import deepspeed_config
 
     t, o = recipe.train, recipe.optim
     extra = dict(t.trainer_args)
@@ -121,8 +121,8 @@ def training_args(recipe, out: str | Path):
 
 def check_training_args(recipe) -> None:
     """Build the recipe's TrainingArguments once, before any work: a value TrainingArguments refuses, or a
-    setting that cannot run on this machine or in this launch (moekit.train.parallel), is one ConfigError."""
-    from moekit.train.parallel import check_deepspeed, check_engine
+    setting that cannot run on this machine or in this launch (moekit.training.parallel), is one ConfigError."""
+    from moekit.training.parallel import check_deepspeed, check_engine
 
     engine = engine_of(recipe)
     check_engine(engine, expert_counts(recipe) if engine.kind == "ep" else None)
@@ -154,8 +154,8 @@ def check_device(recipe, args) -> None:
 
 
 def engine_of(recipe):
-    """The engine a recipe trains on in this launch (moekit.train.parallel.Engine)."""
-    from moekit.train.parallel import engine_of as of
+    """The engine a recipe trains on in this launch (moekit.training.parallel.Engine)."""
+    from moekit.training.parallel import engine_of as of
 
     t = recipe.train
     return of(t.trainer_args, t.fsdp, t.expert_parallel)
@@ -168,7 +168,7 @@ def expert_counts(recipe) -> list[int]:
         spec = recipe.moe
         return [spec.num_experts * spec.granularity]
     if recipe.method in ("dense", "lora"):
-        from moekit.train.plan_model import model_expert_counts
+        from moekit.training.plan_model import model_expert_counts
 
         m = recipe.model
         return model_expert_counts(m.path, m.trust_remote_code)

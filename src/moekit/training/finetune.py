@@ -1,6 +1,6 @@
-"""`moekit finetune` on any engine: selective fine-tuning (moekit.select.finetune: only the selected experts' rows
+"""`moekit finetune` on any engine: selective fine-tuning (moekit.selection.finetune: only the selected experts' rows
 train, inside the fused expert tensors) in one process, under DDP, DeepSpeed (ZeRO-3 included), FSDP2 or expert
-parallelism (moekit.train.parallel). Under ZeRO-3 the rows are not a parametrization (DeepSpeed's partitioned backward
+parallelism (moekit.training.parallel). Under ZeRO-3 the rows are not a parametrization (DeepSpeed's partitioned backward
 fails to accumulate its gradient: "The size of tensor a (0) must match the size of tensor b ..." in AccumulateGrad,
 transformers 5.23 / DeepSpeed 0.19.8): the selected layers' whole tensors train with the other rows' gradients zeroed
 (`mask_rows`), which leaves those rows exactly as they were without weight decay (refused under ZeRO-3).
@@ -27,11 +27,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from moekit.errors import ConfigError
-from moekit.select.common import experts_of
-from moekit.select.finetune import attach
-from moekit.select.selection import Selection
-from moekit.train.args import use_cpu
-from moekit.train.parallel import (Engine, deepspeed_config, distribute, input_requires_grad, is_main, no_zero_init,
+from moekit.selection.common import experts_of
+from moekit.selection.finetune import attach
+from moekit.selection.selection import Selection
+from moekit.training.args import use_cpu
+from moekit.training.parallel import (Engine, deepspeed_config, distribute, input_requires_grad, is_main, no_zero_init,
                                    zero3_leaves)
 
 
@@ -47,8 +47,8 @@ class Target:
 
 
 def targets_of(model: nn.Module, selection) -> list[Target]:
-    from moekit.select.finetune import _expert_tensors
-    from moekit.select.common import resolve
+    from moekit.selection.finetune import _expert_tensors
+    from moekit.selection.common import resolve
 
     return [Target(site.name, site.experts, _expert_tensors(site), sorted(ids), site.num_experts)
             for site, ids in resolve(model, selection) if ids]
@@ -61,7 +61,7 @@ def attach_local(targets: list[Target], ep, initial: dict) -> tuple[list[nn.Para
     (r+1)·E/N - 1). transformers' FSDP2 does not shard what lives in an experts module over the EP ranks, so each
     rank's copy gets the gradients of its own share's rows only: they are summed over the ranks in the backward
     (SumGradients), which gives every rank the DDP gradient, the same update and the global gradient norm."""
-    from moekit.select.finetune import attach_rows
+    from moekit.selection.finetune import attach_rows
 
     rank, ranks, group = ep.get_local_rank(), ep.size(), ep.get_group()
     trainable, hooks = [], []
@@ -136,7 +136,7 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
     the gathered rows into it when no rank holds the model whole); `deepspeed`: the DeepSpeed config."""
     from transformers import TrainingArguments
 
-    from moekit.select.common import experts_of
+    from moekit.selection.common import experts_of
 
     config = None if deepspeed is None else deepspeed_config(deepspeed)
     if not engine.sharded:  # one process, DDP or ZeRO-1/2: every rank holds the model whole
@@ -175,7 +175,7 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
 
 def write_rows(model: nn.Module, targets: list[Target], trained: dict) -> nn.Module:
     """`model` (the input checkpoint, read again) with the trained rows in place."""
-    from moekit.select.common import resolve
+    from moekit.selection.common import resolve
 
     sites = {site.name: site for site, _ in resolve(model, {t.layer: t.ids for t in targets})}
     with torch.no_grad():
@@ -191,12 +191,12 @@ def write_rows(model: nn.Module, targets: list[Target], trained: dict) -> nn.Mod
 
 def check_finetune(engine: Engine, model: str, deepspeed, settings: dict, trust_remote_code: bool = False,
                    owned: dict[str, str] | None = None) -> None:
-    """Everything about the engine that can be refused before any work: the launch (moekit.train.parallel.check_engine,
+    """Everything about the engine that can be refused before any work: the launch (moekit.training.parallel.check_engine,
     with the model's expert counts for EP) and a DeepSpeed config (stage; batch keys that contradict the command's).; `owned`: the DeepSpeed keys the caller sets -> what sets them, named when the config contradicts one"""
     from transformers import TrainingArguments
 
-    from moekit.train.parallel import check_deepspeed, check_engine
-    from moekit.train.plan_model import model_expert_counts
+    from moekit.training.parallel import check_deepspeed, check_engine
+    from moekit.training.plan_model import model_expert_counts
 
     check_engine(engine, model_expert_counts(model, trust_remote_code) if engine.kind == "ep" else None)
     if engine.zero == 3 and settings["weight_decay"]:
@@ -256,7 +256,7 @@ def selective_trainer(model: nn.Module, args, data: list[dict], tokenizer):
     from transformers.trainer_callback import PrinterCallback
 
     from moekit.data.parallel import TranslationCollator
-    from moekit.train.progress import TrainProgress
+    from moekit.training.progress import TrainProgress
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=TranslationCollator(pad),
@@ -275,7 +275,7 @@ def train_selected(model: nn.Module, selection: Selection | dict[str, list[int]]
     epochs; `batch_size` counts examples per optimizer step, split into `grad_accum` micro-batches. `device`:
     "cpu" keeps training on the CPU; otherwise the Trainer places the model (a CUDA device when present).
     Under a distributed launch the Trainer runs DDP (on the CPU: gloo, every process its share of the data), or
-    DeepSpeed ZeRO-1/2 with `deepspeed` (a resolved config dict); moekit.train.finetune adds the engines that
+    DeepSpeed ZeRO-1/2 with `deepspeed` (a resolved config dict); moekit.training.finetune adds the engines that
     shard the model (ZeRO-3, FSDP2, expert parallelism)."""
     from transformers import TrainingArguments
 

@@ -24,10 +24,10 @@ from moekit.methods.base import load_base
 from moekit.routing.permutation import mean_loss
 from moekit.speech.llm import Family, SpeechLLMInputs, audio_paths, family_of, load_processor
 from moekit.speech.s2tt import load_s2tt
-from moekit.train.args import check_training_args
-from moekit.train.common import (adapt, evaluation_model, make_trainer, recipe_inputs, resume_from, run_directory,
+from moekit.training.args import check_training_args
+from moekit.training.common import (adapt, evaluation_model, make_trainer, recipe_inputs, resume_from, run_directory,
                                  save_final, write_run_files)
-from moekit.train.recipe import SpeechLLMRecipe
+from moekit.training.recipe import SpeechLLMRecipe
 
 
 class LossCallback(TrainerCallback):
@@ -94,7 +94,7 @@ def audio_frozen(recipe: SpeechLLMRecipe, model, family) -> SpeechLLMRecipe:
 
 
 def plan_setting(recipe: SpeechLLMRecipe, model, folder: Path) -> tuple[SpeechLLMRecipe, int, list[str]]:
-    """What the dry run (moekit.train.plan) needs besides the model it would train (`model`, on the meta device):
+    """What the dry run (moekit.training.plan) needs besides the model it would train (`model`, on the meta device):
     the recipe with the audio modules frozen as in training (`audio_frozen`), the longest decoder sequence the data
     filters let through (data.max_prompt_tokens, the audio placeholder expanded to a clip of data.max_seconds), and
     a note on the audio encoder and adapter, whose parameters the plan counts and whose activations it does not."""

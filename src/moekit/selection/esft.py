@@ -14,8 +14,8 @@ from pydantic import Field
 
 from moekit.errors import ConfigError
 from moekit.routing.trace import RoutingTrace
-from moekit.select.registry import SELECTORS, Selector, check_budget, check_target, expert_mask, to_selection
-from moekit.select.selection import Selection
+from moekit.selection.registry import SELECTORS, Selector, check_budget, check_target, expert_mask, to_selection
+from moekit.selection.selection import Selection
 
 DEFAULT_TOP_P = {"gate": 0.1, "token": 0.2}  # the paper's thresholds (§4: p = 0.1 ESFT-Gate, 0.2 ESFT-Token)
 TOLERANCE = 1e-9  # a running sum within this of top_p has reached it (0.7 + 0.1 < 0.8 in floating point)

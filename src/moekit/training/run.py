@@ -14,11 +14,11 @@ from moekit.eval.instruct import add_rouge
 from moekit.eval.translation import DenseReference, direction_loss, encode_pairs, evaluate_run, write_results
 from moekit.eval.plots import plot_curves, plot_usage
 from moekit.methods.base import load_base
-from moekit.train.args import check_training_args
-from moekit.train.parallel import is_main
-from moekit.train.recipe import TranslationRecipe
-from moekit.train.trainer import MoETrainer
-from moekit.train.common import (adapt, check_base, evaluation_model, load_tokenizer, make_trainer, recipe_inputs,
+from moekit.training.args import check_training_args
+from moekit.training.parallel import is_main
+from moekit.training.recipe import TranslationRecipe
+from moekit.training.trainer import MoETrainer
+from moekit.training.common import (adapt, check_base, evaluation_model, load_tokenizer, make_trainer, recipe_inputs,
                                  resume_from, run_directory, save_final, write_run_files)
 
 
@@ -113,13 +113,13 @@ def train(recipe: TranslationRecipe, overwrite: bool = False, resume: bool = Fal
     `recipe.model.path`: the base model, or for method=moe also its checkpoint upcycled as the recipe says."""
     check_base(recipe)
     if recipe.task == "speech_llm":  # checks its data before it makes the run directory
-        from moekit.train.speech_llm import train_speech_llm
+        from moekit.training.speech_llm import train_speech_llm
 
         return train_speech_llm(recipe, overwrite, resume, callbacks, inputs)
     check_training_args(recipe)
     run = _train
     if recipe.task == "text":  # local data through `datasets`
-        from moekit.train.text import train_text as run
+        from moekit.training.text import train_text as run
     with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
         return run(work, last, callbacks, final_out=final_out or recipe.out)
 

@@ -1,4 +1,4 @@
-"""What every training task shares (translation and text here, speech in moekit.train.asr): the run directory
+"""What every training task shares (translation and text here, speech in moekit.training.asr): the run directory
 (built beside its output, resumable), the tokenizer, the model a recipe's method trains, the Trainer, the final save and
 the run files."""
 from __future__ import annotations
@@ -18,11 +18,11 @@ from moekit.checkpoint.card import write_model_card
 from moekit.errors import CheckpointError, ConfigError, OutputExistsError
 from moekit.methods import method
 from moekit.methods.base import load_base
-from moekit.train.args import training_args
-from moekit.train.parallel import is_main
-from moekit.train.progress import TrainProgress
-from moekit.train.recipe import RecipeBase, TranslationRecipe
-from moekit.train.trainer import MoETrainer
+from moekit.training.args import training_args
+from moekit.training.parallel import is_main
+from moekit.training.progress import TrainProgress
+from moekit.training.recipe import RecipeBase, TranslationRecipe
+from moekit.training.trainer import MoETrainer
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
@@ -72,7 +72,7 @@ def evaluation_model(recipe, trainer, folder: Path) -> nn.Module:
 
 def write_run_files(recipe: TranslationRecipe, trainer, final_out: str, model: nn.Module | None = None) -> None:
     """recipe.yaml (with the run's real `out`), log_history.json (losses, aux metrics), engine.json (the engine and
-    the parameters each process held: moekit.train.parallel.engine_record) and README.md (the
+    the parameters each process held: moekit.training.parallel.engine_record) and README.md (the
     trained model's card; `model`: the trained model if not the Trainer's) in the run directory."""
     out = Path(recipe.out)
     write_model_card(model if model is not None else trainer.accelerator.unwrap_model(trainer.model), out,
@@ -88,10 +88,10 @@ def write_run_files(recipe: TranslationRecipe, trainer, final_out: str, model: n
 
 def make_trainer(recipe, model: nn.Module, dataset, collator, callbacks: list) -> MoETrainer:
     """MoETrainer for a recipe (any task): its method's callbacks, optimizer and losses, and progress
-    (TrainProgress); the model prepared for the run's engine (moekit.train.parallel: sharded by transformers' FSDP2
+    (TrainProgress); the model prepared for the run's engine (moekit.training.parallel: sharded by transformers' FSDP2
     or EP, or its MoE blocks declared ZeRO-3 leaves) before the optimizer sees its parameters."""
-    from moekit.train.args import engine_of
-    from moekit.train.parallel import distribute, zero3_leaves
+    from moekit.training.args import engine_of
+    from moekit.training.parallel import distribute, zero3_leaves
 
     m, engine = method(recipe.method), engine_of(recipe)
     if engine.by_transformers:
@@ -129,7 +129,7 @@ def check_checkpoint(last: Path) -> None:
     """A checkpoint to resume from has a readable trainer_state.json and its optimizer state: the Trainer's
     optimizer.pt, or under DeepSpeed its `global_step<N>/` folder with one optimizer partition per process of this
     launch (DeepSpeed resumes a ZeRO checkpoint on as many processes as wrote it)."""
-    from moekit.train.parallel import world_size
+    from moekit.training.parallel import world_size
 
     try:
         state = json.loads(read_small(last / "trainer_state.json", "trainer state", CheckpointError))
@@ -172,8 +172,8 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
     on a finished run continues from its last checkpoint and replaces it when done. Only the main process
     (rank 0) locks and renames; the other ranks of a multi-process run use the same working directory.
     """
-    from moekit.train.args import engine_of
-    from moekit.train.parallel import check_launch
+    from moekit.training.args import engine_of
+    from moekit.training.parallel import check_launch
 
     check_launch()
     out = Path(recipe.out)
@@ -223,7 +223,7 @@ def resume_from(trainer, last: Path | None) -> None:
             trainer._load_from_checkpoint(str(last))
             trainer.state = state
             return
-    from moekit.train.parallel import lost_process
+    from moekit.training.parallel import lost_process
 
     with lost_process(Path(trainer.args.output_dir).parent, last_checkpoint):
         trainer.train(resume_from_checkpoint=None if last is None else str(last))

@@ -10,7 +10,7 @@ from moekit.config import Config, validate
 from moekit.errors import ConfigError
 from moekit.registry import Registry
 from moekit.routing.trace import RoutingTrace
-from moekit.select.selection import Selection, Source
+from moekit.selection.selection import Selection, Source
 
 
 class Selector(Config):

@@ -15,9 +15,9 @@ from pydantic import Field, field_validator
 from moekit.errors import ConfigError
 from moekit.routing.stats import REGIONS, activation_frequency, layer_regions
 from moekit.routing.trace import RoutingTrace
-from moekit.select.registry import (SELECTORS, Selector, check_budget, check_target, expert_mask, to_selection,
+from moekit.selection.registry import (SELECTORS, Selector, check_budget, check_target, expert_mask, to_selection,
                                     top)
-from moekit.select.selection import Selection
+from moekit.selection.selection import Selection
 
 Triple = tuple[float, float, float]
 Region = Literal["shallow", "middle", "deep"]

@@ -14,9 +14,9 @@ from moekit.data.hf import load_text_data
 from moekit.data.parallel import TranslationCollator
 from moekit.eval.text import report_text
 from moekit.eval.translation import examples_loss
-from moekit.train.recipe import TextRecipe
+from moekit.training.recipe import TextRecipe
 from moekit.methods.base import load_base
-from moekit.train.common import (adapt, evaluation_model, load_tokenizer, make_trainer, resume_from, save_final,
+from moekit.training.common import (adapt, evaluation_model, load_tokenizer, make_trainer, resume_from, save_final,
                                  write_run_files)
 
 
@@ -36,7 +36,7 @@ class LossCallback(TrainerCallback):
 
 
 def train_text(recipe: TextRecipe, last: Path | None, callbacks, final_out: str):
-    """Train a text recipe inside its run directory (moekit.train.run.train) and evaluate it."""
+    """Train a text recipe inside its run directory (moekit.training.run.train) and evaluate it."""
     out = Path(recipe.out)
     path = resolve_model(recipe.model.path)
     tok = load_tokenizer(path, recipe.model.trust_remote_code)

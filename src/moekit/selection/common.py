@@ -67,7 +67,7 @@ def check_source(selection: Selection, model: nn.Module, allow_other_model: bool
 
 
 def write_pruned(model: nn.Module, folder: Path) -> None:
-    """pruned_experts.json for a model pruned by moekit.select.prune (its routing hooks are not weights)."""
+    """pruned_experts.json for a model pruned by moekit.selection.prune (its routing hooks are not weights)."""
     pruned = model_state(model).pruned
     if pruned:
         sel = Selection(method="pruned", budget=sum(map(len, pruned.values())), experts=pruned)

@@ -1,5 +1,5 @@
 """Bytes a training run holds per device: the arithmetic behind `moekit train|finetune --dry-run`
-(moekit.train.plan counts the parameters on the meta device and calls this). Pure functions of counts and shapes.
+(moekit.training.plan counts the parameters on the meta device and calls this). Pure functions of counts and shapes.
 
 What is exact and what is an estimate:
 
@@ -19,7 +19,7 @@ parameters' own size):
   (mixed precision is autocast over the stored parameters, which adds bf16 copies of the Linear weights while the
   graph holds them). DDP adds its gradient buckets, a second copy of the gradients (gradient_as_bucket_view=False is
   PyTorch's default and what accelerate passes).
-* selective fine-tuning (moekit.select.finetune): the full expert tensors of the selected layers are rebuilt from
+* selective fine-tuning (moekit.selection.finetune): the full expert tensors of the selected layers are rebuilt from
   the frozen tensor and the trainable rows in every forward and kept for the backward: counted as buffers in every
   row.
 * DeepSpeed ZeRO-2: parameters (cast to c bytes) replicated; gradients (c bytes) and optimizer state sharded over N;

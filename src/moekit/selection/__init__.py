@@ -1,7 +1,7 @@
 """Expert-subnetwork selection (RISE, ESFT, baselines), one-shot pruning criteria (usage, REAP, EAN), selective
 fine-tuning and pruning."""
-from moekit.select.registry import SELECTORS, Selector, select
-from moekit.select.selection import Selection
-from moekit.select import baselines, esft, oneshot, rise  # importing registers the methods in SELECTORS
+from moekit.selection.registry import SELECTORS, Selector, select
+from moekit.selection.selection import Selection
+from moekit.selection import baselines, esft, oneshot, rise  # importing registers the methods in SELECTORS
 
 __all__ = ["SELECTORS", "Selection", "Selector", "select", "baselines", "esft", "oneshot", "rise"]

@@ -22,8 +22,8 @@ from pydantic import Field
 
 from moekit.errors import ConfigError
 from moekit.routing.trace import SALIENCY, RoutingTrace
-from moekit.select.registry import SELECTORS, Selector, expert_mask, to_selection
-from moekit.select.selection import Selection
+from moekit.selection.registry import SELECTORS, Selector, expert_mask, to_selection
+from moekit.selection.selection import Selection
 
 
 class OneShot(Selector):

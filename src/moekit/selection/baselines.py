@@ -8,8 +8,8 @@ from pydantic import Field
 
 from moekit.routing.stats import activation_frequency
 from moekit.routing.trace import RoutingTrace
-from moekit.select.registry import SELECTORS, Selector, check_budget, check_target, expert_mask, to_selection, top
-from moekit.select.selection import Selection
+from moekit.selection.registry import SELECTORS, Selector, check_budget, check_target, expert_mask, to_selection, top
+from moekit.selection.selection import Selection
 
 
 @SELECTORS.register("random")

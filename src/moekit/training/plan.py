@@ -2,7 +2,7 @@
 train is built on PyTorch's meta device from config.json (an upcycle from the recipe's MoE spec, LoRA, SIMoE, or a
 selection's K trainable rows per layer), its shapes checked against the safetensors headers where the weights are
 present, and no tensor data is read. What trains in each freeze stage, what the optimizer keeps, the activations of a
-micro-batch and the per-device bytes under each engine follow from it (moekit.train.memory: the arithmetic and each
+micro-batch and the per-device bytes under each engine follow from it (moekit.training.memory: the arithmetic and each
 engine's convention)."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from moekit.errors import ConfigError
-from moekit.train.memory import ACTIVATION_TOLERANCE, Counts, Geometry, Share, recast, shares, token_bytes
-from moekit.train.plan_model import (geometry, largest_layer, linear_params, routed_names, stages_of, trains_now,
+from moekit.training.memory import ACTIVATION_TOLERANCE, Counts, Geometry, Share, recast, shares, token_bytes
+from moekit.training.plan_model import (geometry, largest_layer, linear_params, routed_names, stages_of, trains_now,
                                      unique_params)
 
 Predicate = Callable[[str], bool]
@@ -90,7 +90,7 @@ def check_devices(devices: int, expert_parallel: int | None, experts: list[int])
 
 def counts_of(model: nn.Module, stages: list[tuple[str, Predicate]],
               extra: list[torch.Tensor] = ()) -> tuple[Counts, list[Stage]]:
-    """Counts (moekit.train.memory) at the largest stage; `extra`: resident tensors that are no parameters (the full
+    """Counts (moekit.training.memory) at the largest stage; `extra`: resident tensors that are no parameters (the full
     expert tensors behind a selection's trainable rows: buffers, which ZeRO-3 and FSDP2 do not shard)."""
     params = unique_params(model)
     routed = routed_names(model)
@@ -183,14 +183,14 @@ def _table(c: Counts, geo: Geometry | None, s: Setting, ep: int | None, why: str
 
 def plan_recipe(recipe, devices: int = 8, expert_parallel: int | None = None, log=None) -> Plan:
     """The plan of `moekit train RECIPE`: the recipe's method applied to its base model on the meta device."""
-    from moekit.train.plan_model import recipe_model
+    from moekit.training.plan_model import recipe_model
 
     if devices < 1:
         raise ConfigError(f"devices must be a positive count, got {devices}")
     model, folder, shapes = recipe_model(recipe, log)
     t, length, task_notes = recipe.train, _max_length(recipe), []
     if recipe.task == "speech_llm":  # the audio modules, and a sequence length from the processor
-        from moekit.train.speech_llm import plan_setting
+        from moekit.training.speech_llm import plan_setting
 
         recipe, length, task_notes = plan_setting(recipe, model, folder)
     stages = stages_of(recipe, model)
@@ -232,12 +232,12 @@ def _optimizer_note(trainer_args: dict) -> list[str]:
 def plan_finetune(model: str, experts: str, *, batch_size: int = 16, grad_accum: int = 1, max_length: int = 128,
                   trust_remote_code: bool = False, devices: int = 8, expert_parallel: int | None = None,
                   log=None) -> Plan:
-    """The plan of `moekit finetune`: only the selection's expert rows train (moekit.select.finetune.attach on the
+    """The plan of `moekit finetune`: only the selection's expert rows train (moekit.selection.finetune.attach on the
     meta device), with the Trainer's AdamW in the checkpoint's dtype (moekit checkpoints) or float32 (transformers
     directories, as finetune loads them); no mixed precision, no aux losses."""
-    from moekit.select.finetune import ExpertRows, attach
-    from moekit.select.selection import Selection
-    from moekit.train.plan_model import finetune_model
+    from moekit.selection.finetune import ExpertRows, attach
+    from moekit.selection.selection import Selection
+    from moekit.training.plan_model import finetune_model
 
     if devices < 1:
         raise ConfigError(f"devices must be a positive count, got {devices}")

@@ -15,7 +15,7 @@ from moekit.simoe.model import SIMoEConfig
 from moekit.data.hf import TextDataConfig
 from moekit.speech.data import ASRDataConfig
 from moekit.speech.s2tt import S2TTDataConfig
-from moekit.train.args import check_trainer_keys
+from moekit.training.args import check_trainer_keys
 
 
 class ModelConfig(Config):
@@ -64,8 +64,8 @@ class TrainConfig(Config):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: mixed precision (autocast); fp16 needs a GPU
     gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory)
     report_to: list[str] = Field(default_factory=list)  # Trainer integrations, e.g. ["tensorboard"]
-    trainer_args: dict[str, Any] = Field(default_factory=dict)  # other TrainingArguments fields (moekit.train.args)
-    # beyond one device (moekit.train.parallel; a distributed launch): FSDP2 full shard over every process, or the
+    trainer_args: dict[str, Any] = Field(default_factory=dict)  # other TrainingArguments fields (moekit.training.args)
+    # beyond one device (moekit.training.parallel; a distributed launch): FSDP2 full shard over every process, or the
     # experts of each MoE layer split over `expert_parallel` ranks (all-to-all) with the rest FSDP2-sharded
     fsdp: bool = False
     expert_parallel: int = Field(1, ge=1)
@@ -187,7 +187,7 @@ class ASREvalConfig(Config):
 
 
 class ASRRecipe(RecipeBase):
-    """Speech recognition (moekit.train.asr): a pretrained Whisper (UME upcycling, or full fine-tuning) or a
+    """Speech recognition (moekit.training.asr): a pretrained Whisper (UME upcycling, or full fine-tuning) or a
     from-scratch CTC encoder (dense, Switch or Omni-router) on a corpus from `moekit speech corpus`."""
 
     task: Literal["asr"] = "asr"
@@ -204,7 +204,7 @@ class TextEvalConfig(Config):
 
 class TextRecipe(RecipeBase):
     """Causal-LM fine-tuning on the user's local files (data.source: datasets; formats text, alpaca, chat,
-    translation; moekit.train.text)."""
+    translation; moekit.training.text)."""
 
     task: Literal["text"] = "text"
     model: ModelConfig = ModelConfig()
@@ -233,7 +233,7 @@ class SpeechLLMEvalConfig(Config):
 
 
 class SpeechLLMRecipe(RecipeBase):
-    """Speech-to-text with a speech-LLM (moekit.train.speech_llm): En→XX speech translation (SPRI §3) and English
+    """Speech-to-text with a speech-LLM (moekit.training.speech_llm): En→XX speech translation (SPRI §3) and English
     transcription, one path: the model's own processor and chat template, loss on the target tokens only, the
     directions shuffled together, SPRI A.2's length filters, BLEU/chrF (Qwen2-Audio's tokenizers) and COMET."""
 

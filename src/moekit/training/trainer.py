@@ -16,7 +16,7 @@ from moekit.errors import CheckpointError, ConfigError, MoekitError
 from moekit.methods import TrainingMethod, method, method_for
 from moekit.methods.freeze import FreezeCallback, FreezeConfig
 from moekit.moe.layer import moe_layers
-from moekit.train.recipe import AuxConfig
+from moekit.training.recipe import AuxConfig
 
 
 @contextlib.contextmanager
@@ -81,7 +81,7 @@ class MoETrainer(Trainer):
             only); default none: the parameters train as they are set.
         method: the training method (moekit.methods); default the one the model's structure implies
             (moekit.methods.method_for: moe for a model with MoE layers).
-        engine: the parallel engine of a `moekit train` run (moekit.train.parallel); None when used directly.
+        engine: the parallel engine of a `moekit train` run (moekit.training.parallel); None when used directly.
         **kwargs: transformers.Trainer's.
 
     Raises:
@@ -102,18 +102,18 @@ class MoETrainer(Trainer):
     def __init__(self, *args, aux: AuxConfig | None = None, freeze: FreezeConfig | None = None,
                  method: TrainingMethod | None = None, engine=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.engine = engine  # moekit.train.parallel.Engine (None: the Trainer used directly)
+        self.engine = engine  # moekit.training.parallel.Engine (None: the Trainer used directly)
         self.own_optimizer = self.optimizer  # the method's (optimizers=(...)): DeepSpeed's init drops the Trainer's
         self.aux = aux or AuxConfig()
         self.method = method or method_for(self.accelerator.unwrap_model(self.model))
         self.aux_logs: dict[str, list[float]] = defaultdict(list)
-        self.engine_record: dict | None = None  # moekit.train.parallel.engine_record, at the first step
+        self.engine_record: dict | None = None  # moekit.training.parallel.engine_record, at the first step
         for cb in freezer(self.model, freeze):
             self.add_callback(cb)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.engine_record is None and self.engine is not None:  # the model as the engine holds it
-            from moekit.train.parallel import engine_record
+            from moekit.training.parallel import engine_record
 
             self.engine_record = engine_record(self.engine, model)
         return super().training_step(model, inputs, num_items_in_batch)
@@ -155,7 +155,7 @@ class MoETrainer(Trainer):
         DeepSpeed, Trainer.save_model gathers the full `state_dict` on every rank first; a model sharded by
         transformers (train.fsdp, train.expert_parallel) is gathered here, by every rank. Only the main process
         writes."""
-        from moekit.train.parallel import full_state_dict, global_expert_counts, is_sharded_by_transformers, materialized
+        from moekit.training.parallel import full_state_dict, global_expert_counts, is_sharded_by_transformers, materialized
 
         model = self.accelerator.unwrap_model(self.model)
         by_transformers = is_sharded_by_transformers(model)
