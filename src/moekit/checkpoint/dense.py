@@ -67,6 +67,10 @@ def model_class(name: str, folder: Path | None = None) -> type[nn.Module]:
     return cls
 
 
+# what a config.json of wrong values raises inside transformers' config and model code, besides its own checks
+CONFIG_FAULTS = (ValueError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
+
+
 def load_config(folder: Path, trust_remote_code: bool = False):
     """The directory's transformers config (for a moekit checkpoint, its base model's, named after the checkpoint
     as transformers names a config after where it was loaded from); remote code only with `trust_remote_code` (never
@@ -85,9 +89,10 @@ def load_config(folder: Path, trust_remote_code: bool = False):
             config.name_or_path = str(folder)  # its card names the base model (moekit.checkpoint.card.hub_id)
         else:
             config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, StrictDataclassError) as e:
+    except (OSError, RecursionError, StrictDataclassError, *CONFIG_FAULTS) as e:
         # transformers 5 checks its config fields' types (huggingface_hub's strict dataclasses) and looks a dtype
-        # name up on torch: a field of the wrong type is one of these, not a bug
+        # name up on torch: a field of the wrong type is one of these, not a bug; a config class's own checks divide
+        # by its sizes (num_attention_heads 0) and index its fields (a list where a dtype name belongs)
         raise CheckpointError(f"{folder}/config.json does not load: {' '.join(str(e).split())[:500]}") from None
     arch = getattr(config, "architectures", None)
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
@@ -233,10 +238,9 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
                 model = cls._from_config(config)
             else:
                 model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError, ZeroDivisionError,
-            AssertionError) as e:
+    except (RuntimeError, AssertionError, *CONFIG_FAULTS) as e:
         # sizes, names and kinds in config.json that the model's code cannot build with (negative or overflowing
-        # sizes, an unknown activation or rope type)
+        # sizes, a rope theta beyond int64, an unknown activation or rope type)
         raise CheckpointError(f"{path}/config.json describes no model that can be built: "
                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint
