@@ -204,3 +204,28 @@ def test_ume_whisper_section_comes_from_committed_results_alone(tmp_path):
     assert "| ume (seed 4) | 6.5 | 6.5 | 2.2 | 2.2 | 0.500 | 37.8M | 37.8M | 0.200 | 20.0 |" in text
     assert "1.25 h of audio" in text and "Incomplete" not in text
     check_claims(text, root, 2)
+
+
+def test_rise_ablations_section_comes_from_committed_results_alone(tmp_path):
+    import rise_ablations
+    import rise_mini
+
+    root, rng = tmp_path / "results", np.random.default_rng(4)
+    langs = list(rise_mini.LANGS)
+    before = rise_items(rng, 3.0)
+    rise_ablations.keep("base", {"ft_items": before, "before": rise_mini.mean_losses(before), "stage1_from": "runs/x"}, root)
+    row = {"count": 16, "per_region": {"shallow": 6, "middle": 4, "deep": 6}, "groups": None, "ft_seconds": 1.0,
+           "omega": {lang: 0.25 for lang in langs}, "omega_mass": {lang: 4.0 for lang in langs}, "ft": [-0.5, 0.01]}
+    items = {"rise": rise_items(rng, 2.5), "rise K=8": rise_items(rng, 2.6)}
+    rise_ablations.keep("rise", {**row, "ft_items": items["rise"], "prune": [0.2, 0.0], "prune_items": before}, root)
+    rise_ablations.keep("rise K=8", {**row, "count": 8, "ft_items": items["rise K=8"], "prune": None}, root)
+    out = tmp_path / "BENCHMARKS.md"
+    rise_ablations.main(["--report-only", "--results", str(root), "--out", str(tmp_path / "absent"), "--write", str(out)])
+    assert not (tmp_path / "absent").exists()
+    text = out.read_text()
+    a, w = rise_mini.verse_losses(items["rise K=8"], ["sw"])
+    b, _ = rise_mini.verse_losses(items["rise"], ["sw"])
+    s = rise_ablations.paired_bootstrap(a[None], b[None], weights=w[None])
+    assert (f"| rise K=8 | 8 (6/4/6) | 0.250 | 4.00 | 0.250 | -0.5000 | {s['mean']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}] "
+            "| +0.0100 | – | – |") in text
+    assert "stage 1 copied from runs/x" in text and f"Loss before fine-tuning: sw {rise_mini.mean_losses(before)['sw']:.3f}" in text
