@@ -125,7 +125,8 @@ def keep(name: str, seed: int, out: Path, summary: dict, hours: float, root: Pat
     folder = seed_folder(out, name, seed)
     r = json.loads((folder / "results.json").read_text())
     rt = r.get("routing")
-    routing = None if rt is None else {**{k: rt[k] for k in ROUTING}, "permutation": {"deltas": rt["permutation"]["deltas"]}}
+    routing = None if rt is None else {**{k: rt[k] for k in ROUTING},
+                                       "permutation": {"deltas": rt["permutation"]["deltas"]}}
     run = {"languages": {lang: {k: v[k] for k in ("wer", "cer")} for lang, v in r["languages"].items()},
            "avg": {k: r["avg"][k] for k in ("wer", "cer")}, "routing": routing,
            "params": {k: r["params"][k] for k in ("total", "active")}, "loss": summary["loss"],

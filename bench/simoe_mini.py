@@ -10,6 +10,10 @@ peak RSS of the training process (each system runs in its own process), wall tim
 Finished systems are cached (summary.json), so an interrupted run resumes.
 
     .venv/bin/python bench/simoe_mini.py --out runs/simoe_mini --write BENCHMARKS.md [--systems ...]
+
+Each finished system's per-item ROUGE-L ("seen", "unseen") and the numbers of its rows are committed under
+bench/results/<section>/seed0/ (evidence.save_scores; <section>: simoe_mini or simoe_mini_common; no weights, no
+outputs), and the report is made from those files alone: `--report-only` rebuilds the section from a clone.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import time
 from datetime import date
 from pathlib import Path
 
+from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
 from report import paired_bootstrap, write_section  # bench/report.py
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
@@ -48,6 +53,7 @@ OVERRIDES = ["train.steps=125", "train.batch_size=8", "data.train_per_task=200",
              "eval.max_new_tokens=48", "train.save_every=25", "train.logging_steps=5"]
 MARK = ("<!-- simoe_mini -->", "<!-- /simoe_mini -->")
 COMMON_MARK = ("<!-- simoe_mini_common -->", "<!-- /simoe_mini_common -->")
+BENCHES = {MARK: "simoe_mini", COMMON_MARK: "simoe_mini_common"}  # bench/results/<…>
 
 
 def folder_of(out: Path, label: str) -> Path:
@@ -92,13 +98,25 @@ def run_system(label: str, out: Path) -> dict:
     return json.loads((folder / "summary.json").read_text())
 
 
-def row(label: str, folder: Path, s: dict) -> str:
+def keep(label: str, out: Path, summary: dict, bench: str, root: Path = RESULTS) -> None:
+    """Commit a finished system under root/<bench>/seed0/: its per-item ROUGE-L and its rows' numbers."""
     from moekit.training.recipe import load_recipe
 
+    folder = folder_of(out, label)
     r = json.loads((folder / "results.json").read_text())
-    g, p = r["groups"], r["params"]
+    recipe = load_recipe(folder / "recipe.yaml")
+    run = {"groups": {g: {k: v[k] for k in ("rougeL", "chrf")} for g, v in r["groups"].items()},
+           "directions": {t: {"rougeL": v["rougeL"]} for t, v in r["directions"].items()},
+           "params": {k: r["params"][k] for k in ("total", "active")},
+           "tau": recipe.simoe.tau if recipe.simoe is not None else None, **summary}
+    save_scores(bench, label, 0, item_rouge(out, label, *held_out(out, label)), root, run)
+
+
+def row(label: str, s: dict) -> str:
+    """The table's row of one committed system (keep)."""
+    g, p = s["groups"], s["params"]
     sparsity = "–" if s["sparsity"] is None else f"{s['sparsity']:.3f}"
-    if s["sparsity"] is not None and s["sparsity"] < load_recipe(folder / "recipe.yaml").simoe.tau:
+    if s["sparsity"] is not None and s["sparsity"] < s["tau"]:
         sparsity += " (below τ)"
     lam = "–" if not s.get("lambda") else f"{max(s['lambda']):.3g} / {s['lambda'][-1]:.3g}"
     pruned = f"{s['pruned_params']:,} ({s['pruned_params'] / s['unpruned_params']:.3f}×)" if "pruned_params" in s else "–"
@@ -107,8 +125,8 @@ def row(label: str, folder: Path, s: dict) -> str:
             f"{s['peak_rss'] / 2**30:.2f} | {s['seconds'] / 60:.1f} |")
 
 
-def per_task(out: Path, labels: list[str]) -> list[str]:
-    results = {label: json.loads((folder_of(out, label) / "results.json").read_text()) for label in labels}
+def per_task(results: dict) -> list[str]:
+    """ROUGE-L per task of each committed system (label -> its values)."""
     tasks = list(next(iter(results.values()))["directions"])
     return ["| task | " + " | ".join(results) + " |", "|---|" + "---|" * len(results),
             *[f"| {t} | " + " | ".join(f"{r['directions'][t]['rougeL']:.1f}" for r in results.values()) + " |"
@@ -140,21 +158,20 @@ def item_rouge(out: Path, label: str, test: dict, unseen: list[str]) -> dict[str
     return scores
 
 
-def paired(out: Path, labels: list[str], base: str = "full FT") -> list[str]:
-    """Each system − `base` in ROUGE-L, mean and 95 % paired bootstrap interval over test items (one seed)."""
-    test, unseen = held_out(out, base)  # built once: the same verses for every system
-    ref = item_rouge(out, base, test, unseen)
+def paired(scores: dict, labels: list[str], base: str = "full FT") -> list[str]:
+    """Each system − `base` in ROUGE-L, mean and 95 % paired bootstrap interval over test items (one seed); `scores`:
+    the committed per-item scores (load_scores)."""
+    ref = scores[(base, 0)]
     lines = [f"ROUGE-L difference to {base}, 95 % paired bootstrap interval over test items (one seed, 2000 "
              "resamples):", "", "| system | seen | unseen |", "|---|---|---|"]
     for label in labels:
-        scores = item_rouge(out, label, test, unseen)
-        cells = [paired_bootstrap([scores[g]], [ref[g]]) for g in ("seen", "unseen")]
+        cells = [paired_bootstrap([scores[(label, 0)][g]], [ref[g]]) for g in ("seen", "unseen")]
         lines.append(f"| {label} | " + " | ".join(f"{c['mean']:+.1f} [{c['lo']:+.1f}, {c['hi']:+.1f}]" for c in cells)
                      + " |")
     return [*lines, ""]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/simoe_mini"))
     ap.add_argument("--write", type=Path)
@@ -162,19 +179,23 @@ def main() -> None:
     ap.add_argument("--common", action="store_true",
                     help="issue 30: SIMoE, ablations (b) and (c) at the baselines' optimizer and budget, then the "
                          "baselines, into their own section (default systems: " + ", ".join(COMMON_SYSTEMS) + ")")
-    ap.add_argument("--report-only", action="store_true", help="report the systems finished so far, train nothing")
+    ap.add_argument("--report-only", action="store_true",
+                    help="report the systems committed under --results, train nothing")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where each finished system's per-item scores and rows are committed, and reported from")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
         return child(args.child, args.out)
     systems = args.systems or (COMMON_SYSTEMS if args.common else [s for s in SYSTEMS if s not in COMMON_SYSTEMS[:3]])
-    if args.report_only:
-        summaries = {label: json.loads((folder_of(args.out, label) / "summary.json").read_text()) for label in systems
-                     if (folder_of(args.out, label) / "summary.json").is_file()}
-    else:
-        summaries = {label: run_system(label, args.out) for label in systems}
-    simoe = {label: s for label, s in summaries.items() if "nonzero" in s}
     mark = COMMON_MARK if args.common else MARK
+    bench = BENCHES[mark]
+    if not args.report_only:
+        for label in systems:
+            keep(label, args.out, run_system(label, args.out), bench, args.results)
+    committed = {n: r for (n, _), r in load_runs(bench, args.results).items()}
+    summaries = {label: committed[label] for label in systems if label in committed}
+    simoe = {label: s for label, s in summaries.items() if "nonzero" in s}
     cmd = (f".venv/bin/python bench/simoe_mini.py --out {args.out}" + (" --common" if args.common else "")
            + ("" if args.systems is None else " --systems " + " ".join(f"'{s}'" for s in args.systems))
            + (f" --write {args.write}" if args.write else ""))
@@ -194,10 +215,10 @@ def main() -> None:
         "categories (reverse translation, book name, paraphrase); unweighted means over tasks." + common + status, "",
         "| system | seen ROUGE-L | seen chrF | unseen ROUGE-L | unseen chrF | final mask sparsity (τ = 0.75) | λ max / "
         "final | total params | active params | pruned export | peak RSS (GiB) | wall (min) |", "|---" * 12 + "|",
-        *[row(label, folder_of(args.out, label), s) for label, s in summaries.items()], "",
-        *(["ROUGE-L per task:", "", *per_task(args.out, list(summaries)), ""] if summaries else []),
-        *(paired(args.out, [s for s in summaries if s != "full FT"]) if args.common and "full FT" in summaries
-          else []),
+        *[row(label, s) for label, s in summaries.items()], "",
+        *(["ROUGE-L per task:", "", *per_task(summaries), ""] if summaries else []),
+        *(paired(load_scores(bench, args.results), [s for s in summaries if s != "full FT"])
+          if args.common and "full FT" in summaries else []),
         *[f"{label}: non-zero expert parameters (Fig. 4, median gates) "
           + " · ".join(f"{k} {v:.2f}" for k, v in s["nonzero"]["by_type"].items())
           + f"; overall {s['nonzero']['overall']:.3f}; by depth "

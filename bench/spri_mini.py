@@ -195,7 +195,8 @@ def keep(out: Path, name: str, seed: int, summary: dict, bench: str, root: Path 
     per direction, "chrf <lang>") and its table row's numbers."""
     r = json.loads((seed_folder(out, name, seed) / "results.json").read_text())
     chrf = sentence_chrf(out, name, seed, references(name, out, seed))  # (verses, directions)
-    run = {"avg": r["avg"], "directions": {lang: {k: v[k] for k in ("bleu", "chrf")} for lang, v in r["directions"].items()},
+    run = {"avg": r["avg"],
+           "directions": {lang: {k: v[k] for k in ("bleu", "chrf")} for lang, v in r["directions"].items()},
            "kl": r["kl"], "diversity_init": r.get("diversity_init"), "diversity": r["diversity"],
            "params": {k: r["params"][k] for k in ("total", "active")}, **summary}
     save_scores(bench, name, seed, {"chrf": chrf.mean(1), **{f"chrf {lang}": chrf[:, j] for j, lang in

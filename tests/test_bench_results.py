@@ -136,9 +136,10 @@ OMNI_LANGS = ["en", "fr"]
 
 
 def omni_run(cer: float) -> dict:
-    routing = {"cramers_v": [0.2, 0.3], "usage_entropy": [1.3, 1.4], "token_entropy": [0.8], "wer_change": {"0.1": -0.1, "0.5": 0.2},
-               "permutation": {"deltas": {"0.1": 0.004, "0.5": 0.02}}}
-    return {"languages": {lang: {"wer": 0.99, "cer": cer / 100} for lang in OMNI_LANGS}, "avg": {"wer": 0.99, "cer": cer / 100},
+    routing = {"cramers_v": [0.2, 0.3], "usage_entropy": [1.3, 1.4], "token_entropy": [0.8],
+               "wer_change": {"0.1": -0.1, "0.5": 0.2}, "permutation": {"deltas": {"0.1": 0.004, "0.5": 0.02}}}
+    return {"languages": {lang: {"wer": 0.99, "cer": cer / 100} for lang in OMNI_LANGS},
+            "avg": {"wer": 0.99, "cer": cer / 100},
             "routing": routing, "params": {"total": 4.56e6, "active": 1.56e6},
             "loss": [[s, 3.0 - s / 400] for s in range(10, 410, 10)], "seconds": 480.0, "corpus_hours": 2.5}
 
@@ -228,4 +229,66 @@ def test_rise_ablations_section_comes_from_committed_results_alone(tmp_path):
     s = rise_ablations.paired_bootstrap(a[None], b[None], weights=w[None])
     assert (f"| rise K=8 | 8 (6/4/6) | 0.250 | 4.00 | 0.250 | -0.5000 | {s['mean']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}] "
             "| +0.0100 | – | – |") in text
-    assert "stage 1 copied from runs/x" in text and f"Loss before fine-tuning: sw {rise_mini.mean_losses(before)['sw']:.3f}" in text
+    assert "stage 1 copied from runs/x" in text
+    assert f"Loss before fine-tuning: sw {rise_mini.mean_losses(before)['sw']:.3f}" in text
+
+
+def simoe_run(rouge: float, simoe: bool) -> dict:
+    run = {"groups": {"seen": {"rougeL": rouge, "chrf": 30.0}, "unseen": {"rougeL": rouge / 2, "chrf": 15.0}},
+           "directions": {"t1": {"rougeL": rouge}, "u1": {"rougeL": rouge / 2}}, "params": {"total": 2000, "active": 1000},
+           "tau": 0.75 if simoe else None, "seconds": 600.0, "peak_rss": 2 ** 31, "sparsity": 0.6 if simoe else None,
+           "lambda": [0.1, 0.3, 0.2] if simoe else []}
+    if simoe:
+        run.update(nonzero={"by_type": {"gate": 0.5}, "by_depth": {"0": 0.5, "1": 0.4}, "overall": 0.45}, overlap=0.7,
+                   pruned_params=1500, unpruned_params=2000)
+    return run
+
+
+def test_simoe_mini_section_comes_from_committed_results_alone(tmp_path):
+    import simoe_mini
+
+    root, rng = tmp_path / "results", np.random.default_rng(5)
+    systems = {"full FT": 30.0, "sparse upcycling": 31.0, "SIMoE (common optimizer)": 32.0}
+    for label, rouge in systems.items():
+        save_scores("simoe_mini_common", label, 0, {"seen": rouge + rng.normal(0, 10, 8), "unseen": rng.normal(15, 10, 8)},
+                    root, simoe_run(rouge, "SIMoE" in label))
+    out = tmp_path / "BENCHMARKS.md"
+    simoe_mini.main(["--report-only", "--common", "--results", str(root), "--out", str(tmp_path / "absent"),
+                     "--systems", *systems, "--write", str(out)])
+    assert not (tmp_path / "absent").exists()
+    text = out.read_text()
+    assert "| SIMoE (common optimizer) | 32.0 | 30.0 | 16.0 | 15.0 | 0.600 (below τ) | 0.3 / 0.2 | 2,000 | 1,000 | " \
+           "1,500 (0.750×) | 2.00 | 10.0 |" in text
+    assert "| t1 | 30.0 | 31.0 | 32.0 |" in text and "overall 0.450; by depth 0.50 0.40" in text
+    scores = load_scores("simoe_mini_common", root)
+    c = [simoe_mini.paired_bootstrap([scores[("sparse upcycling", 0)][g]], [scores[("full FT", 0)][g]])
+         for g in ("seen", "unseen")]
+    cells = " | ".join(f"{x['mean']:+.1f} [{x['lo']:+.1f}, {x['hi']:+.1f}]" for x in c)
+    assert f"| sparse upcycling | {cells} |" in text
+
+
+def test_ume_whisper_keeps_wer_per_voice_family_with_its_reference_words(tmp_path, monkeypatch):
+    import types
+
+    import moekit.speech.corpus
+    import ume_whisper
+    from moekit.speech.text import error_rates
+
+    items = [{"id": "a", "ref": "in the beginning god", "hyp": "in the beginning"},
+             {"id": "b", "ref": "light", "hyp": "night"}, {"id": "c", "ref": "and the earth", "hyp": "and the earth"}]
+    families = (("a", "espeak-ng"), ("b", "flite"), ("c", "flite"))
+    monkeypatch.setattr(moekit.speech.corpus, "read_manifest",
+                        lambda _: [types.SimpleNamespace(id=i, family=f) for i, f in families])
+    corpus_dir, folder = tmp_path / "corpus", tmp_path / "runs" / "ume"
+    corpus_dir.mkdir()
+    folder.mkdir(parents=True)
+    (corpus_dir / "corpus.json").write_text(json.dumps({"hours": 1.25}))
+    run = ume_run(6.0)
+    (folder / "results.json").write_text(json.dumps({**run, "transcripts": {"en": items}}))
+    ume_whisper.keep("ume", 0, tmp_path / "runs", corpus_dir, {"loss": [[10, 0.9], [80, 0.5]], "seconds": 1200.0},
+                     "ume_whisper", tmp_path / "results")
+    kept = load_scores("ume_whisper", tmp_path / "results")[("ume", 0)]
+    flite = [error_rates([t["ref"]], [t["hyp"]], "en") for t in items[1:]]
+    np.testing.assert_allclose(kept["wer flite"], [100 * e["wer"] for e in flite], rtol=1e-5)
+    assert kept["words flite"].tolist() == [1.0, 3.0] and kept["words espeak-ng"].tolist() == [4.0]
+    assert load_runs("ume_whisper", tmp_path / "results")[("ume", 0)] == {**run, "loss": [[80, 0.5]]}
