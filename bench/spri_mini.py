@@ -257,13 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     systems, mark, base = ((ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations
                            else ({**{n: SYSTEMS[n] for n in REFERENCES}, **EXTRA}, EXTRA_MARK, "dense_ft") if args.extra
                            else (SYSTEMS, MARK, "dense_ft"))
-    if args.extra and args.reference_from:
-        adopt_references(args.out, args.reference_from)
     unknown = set(args.only or []) - set(systems)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(systems)}")
     bench = BENCHES[mark]
     if not args.report_only:  # every system of one seed before the next seed
+        if args.extra and args.reference_from:
+            adopt_references(args.out, args.reference_from)
         for seed in args.seeds:
             for name in args.only or systems:
                 summary = run_system(name, *systems[name], args.out, seed)
