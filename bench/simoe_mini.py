@@ -11,9 +11,15 @@ Finished systems are cached (summary.json), so an interrupted run resumes.
 
     .venv/bin/python bench/simoe_mini.py --out runs/simoe_mini --write BENCHMARKS.md [--systems ...]
 
-Each finished system's per-item ROUGE-L ("seen", "unseen") and the numbers of its rows are committed under
-bench/results/<section>/seed0/ (evidence.save_scores; <section>: simoe_mini or simoe_mini_common; no weights, no
-outputs), and the report is made from those files alone: `--report-only` rebuilds the section from a clone.
+Seeds (`--seeds 0 1 2 3 4`): seed n > 0 adds `train.seed=n` (the Trainer's seed, data order) and the recipe's
+`simoe.seed=n` (mask initialization) or `moe.seed=n` (upcycling); the data split stays fixed, so every seed is scored
+on the same test items. With --common the report gives each claim of claim_specs.SPECS["simoe_mini"] an interval over
+seeds × test items and a verdict (report.VERDICT_RULE).
+
+Each finished (system, seed)'s per-item ROUGE-L ("seen", "unseen") and the numbers of its rows are committed under
+bench/results/simoe_mini/seed{n}/ (evidence.save_scores; one folder for both sections: full FT and sparse upcycling
+are the same runs in each; no weights, no outputs), and the report is made from those files alone: `--report-only`
+rebuilds the section from a clone, and bench/claims.py its claims table.
 """
 from __future__ import annotations
 
@@ -27,8 +33,9 @@ import time
 from datetime import date
 from pathlib import Path
 
+from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import paired_bootstrap, write_section  # bench/report.py
+from report import paired_bootstrap, seed_folder, seed_overrides, write_section  # bench/report.py
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
            "SIMoE": ("simoe_instruct", []), "SIMoE w/o ortho": ("simoe_instruct", ["simoe.mask_lr=0.1", "simoe.ortho=0"]),  # ablation (b) of "SIMoE mask lr 0.1"
@@ -53,21 +60,29 @@ OVERRIDES = ["train.steps=125", "train.batch_size=8", "data.train_per_task=200",
              "eval.max_new_tokens=48", "train.save_every=25", "train.logging_steps=5"]
 MARK = ("<!-- simoe_mini -->", "<!-- /simoe_mini -->")
 COMMON_MARK = ("<!-- simoe_mini_common -->", "<!-- /simoe_mini_common -->")
-BENCHES = {MARK: "simoe_mini", COMMON_MARK: "simoe_mini_common"}  # bench/results/<…>
+BENCH = "simoe_mini"  # bench/results/<…>
+CLAIMS_INTRO = ("Headline claims over seeds (SIMoE Table 1: ahead of full fine-tuning and sparse upcycling on unseen "
+                "tasks; Table 4: full SIMoE ahead of ablations (b) and (c) on unseen tasks). Metric: ROUGE-L per test "
+                "item of the unseen tasks; Δ = A − B in points.")
 
 
-def folder_of(out: Path, label: str) -> Path:
-    return out / label.replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
+def folder_of(out: Path, label: str, seed: int = 0) -> Path:
+    return seed_folder(out, label.replace(" ", "_").replace("/", "").replace("(", "").replace(")", ""), seed)
 
 
-def child(label: str, out: Path) -> None:
-    """Train one system (resuming from its last checkpoint) and write its summary.json."""
+def label_of(label: str, seed: int) -> str:
+    return label if seed == 0 else f"{label} (seed {seed})"
+
+
+def child(label: str, out: Path, seed: int) -> None:
+    """Train one system at one seed (resuming from its last checkpoint) and write its summary.json."""
     from moekit.training.recipe import load_recipe
     from moekit.training.run import train
 
     recipe_name, extra = SYSTEMS[label]
-    folder = folder_of(out, label)
-    recipe = load_recipe(Path("recipes") / f"{recipe_name}.yaml", [*OVERRIDES, *extra, f"out={folder}"])
+    folder = folder_of(out, label, seed)
+    path = Path("recipes") / f"{recipe_name}.yaml"
+    recipe = load_recipe(path, [*OVERRIDES, *extra, *seed_overrides(path, seed), f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)
     last = [h for h in trainer.state.log_history if "simoe/sparsity" in h]
@@ -91,25 +106,25 @@ def child(label: str, out: Path) -> None:
     (folder / "summary.json").write_text(json.dumps(summary))
 
 
-def run_system(label: str, out: Path) -> dict:
-    folder = folder_of(out, label)
+def run_system(label: str, out: Path, seed: int = 0) -> dict:
+    folder = folder_of(out, label, seed)
     if not (folder / "summary.json").is_file():
-        subprocess.run([sys.executable, __file__, "--child", label, "--out", str(out)], check=True)
+        subprocess.run([sys.executable, __file__, "--child", label, "--out", str(out), "--seeds", str(seed)], check=True)
     return json.loads((folder / "summary.json").read_text())
 
 
-def keep(label: str, out: Path, summary: dict, bench: str, root: Path = RESULTS) -> None:
-    """Commit a finished system under root/<bench>/seed0/: its per-item ROUGE-L and its rows' numbers."""
+def keep(label: str, seed: int, out: Path, summary: dict, root: Path = RESULTS) -> None:
+    """Commit a finished (system, seed) under root/simoe_mini/seed{n}/: its per-item ROUGE-L and its rows' numbers."""
     from moekit.training.recipe import load_recipe
 
-    folder = folder_of(out, label)
+    folder = folder_of(out, label, seed)
     r = json.loads((folder / "results.json").read_text())
     recipe = load_recipe(folder / "recipe.yaml")
     run = {"groups": {g: {k: v[k] for k in ("rougeL", "chrf")} for g, v in r["groups"].items()},
            "directions": {t: {"rougeL": v["rougeL"]} for t, v in r["directions"].items()},
            "params": {k: r["params"][k] for k in ("total", "active")},
            "tau": recipe.simoe.tau if recipe.simoe is not None else None, **summary}
-    save_scores(bench, label, 0, item_rouge(out, label, *held_out(out, label)), root, run)
+    save_scores(BENCH, label, seed, item_rouge(folder, label, *held_out(folder)), root, run)
 
 
 def row(label: str, s: dict) -> str:
@@ -133,21 +148,21 @@ def per_task(results: dict) -> list[str]:
               for t in tasks]]
 
 
-def held_out(out: Path, label: str) -> tuple[dict, list[str]]:
+def held_out(folder: Path) -> tuple[dict, list[str]]:
     """({task: test pairs}, unseen task names) of a system's run; every system shares them (same data overrides)."""
     from moekit.data.instruct import load_instruct_pairs
     from moekit.training.recipe import load_recipe
 
-    data = load_recipe(folder_of(out, label) / "recipe.yaml").data
+    data = load_recipe(folder / "recipe.yaml").data
     return load_instruct_pairs(data)[1], data.task_names()[1]
 
 
-def item_rouge(out: Path, label: str, test: dict, unseen: list[str]) -> dict[str, list[float]]:
+def item_rouge(folder: Path, label: str, test: dict, unseen: list[str]) -> dict[str, list[float]]:
     """{"seen"/"unseen": per-item ROUGE-L of one run's test outputs, tasks in order}; checked against the run's
     own task means (equal items per task, so the item mean is the unweighted task mean the table reports)."""
     from moekit.eval.instruct import rouge_l
 
-    results = json.loads((folder_of(out, label) / "results.json").read_text())
+    results = json.loads((folder / "results.json").read_text())
     scores = {"seen": [], "unseen": []}
     for task, pairs in test.items():
         hyps = results["translations"][task]
@@ -183,23 +198,26 @@ def main(argv: list[str] | None = None) -> None:
                     help="report the systems committed under --results, train nothing")
     ap.add_argument("--results", type=Path, default=RESULTS,
                     help="where each finished system's per-item scores and rows are committed, and reported from")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        return child(args.child, args.out)
+        return child(args.child, args.out, args.seeds[0])
     systems = args.systems or (COMMON_SYSTEMS if args.common else [s for s in SYSTEMS if s not in COMMON_SYSTEMS[:3]])
     mark = COMMON_MARK if args.common else MARK
-    bench = BENCHES[mark]
-    if not args.report_only:
-        for label in systems:
-            keep(label, args.out, run_system(label, args.out), bench, args.results)
-    committed = {n: r for (n, _), r in load_runs(bench, args.results).items()}
-    summaries = {label: committed[label] for label in systems if label in committed}
-    simoe = {label: s for label, s in summaries.items() if "nonzero" in s}
+    if not args.report_only:  # every system of one seed before the next seed
+        for seed in args.seeds:
+            for label in systems:
+                keep(label, seed, args.out, run_system(label, args.out, seed), args.results)
+    committed = load_runs(BENCH, args.results)
+    summaries = {(n, s): committed[(n, s)] for s in args.seeds for n in systems if (n, s) in committed}
+    first = {n: r for (n, s), r in summaries.items() if s == 0}  # per task, Fig. 4 and the paired table: seed 0
     cmd = (f".venv/bin/python bench/simoe_mini.py --out {args.out}" + (" --common" if args.common else "")
            + ("" if args.systems is None else " --systems " + " ".join(f"'{s}'" for s in args.systems))
+           + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + (f" --write {args.write}" if args.write else ""))
-    missing = [s for s in systems if s not in summaries]
+    missing = [label_of(n, s) for s in args.seeds for n in systems if (n, s) not in summaries]
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
     title = ("SIMoE at one optimizer and budget: SIMoE, ablations (b) and (c), baselines (issue 30)" if args.common
              else "SIMoE in miniature")
@@ -215,15 +233,17 @@ def main(argv: list[str] | None = None) -> None:
         "categories (reverse translation, book name, paraphrase); unweighted means over tasks." + common + status, "",
         "| system | seen ROUGE-L | seen chrF | unseen ROUGE-L | unseen chrF | final mask sparsity (τ = 0.75) | λ max / "
         "final | total params | active params | pruned export | peak RSS (GiB) | wall (min) |", "|---" * 12 + "|",
-        *[row(label, s) for label, s in summaries.items()], "",
-        *(["ROUGE-L per task:", "", *per_task(summaries), ""] if summaries else []),
-        *(paired(load_scores(bench, args.results), [s for s in summaries if s != "full FT"])
-          if args.common and "full FT" in summaries else []),
+        *[row(label_of(n, s), r) for (n, s), r in summaries.items()], "",
+        *(["ROUGE-L per task (seed 0):", "", *per_task(first), ""] if first else []),
+        *(paired(load_scores(BENCH, args.results), [n for n in first if n != "full FT"])
+          if args.common and "full FT" in first else []),
         *[f"{label}: non-zero expert parameters (Fig. 4, median gates) "
           + " · ".join(f"{k} {v:.2f}" for k, v in s["nonzero"]["by_type"].items())
           + f"; overall {s['nonzero']['overall']:.3f}; by depth "
           + " ".join(f"{v:.2f}" for _, v in sorted(s["nonzero"]["by_depth"].items(), key=lambda kv: int(kv[0])))
-          + f"; mean mask overlap between experts (Fig. 5) {s['overlap']:.3f}.\n" for label, s in simoe.items()],
+          + f"; mean mask overlap between experts (Fig. 5) {s['overlap']:.3f}.\n" for label, s in first.items()
+          if "nonzero" in s],
+        *(committed_claims(BENCH, CLAIMS_INTRO, args.results) if args.common else []), "",
         mark[1]])
     print(section)
     if args.write:

@@ -29,7 +29,8 @@ from datetime import date
 from pathlib import Path
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores, scores_path  # bench/evidence.py
-from report import device_name, log_progress, measured_on, seed_folder, write_section  # bench/report.py
+from report import (device_name, log_progress, measured_on, seed_folder, seed_overrides,  # bench/report.py
+                    write_section)
 
 SYSTEMS = {name: (name, []) for name in
            ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]}  # name: (recipe, overrides)
@@ -67,17 +68,6 @@ MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
 ABLATION_MARK = ("<!-- spri_mini_ablations -->", "<!-- /spri_mini_ablations -->")
 EXTRA_MARK = ("<!-- spri_mini_issue30 -->", "<!-- /spri_mini_issue30 -->")
 BENCHES = {MARK: "spri_mini", ABLATION_MARK: "spri_mini_ablations", EXTRA_MARK: "spri_mini_issue30"}  # bench/results/<…>
-
-
-def seed_overrides(recipe_name: str, seed: int) -> list[str]:
-    """Seed n: the Trainer's seed (initialization of anything drawn in training, data order) and, where the
-    recipe has an MoE section, the upcycling seed; seed 0 leaves the recipe as it is."""
-    if seed == 0:
-        return []
-    import yaml
-
-    has_moe = "moe" in yaml.safe_load((Path("recipes") / f"{recipe_name}.yaml").read_text())
-    return [f"train.seed={seed}", *([f"moe.seed={seed}"] if has_moe else [])]
 
 
 def directions() -> list[str]:
@@ -136,7 +126,8 @@ def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: i
         E = 8  # recipes/btx.yaml: branch d of D directions gives experts d·E/D .. (d+1)·E/D − 1 (pairs for D = 4)
         extra = [*extra, f"moe.init.branches={json.dumps([branches[i * len(branches) // E] for i in range(E)])}"]
     recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe,
-                       [*OVERRIDES, *extra, *seed_overrides(recipe_name, seed), f"out={folder}"])
+                       [*OVERRIDES, *extra, *seed_overrides(Path("recipes") / f"{recipe_name}.yaml", seed),
+                        f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]

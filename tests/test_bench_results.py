@@ -248,23 +248,34 @@ def test_simoe_mini_section_comes_from_committed_results_alone(tmp_path):
     import simoe_mini
 
     root, rng = tmp_path / "results", np.random.default_rng(5)
-    systems = {"full FT": 30.0, "sparse upcycling": 31.0, "SIMoE (common optimizer)": 32.0}
-    for label, rouge in systems.items():
-        save_scores("simoe_mini_common", label, 0, {"seen": rouge + rng.normal(0, 10, 8), "unseen": rng.normal(15, 10, 8)},
-                    root, simoe_run(rouge, "SIMoE" in label))
-    out = tmp_path / "BENCHMARKS.md"
-    simoe_mini.main(["--report-only", "--common", "--results", str(root), "--out", str(tmp_path / "absent"),
-                     "--systems", *systems, "--write", str(out)])
-    assert not (tmp_path / "absent").exists()
-    text = out.read_text()
-    assert "| SIMoE (common optimizer) | 32.0 | 30.0 | 16.0 | 15.0 | 0.600 (below τ) | 0.3 / 0.2 | 2,000 | 1,000 | " \
-           "1,500 (0.750×) | 2.00 | 10.0 |" in text
-    assert "| t1 | 30.0 | 31.0 | 32.0 |" in text and "overall 0.450; by depth 0.50 0.40" in text
-    scores = load_scores("simoe_mini_common", root)
+    systems = {"SIMoE (common optimizer)": 32.0, "SIMoE w/o ortho (b) (common optimizer)": 31.5,
+               "SIMoE real masks (c) (common optimizer)": 31.4, "full FT": 30.0, "sparse upcycling": 31.0}
+    for seed in SEEDS:
+        for label, rouge in systems.items():
+            save_scores("simoe_mini", label, seed, {"seen": rouge + rng.normal(0, 10, 8),
+                                                    "unseen": rouge / 2 + rng.normal(0, 10, 8)},
+                        root, simoe_run(rouge, "SIMoE" in label))
+    text = report_only(simoe_mini, tmp_path, "--common")
+    assert "| SIMoE (common optimizer) (seed 2) | 32.0 | 30.0 | 16.0 | 15.0 | 0.600 (below τ) | 0.3 / 0.2 | 2,000 | " \
+           "1,000 | 1,500 (0.750×) | 2.00 | 10.0 |" in text
+    assert "| t1 | 32.0 | 31.5 | 31.4 | 30.0 | 31.0 |" in text and "overall 0.450; by depth 0.50 0.40" in text
+    scores = load_scores("simoe_mini", root)
     c = [simoe_mini.paired_bootstrap([scores[("sparse upcycling", 0)][g]], [scores[("full FT", 0)][g]])
          for g in ("seen", "unseen")]
     cells = " | ".join(f"{x['mean']:+.1f} [{x['lo']:+.1f}, {x['hi']:+.1f}]" for x in c)
     assert f"| sparse upcycling | {cells} |" in text
+    rows = check_claims(text, root, 4)
+    assert rows[0].startswith("| SIMoE beats full fine-tuning (unseen tasks) (A > B) | SIMoE (common optimizer) − full FT |")
+
+
+def test_simoe_mini_seed_n_seeds_the_trainer_and_the_masks():
+    from report import seed_overrides
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    assert seed_overrides(recipes / "simoe_instruct.yaml", 0) == []
+    assert seed_overrides(recipes / "simoe_instruct.yaml", 3) == ["train.seed=3", "simoe.seed=3"]
+    assert seed_overrides(recipes / "instruct_upcycle.yaml", 2) == ["train.seed=2", "moe.seed=2"]
+    assert seed_overrides(recipes / "instruct_ft.yaml", 2) == ["train.seed=2"]
 
 
 def test_ume_whisper_keeps_wer_per_voice_family_with_its_reference_words(tmp_path, monkeypatch):
