@@ -29,7 +29,7 @@ import numpy as np
 
 from claim_specs import WEIGHTS  # bench/claim_specs.py
 from claims import committed_claims, committed_rows  # bench/claims.py
-from evidence import RESULTS, Claim, claim_rows, load_runs, load_scores, save_scores, scores_path  # bench/evidence.py
+from evidence import RESULTS, Claim, claim_rows, load_runs, load_scores, save_scores  # bench/evidence.py
 from report import log_progress, cached, corpus, seed_folder, write_section  # bench/report.py
 
 LANGS = ["en", "fr", "de", "sw"]
@@ -171,9 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         hours = json.loads((corpus_dir / "corpus.json").read_text())["hours"]
         for s in args.seeds:
             for n in args.systems:
-                summary = run_system(n, args.out, corpus_dir, args.steps, s)
-                if not scores_path("omni_ctc", n, s, args.results).is_file():
-                    keep(n, s, args.out, summary, hours, args.results)
+                keep(n, s, args.out, run_system(n, args.out, corpus_dir, args.steps, s), hours, args.results)
     committed = load_runs("omni_ctc", args.results)
     summaries = {(n, s): committed[(n, s)] for s in args.seeds for n in args.systems if (n, s) in committed}
     missing = [label(n, s) for s in args.seeds for n in args.systems if (n, s) not in summaries]

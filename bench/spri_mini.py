@@ -28,7 +28,7 @@ import time
 from datetime import date
 from pathlib import Path
 from claims import committed_claims  # bench/claims.py
-from evidence import RESULTS, load_runs, load_scores, save_scores, scores_path  # bench/evidence.py
+from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
 from report import (device_name, log_progress, measured_on, seed_folder, seed_overrides,  # bench/report.py
                     write_section)
 
@@ -257,9 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             adopt_references(args.out, args.reference_from)
         for seed in args.seeds:
             for name in args.only or systems:
-                summary = run_system(name, *systems[name], args.out, seed)
-                if not scores_path(bench, name, seed, args.results).is_file():
-                    keep(args.out, name, seed, summary, bench, args.results)
+                keep(args.out, name, seed, run_system(name, *systems[name], args.out, seed), bench, args.results)
     names = args.only if args.only and args.report_only else list(systems)  # --only trains these, reports all
     committed, scores = load_runs(bench, args.results), load_scores(bench, args.results)
     runs = {(n, s): committed[(n, s)] for s in args.seeds for n in names if (n, s) in committed}

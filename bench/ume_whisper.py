@@ -32,7 +32,7 @@ from pathlib import Path
 
 from claim_specs import specs  # bench/claim_specs.py
 from claims import committed_claims  # bench/claims.py
-from evidence import RESULTS, load_runs, save_scores, scores_path  # bench/evidence.py
+from evidence import RESULTS, load_runs, save_scores  # bench/evidence.py
 from report import log_progress, cached, corpus, seed_folder, write_section  # bench/report.py
 
 CORPUS = dict(langs=["en"], voices=4, test_voices=2, train_per_lang=640, test_per_lang=48, max_chars=120,
@@ -202,9 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report_only:
         corpus_dir = corpus(args.out / "corpus", **CORPUS)
         for n, s in wanted:
-            summary = run_system(n, args.out, corpus_dir, args.steps, s)
-            if not scores_path(bench, n, s, args.results).is_file():
-                keep(n, s, args.out, corpus_dir, summary, bench, args.results)
+            keep(n, s, args.out, corpus_dir, run_system(n, args.out, corpus_dir, args.steps, s), bench, args.results)
     committed = load_runs(bench, args.results)
     summaries = {(n, s): committed[(n, s)] for n, s in wanted if (n, s) in committed}
     missing = [n if s == 0 else f"{n} (seed {s})" for n, s in wanted if (n, s) not in summaries]

@@ -303,3 +303,30 @@ def test_ume_whisper_keeps_wer_per_voice_family_with_its_reference_words(tmp_pat
     np.testing.assert_allclose(kept["wer flite"], [100 * e["wer"] for e in flite], rtol=1e-5)
     assert kept["words flite"].tolist() == [1.0, 3.0] and kept["words espeak-ng"].tolist() == [4.0]
     assert load_runs("ume_whisper", tmp_path / "results")[("ume", 0)] == {**run, "loss": [[80, 0.5]]}
+
+
+def test_omni_ctc_commits_each_run_it_finishes_and_reports_it(tmp_path, monkeypatch):
+    """The run path: every (system, seed) the bench finishes is committed (keep) before the report reads the
+    committed files; training stubbed by a run that writes its results.json."""
+    import omni_ctc
+
+    corpus_dir = tmp_path / "runs" / "corpus"
+    corpus_dir.mkdir(parents=True)
+    (corpus_dir / "corpus.json").write_text(json.dumps({"hours": 2.5}))
+    transcripts = {"en": [{"ref": "god said", "hyp": "god sad"}], "fr": [{"ref": "dieu dit", "hyp": "dieu"}]}
+
+    def run_system(name, out, corpus, steps, seed):
+        folder = omni_ctc.seed_folder(out, name, seed)
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({**omni_run(50.0), "transcripts": transcripts}))
+        return {"loss": omni_run(50.0)["loss"], "seconds": 60.0}
+
+    monkeypatch.setattr(omni_ctc, "corpus", lambda out, **cfg: corpus_dir)
+    monkeypatch.setattr(omni_ctc, "run_system", run_system)
+    out = tmp_path / "BENCHMARKS.md"
+    omni_ctc.main(["--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results"), "--steps", "10",
+                   "--systems", "dense", "omni-4", "--seeds", "0", "1", "--write", str(out)])
+    assert set(load_scores("omni_ctc", tmp_path / "results")) == {(n, s) for n in ("dense", "omni-4") for s in (0, 1)}
+    assert "| omni-4 (seed 1) | 99.0 |" in out.read_text()
+    ((_, table),) = claim_tables(out.read_text())
+    assert table[2].startswith("| Omni-router beats dense (A < B) | omni-4 − dense | CER % | 0, 1 |")
