@@ -42,16 +42,26 @@ def bench_of(heading: str) -> str:
     return found[1]
 
 
+def committed_rows(bench: str, root: Path = RESULTS) -> list[dict]:
+    """claims_table's rows of a bench's claims from its per-item scores committed under `root` ([] if none):
+    every seed committed for both systems of a claim (omni_ctc: at 4 experts, else the fewest committed)."""
+    scores = load_scores(bench, root)
+    experts = {int(m[1]) for n, _ in scores if (m := re.fullmatch(r"omni-(\d+)", n))}
+    return claim_rows(specs(bench, 4 if 4 in experts or not experts else min(experts)), scores, WEIGHTS.get(bench))
+
+
+def committed_claims(bench: str, intro: str, root: Path = RESULTS) -> list[str]:
+    """A bench's claims paragraph (`intro`, the verdict rule) and table from its committed per-item scores, the very
+    table rebuild() makes of them; [] while no claim has both systems committed."""
+    rows = committed_rows(bench, root)
+    return [f"{intro} {VERDICT_RULE}", "", *claims_table(rows, NDIGITS[bench])] if rows else []
+
+
 def rebuild_table(heading: str, table: list[str], root: Path = RESULTS) -> list[str]:
     """A claims table recomputed: from the bench's committed per-item scores if it has any, else from the table's
     own per-seed columns (evidence.from_printed)."""
     bench = bench_of(heading)
-    scores = load_scores(bench, root)
-    if scores:
-        experts = {int(m[1]) for n, _ in scores if (m := re.fullmatch(r"omni-(\d+)", n))} or {4}
-        rows = claim_rows(specs(bench, min(experts)), scores, WEIGHTS.get(bench))
-    else:
-        rows = [from_printed(line, SPECS[bench], NDIGITS[bench]) for line in table[2:]]
+    rows = committed_rows(bench, root) or [from_printed(line, SPECS[bench], NDIGITS[bench]) for line in table[2:]]
     return claims_table(rows, NDIGITS[bench])
 
 

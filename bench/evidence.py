@@ -222,27 +222,37 @@ def scores_path(bench: str, system: str, seed: int, root: Path = RESULTS) -> Pat
     return root / bench / f"seed{seed}" / f"{system.replace(' ', '_').replace('/', '')}.json"
 
 
-def save_scores(bench: str, system: str, seed: int, scores: dict[str, list[float]], root: Path = RESULTS) -> dict:
+def save_scores(bench: str, system: str, seed: int, scores: dict[str, list[float]], root: Path = RESULTS,
+                run: dict | None = None) -> dict:
     """Write one run's per-item scores (metric → one number per test item, same item order in every run) to
     bench/results/<bench>/seed{n}/<system>.json, compact (6 significant digits), and return them as read back, so
-    that a table computed from the return value is the one a clone rebuilds from the file."""
+    that a table computed from the return value is the one a clone rebuilds from the file. `run`: the run's other
+    reported values (small, JSON: the numbers of its row in the bench's table; no weights, no outputs), kept beside
+    the scores for load_runs."""
     if not scores or any(len(v) == 0 for v in scores.values()):
         raise ValueError(f"no per-item scores for {system} seed {seed}")
     data = {"bench": bench, "system": system, "seed": seed,
-            "scores": {k: [float(f"{x:.6g}") for x in np.asarray(v, float).tolist()] for k, v in scores.items()}}
+            "scores": {k: [float(f"{x:.6g}") for x in np.asarray(v, float).tolist()] for k, v in scores.items()},
+            **({"run": run} if run is not None else {})}
     path = scores_path(bench, system, seed, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(data, separators=(",", ":")) + "\n")
     return load_scores(bench, root)[(system, seed)]
 
 
+def _committed(bench: str, root: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted((root / bench).glob("seed*/*.json"))]
+
+
 def load_scores(bench: str, root: Path = RESULTS) -> dict[tuple[str, int], dict[str, np.ndarray]]:
     """Every committed run of a bench: (system, seed) → metric → per-item scores."""
-    out = {}
-    for path in sorted((root / bench).glob("seed*/*.json")):
-        data = json.loads(path.read_text())
-        out[(data["system"], data["seed"])] = {k: np.asarray(v, float) for k, v in data["scores"].items()}
-    return out
+    return {(d["system"], d["seed"]): {k: np.asarray(v, float) for k, v in d["scores"].items()}
+            for d in _committed(bench, root)}
+
+
+def load_runs(bench: str, root: Path = RESULTS) -> dict[tuple[str, int], dict]:
+    """Every committed run of a bench: (system, seed) → the `run` values saved with its scores ({} if none)."""
+    return {(d["system"], d["seed"]): d.get("run", {}) for d in _committed(bench, root)}
 
 
 def claim_rows(claims: list[Claim], scores: dict, weights: dict[str, str] | None = None) -> list[dict]:

@@ -11,6 +11,11 @@ Seeds (`--seeds 0 1 2`): seed n sets `train.seed=n` (the CTC model's initializat
 initialization); seed 0 adds no override (today's configuration). The corpus and its test utterances are
 the same for every seed. Each (system, seed) is its own cached, resumable run (report.seed_folder); the
 report gives each claim of claim_specs.SPECS an interval (evidence.claim_interval) over seeds × test utterances and a verdict.
+
+Each finished run's per-utterance CER and WER (in %, with the weights that make their weighted mean the table's
+average) and the numbers of its table row are committed under bench/results/omni_ctc/seed{n}/<system>.json
+(evidence.save_scores; no weights, no transcripts), and the report is made from those files alone: `--report-only`
+rebuilds the section from a clone, and bench/claims.py its claims table.
 """
 from __future__ import annotations
 
@@ -22,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from claim_specs import specs  # bench/claim_specs.py
-from report import VERDICT_RULE, log_progress, cached, claims_table, claim_interval, corpus, seed_folder, write_section  # bench/report.py
+from claim_specs import WEIGHTS  # bench/claim_specs.py
+from claims import committed_claims, committed_rows  # bench/claims.py
+from evidence import RESULTS, Claim, claim_rows, load_runs, load_scores, save_scores  # bench/evidence.py
+from report import log_progress, cached, corpus, seed_folder, write_section  # bench/report.py
 
 LANGS = ["en", "fr", "de", "sw"]
 CORPUS = dict(langs=LANGS, voices=4, test_voices=1, train_per_lang=500, test_per_lang=40, max_chars=120, seed=0)
@@ -64,11 +71,11 @@ def label(name: str, seed: int) -> str:
     return name if seed == 0 else f"{name} (seed {seed})"
 
 
-def row(name: str, seed: int, out: Path, s: dict) -> str:
-    r = json.loads((seed_folder(out, name, seed) / "results.json").read_text())
+def row(name: str, seed: int, r: dict) -> str:
+    """The table's row of one committed run (keep)."""
     langs = " / ".join(f"{lang} {100 * v['wer']:.1f}" for lang, v in r["languages"].items())
     cer = " / ".join(f"{lang} {100 * v['cer']:.1f}" for lang, v in r["languages"].items())
-    last = np.mean([v for _, v in s["loss"][-3:]])
+    last = np.mean([v for _, v in r["loss"][-3:]])
     rt = r.get("routing")
     routing = "– | – | – | – | – | – | –" if rt is None else (
         f"{np.nanmean(rt['cramers_v']):.2f} | {np.mean(rt['usage_entropy']):.2f} | {np.mean(rt['token_entropy']):.2f} | "
@@ -76,10 +83,10 @@ def row(name: str, seed: int, out: Path, s: dict) -> str:
         f"{rt['permutation']['deltas']['0.1']:+.3f} | {rt['permutation']['deltas']['0.5']:+.3f}")
     p = r["params"]
     return (f"| {label(name, seed)} | {100 * r['avg']['wer']:.1f} | {langs} | {100 * r['avg']['cer']:.1f} | {cer} | {last:.3f} | "
-            f"{routing} | {p['total'] / 1e6:.2f}M | {p['active'] / 1e6:.2f}M | {s['seconds'] / 60:.1f} |")
+            f"{routing} | {p['total'] / 1e6:.2f}M | {p['active'] / 1e6:.2f}M | {r['seconds'] / 60:.1f} |")
 
 
-def curves(out: Path, summaries: dict) -> list[str]:
+def curves(summaries: dict) -> list[str]:
     """Training loss (mean of the logged values in each fifth of training) per system."""
     steps = max(st for s in summaries.values() for st, _ in s["loss"])
     edges = np.linspace(0, steps, 6)
@@ -93,51 +100,59 @@ def curves(out: Path, summaries: dict) -> list[str]:
 
 
 def utterance_errors(folder: Path) -> dict[str, np.ndarray]:
-    """Per test utterance (languages in order): 'wer', 'cer' and, as weights that make the weighted mean the
-    unweighted mean over languages of each language's corpus rate (the table's "avg"), 'w_words', 'w_chars'."""
+    """Per test utterance (languages in order), in %: 'cer', 'wer' and, as weights that make the weighted mean the
+    unweighted mean over languages of each language's corpus rate (the table's "avg"), 'cer weight', 'wer weight'."""
     from moekit.speech.text import error_rates
 
     r = json.loads((folder / "results.json").read_text())
-    rows = {k: [] for k in ("wer", "cer", "w_words", "w_chars")}
+    rows = {k: [] for k in ("cer", "wer", "cer weight", "wer weight")}
     for lang, items in r["transcripts"].items():
         er = [error_rates([t["ref"]], [t["hyp"]], lang) for t in items]
         words, chars = sum(max(e["words"], 1) for e in er), sum(max(e["chars"], 1) for e in er)
         for e in er:
-            rows["wer"].append(e["wer"])
-            rows["cer"].append(e["cer"])
-            rows["w_words"].append(max(e["words"], 1) / words)
-            rows["w_chars"].append(max(e["chars"], 1) / chars)
+            rows["wer"].append(100 * e["wer"])
+            rows["cer"].append(100 * e["cer"])
+            rows["wer weight"].append(max(e["words"], 1) / words)
+            rows["cer weight"].append(max(e["chars"], 1) / chars)
     return {k: np.array(v) for k, v in rows.items()}
 
 
-def claims(out: Path, done: set[tuple[str, int]], experts: int = 4) -> list[str]:
-    """The claims (claim_specs.SPECS) at `experts` experts over the seeds where both systems finished, one verdict each, on CER (WER, the
-    paper's metric, is near 100 % for every system here, so it is reported beside the table, not judged): paired
-    interval over seeds × test utterances (evidence.claim_interval), verdict by VERDICT_RULE."""
-    rows, wer, levels = [], [], []
-    for claim in specs("omni_ctc", experts):
-        a, b = claim.a, claim.b
-        seeds = sorted(s for n, s in done if n == a and (b, s) in done)
-        if not seeds:
-            continue
-        A = [utterance_errors(seed_folder(out, a, s)) for s in seeds]
-        B = [utterance_errors(seed_folder(out, b, s)) for s in seeds]
-        stat = {key: claim_interval(100 * np.stack([x[key] for x in A]), 100 * np.stack([x[key] for x in B]),
-                                    np.stack([x[w] for x in A]))
-                for key, w in (("cer", "w_chars"), ("wer", "w_words"))}
-        rows.append({"claim": claim, "seeds": seeds, "stat": stat["cer"]})
-        w = stat["wer"]
-        wer.append(f"{a} − {b} {w['mean']:+.1f} [{w['lo']:+.1f}, {w['hi']:+.1f}]")
-        levels += w["a"] + w["b"]  # each system's WER per seed
-    if not rows:
+ROUTING = ("cramers_v", "usage_entropy", "token_entropy", "wer_change")  # what a row reports of results["routing"]
+
+
+def keep(name: str, seed: int, out: Path, summary: dict, hours: float, root: Path = RESULTS) -> None:
+    """Commit one finished run under root/omni_ctc/: its per-utterance errors and its row's numbers."""
+    folder = seed_folder(out, name, seed)
+    r = json.loads((folder / "results.json").read_text())
+    rt = r.get("routing")
+    routing = None if rt is None else {**{k: rt[k] for k in ROUTING},
+                                       "permutation": {"deltas": rt["permutation"]["deltas"]}}
+    run = {"languages": {lang: {k: v[k] for k in ("wer", "cer")} for lang, v in r["languages"].items()},
+           "avg": {k: r["avg"][k] for k in ("wer", "cer")}, "routing": routing,
+           "params": {k: r["params"][k] for k in ("total", "active")}, "loss": summary["loss"],
+           "seconds": summary["seconds"], "corpus_hours": hours}
+    save_scores("omni_ctc", name, seed, utterance_errors(folder), root, run)
+
+
+def claims(root: Path = RESULTS) -> list[str]:
+    """The claims (claim_specs.SPECS) from every committed seed, one verdict each, on CER (WER, the paper's metric, is
+    near 100 % for every system here, so it is reported beside the table, not judged): paired interval over seeds ×
+    test utterances (evidence.claim_interval), verdict by VERDICT_RULE."""
+    on_wer = [Claim(**{**r["claim"].__dict__, "key": "wer", "metric": "WER %"}) for r in committed_rows("omni_ctc", root)]
+    if not on_wer:
         return []
-    return ["Headline claims over seeds (Omni-router Tables 1-2: the paper reports lower WER for A). One verdict per "
-            f"claim, on CER: WER, the paper's metric, is {min(levels):.1f}-{max(levels):.1f} % for every system and seed "
-            f"here, so it cannot rank them (Δ WER in points, same interval: {'; '.join(wer)}). CER is the mean over languages of the "
-            "language's corpus rate; Δ = A − B in points. " + VERDICT_RULE, "", *claims_table(rows, nd=1)]
+    rows = claim_rows(on_wer, load_scores("omni_ctc", root), WEIGHTS["omni_ctc"])
+    wer = "; ".join(f"{r['claim'].a} − {r['claim'].b} {r['stat']['mean']:+.1f} [{r['stat']['lo']:+.1f}, "
+                    f"{r['stat']['hi']:+.1f}]" for r in rows)
+    levels = [x for r in rows for x in r["stat"]["a"] + r["stat"]["b"]]  # each system's WER per seed
+    return committed_claims("omni_ctc", "Headline claims over seeds (Omni-router Tables 1-2: the paper reports lower WER "
+                            f"for A). One verdict per claim, on CER: WER, the paper's metric, is {min(levels):.1f}-"
+                            f"{max(levels):.1f} % for every system and seed here, so it cannot rank them (Δ WER in "
+                            f"points, same interval: {wer}). CER is the mean over languages of the language's corpus "
+                            "rate; Δ = A − B in points.", root)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/omni_ctc"))
     ap.add_argument("--steps", type=int, default=400)
@@ -145,20 +160,23 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
-    ap.add_argument("--claims-experts", type=int, default=4, choices=(2, 4, 8),
-                    help="expert count of the Switch/Omni-router pair the claims compare (default 4)")
-    ap.add_argument("--report-only", action="store_true", help="report the (system, seed) runs finished so far, run nothing")
-    args = ap.parse_args()
+    ap.add_argument("--report-only", action="store_true",
+                    help="report the (system, seed) runs committed under --results, run nothing")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where each finished run's per-utterance scores and row are committed, and reported from")
+    args = ap.parse_args(argv)
     log_progress()
-    corpus_dir = corpus(args.out / "corpus", **CORPUS)
-    if args.report_only:
-        summaries = {(n, s): json.loads((seed_folder(args.out, n, s) / "summary.json").read_text())
-                     for s in args.seeds for n in args.systems if (seed_folder(args.out, n, s) / "summary.json").is_file()}
-    else:  # every system of one seed before the next seed
-        summaries = {(n, s): run_system(n, args.out, corpus_dir, args.steps, s) for s in args.seeds for n in args.systems}
+    if not args.report_only:  # every system of one seed before the next seed
+        corpus_dir = corpus(args.out / "corpus", **CORPUS)
+        hours = json.loads((corpus_dir / "corpus.json").read_text())["hours"]
+        for s in args.seeds:
+            for n in args.systems:
+                keep(n, s, args.out, run_system(n, args.out, corpus_dir, args.steps, s), hours, args.results)
+    committed = load_runs("omni_ctc", args.results)
+    summaries = {(n, s): committed[(n, s)] for s in args.seeds for n in args.systems if (n, s) in committed}
     missing = [label(n, s) for s in args.seeds for n in args.systems if (n, s) not in summaries]
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
-    info = json.loads((corpus_dir / "corpus.json").read_text())
+    hours = max((r["corpus_hours"] for r in summaries.values()), default=float("nan"))
     cmd = (f".venv/bin/python bench/omni_ctc.py --out {args.out} --steps {args.steps} --systems {' '.join(args.systems)}"
            + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + (f" --write {args.write}" if args.write else ""))
@@ -166,7 +184,7 @@ def main() -> None:
              f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Corpus: espeak-ng, {', '.join(LANGS)}; "
              f"{CORPUS['train_per_lang']} training utterances per language by {CORPUS['voices']} voices, "
              f"{CORPUS['test_per_lang']} held-out texts per language by a held-out voice "
-             f"({info['hours']:.2f} h in all). Every system: recipes/asr/*_ctc.yaml (6 layers, d=144, FFN 576, "
+             f"({hours:.2f} h in all). Every system: recipes/asr/*_ctc.yaml (6 layers, d=144, FFN 576, "
              f"frames stacked ×4), {args.steps} steps of 16 utterances, §5.3's recipe: AdamW 1e-3 (wd 0.01), warm-up + "
              f"cosine (no final ×0.5 step decay), clipping 0.1, SpecAugment 2×F30 + 10×T50 (≤ 0.1); MoE on every layer, top-1, load balance of "
              f"eqs. 3.3-3.5 summed over layers (weight 0.09 = §5.3's 10 / 112 characters per utterance: the paper states no CTC reduction, we assume a sum per utterance and use a mean per target character); characters as outputs, where §5.2 has 8k word pieces. Fig. 5 entropy: mean over "
@@ -177,9 +195,9 @@ def main() -> None:
              "| system | WER avg | WER per language | CER avg | CER per language | final train loss | Cramér's V "
              "(adjacent, mean) | usage entropy (mean) | token entropy (Fig. 5) | ΔWER % p=0.1 (Fig. 6) | ΔWER % p=0.5 | "
              "Δloss perm p=0.1 | Δloss perm p=0.5 | params | active | wall (min) |",
-             "|---" * 16 + "|", *[row(n, seed, args.out, s) for (n, seed), s in summaries.items()], "",
+             "|---" * 16 + "|", *[row(n, seed, r) for (n, seed), r in summaries.items()], "",
              "Training loss (CTC per target character, mean of the logged values) by fifth of training:", "",
-             *curves(args.out, summaries), "", *claims(args.out, set(summaries), args.claims_experts), "", MARK[1]]
+             *(curves(summaries) if summaries else []), "", *claims(args.results), "", MARK[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:

@@ -6,7 +6,6 @@ import statistics
 import time
 from pathlib import Path
 
-from evidence import VERDICT_RULE, VERDICTS, Claim, claim_interval, claims_table, holm, seed_interval, verdict  # noqa: F401 (the claims' statistics, bench/evidence.py)
 from moekit._fs import write_text_atomic
 
 
@@ -90,6 +89,18 @@ def seed_folder(out: Path, name: str, seed: int) -> Path:
     """Where one (system, seed) run lives: seed 0 where the single-seed benchmarks always kept it (so their
     cached runs stay valid), other seeds under out/seed{n}/."""
     return out / name if seed == 0 else out / f"seed{seed}" / name
+
+
+def seed_overrides(recipe: Path, seed: int) -> list[str]:
+    """Seed n of a recipe: the Trainer's seed (initialization of anything drawn in training, data order) and the seed
+    of each seeded section the recipe has (moe: the upcycling's draws, simoe: the masks' initialization); seed 0
+    leaves the recipe as it is."""
+    if seed == 0:
+        return []
+    import yaml
+
+    sections = yaml.safe_load(recipe.read_text())
+    return [f"train.seed={seed}", *(f"{key}.seed={seed}" for key in ("moe", "simoe") if key in sections)]
 
 
 def paired_bootstrap(a, b, weights=None, resamples: int = 2000, seed: int = 0) -> dict:

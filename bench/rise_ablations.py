@@ -14,11 +14,14 @@ folder has none yet) stage 1 runs here, as rise_mini would run it. Each variant 
 
 What the paper's figures show is not in its text (they are images), so the report gives the measurements
 and each variant's paired difference to full RISE on the target loss, not a comparison with Fig. 3/4 values.
+
+Each finished variant's per-verse losses (rise_mini.verse_scores) and row, and the stage-1 model's ("base": the
+losses before fine-tuning), are committed under bench/results/rise_ablations/seed0/ (evidence.save_scores; no
+weights), and the report is made from those files alone: `--report-only` rebuilds the section from a clone.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import time
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 import rise_mini as R  # bench/rise_mini.py: corpus, stage 1, losses, the protocol's constants
+from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
 from report import cached, log_progress, paired_bootstrap, write_section  # bench/report.py
 
 THIRD = 1 / 3
@@ -139,7 +143,15 @@ def run_variant(name: str, out: Path, data, tok, trace, before: dict, seed: int 
     return cached(out / f"variant_{name.replace(' ', '_').replace('/', '-')}", go)
 
 
-def render(out: Path, rows: dict, before: dict, stage1_from: str | None, cmd: str) -> str:
+def keep(name: str, row: dict, root: Path = RESULTS) -> None:
+    """Commit a finished variant (run_variant's row; "base": the stage-1 model's, its losses before fine-tuning as
+    "ft_items") under root/rise_ablations/seed0/."""
+    save_scores("rise_ablations", name, 0, R.verse_scores(row["ft_items"]), root,
+                {k: v for k, v in row.items() if k not in ("ft_items", "prune_items")})
+
+
+def render(rows: dict, scores: dict, before: dict, stage1_from: str | None, cmd: str) -> str:
+    """The section from committed variants: `rows` their values, `scores` their per-verse losses (load_scores)."""
     langs = list(R.LANGS)
     others = [lang for lang in langs if lang != R.TARGET]
     fmt = lambda x, f: "–" if x is None else format(x, f)  # noqa: E731
@@ -170,9 +182,8 @@ def render(out: Path, rows: dict, before: dict, stage1_from: str | None, cmd: st
             om, om_raw = r["omega"][R.TARGET], r["omega_mass"][R.TARGET]
             om_o = float(np.mean([r["omega"][k] for k in others]))
         if ref is not None and name != "rise":
-            a, w = R.verse_losses(r["ft_items"], [R.TARGET])
-            b, _ = R.verse_losses(ref["ft_items"], [R.TARGET])
-            s = paired_bootstrap(a[None], b[None], weights=w[None])
+            a, b = scores[(name, 0)], scores[("rise", 0)]
+            s = paired_bootstrap(a["target"][None], b["target"][None], weights=a["target tokens"][None])
             vs = f"{s['mean']:+.3f} [{s['lo']:+.3f}, {s['hi']:+.3f}]"
         else:
             vs = "–"
@@ -182,7 +193,7 @@ def render(out: Path, rows: dict, before: dict, stage1_from: str | None, cmd: st
     return "\n".join([*lines, "", MARK[1]])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from moekit.assets import resolve_model
     from moekit.routing.trace import RoutingTrace
     from moekit.training.run import load_tokenizer
@@ -193,42 +204,42 @@ def main() -> None:
                     help="rise_mini's output folder: copy its seed-0 stage 1 (model, trace, losses before) from there")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--write", type=Path)
-    ap.add_argument("--report-only", action="store_true", help="report the variants finished so far, run nothing")
-    args = ap.parse_args()
+    ap.add_argument("--report-only", action="store_true",
+                    help="report the variants committed under --results, run nothing")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where each finished variant's per-verse losses and row are committed, and reported from")
+    args = ap.parse_args(argv)
     log_progress()
     out = args.out
-    copied = adopt_stage1(out, args.base_from) if args.base_from else False
-    if copied:
-        (out / "stage1_from.txt").write_text(str(args.base_from))
-    stage1_from = (out / "stage1_from.txt").read_text() if (out / "stage1_from.txt").is_file() else None
-    data = R.corpus()
-    tok = load_tokenizer(resolve_model("smollm2-135m"))
-    rows = {}
-    if args.report_only:
-        rows = {n: json.loads((out / f"variant_{n.replace(' ', '_').replace('/', '-')}" / "summary.json").read_text())
-                for n in args.variants
-                if (out / f"variant_{n.replace(' ', '_').replace('/', '-')}" / "summary.json").is_file()}
-        before = R.mean_losses(json.loads((out / "before" / "summary.json").read_text())["items"])
-    else:
+    if not args.report_only:
         import moekit
 
+        copied = adopt_stage1(out, args.base_from) if args.base_from else False
+        if copied:
+            (out / "stage1_from.txt").write_text(str(args.base_from))
+        data = R.corpus()
+        tok = load_tokenizer(resolve_model("smollm2-135m"))
         R.stage1(out, data, tok, 0)
         if (out / "trace.npz").is_file():
             trace = RoutingTrace.load(out / "trace.npz")
         else:
             trace = R.collect(moekit.load(out / "base"), tok, data)
             trace.save(out / "trace.npz")
-        before = R.mean_losses(cached(out / "before", lambda: {"items": R.item_losses(moekit.load(out / "base"), tok,
-                                                                                        data)})["items"])
+        items = cached(out / "before", lambda: {"items": R.item_losses(moekit.load(out / "base"), tok, data)})["items"]
+        stage1_from = (out / "stage1_from.txt").read_text() if (out / "stage1_from.txt").is_file() else None
+        keep("base", {"ft_items": items, "before": R.mean_losses(items), "stage1_from": stage1_from}, args.results)
         for name in args.variants:
-            rows[name] = run_variant(name, out, data, tok, trace, before)
-    if not rows:
-        ap.exit(1, f"no variant has finished in {out}\n")
+            keep(name, run_variant(name, out, data, tok, trace, R.mean_losses(items)), args.results)
+    committed = {n: r for (n, _), r in load_runs("rise_ablations", args.results).items()}
+    rows = {n: committed[n] for n in args.variants if n in committed}
+    if not rows or "base" not in committed:
+        ap.exit(1, f"no variant is committed in {args.results}\n")
+    before, stage1_from = committed["base"]["before"], committed["base"]["stage1_from"]
     cmd = (f".venv/bin/python bench/rise_ablations.py --out {out}"
            + (f" --base-from {args.base_from}" if args.base_from else "")
            + ("" if args.variants == list(VARIANTS) else " --variants " + " ".join(f"'{v}'" for v in args.variants))
            + (f" --write {args.write}" if args.write else ""))
-    section = render(out, rows, before, stage1_from, cmd)
+    section = render(rows, load_scores("rise_ablations", args.results), before, stage1_from, cmd)
     if args.write:
         write_section(args.write, section, MARK)
     print(section)

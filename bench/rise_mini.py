@@ -19,6 +19,11 @@ the random selection's draw and each selection's fine-tuning seed (data order); 
 configuration. The corpus split is the same for every seed, so every seed is scored on the same held-out
 verses, and the report gives each claim of claim_specs.SPECS an interval (evidence.claim_interval) over seeds × held-out verses and a
 verdict (report.VERDICT_RULE).
+
+Each finished seed is committed under bench/results/rise_mini/seed{n}/ (evidence.save_scores): per held-out verse,
+the mean token NLL and token count on the target and pooled over the other languages, of the stage-1 model ("base")
+and of each selection after fine-tuning, with the numbers of the report's rows (no weights, no trace). The report is
+made from those files alone: `--report-only` rebuilds the section from a clone, and bench/claims.py its claims table.
 """
 from __future__ import annotations
 
@@ -50,8 +55,9 @@ from moekit.training.recipe import AuxConfig
 from moekit.training.common import last_checkpoint, load_tokenizer, resume_from
 from moekit.training.trainer import MoETrainer
 from moekit.checkpoint.upcycle_model import upcycle
-from claim_specs import specs  # bench/claim_specs.py
-from report import VERDICT_RULE, log_progress, cached, claim_interval, claims_table, write_section  # bench/report.py
+from claims import committed_claims  # bench/claims.py
+from evidence import RESULTS, load_runs, save_scores  # bench/evidence.py
+from report import log_progress, cached, write_section  # bench/report.py
 
 LANGS = {"en": "k", "fr": "l", "de": "e", "es": "v", "sw": "h", "tl": "f", "id": "6", "vi": "7"}
 HIGH, LOW, TARGET = ["en", "fr", "de", "es"], ["sw", "tl", "id", "vi"], "sw"
@@ -220,26 +226,42 @@ def verse_losses(items: dict, langs: list[str]):
     return nll / np.maximum(tokens, 1), tokens
 
 
-def claims(results: dict[int, dict]) -> list[str]:
-    """The claims (claim_specs.SPECS) over the seeds whose runs have both systems: held-out loss after fine-tuning, interval
-    over seeds × verses (evidence.claim_interval), verdict by VERDICT_RULE."""
+def verse_scores(items: dict) -> dict[str, np.ndarray]:
+    """The committed per-verse scores of one model: mean token NLL on the target ("target") and pooled over the other
+    languages ("others"), each with its token counts (the weights that make the weighted mean the corpus loss)."""
     groups = {"target": [TARGET], "others": [lang for lang in LANGS if lang != TARGET]}
-    items = lambda r, name: r["before_items"] if name == "base" else r["methods"][name]["ft_items"]  # noqa: E731
-    rows = []
-    for claim in specs("rise_mini"):
-        a, b, group = claim.a, claim.b, claim.key
-        seeds = [s for s, r in sorted(results.items()) if all(n == "base" or n in r["methods"] for n in (a, b))]
-        if not seeds:
-            continue
-        A = [verse_losses(items(results[s], a), groups[group]) for s in seeds]
-        B = [verse_losses(items(results[s], b), groups[group]) for s in seeds]
-        stat = claim_interval(np.stack([x[0] for x in A]), np.stack([x[0] for x in B]), np.stack([x[1] for x in A]))
-        rows.append({"claim": claim, "seeds": seeds, "stat": stat})
-    if not rows:
-        return []
-    return [f"Headline claims over seeds (RISE abstract, Table 3, Obs. 1-2: the paper reports A < B). Metric: held-out "
-            f"mean token NLL after fine-tuning (base: the stage-1 model before it), pooled over the tokens of {TARGET} "
-            "or of the 7 other languages; Δ = A − B in nats. " + VERDICT_RULE, "", *claims_table(rows, nd=3)]
+    out = {}
+    for group, langs in groups.items():
+        out[group], out[f"{group} tokens"] = verse_losses(items, langs)
+    return out
+
+
+METRICS = ("jaccard", "tokens_per_language", "cramers_v", "usage_entropy", "region_jaccard")  # what render reports
+
+
+def keep(result: dict, out: Path, root: Path = RESULTS) -> None:
+    """Commit one seed's run (run's result) under root/rise_mini/seed{n}/: the stage-1 model as "base", each selection
+    by its name."""
+    seed = result["seed"]
+    save_scores("rise_mini", "base", seed, verse_scores(result["before_items"]), root,
+                {"stage1_seconds": result["stage1_seconds"], "before": result["before"],
+                 "metrics": {k: result["metrics"][k] for k in METRICS}})
+    for method, row in result["methods"].items():
+        save_scores("rise_mini", method, seed, verse_scores(row["ft_items"]), root,
+                    {**{k: row[k] for k in ("count", "omega", "ft", "prune")},
+                     "omega_mass": omega_mass(out, seed, method, row)})
+
+
+def committed(seeds: list[int], root: Path = RESULTS) -> dict[int, dict]:
+    """The committed seeds among `seeds`, each as render takes it: the base run's values and its "methods"."""
+    runs = load_runs("rise_mini", root)
+    return {s: {**runs[("base", s)], "methods": {m: runs[(m, s)] for m in METHODS if (m, s) in runs}}
+            for s in seeds if ("base", s) in runs}
+
+
+CLAIMS_INTRO = (f"Headline claims over seeds (RISE abstract, Table 3, Obs. 1-2: the paper reports A < B). Metric: held-out "
+                f"mean token NLL after fine-tuning (base: the stage-1 model before it), pooled over the tokens of {TARGET} "
+                "or of the 7 other languages; Δ = A − B in nats.")
 
 
 def omega_mass(out: Path, seed: int, method: str, row: dict) -> dict[str, float]:
@@ -256,8 +278,9 @@ def omega_mass(out: Path, seed: int, method: str, row: dict) -> dict[str, float]
     return dict(zip(trace.languages, map(float, overlap_mass(activation_frequency(trace), trace.layers, sel.experts))))
 
 
-def render(results: dict[int, dict], cmd: str, out: Path) -> str:
-    """Seed 0's (else the first seed's) routing analysis, every seed's method rows, and the claims."""
+def render(results: dict[int, dict], cmd: str, root: Path = RESULTS) -> str:
+    """Seed 0's (else the first seed's) routing analysis, every seed's method rows (results: committed()), and the
+    claims from every committed seed."""
     r = results[min(results)]
     m = r["metrics"]
     langs = list(LANGS)
@@ -302,38 +325,40 @@ def render(results: dict[int, dict], cmd: str, out: Path) -> str:
               "|---" * 10 + "|"]
     for seed, res in sorted(results.items()):
         for name, row in res["methods"].items():
-            om, raw = row["omega"], omega_mass(out, seed, name, row)
+            om, raw = row["omega"], row["omega_mass"]
             others = np.mean([v for k, v in om.items() if k != TARGET])
             others_raw = np.mean([v for k, v in raw.items() if k != TARGET])
             lines.append(f"| {name if seed == 0 else f'{name} (seed {seed})'} | {row['count']} | {om[TARGET]:.3f} | "
                          f"{raw[TARGET]:.2f} | {others:.3f} | {others_raw:.2f} | {row['ft'][0]:+.4f} | "
                          f"{row['ft'][1]:+.4f} | {row['prune'][0]:+.4f} | {row['prune'][1]:+.4f} |")
-    lines += ["", *claims(results), "", MARK[1]]
+    lines += ["", *committed_claims("rise_mini", CLAIMS_INTRO, root), "", MARK[1]]
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/rise_mini"))
     ap.add_argument("--write", type=Path)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="seeds to run, each the whole pipeline (0: today's configuration, in OUT itself); default 0")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="selections to fine-tune and prune")
-    ap.add_argument("--report-only", action="store_true", help="report the seeds finished so far, run nothing")
-    args = ap.parse_args()
+    ap.add_argument("--report-only", action="store_true",
+                    help="report the seeds committed under --results, run nothing")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where each finished seed's per-verse scores and rows are committed, and reported from")
+    args = ap.parse_args(argv)
     log_progress()
-    if args.report_only:
-        results = {s: json.loads((seed_dir(args.out, s) / "results.json").read_text()) for s in args.seeds
-                   if (seed_dir(args.out, s) / "results.json").is_file()}
-    else:
-        results = {s: run(seed_dir(args.out, s), s, args.methods) for s in args.seeds}
+    if not args.report_only:
+        for s in args.seeds:
+            keep(run(seed_dir(args.out, s), s, args.methods), seed_dir(args.out, s), args.results)
+    results = committed(args.seeds, args.results)
     if not results:
-        ap.exit(1, f"no seed of {args.seeds} has finished in {args.out}\n")
+        ap.exit(1, f"no seed of {args.seeds} is committed in {args.results}\n")
     cmd = (f".venv/bin/python bench/rise_mini.py --out {args.out}"
            + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + ("" if args.methods == METHODS else f" --methods {' '.join(args.methods)}")
            + (f" --write {args.write}" if args.write else ""))
-    section = render(results, cmd, args.out)
+    section = render(results, cmd, args.results)
     if args.write:
         write_section(args.write, section, MARK)
     print(section)

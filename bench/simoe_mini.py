@@ -10,6 +10,16 @@ peak RSS of the training process (each system runs in its own process), wall tim
 Finished systems are cached (summary.json), so an interrupted run resumes.
 
     .venv/bin/python bench/simoe_mini.py --out runs/simoe_mini --write BENCHMARKS.md [--systems ...]
+
+Seeds (`--seeds 0 1 2 3 4`): seed n > 0 adds `train.seed=n` (the Trainer's seed, data order) and the recipe's
+`simoe.seed=n` (mask initialization) or `moe.seed=n` (upcycling); the data split stays fixed, so every seed is scored
+on the same test items. With --common the report gives each claim of claim_specs.SPECS["simoe_mini"] an interval over
+seeds × test items and a verdict (report.VERDICT_RULE).
+
+Each finished (system, seed)'s per-item ROUGE-L ("seen", "unseen") and the numbers of its rows are committed under
+bench/results/simoe_mini/seed{n}/ (evidence.save_scores; one folder for both sections: full FT and sparse upcycling
+are the same runs in each; no weights, no outputs), and the report is made from those files alone: `--report-only`
+rebuilds the section from a clone, and bench/claims.py its claims table.
 """
 from __future__ import annotations
 
@@ -23,7 +33,9 @@ import time
 from datetime import date
 from pathlib import Path
 
-from report import paired_bootstrap, write_section  # bench/report.py
+from claims import committed_claims  # bench/claims.py
+from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
+from report import paired_bootstrap, seed_folder, seed_overrides, write_section  # bench/report.py
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
            "SIMoE": ("simoe_instruct", []), "SIMoE w/o ortho": ("simoe_instruct", ["simoe.mask_lr=0.1", "simoe.ortho=0"]),  # ablation (b) of "SIMoE mask lr 0.1"
@@ -48,20 +60,29 @@ OVERRIDES = ["train.steps=125", "train.batch_size=8", "data.train_per_task=200",
              "eval.max_new_tokens=48", "train.save_every=25", "train.logging_steps=5"]
 MARK = ("<!-- simoe_mini -->", "<!-- /simoe_mini -->")
 COMMON_MARK = ("<!-- simoe_mini_common -->", "<!-- /simoe_mini_common -->")
+BENCH = "simoe_mini"  # bench/results/<…>
+CLAIMS_INTRO = ("Headline claims over seeds (SIMoE Table 1: ahead of full fine-tuning and sparse upcycling on unseen "
+                "tasks; Table 4: full SIMoE ahead of ablations (b) and (c) on unseen tasks). Metric: ROUGE-L per test "
+                "item of the unseen tasks; Δ = A − B in points.")
 
 
-def folder_of(out: Path, label: str) -> Path:
-    return out / label.replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
+def folder_of(out: Path, label: str, seed: int = 0) -> Path:
+    return seed_folder(out, label.replace(" ", "_").replace("/", "").replace("(", "").replace(")", ""), seed)
 
 
-def child(label: str, out: Path) -> None:
-    """Train one system (resuming from its last checkpoint) and write its summary.json."""
+def label_of(label: str, seed: int) -> str:
+    return label if seed == 0 else f"{label} (seed {seed})"
+
+
+def child(label: str, out: Path, seed: int) -> None:
+    """Train one system at one seed (resuming from its last checkpoint) and write its summary.json."""
     from moekit.training.recipe import load_recipe
     from moekit.training.run import train
 
     recipe_name, extra = SYSTEMS[label]
-    folder = folder_of(out, label)
-    recipe = load_recipe(Path("recipes") / f"{recipe_name}.yaml", [*OVERRIDES, *extra, f"out={folder}"])
+    folder = folder_of(out, label, seed)
+    path = Path("recipes") / f"{recipe_name}.yaml"
+    recipe = load_recipe(path, [*OVERRIDES, *extra, *seed_overrides(path, seed), f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)
     last = [h for h in trainer.state.log_history if "simoe/sparsity" in h]
@@ -85,20 +106,32 @@ def child(label: str, out: Path) -> None:
     (folder / "summary.json").write_text(json.dumps(summary))
 
 
-def run_system(label: str, out: Path) -> dict:
-    folder = folder_of(out, label)
+def run_system(label: str, out: Path, seed: int = 0) -> dict:
+    folder = folder_of(out, label, seed)
     if not (folder / "summary.json").is_file():
-        subprocess.run([sys.executable, __file__, "--child", label, "--out", str(out)], check=True)
+        subprocess.run([sys.executable, __file__, "--child", label, "--out", str(out), "--seeds", str(seed)], check=True)
     return json.loads((folder / "summary.json").read_text())
 
 
-def row(label: str, folder: Path, s: dict) -> str:
+def keep(label: str, seed: int, out: Path, summary: dict, root: Path = RESULTS) -> None:
+    """Commit a finished (system, seed) under root/simoe_mini/seed{n}/: its per-item ROUGE-L and its rows' numbers."""
     from moekit.training.recipe import load_recipe
 
+    folder = folder_of(out, label, seed)
     r = json.loads((folder / "results.json").read_text())
-    g, p = r["groups"], r["params"]
+    recipe = load_recipe(folder / "recipe.yaml")
+    run = {"groups": {g: {k: v[k] for k in ("rougeL", "chrf")} for g, v in r["groups"].items()},
+           "directions": {t: {"rougeL": v["rougeL"]} for t, v in r["directions"].items()},
+           "params": {k: r["params"][k] for k in ("total", "active")},
+           "tau": recipe.simoe.tau if recipe.simoe is not None else None, **summary}
+    save_scores(BENCH, label, seed, item_rouge(folder, label, *held_out(folder)), root, run)
+
+
+def row(label: str, s: dict) -> str:
+    """The table's row of one committed system (keep)."""
+    g, p = s["groups"], s["params"]
     sparsity = "–" if s["sparsity"] is None else f"{s['sparsity']:.3f}"
-    if s["sparsity"] is not None and s["sparsity"] < load_recipe(folder / "recipe.yaml").simoe.tau:
+    if s["sparsity"] is not None and s["sparsity"] < s["tau"]:
         sparsity += " (below τ)"
     lam = "–" if not s.get("lambda") else f"{max(s['lambda']):.3g} / {s['lambda'][-1]:.3g}"
     pruned = f"{s['pruned_params']:,} ({s['pruned_params'] / s['unpruned_params']:.3f}×)" if "pruned_params" in s else "–"
@@ -107,29 +140,29 @@ def row(label: str, folder: Path, s: dict) -> str:
             f"{s['peak_rss'] / 2**30:.2f} | {s['seconds'] / 60:.1f} |")
 
 
-def per_task(out: Path, labels: list[str]) -> list[str]:
-    results = {label: json.loads((folder_of(out, label) / "results.json").read_text()) for label in labels}
+def per_task(results: dict) -> list[str]:
+    """ROUGE-L per task of each committed system (label -> its values)."""
     tasks = list(next(iter(results.values()))["directions"])
     return ["| task | " + " | ".join(results) + " |", "|---|" + "---|" * len(results),
             *[f"| {t} | " + " | ".join(f"{r['directions'][t]['rougeL']:.1f}" for r in results.values()) + " |"
               for t in tasks]]
 
 
-def held_out(out: Path, label: str) -> tuple[dict, list[str]]:
+def held_out(folder: Path) -> tuple[dict, list[str]]:
     """({task: test pairs}, unseen task names) of a system's run; every system shares them (same data overrides)."""
     from moekit.data.instruct import load_instruct_pairs
     from moekit.training.recipe import load_recipe
 
-    data = load_recipe(folder_of(out, label) / "recipe.yaml").data
+    data = load_recipe(folder / "recipe.yaml").data
     return load_instruct_pairs(data)[1], data.task_names()[1]
 
 
-def item_rouge(out: Path, label: str, test: dict, unseen: list[str]) -> dict[str, list[float]]:
+def item_rouge(folder: Path, label: str, test: dict, unseen: list[str]) -> dict[str, list[float]]:
     """{"seen"/"unseen": per-item ROUGE-L of one run's test outputs, tasks in order}; checked against the run's
     own task means (equal items per task, so the item mean is the unweighted task mean the table reports)."""
     from moekit.eval.instruct import rouge_l
 
-    results = json.loads((folder_of(out, label) / "results.json").read_text())
+    results = json.loads((folder / "results.json").read_text())
     scores = {"seen": [], "unseen": []}
     for task, pairs in test.items():
         hyps = results["translations"][task]
@@ -140,21 +173,20 @@ def item_rouge(out: Path, label: str, test: dict, unseen: list[str]) -> dict[str
     return scores
 
 
-def paired(out: Path, labels: list[str], base: str = "full FT") -> list[str]:
-    """Each system − `base` in ROUGE-L, mean and 95 % paired bootstrap interval over test items (one seed)."""
-    test, unseen = held_out(out, base)  # built once: the same verses for every system
-    ref = item_rouge(out, base, test, unseen)
+def paired(scores: dict, labels: list[str], base: str = "full FT") -> list[str]:
+    """Each system − `base` in ROUGE-L, mean and 95 % paired bootstrap interval over test items (one seed); `scores`:
+    the committed per-item scores (load_scores)."""
+    ref = scores[(base, 0)]
     lines = [f"ROUGE-L difference to {base}, 95 % paired bootstrap interval over test items (one seed, 2000 "
              "resamples):", "", "| system | seen | unseen |", "|---|---|---|"]
     for label in labels:
-        scores = item_rouge(out, label, test, unseen)
-        cells = [paired_bootstrap([scores[g]], [ref[g]]) for g in ("seen", "unseen")]
+        cells = [paired_bootstrap([scores[(label, 0)][g]], [ref[g]]) for g in ("seen", "unseen")]
         lines.append(f"| {label} | " + " | ".join(f"{c['mean']:+.1f} [{c['lo']:+.1f}, {c['hi']:+.1f}]" for c in cells)
                      + " |")
     return [*lines, ""]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/simoe_mini"))
     ap.add_argument("--write", type=Path)
@@ -162,23 +194,30 @@ def main() -> None:
     ap.add_argument("--common", action="store_true",
                     help="issue 30: SIMoE, ablations (b) and (c) at the baselines' optimizer and budget, then the "
                          "baselines, into their own section (default systems: " + ", ".join(COMMON_SYSTEMS) + ")")
-    ap.add_argument("--report-only", action="store_true", help="report the systems finished so far, train nothing")
+    ap.add_argument("--report-only", action="store_true",
+                    help="report the systems committed under --results, train nothing")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where each finished system's per-item scores and rows are committed, and reported from")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
-        return child(args.child, args.out)
+        return child(args.child, args.out, args.seeds[0])
     systems = args.systems or (COMMON_SYSTEMS if args.common else [s for s in SYSTEMS if s not in COMMON_SYSTEMS[:3]])
-    if args.report_only:
-        summaries = {label: json.loads((folder_of(args.out, label) / "summary.json").read_text()) for label in systems
-                     if (folder_of(args.out, label) / "summary.json").is_file()}
-    else:
-        summaries = {label: run_system(label, args.out) for label in systems}
-    simoe = {label: s for label, s in summaries.items() if "nonzero" in s}
     mark = COMMON_MARK if args.common else MARK
+    if not args.report_only:  # every system of one seed before the next seed
+        for seed in args.seeds:
+            for label in systems:
+                keep(label, seed, args.out, run_system(label, args.out, seed), args.results)
+    committed = load_runs(BENCH, args.results)
+    summaries = {(n, s): committed[(n, s)] for s in args.seeds for n in systems if (n, s) in committed}
+    first = {n: r for (n, s), r in summaries.items() if s == 0}  # per task, Fig. 4 and the paired table: seed 0
     cmd = (f".venv/bin/python bench/simoe_mini.py --out {args.out}" + (" --common" if args.common else "")
            + ("" if args.systems is None else " --systems " + " ".join(f"'{s}'" for s in args.systems))
+           + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + (f" --write {args.write}" if args.write else ""))
-    missing = [s for s in systems if s not in summaries]
+    missing = [label_of(n, s) for s in args.seeds for n in systems if (n, s) not in summaries]
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
     title = ("SIMoE at one optimizer and budget: SIMoE, ablations (b) and (c), baselines (issue 30)" if args.common
              else "SIMoE in miniature")
@@ -194,15 +233,17 @@ def main() -> None:
         "categories (reverse translation, book name, paraphrase); unweighted means over tasks." + common + status, "",
         "| system | seen ROUGE-L | seen chrF | unseen ROUGE-L | unseen chrF | final mask sparsity (τ = 0.75) | λ max / "
         "final | total params | active params | pruned export | peak RSS (GiB) | wall (min) |", "|---" * 12 + "|",
-        *[row(label, folder_of(args.out, label), s) for label, s in summaries.items()], "",
-        *(["ROUGE-L per task:", "", *per_task(args.out, list(summaries)), ""] if summaries else []),
-        *(paired(args.out, [s for s in summaries if s != "full FT"]) if args.common and "full FT" in summaries
-          else []),
+        *[row(label_of(n, s), r) for (n, s), r in summaries.items()], "",
+        *(["ROUGE-L per task (seed 0):", "", *per_task(first), ""] if first else []),
+        *(paired(load_scores(BENCH, args.results), [n for n in first if n != "full FT"])
+          if args.common and "full FT" in first else []),
         *[f"{label}: non-zero expert parameters (Fig. 4, median gates) "
           + " · ".join(f"{k} {v:.2f}" for k, v in s["nonzero"]["by_type"].items())
           + f"; overall {s['nonzero']['overall']:.3f}; by depth "
           + " ".join(f"{v:.2f}" for _, v in sorted(s["nonzero"]["by_depth"].items(), key=lambda kv: int(kv[0])))
-          + f"; mean mask overlap between experts (Fig. 5) {s['overlap']:.3f}.\n" for label, s in simoe.items()],
+          + f"; mean mask overlap between experts (Fig. 5) {s['overlap']:.3f}.\n" for label, s in first.items()
+          if "nonzero" in s],
+        *(committed_claims(BENCH, CLAIMS_INTRO, args.results) if args.common else []), "",
         mark[1]])
     print(section)
     if args.write:

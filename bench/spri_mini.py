@@ -13,6 +13,11 @@ seed) is its own cached, resumable run (report.seed_folder), and the report give
 claim_specs.SPECS an interval over seeds × test verses and a verdict (report.VERDICT_RULE):
 
     .venv/bin/python bench/spri_mini.py --out runs/spri_mini --seeds 0 1 2 --only dense_ft naive spri spri_two_stage
+
+Each finished run's per-verse sentence chrF and the numbers of its table row (no weights, no translations) are
+committed under bench/results/<section>/seed{n}/<system>.json (evidence.save_scores; <section>: spri_mini,
+spri_mini_ablations or spri_mini_issue30), and the report is made from those files alone: `--report-only`
+rebuilds the section from a clone, and bench/claims.py rebuilds its claims table from the same files.
 """
 from __future__ import annotations
 
@@ -22,9 +27,10 @@ import statistics
 import time
 from datetime import date
 from pathlib import Path
-from claim_specs import specs  # bench/claim_specs.py
-from report import (VERDICT_RULE, device_name, log_progress, claim_interval, claims_table, measured_on, seed_folder,
-                    write_section)  # bench/report.py
+from claims import committed_claims  # bench/claims.py
+from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
+from report import (device_name, log_progress, measured_on, seed_folder, seed_overrides,  # bench/report.py
+                    write_section)
 
 SYSTEMS = {name: (name, []) for name in
            ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]}  # name: (recipe, overrides)
@@ -61,17 +67,7 @@ OVERRIDES = [
 MARK = ("<!-- spri_mini -->", "<!-- /spri_mini -->")
 ABLATION_MARK = ("<!-- spri_mini_ablations -->", "<!-- /spri_mini_ablations -->")
 EXTRA_MARK = ("<!-- spri_mini_issue30 -->", "<!-- /spri_mini_issue30 -->")
-
-
-def seed_overrides(recipe_name: str, seed: int) -> list[str]:
-    """Seed n: the Trainer's seed (initialization of anything drawn in training, data order) and, where the
-    recipe has an MoE section, the upcycling seed; seed 0 leaves the recipe as it is."""
-    if seed == 0:
-        return []
-    import yaml
-
-    has_moe = "moe" in yaml.safe_load((Path("recipes") / f"{recipe_name}.yaml").read_text())
-    return [f"train.seed={seed}", *([f"moe.seed={seed}"] if has_moe else [])]
+BENCHES = {MARK: "spri_mini", ABLATION_MARK: "spri_mini_ablations", EXTRA_MARK: "spri_mini_issue30"}  # bench/results/<…>
 
 
 def directions() -> list[str]:
@@ -130,7 +126,8 @@ def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: i
         E = 8  # recipes/btx.yaml: branch d of D directions gives experts d·E/D .. (d+1)·E/D − 1 (pairs for D = 4)
         extra = [*extra, f"moe.init.branches={json.dumps([branches[i * len(branches) // E] for i in range(E)])}"]
     recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe,
-                       [*OVERRIDES, *extra, *seed_overrides(recipe_name, seed), f"out={folder}"])
+                       [*OVERRIDES, *extra, *seed_overrides(Path("recipes") / f"{recipe_name}.yaml", seed),
+                        f"out={folder}"])
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
@@ -149,18 +146,17 @@ def label(name: str, seed: int) -> str:
     return name if seed == 0 else f"{name} (seed {seed})"
 
 
-def table(out: Path, summaries: dict) -> list[str]:
-    """One row per finished (system, seed); `summaries` maps (name, seed) to its summary."""
+def table(runs: dict) -> list[str]:
+    """One row per committed (system, seed); `runs` maps (name, seed) to its committed values (keep)."""
     rows = []
-    for (name, seed), summary in summaries.items():
-        r = json.loads((seed_folder(out, name, seed) / "results.json").read_text())
+    for (name, seed), r in runs.items():
         per_dir = {key: " / ".join(f"{lang} {fmt(v[key], 1)}" for lang, v in r["directions"].items())
                    for key in ("bleu", "chrf")}
         p = r["params"]
         rows.append(f"| {label(name, seed)} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {per_dir['bleu']} | "
                     f"{per_dir['chrf']} | {fmt(r['avg']['loss'], 3)} | {fmt(r['kl'], 4)} | "
-                    f"{fmt(summary['mean_kl'], 4)} | {fmt(r.get('diversity_init'), 3)} → {fmt(r['diversity'], 3)} | {p['total']:,} | "
-                    f"{p['active']:,} | {summary['seconds'] / 60:.1f} |")
+                    f"{fmt(r['mean_kl'], 4)} | {fmt(r.get('diversity_init'), 3)} → {fmt(r['diversity'], 3)} | {p['total']:,} | "
+                    f"{p['active']:,} | {r['seconds'] / 60:.1f} |")
     return ["| system | BLEU avg | chrF avg | BLEU per direction | chrF per direction | target loss avg | final KL "
             "| mean KL | diversity init → trained | total params | active params | wall (min) |", "|---" * 12 + "|", *rows]
 
@@ -185,59 +181,53 @@ def sentence_chrf(out: Path, name: str, seed: int, refs: dict[str, list[str]]):
                      for lang in refs]).T
 
 
-def claims(out: Path, done: set[tuple[str, int]]) -> list[str]:
-    """The claims (claim_specs.SPECS) over the seeds where both systems finished: sentence chrF per test verse (mean over the
-    directions), interval over seeds × verses (evidence.claim_interval), verdict by VERDICT_RULE."""
-    import numpy as np
-
-    rows = []
-    for claim in specs("spri_mini"):
-        a, b = claim.a, claim.b
-        seeds = sorted(s for n, s in done if n == a and (b, s) in done)
-        if not seeds:
-            continue
-        refs = references(b, out, seeds[0])
-        A = np.stack([sentence_chrf(out, a, s, refs).mean(1) for s in seeds])  # (seeds, verses)
-        B = np.stack([sentence_chrf(out, b, s, refs).mean(1) for s in seeds])
-        rows.append({"claim": claim, "seeds": seeds, "stat": claim_interval(A, B)})
-    if not rows:
-        return []
-    return ["Headline claims over seeds (SPRI §4 / Table 2: the paper reports A > B in each). Metric: sentence "
-            "chrF per test verse, averaged over the directions; Δ = A − B. " + VERDICT_RULE, "", *claims_table(rows)]
+def keep(out: Path, name: str, seed: int, summary: dict, bench: str, root: Path = RESULTS) -> None:
+    """Commit a finished run under root/<bench>/: its per-verse sentence chrF (mean over the directions, "chrf", and
+    per direction, "chrf <lang>") and its table row's numbers."""
+    r = json.loads((seed_folder(out, name, seed) / "results.json").read_text())
+    chrf = sentence_chrf(out, name, seed, references(name, out, seed))  # (verses, directions)
+    run = {"avg": r["avg"],
+           "directions": {lang: {k: v[k] for k in ("bleu", "chrf")} for lang, v in r["directions"].items()},
+           "kl": r["kl"], "diversity_init": r.get("diversity_init"), "diversity": r["diversity"],
+           "params": {k: r["params"][k] for k in ("total", "active")}, **summary}
+    save_scores(bench, name, seed, {"chrf": chrf.mean(1), **{f"chrf {lang}": chrf[:, j] for j, lang in
+                                                             enumerate(r["directions"])}}, root, run)
 
 
-def paired(out: Path, names: list[str], base: str = "dense_ft", resamples: int = 2000) -> list[str]:
-    """Mean sentence chrF and target loss against `base`, with 95 % paired-bootstrap intervals over test
+def paired(scores: dict, names: list[str], base: str = "dense_ft", resamples: int = 2000) -> list[str]:
+    """Mean sentence chrF (seed 0) and its difference to `base`, with 95 % paired-bootstrap intervals over test
     verses (one resample of verse indices shared by all directions and systems)."""
     import numpy as np
-    from sacrebleu.metrics import CHRF
 
-    refs, chrf = references(base, out), CHRF()
-    def scores(name):  # (verses, directions) sentence chrF
-        hyps = json.loads((out / name / "results.json").read_text())["translations"]
-        return np.array([[chrf.sentence_score(h, [r]).score for h, r in zip(hyps[lang], refs[lang])]
-                         for lang in refs]).T
+    langs = [k.split(" ", 1)[1] for k in scores[(base, 0)] if k.startswith("chrf ")]
+    per = lambda name: np.stack([scores[(name, 0)][f"chrf {lang}"] for lang in langs], 1)  # noqa: E731 (verses, directions)
     rng = np.random.default_rng(0)
-    base_s = scores(base)
+    base_s = per(base)
     idx = rng.integers(0, len(base_s), (resamples, len(base_s)))
     rows = []
     for name in names:
-        d = scores(name) - base_s  # (verses, directions)
+        d = per(name) - base_s  # (verses, directions)
         boot = d.mean(1)[idx].mean(1)
         lo, hi = np.percentile(boot, [2.5, 97.5])
-        per = " / ".join(f"{lang} {v:+.1f}" for lang, v in zip(refs, d.mean(0)))
-        rows.append(f"| {name} | {scores(name).mean():.2f} | {d.mean():+.2f} [{lo:+.2f}, {hi:+.2f}] | {per} |")
+        row = " / ".join(f"{lang} {v:+.1f}" for lang, v in zip(langs, d.mean(0)))
+        rows.append(f"| {name} | {per(name).mean():.2f} | {d.mean():+.2f} [{lo:+.2f}, {hi:+.2f}] | {row} |")
     return [f"Mean sentence chrF and its paired difference to {base} (95 % bootstrap interval over the test verses, "
             f"{resamples} resamples):", "", f"| system | sentence chrF | Δ vs {base} [95 % CI] | Δ per direction |",
             "|---|---|---|---|", *rows]
 
 
-def main() -> None:
+CLAIMS_INTRO = ("Headline claims over seeds (SPRI §4 / Table 2: the paper reports A > B in each). Metric: sentence chrF "
+                "per test verse, averaged over the directions; Δ = A − B.")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/spri_mini"))
     ap.add_argument("--write", type=Path)
     ap.add_argument("--report-only", action="store_true",
-                    help="report the systems finished so far (with --only: of those systems), run nothing")
+                    help="report the runs committed under --results (with --only: of those systems), run nothing")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where each finished run's per-verse scores and row are committed, and reported from")
     ap.add_argument("--ablations", action="store_true",
                     help=f"run {', '.join(ABLATIONS)} instead, into their own BENCHMARKS section "
                          "(paired against spri_two_stage)")
@@ -251,34 +241,28 @@ def main() -> None:
                          "(with --report-only: report only these, train nothing)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="seeds to run, each one cached run per system (0: the recipes as they are); default 0")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     log_progress()
     if args.ablations and args.extra:
         ap.error("--ablations and --extra are two sections: run them one at a time")
     systems, mark, base = ((ABLATIONS, ABLATION_MARK, "spri_two_stage") if args.ablations
                            else ({**{n: SYSTEMS[n] for n in REFERENCES}, **EXTRA}, EXTRA_MARK, "dense_ft") if args.extra
                            else (SYSTEMS, MARK, "dense_ft"))
-    if args.extra and args.reference_from:
-        adopt_references(args.out, args.reference_from)
-    names = list(systems)  # the systems reported
-    if args.only:
-        unknown = set(args.only) - set(systems)
-        if unknown:
-            ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(systems)}")
-        if args.report_only:  # report these systems only, train nothing
-            names = args.only
-        else:
-            for seed in args.seeds:  # every system of one seed before the next seed
-                for name in args.only:
-                    run_system(name, *systems[name], args.out, seed)
-        args.report_only = True
-    if args.report_only:
-        summaries = {(n, s): json.loads((seed_folder(args.out, n, s) / "summary.json").read_text())
-                     for s in args.seeds for n in names if (seed_folder(args.out, n, s) / "summary.json").is_file()}
-    else:
-        summaries = {(name, s): run_system(name, *systems[name], args.out, s) for s in args.seeds for name in systems}
+    unknown = set(args.only or []) - set(systems)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(systems)}")
+    bench = BENCHES[mark]
+    if not args.report_only:  # every system of one seed before the next seed
+        if args.extra and args.reference_from:
+            adopt_references(args.out, args.reference_from)
+        for seed in args.seeds:
+            for name in args.only or systems:
+                keep(args.out, name, seed, run_system(name, *systems[name], args.out, seed), bench, args.results)
+    names = args.only if args.only and args.report_only else list(systems)  # --only trains these, reports all
+    committed, scores = load_runs(bench, args.results), load_scores(bench, args.results)
+    runs = {(n, s): committed[(n, s)] for s in args.seeds for n in names if (n, s) in committed}
     wanted = [(n, s) for s in args.seeds for n in (args.only or systems)]
-    missing = [label(n, s) for n, s in wanted if (n, s) not in summaries]
+    missing = [label(n, s) for n, s in wanted if (n, s) not in runs]
     seeds = "" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}"
     only = f" --only {' '.join(args.only)}" if args.only else ""
     cmd = (f".venv/bin/python bench/spri_mini.py --out {args.out}" + (" --ablations" if args.ablations else "")
@@ -289,21 +273,22 @@ def main() -> None:
              "SPRI Tables 2 and 3: BTX, Copy, w/o shared expert at equal active parameters, Table 1's ε, reruns "
              "(issue 30)" if args.extra else "SPRI Table 2 in miniature")
     if args.extra:
-        btx = summaries.get(("btx", 0), {})
+        btx = runs.get(("btx", 0), {})
         status += (f" btx's wall time excludes its {len(directions())} branches ({BRANCH_STEPS} steps of dense_ft.yaml "
                    "on one direction each, no generation"
                    + (f"; {btx['branch_seconds'] / 60:.1f} min)." if btx.get("branch_seconds") else ").")
                    + (f" {' and '.join(REFERENCES)}: copied from {args.reference_from} (seed 0)." if args.reference_from
                       else ""))
     lines = [mark[0], f"## {title} (bench/spri_mini.py)", "",
-             f"`{cmd}` — {date.today()}, measured on {measured_on(summaries.values())}. Overrides on every recipe: "
+             f"`{cmd}` — {date.today()}, measured on {measured_on(runs.values())}. Overrides on every recipe: "
              f"`{' '.join(OVERRIDES)}`" + (" and `aux.layer_reduction=mean`" if args.ablations else "")
              + f"; per-row overrides in the script; seed n > 0 adds `train.seed=n` and `moe.seed=n` (test "
-             f"verses fixed).{status}", "", *table(args.out, summaries), "",
-             *(paired(args.out, [n for n, s in summaries if s == 0], base) if (base, 0) in summaries else []), "",
-             *(paired(args.out, [n for n, s in summaries if s == 0], "spri_two_stage")
-               if args.extra and ("spri_two_stage", 0) in summaries else []), "",
-             *([] if args.ablations or args.extra else claims(args.out, set(summaries))), "", mark[1]]
+             f"verses fixed).{status}", "", *table(runs), "",
+             *(paired(scores, [n for n, s in runs if s == 0], base) if (base, 0) in runs else []), "",
+             *(paired(scores, [n for n, s in runs if s == 0], "spri_two_stage")
+               if args.extra and ("spri_two_stage", 0) in runs else []), "",
+             *([] if args.ablations or args.extra else committed_claims(bench, CLAIMS_INTRO, args.results)), "",
+             mark[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:

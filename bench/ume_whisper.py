@@ -16,6 +16,11 @@ and its test utterances are the same for every seed. Each (system, seed) is its 
 and a verdict (report.VERDICT_RULE):
 
     .venv/bin/python bench/ume_whisper.py --out runs/ume_whisper --seeds 0 1 2
+
+Each finished run's per-utterance WER per voice family (in %, with its reference words) and the numbers of its table
+row are committed under bench/results/<section>/seed{n}/<system>.json (evidence.save_scores; <section>: ume_whisper, or
+ume_whisper_scratch for a run with a scratch system; no weights, no transcripts), and the report is made from those
+files alone: `--report-only` rebuilds the section from a clone, and bench/claims.py its claims table.
 """
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ from datetime import date
 from pathlib import Path
 
 from claim_specs import specs  # bench/claim_specs.py
-from report import VERDICT_RULE, log_progress, cached, claim_interval, claims_table, corpus, seed_folder, write_section  # bench/report.py
+from claims import committed_claims  # bench/claims.py
+from evidence import RESULTS, load_runs, save_scores  # bench/evidence.py
+from report import log_progress, cached, corpus, seed_folder, write_section  # bench/report.py
 
 CORPUS = dict(langs=["en"], voices=4, test_voices=2, train_per_lang=640, test_per_lang=48, max_chars=120,
               flite_test=True, seed=0)
@@ -46,6 +53,8 @@ SYSTEMS.update({name: recipe for name, (recipe, _, _) in SCRATCH.items()})
 # reports A < B.
 MARK = ("<!-- ume_whisper -->", "<!-- /ume_whisper -->")
 EXTRA_MARK = ("<!-- ume_whisper_scratch -->", "<!-- /ume_whisper_scratch -->")  # runs with a SCRATCH system
+BENCHES = {MARK: "ume_whisper", EXTRA_MARK: "ume_whisper_scratch"}  # bench/results/<…>
+FAMILIES = ("espeak-ng", "flite")
 
 
 def scratch_whisper(out: Path, ffn_factor: int, seed: int = 0) -> Path:
@@ -136,42 +145,39 @@ def utterance_wer(folder: Path, family: dict[str, str], name: str):
     return np.array([e["wer"] for e in er]), np.array([max(e["words"], 1) for e in er], float)
 
 
-def claims(out: Path, corpus_dir: Path, done: set[tuple[str, int]]) -> list[str]:
-    """The claims (claim_specs.SPECS) over the seeds where both systems finished: WER, interval over seeds × test utterances
-    (evidence.claim_interval), verdict by VERDICT_RULE."""
-    import numpy as np
-
+def keep(name: str, seed: int, out: Path, corpus_dir: Path, summary: dict, bench: str, root: Path = RESULTS) -> None:
+    """Commit one finished run under root/<bench>/: per voice family, its per-utterance WER in % ("wer <family>") and
+    reference words ("words <family>"), and its row's numbers."""
     from moekit.speech.corpus import read_manifest
 
+    folder = folder_of(out, name, seed)
     family = {u.id: u.family for u in read_manifest(corpus_dir)}
-    rows = []
-    for claim in specs("ume_whisper"):
-        a, b, fam = claim.a, claim.b, claim.key.split()[1]
-        seeds = sorted(s for n, s in done if n == a and (b, s) in done)
-        if not seeds:
-            continue
-        A = [utterance_wer(folder_of(out, a, s), family, fam) for s in seeds]
-        B = [utterance_wer(folder_of(out, b, s), family, fam) for s in seeds]
-        stat = claim_interval(100 * np.stack([x[0] for x in A]), 100 * np.stack([x[0] for x in B]),
-                              np.stack([x[1] for x in A]))
-        rows.append({"claim": claim, "seeds": seeds, "stat": stat})
-    if not rows:
-        return []
-    return ["Headline claims over seeds (UME Tables I-III: the paper reports lower error rates for A). Metric: WER "
-            "of the voice family (corpus rate: per-utterance WER weighted by reference words); Δ = A − B in points. " + VERDICT_RULE, "",
-            *claims_table(rows, nd=1)]
+    scores = {}
+    for fam in FAMILIES:
+        wer, words = utterance_wer(folder, family, fam)
+        scores[f"wer {fam}"], scores[f"words {fam}"] = 100 * wer, words
+    r = json.loads((folder / "results.json").read_text())
+    run = {"families": {fam: {k: r["families"][fam][k] for k in ("wer", "cer")} for fam in FAMILIES},
+           "params": {k: r["params"][k] for k in ("total", "active")}, "rtf": r["rtf"],
+           "loss": summary["loss"][-1:], "seconds": summary["seconds"],
+           "corpus_hours": json.loads((corpus_dir / "corpus.json").read_text())["hours"]}
+    save_scores(bench, name, seed, scores, root, run)
 
 
-def row(name: str, seed: int, s: dict) -> str:
-    r = json.loads((Path(s["folder"]) / "results.json").read_text())
+CLAIMS_INTRO = ("Headline claims over seeds (UME Tables I-III: the paper reports lower error rates for A). Metric: WER of "
+                "the voice family (corpus rate: per-utterance WER weighted by reference words); Δ = A − B in points.")
+
+
+def row(name: str, seed: int, r: dict) -> str:
+    """The table's row of one committed run (keep)."""
     fam, p = r["families"], r["params"]
-    loss = f"{s['loss'][-1][1]:.3f}" if s["loss"] else "–"
+    loss = f"{r['loss'][-1][1]:.3f}" if r["loss"] else "–"
     return (f"| {name if seed == 0 else f'{name} (seed {seed})'} | {100 * fam['espeak-ng']['wer']:.1f} | {100 * fam['flite']['wer']:.1f} | "
             f"{100 * fam['espeak-ng']['cer']:.1f} | {100 * fam['flite']['cer']:.1f} | {loss} | {p['total'] / 1e6:.1f}M | "
-            f"{p['active'] / 1e6:.1f}M | {r['rtf']:.3f} | {s['seconds'] / 60:.1f} |")
+            f"{p['active'] / 1e6:.1f}M | {r['rtf']:.3f} | {r['seconds'] / 60:.1f} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/ume_whisper"))
     ap.add_argument("--steps", type=int, default=80)
@@ -181,28 +187,31 @@ def main() -> None:
                          "scratch-trained baselines, issue 30)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="seeds to run, each one cached run per trained system (0: the recipes as they are); default 0")
-    ap.add_argument("--report-only", action="store_true", help="report the (system, seed) runs finished so far, run nothing")
-    args = ap.parse_args()
+    ap.add_argument("--report-only", action="store_true",
+                    help="report the (system, seed) runs committed under --results, run nothing")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="where each finished run's per-utterance scores and row are committed, and reported from")
+    args = ap.parse_args(argv)
     log_progress()
-    corpus_dir = corpus(args.out / "corpus", **CORPUS)
+    mark = EXTRA_MARK if any(n in SCRATCH for n in args.systems) else MARK  # its own section beside the main one
+    bench = BENCHES[mark]
     # every system of one seed before the next seed; the pretrained model is the same for every seed, and the
     # rows no claim compares (ablations, scratch baselines) are single runs (seed 0)
     claimed = {n for c in specs("ume_whisper") for n in (c.a, c.b)}
     wanted = [(n, s) for s in args.seeds for n in args.systems if s == 0 or (SYSTEMS[n] and n in claimed)]
-    if args.report_only:
-        summaries = {(n, s): {**json.loads((folder_of(args.out, n, s) / "summary.json").read_text()),
-                              "folder": str(folder_of(args.out, n, s))}
-                     for n, s in wanted if (folder_of(args.out, n, s) / "summary.json").is_file()}
-    else:
-        summaries = {(n, s): run_system(n, args.out, corpus_dir, args.steps, s) for n, s in wanted}
+    if not args.report_only:
+        corpus_dir = corpus(args.out / "corpus", **CORPUS)
+        for n, s in wanted:
+            keep(n, s, args.out, corpus_dir, run_system(n, args.out, corpus_dir, args.steps, s), bench, args.results)
+    committed = load_runs(bench, args.results)
+    summaries = {(n, s): committed[(n, s)] for n, s in wanted if (n, s) in committed}
     missing = [n if s == 0 else f"{n} (seed {s})" for n, s in wanted if (n, s) not in summaries]
     status = f" **Incomplete run: {', '.join(missing)} not finished yet.**" if missing else ""
-    info = json.loads((corpus_dir / "corpus.json").read_text())
+    hours = max((r["corpus_hours"] for r in summaries.values()), default=float("nan"))
     cmd = (f".venv/bin/python bench/ume_whisper.py --out {args.out} --steps {args.steps}"
            + ("" if args.systems == default_systems() else " --systems " + " ".join(f"'{s}'" for s in args.systems))
            + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + (f" --write {args.write}" if args.write else ""))
-    mark = EXTRA_MARK if any(n in SCRATCH for n in args.systems) else MARK  # its own section beside the main one
     title = ("UME Table I's scratch-trained baselines in miniature (issue 30)" if mark == EXTRA_MARK
              else "UME on Whisper tiny.en in miniature")
     lines = [mark[0], f"## {title} (bench/ume_whisper.py)", "",
@@ -211,7 +220,7 @@ def main() -> None:
              f"{CORPUS['max_chars']} characters) by {CORPUS['voices']} espeak-ng voices; {args.steps} steps of 8, "
              f"AdamW 1e-4, linear schedule, 10 % warm-up. Test: {CORPUS['test_per_lang']} held-out verses spoken by "
              f"{CORPUS['test_voices']} held-out espeak-ng voice{'s' if CORPUS['test_voices'] > 1 else ''} (in-domain) and by the 4 flite voices (never seen "
-             f"in training: the forgetting check); {info['hours']:.2f} h of audio in all. WER/CER after Whisper's "
+             f"in training: the forgetting check); {hours:.2f} h of audio in all. WER/CER after Whisper's "
              "English normalizer; RTF = decoding time / audio time (greedy, batch 8, 2 cores). Seed n > 0 adds "
              f"`train.seed=n data.seed=n` and, for UME, `moe.seed=n` (same corpus and test utterances); rows no claim "
              "compares (ablations, scratch baselines) are single runs at seed 0."
@@ -221,7 +230,8 @@ def main() -> None:
                 if any(n in SCRATCH for n, _ in summaries) else "") + status, "",
              "| system | WER espeak (in-domain) | WER flite (unseen family) | CER espeak | CER flite | final train loss "
              "| params | active | RTF | wall (min) |", "|---" * 10 + "|",
-             *[row(n, seed, s) for (n, seed), s in summaries.items()], "", *claims(args.out, corpus_dir, set(summaries)), "", mark[1]]
+             *[row(n, seed, r) for (n, seed), r in summaries.items()], "",
+             *(committed_claims(bench, CLAIMS_INTRO, args.results) if mark == MARK else []), "", mark[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:
