@@ -12,7 +12,9 @@ import argparse
 import re
 from pathlib import Path
 
-from claim_specs import NDIGITS, SPECS, WEIGHTS, specs
+import numpy as np
+
+from claim_specs import BEST, NDIGITS, SPECS, WEIGHTS, specs
 from evidence import RESULTS, VERDICT_RULE, claim_rows, claims_table, from_printed, load_scores
 from report import write_section  # bench/report.py
 
@@ -42,12 +44,23 @@ def bench_of(heading: str) -> str:
     return found[1]
 
 
+def best(bench: str, scores: dict) -> str:
+    """BEST's system of a bench with the highest mean of BEST's metric over its committed runs' items ("{best}"
+    while none is committed)."""
+    key, names = BEST.get(bench, ("", ()))
+    means = {n: np.concatenate([v[key] for (m, _), v in scores.items() if m == n]).mean()
+             for n in names if any(m == n for m, _ in scores)}
+    return max(means, key=means.get, default="{best}")
+
+
 def committed_rows(bench: str, root: Path = RESULTS) -> list[dict]:
     """claims_table's rows of a bench's claims from its per-item scores committed under `root` ([] if none):
-    every seed committed for both systems of a claim (omni_ctc: at 4 experts, else the fewest committed)."""
+    every seed committed for both systems of a claim (omni_ctc: at 4 experts, else the fewest committed; "{best}":
+    best())."""
     scores = load_scores(bench, root)
     experts = {int(m[1]) for n, _ in scores if (m := re.fullmatch(r"omni-(\d+)", n))}
-    return claim_rows(specs(bench, 4 if 4 in experts or not experts else min(experts)), scores, WEIGHTS.get(bench))
+    return claim_rows(specs(bench, 4 if 4 in experts or not experts else min(experts), best(bench, scores)), scores,
+                      WEIGHTS.get(bench))
 
 
 def committed_claims(bench: str, intro: str, root: Path = RESULTS) -> list[str]:

@@ -291,7 +291,8 @@ def from_printed(line: str, claims: list[Claim], nd: int) -> dict:
     seed_interval over the printed per-seed Δ."""
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
     names, metric = cells[1], cells[2]
-    match = [c for c in claims if re.fullmatch(re.escape(f"{c.a} − {c.b}").replace(r"\{e\}", r"\d+"), names)
+    match = [c for c in claims if re.fullmatch(re.escape(f"{c.a} − {c.b}").replace(r"\{e\}", r"\d+")
+                                               .replace(r"\{best\}", r"\w+"), names)
              and c.metric == metric]
     if len(match) != 1:
         raise ValueError(f"no single claim for {names} on {metric}")

@@ -330,3 +330,72 @@ def test_omni_ctc_commits_each_run_it_finishes_and_reports_it(tmp_path, monkeypa
     assert "| omni-4 (seed 1) | 99.0 |" in out.read_text()
     ((_, table),) = claim_tables(out.read_text())
     assert table[2].startswith("| Omni-router beats dense (A < B) | omni-4 − dense | CER % | 0, 1 |")
+
+
+# --- spri_s2tt ---
+
+S2TT_LANGS = ["fr", "de", "es", "sw"]
+
+
+def s2tt_run(bleu: float, steps: int = 300) -> dict:
+    return {"directions": {lang: {"n": 6, "bleu": bleu + j, "chrf": 4 * bleu, "loss": 2.5} for j, lang in
+                           enumerate(S2TT_LANGS)},
+            "avg": {"bleu": bleu + 1.5, "chrf": 4 * bleu, "loss": 2.5}, "params": {"total": 332.0e6, "active": 220.5e6},
+            "device": "test GPU", "steps": steps, "seconds": 90.0, "hours": {"train": 1.31, "test": 0.08}}
+
+
+def test_spri_s2tt_section_comes_from_committed_results_alone(tmp_path):
+    import spri_s2tt
+
+    root, rng = tmp_path / "results", np.random.default_rng(6)
+    stage0 = {"directions": {"en": {"n": 6, "wer": 0.4, "cer": 0.2, "loss": 1.5}}, "avg": {},
+              "params": {"total": 1.0e6, "active": 1.0e6}, "device": "test GPU", "steps": 600, "seconds": 600.0,
+              "hours": {"train": 1.31, "test": 0.08}}
+    save_scores("spri_s2tt", "stage0", 0, {"wer": rng.uniform(0, 1, 6), "cer": rng.uniform(0, 1, 6)}, root, stage0)
+    levels = {"dense_ft": 10.0, "naive": 9.0, "noise": 9.5, "drop": 8.0, "spri": 11.0, "spri_two_stage": 11.5}
+    for seed in SEEDS:
+        for system, bleu in levels.items():
+            save_scores("spri_s2tt", system, seed, {"bleu": bleu + rng.normal(0, 4, 24),
+                                                    "chrf": 4 * bleu + rng.normal(0, 8, 24)},
+                        root, s2tt_run(bleu + seed / 10))
+    text = report_only(spri_s2tt, tmp_path)
+    assert "(1.31 h of training speech, 0.08 h of test speech)" in text and "Not finished" not in text
+    assert "| before |" not in text and "| after | 600 | 0.400 | 0.200 | 1.500 | 10.0 |" in text
+    lines = text.splitlines()
+    head = lines.index("| system | seed | BLEU avg | chrF avg | BLEU fr / de / es / sw | chrF fr / de / es / sw | "
+                       "target loss avg | total / active params | steps | wall (min) |")
+    expected = [f"| {n} | {s} | {b + s / 10 + 1.5:.2f} | {4 * (b + s / 10):.2f} | "
+                + " / ".join(f"{b + s / 10 + j:.1f}" for j in range(4)) + " | "
+                + " / ".join([f"{4 * (b + s / 10):.1f}"] * 4) + " | 2.500 | 332.0 M / 220.5 M | 300 | 1.5 |"
+                for s in SEEDS for n, b in levels.items()]
+    assert lines[head + 2:head + 2 + len(expected) + 1] == [*expected, ""]
+    rows = check_claims(text, root, 6)
+    scores = load_scores("spri_s2tt", root)
+    best = max(("naive", "noise", "drop"), key=lambda n: np.mean([scores[(n, s)]["chrf"] for s in SEEDS]))
+    assert best == "noise" and [r.split(" | ")[1:3] for r in rows] == [
+        [f"spri_two_stage − {b}", f"sentence {m}, 4 directions"] for b in ("dense_ft", best, "spri")
+        for m in ("BLEU", "chrF")]
+    d = np.mean([scores[("spri_two_stage", s)]["chrf"] - scores[("dense_ft", s)]["chrf"] for s in SEEDS])
+    assert f"| {d:+.2f} [" in rows[1]
+
+
+def test_spri_s2tt_keeps_the_evaluations_per_item_scores_and_its_row(tmp_path):
+    import spri_s2tt
+
+    folder = tmp_path / "runs" / "seed1" / "spri"
+    folder.mkdir(parents=True)
+    per_item = {"fr": {"bleu": [10.0, 20.0], "chrf": [30.0, 40.0]}, "de": {"bleu": [1.0, 2.0], "chrf": [3.0, 4.0]}}
+    results = {"directions": {lang: {"n": 2, "loss": 2.0, "bleu": 5.0, "chrf": 6.0, "comet": "not computed"}
+                              for lang in per_item},
+               "avg": {"bleu": 5.0, "chrf": 6.0, "loss": 2.0, "comet": "not computed"}, "usage": {"layer": [0.5, 0.5]},
+               "params": {"total": 10, "active": 5}, "outputs": {"fr": ["a", "b"], "de": ["c", "d"]},
+               "per_item": per_item}
+    (folder / "results.json").write_text(json.dumps(results))
+    spri_s2tt.keep("spri", 1, folder, {"device": "x", "steps": 3, "seconds": 1.0}, {"train": 1.0, "test": 0.1},
+                   tmp_path / "results")
+    kept = load_scores("spri_s2tt", tmp_path / "results")[("spri", 1)]
+    assert kept["bleu"].tolist() == [10.0, 20.0, 1.0, 2.0] and kept["chrf"].tolist() == [30.0, 40.0, 3.0, 4.0]
+    assert load_runs("spri_s2tt", tmp_path / "results")[("spri", 1)] == {
+        "directions": {lang: {"n": 2, "bleu": 5.0, "chrf": 6.0, "loss": 2.0} for lang in per_item},
+        "avg": {"bleu": 5.0, "chrf": 6.0, "loss": 2.0}, "params": {"total": 10, "active": 5}, "device": "x",
+        "steps": 3, "seconds": 1.0, "hours": {"train": 1.0, "test": 0.1}}

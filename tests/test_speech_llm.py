@@ -245,6 +245,8 @@ def test_spri_s2tt_trains_evaluates_and_reloads(tiny, tmp_path, run):
     results = json.loads((out / "results.json").read_text())
     assert set(results["directions"]) == {"de", "fr"} and results["avg"]["comet"] == "not computed"
     assert all(isinstance(r["bleu"], float) and isinstance(r["chrf"], float) for r in results["directions"].values())
+    assert {d: [len(v) for v in s.values()] for d, s in results["per_item"].items()} == {
+        d: [r["n"], r["n"]] for d, r in results["directions"].items()}  # sentence BLEU and chrF of every test row
     assert json.loads((out / "data.json").read_text())["train"] == {"de": {"kept": 6}, "fr": {"kept": 6}}
     logs = json.loads((out / "log_history.json").read_text())
     assert [h["step"] for h in logs if "eval_de_loss" in h] == [2, 4]
@@ -262,6 +264,28 @@ def test_spri_s2tt_trains_evaluates_and_reloads(tiny, tmp_path, run):
     rc, stdout, err = run("evaluate", out)
     assert rc == 0, err
     assert json.loads((out / "results.json").read_text())["outputs"] == before["outputs"]  # the same greedy outputs
+
+
+def test_per_item_scores_are_sacrebleus_sentence_scores_beside_the_corpus_scores():
+    import jiwer
+    import sacrebleu
+
+    from moekit.eval.s2tt import _scores
+
+    refs = ["Im Anfang schuf Gott Himmel und Erde.", "Und Gott sprach: Es werde Licht!", "Und es ward Licht."]
+    hyps = ["Am Anfang schuf Gott den Himmel und die Erde.", "Gott sprach: Licht!", "Und es ward Licht."]
+    rows = [Example(id=str(i), audio=b"", seconds=1.0, target=r, tgt="de") for i, r in enumerate(refs)]
+    corpus, items = _scores(rows, hyps, None, 8)
+    assert corpus == {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+                      "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score, "comet": "not computed"}
+    assert items == {"bleu": [sacrebleu.sentence_bleu(h, [r]).score for h, r in zip(hyps, refs)],
+                     "chrf": [sacrebleu.sentence_chrf(h, [r]).score for h, r in zip(hyps, refs)]}
+    assert items["bleu"][2] == pytest.approx(100.0) and 0 < items["bleu"][1] < items["chrf"][1] < 100
+    refs, hyps = ["in the beginning", "god"], ["in the begin", "good god"]
+    asr = [Example(id=str(i), audio=b"", seconds=1.0, target=r, tgt="en") for i, r in enumerate(refs)]
+    corpus, items = _scores(asr, hyps, None, 8)
+    assert items == {"wer": [1 / 3, 1.0], "cer": [jiwer.cer(r, h) for r, h in zip(refs, hyps)]}
+    assert corpus["wer"] == 2 / 4  # corpus WER: edits over all reference words, the per-item WERs weighted by words
 
 
 def test_dense_qwen2_audio_reloads_in_plain_transformers(tiny, tmp_path, run):

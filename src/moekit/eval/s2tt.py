@@ -8,6 +8,8 @@ COMET (SPRI §3.1: Unbabel/wmt22-comet-da, system score ×100) where eval.comet 
 `unbabel-comet` is installed (`moekit[comet]`); otherwise the results say "not computed", never a number.
 Transcription (direction en) is scored with WER/CER (jiwer) instead. Per direction also the teacher-forced loss on
 the target tokens; per run expert usage (teacher-forced on the test rows, audio included), diversity, parameters.
+Per test row also its own scores ("per_item": sacreBLEU's sentence BLEU and chrF, or WER and CER), so that two runs
+can be compared item by item (bench/spri_s2tt.py commits them); the corpus-level scores do not depend on them.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 from torch import nn
 
 from moekit.errors import ConfigError
-from moekit.eval.translation import bleu_chrf, bleu_tokenizer
+from moekit.eval.translation import bleu_chrf, bleu_tokenizer, sentence_bleu_chrf
 from moekit.eval.usage import fractions, inference, usage_counts
 from moekit.moe.diversity import diversity, init_diversity
 from moekit.moe.layer import moe_layers
@@ -72,15 +74,19 @@ def comet_score(ckpt: Path, rows: list[Example], hyps: list[str], batch_size: in
     return 100 * float(model.predict(data, batch_size=batch_size, gpus=0, progress_bar=False).system_score)
 
 
-def _scores(rows: list[Example], hyps: list[str], comet: Path | None, batch_size: int) -> dict:
+def _scores(rows: list[Example], hyps: list[str], comet: Path | None, batch_size: int) -> tuple[dict, dict]:
+    """One direction's corpus-level scores and its per-item ones (a list per metric, in row order)."""
+    refs = [e.target for e in rows]
     if rows[0].tgt == SOURCE:
         import jiwer
 
-        refs = [e.target for e in rows]
-        return {"wer": jiwer.wer(refs, hyps), "cer": jiwer.cer(refs, hyps)}
-    bleu, chrf = bleu_chrf(hyps, [e.target for e in rows], rows[0].tgt)
-    return {"bleu": bleu, "chrf": chrf,
-            "comet": NOT_COMPUTED if comet is None else comet_score(comet, rows, hyps, batch_size)}
+        return ({"wer": jiwer.wer(refs, hyps), "cer": jiwer.cer(refs, hyps)},
+                {"wer": [jiwer.wer(r, h) for r, h in zip(refs, hyps)],
+                 "cer": [jiwer.cer(r, h) for r, h in zip(refs, hyps)]})
+    bleu, chrf = bleu_chrf(hyps, refs, rows[0].tgt)
+    return ({"bleu": bleu, "chrf": chrf,
+             "comet": NOT_COMPUTED if comet is None else comet_score(comet, rows, hyps, batch_size)},
+            sentence_bleu_chrf(hyps, refs, rows[0].tgt))
 
 
 def _average(directions: dict[str, dict]) -> dict:
@@ -98,10 +104,11 @@ def evaluate_speech_llm(model: nn.Module, inputs: SpeechLLMInputs, test: dict[st
                         comet: str | None = None, comet_batch_size: int = 16) -> dict:
     """Every metric of a speech-LLM run (see the module doc): {"directions": {d: {n, loss, bleu, chrf, comet | wer,
     cer}}, "avg" (translation directions), "usage", "usage_by_direction", "diversity", "diversity_init", "params",
-    "bleu_tokenize", "outputs"}."""
+    "bleu_tokenize", "outputs", "per_item": {d: {metric: one score per test row, in row order}} (sentence BLEU and
+    chrF, or WER and CER, of each row alone: what a paired comparison of two runs over the test items needs)}."""
     ckpt = check_comet(comet) if generate else None
     tokenize = {d: bleu_tokenizer(d) for d in test if d != SOURCE} if generate else {}  # fail before the work
-    directions, outs, counts = {}, {}, {}
+    directions, outs, counts, items = {}, {}, {}, {}
     for d, rows in test.items():
         directions[d] = {"n": len(rows)}
         with inference(model):
@@ -109,7 +116,8 @@ def evaluate_speech_llm(model: nn.Module, inputs: SpeechLLMInputs, test: dict[st
         counts[d] = usage_counts(model, batches(inputs, rows, batch_size))
         if generate:
             outs[d] = outputs(model, inputs, rows, batch_size, max_new_tokens)
-            directions[d].update(_scores(rows, outs[d], ckpt, comet_batch_size))
+            corpus, items[d] = _scores(rows, outs[d], ckpt, comet_batch_size)
+            directions[d].update(corpus)
     total, active = param_counts(model)
     return {
         "directions": directions,
@@ -121,6 +129,7 @@ def evaluate_speech_llm(model: nn.Module, inputs: SpeechLLMInputs, test: dict[st
         "params": {"total": total, "active": active},
         "bleu_tokenize": tokenize,
         "outputs": outs,
+        "per_item": items,
     }
 
 

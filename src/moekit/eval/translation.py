@@ -107,6 +107,14 @@ def bleu_chrf(hyps: list[str], refs: list[str], lang: str = "") -> tuple[float, 
     return bleu, CHRF().corpus_score(hyps, [refs]).score
 
 
+def sentence_bleu_chrf(hyps: list[str], refs: list[str], lang: str = "") -> dict[str, list[float]]:
+    """Per sentence, in order: sacreBLEU's sentence BLEU (tokenizer `bleu_tokenizer(lang)`, effective n-gram order, as
+    sacrebleu.sentence_bleu) and chrF (chrF2), 0-100: {"bleu": [...], "chrf": [...]}."""
+    bleu, chrf = BLEU(tokenize=bleu_tokenizer(lang), effective_order=True), CHRF()
+    return {"bleu": [bleu.sentence_score(h, [r]).score for h, r in zip(hyps, refs, strict=True)],
+            "chrf": [chrf.sentence_score(h, [r]).score for h, r in zip(hyps, refs, strict=True)]}
+
+
 def _scored_logits(model: nn.Module, examples: list[dict], batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
     """Per batch: the logits (n, V) of the positions that predict a target token, and those tokens (n,).
 
