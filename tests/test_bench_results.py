@@ -399,3 +399,35 @@ def test_spri_s2tt_keeps_the_evaluations_per_item_scores_and_its_row(tmp_path):
         "directions": {lang: {"n": 2, "bleu": 5.0, "chrf": 6.0, "loss": 2.0} for lang in per_item},
         "avg": {"bleu": 5.0, "chrf": 6.0, "loss": 2.0}, "params": {"total": 10, "active": 5}, "device": "x",
         "steps": 3, "seconds": 1.0, "hours": {"train": 1.0, "test": 0.1}}
+
+
+def test_spri_s2tt_commits_each_run_it_finishes_and_reports_it(tmp_path, monkeypatch):
+    """The run path: stage 0 (before and after, as seed 0) and every (system, seed) the bench finishes are committed
+    (keep) before the report reads the committed files; training stubbed by a run that writes its results.json."""
+    import spri_s2tt
+
+    def run(name, folder, overrides, steps):
+        langs = ["en"] if name == "stage0" else S2TT_LANGS
+        metrics = ("wer", "cer") if name == "stage0" else ("bleu", "chrf")
+        folder.mkdir(parents=True)
+        results = {"directions": {lang: {"n": 2, "loss": 2.0, **{m: 0.5 for m in metrics}} for lang in langs},
+                   "avg": {} if name == "stage0" else {"bleu": 0.5, "chrf": 0.5, "loss": 2.0},
+                   "params": {"total": 10, "active": 5},
+                   "per_item": {lang: {m: [0.25, 0.75] for m in metrics} for lang in langs}}
+        (folder / "results.json").write_text(json.dumps(results))
+        return {"device": "stub", "steps": steps, "seconds": 60.0}
+
+    monkeypatch.setattr(spri_s2tt, "run", run)
+    monkeypatch.setattr(spri_s2tt, "corpus", lambda data, **cfg: data)
+    monkeypatch.setattr(spri_s2tt, "speech_hours", lambda data: {"train": 1.0, "test": 0.5})
+    out = tmp_path / "BENCHMARKS.md"
+    spri_s2tt.main(["--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results"), "--seeds", "0", "1",
+                    "--only", "dense_ft", "spri_two_stage", "--steps", "3", "--stage0-steps", "4", "--write", str(out)])
+    assert set(load_scores("spri_s2tt", tmp_path / "results")) == {
+        ("stage0_untrained", 0), ("stage0", 0), *((n, s) for n in ("dense_ft", "spri_two_stage") for s in (0, 1))}
+    text = out.read_text()
+    assert "| before | 1 | 0.500 | 0.500 | 2.000 | 1.0 |" in text and "| after | 4 | 0.500 |" in text
+    assert "| spri_two_stage | 1 | 0.50 | 0.50 |" in text and "(1.00 h of training speech, 0.50 h of test speech)" in text
+    ((_, table),) = claim_tables(text)
+    assert table[2].startswith("| SPRI (two-stage) beats dense fine-tuning (A > B) | spri_two_stage − dense_ft | "
+                               "sentence BLEU, 4 directions | 0, 1 |")
