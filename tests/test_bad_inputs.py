@@ -2130,6 +2130,17 @@ CASES += [
          r"qwen3_asr has no usable processor: "),
 ]
 
+# i37-rest (issue 37 leftovers: finetune --dry-run's selection check, a config wider than its weights on every load
+# path, mergekit expert sources with FFN tensors only)
+CASES += [
+    Case("finetune-dry-run-selection-of-a-layer-the-model-lacks",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts",
+                       other_model_sel(t, {f.layers[0]: [0]}, {f.layers[0]: 4, "model.layers.2.mlp": 4}),
+                       "--data", f"en={text(t, f)}", "--out", t / "ft", "--dry-run"],
+         OTHER + r"model\.layers\.2\.mlp has 4 experts there, no such MoE layer here"),
+]
+
+
 def params(cases: list[Case]) -> list:
     return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.bug)] if c.bug else [])
             for c in cases]
