@@ -2138,6 +2138,26 @@ CASES += [
                        other_model_sel(t, {f.layers[0]: [0]}, {f.layers[0]: 4, "model.layers.2.mlp": 4}),
                        "--data", f"en={text(t, f)}", "--out", t / "ft", "--dry-run"],
          OTHER + r"model\.layers\.2\.mlp has 4 experts there, no such MoE layer here"),
+    # a config declaring 200,000 experts over 8-expert weights: refused on every load path before its size is
+    # allocated (before the fix: 1.7 GiB of per-expert names for the shape check, 5 GiB of experts streamed)
+    *(Case(f"config-200000-experts-{name}", lambda t, f, a=argv: a(t, native_with(t, f, config_set(
+        "num_local_experts", 200_000))), re.escape(f"q3: model.layers.0.mlp.gate.weight is [8, 32] in the weights "
+                                                  "but [200000, 32] by its config.json") + "$")
+      for name, argv in (("inspect", lambda t, m: ["inspect", m]),
+                         *((f"collect-stream-{mode}", lambda t, m, mode=mode: collect(
+                             m, t / "t.npz", "en=" + str(write(t / "en.txt", "the day\n")), extra=["--stream", mode]))
+                           for mode in ("on", "off")),
+                         ("prune", lambda t, m: ["prune", "--model", m, "--experts", native_sel(t), "--out", t / "p"]),
+                         ("prune-keep", lambda t, m: ["prune", "--model", m, "--experts", native_sel(t), "--keep",
+                                                      "--out", t / "p"]))),
+    *(Case(f"moekit-json-200000-experts-{name}", lambda t, f, a=argv: a(t, moe_with(t, f, lambda d: edit_json(
+        d / "moekit.json", lambda m: [dig(m, f"layers.{i}.layout.num_experts", 200_000) for i in (0, 1)]))),
+           r"moe/model\.safetensors: model\.layers\.1\.mlp\.router\.weight is F32\[4, 32\], the metadata says "
+           r"float32\[200000, 32\]$")
+      for name, argv in (*((f"collect-stream-{mode}", lambda t, m, mode=mode: collect(
+                             m, t / "t.npz", "en=" + str(write(t / "en.txt", "the day\n")), extra=["--stream", mode]))
+                           for mode in ("on", "off")),
+                         ("export", lambda t, m: ["export", m, "--format", "mixtral", "--out", t / "e"]))),
 ]
 
 
