@@ -2076,22 +2076,22 @@ CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTION
          *ISSUE37_BAD_INPUTS, *FUZZ_FINDS, *SPEECH_LLM_TRANSCRIPTS]
 
 # issue 37 §6 (model cards and the mergekit command line)
-def qwen2_base_llama_expert(t: Path, f: Fx) -> Path:
-    """A mergekit-moe config with a Qwen2 base (attention biases) and a Llama expert (none) of the same shapes."""
-    from moekit.testing import tiny_qwen2, tiny_tokenizer
+def llama_base_gpt2_expert(t: Path, f: Fx) -> Path:
+    """A mergekit-moe config with a Llama base (gate/up/down FFNs) and a GPT-2 expert (c_fc/c_proj): expert sources
+    give their FFN tensors only, and this one has none of the base's."""
+    from moekit.testing import tiny_gpt2
 
-    tiny_qwen2().save_pretrained(t / "qwen2")
-    tiny_tokenizer().save_pretrained(t / "qwen2")
-    return write(t / "mk.yml", yaml.safe_dump({"base_model": str(t / "qwen2"), "gate_mode": "random",
-                                                "experts": [{"source_model": str(dense(t, f))},
-                                                            {"source_model": str(t / "qwen2")}]}))
+    tiny_gpt2().save_pretrained(t / "gpt2")
+    return write(t / "mk.yml", yaml.safe_dump({"base_model": str(dense(t, f)), "gate_mode": "random",
+                                                "experts": [{"source_model": str(dense(t, f, "d2"))},
+                                                            {"source_model": str(t / "gpt2")}]}))
 
 
 CASES += [
     Case("mergekit-crimes-tensors-differ",
-         lambda t, f: (["upcycle", qwen2_base_llama_expert(t, f), "--allow-crimes", t / "o"], t / "o"),
-         r"dense \(LlamaForCausalLM\) and the base model .*qwen2 \(Qwen2ForCausalLM\) mix architectures whose tensors "
-         r"differ: the first has no model\.layers\.0\.self_attn\.q_proj\.bias$"),
+         lambda t, f: (["upcycle", llama_base_gpt2_expert(t, f), "--allow-crimes", t / "o"], t / "o"),
+         r"gpt2 \(GPT2LMHeadModel\) and the base model .*dense \(LlamaForCausalLM\) mix architectures whose tensors "
+         r"differ: the first has no model\.layers\.0\.mlp\.gate_proj\.weight$"),
 ]
 
 
