@@ -3,9 +3,12 @@ resumable, counts per outcome written to BENCHMARKS.md.
 
 Cases run in chunks, each chunk in a child process (a reader that kills its process, e.g. with SIGSEGV, costs the
 chunk, which is then rerun one case per process to name the case). Progress is kept in --state after every
-chunk: run the same command again to continue where it stopped; --cases can be raised to go on further.
+chunk: run the same command again to continue where it stopped; --cases can be raised to go on further. The state
+is small and committed (bench/results/fuzz/state.json: per reader the cases done, the count of each outcome, the
+seconds spent and the first failures), so BENCHMARKS.md's section regenerates from the repository with --report-only.
 
     nice -n 19 .venv/bin/python bench/fuzz.py --cases 10000 --write BENCHMARKS.md
+    .venv/bin/python bench/fuzz.py --report-only --write BENCHMARKS.md   # the section again, from the state alone
     .venv/bin/python bench/fuzz.py --show runs/fuzz/case --reader trace --index 123   # rebuild one case's input
 """
 from __future__ import annotations
@@ -59,6 +62,9 @@ def run_chunk(args, name: str, start: int, count: int) -> list[dict]:
 
 
 def load_state(path: Path) -> dict:
+    """{reader: {"next": cases done, "counts": {outcome: n}, "failures": [the first KEEP], "seconds": spent,
+    "seed", "date": of its last chunk}}; "seed" and "date" may be missing (states written before they were kept:
+    seed 0, date unknown)."""
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -66,7 +72,9 @@ def fuzz(args, report) -> dict:
     """Every reader in turn up to --cases; `report(state)` after every chunk."""
     state = load_state(args.state)
     for name in args.readers:
-        entry = state.setdefault(name, {"next": 0, "counts": {}, "failures": [], "seconds": 0.0})
+        entry = state.setdefault(name, {"next": 0, "counts": {}, "failures": [], "seconds": 0.0, "seed": args.seed})
+        if entry.get("seed", 0) != args.seed:
+            raise SystemExit(f"{name}: {args.state} holds seed {entry.get('seed', 0)}'s cases, not seed {args.seed}'s")
         while entry["next"] < args.cases:
             n = min(args.chunk, args.cases - entry["next"])
             t0 = time.perf_counter()
@@ -76,6 +84,7 @@ def fuzz(args, report) -> dict:
                     entry["failures"].append(r)
             entry["next"] += n
             entry["seconds"] += time.perf_counter() - t0
+            entry["date"] = str(date.today())
             args.state.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(args.state, json.dumps(state, indent=1))
             report(state)
@@ -83,22 +92,38 @@ def fuzz(args, report) -> dict:
     return state
 
 
-def section(state: dict, command: str) -> str:
-    cols = list(OUTCOMES)
-    rows = [f"| {name} | {e['next']:,} | " + " | ".join(f"{e['counts'].get(o, 0):,}" for o in cols)
+def table(state: dict) -> list[str]:
+    """The counts table, one row per reader of `state`."""
+    rows = [f"| {name} | {e['next']:,} | " + " | ".join(f"{e['counts'].get(o, 0):,}" for o in OUTCOMES)
             + f" | {1000 * e['seconds'] / max(e['next'], 1):.0f} |" for name, e in sorted(state.items())]
+    return ["| reader | cases | " + " | ".join(OUTCOMES) + " | ms / case |", "|---|" + "---:|" * (len(OUTCOMES) + 2),
+            *rows]
+
+
+def command(state: dict) -> str:
+    """The command that runs the cases of `state` (and continues them where they stopped)."""
+    readers = "" if set(state) == set(READERS) else " --readers " + " ".join(sorted(state))
+    seeds = {e.get("seed", 0) for e in state.values()}
+    seed = f" --seed {seeds.pop()}" if seeds != {0} and len(seeds) == 1 else ""
+    return f"bench/fuzz.py --cases {max(e['next'] for e in state.values())}{readers}{seed} --write BENCHMARKS.md"
+
+
+def section(state: dict) -> str:
+    """BENCHMARKS.md's fuzz section, from the state alone (so --report-only rebuilds it byte for byte)."""
+    dates = sorted(e["date"] for e in state.values() if "date" in e)
     failures = [f"- {name} case {f['index']}: {f['outcome']}: {' '.join(f['detail'].split())[-200:]}"
                 for name, e in sorted(state.items()) for f in e["failures"]]
     return "\n".join([
         MARK[0], "## Fuzzing the readers of untrusted input (bench/fuzz.py)", "",
-        f"{date.today()}, CPU (`{command}`; the same command continues a run that stopped). Seed 0, cases 0..N-1 "
-        "of each reader (moekit.testing.fuzz_readers): structure-aware mutations of a valid tiny input, read by the "
-        "library call in a child process with a 10 s limit per case and an address space of 2 GiB more than the "
-        "process had. ok: accepted; error: one MoekitError line; crash, timeout, memory (a declared size allocated before it was checked), "
-        "touched (a file changed outside the case's output): failures, each to become a fixed bug and a row in "
-        "tests/test_bad_inputs.py.", "",
-        "| reader | cases | " + " | ".join(cols) + " | ms / case |", "|---|" + "---:|" * (len(cols) + 2), *rows, "",
-        *(["Failures kept (first 20 per reader):", "", *failures, ""] if failures else []), MARK[1]])
+        (f"Last cases run {dates[-1]}, " if dates else "") + f"CPU (`{command(state)}`; the same command continues a "
+        "run that stopped; `bench/fuzz.py --report-only --write BENCHMARKS.md` rebuilds this section from "
+        "bench/results/fuzz/state.json). Cases 0..N-1 of each reader (moekit.testing.fuzz_readers): structure-aware "
+        "mutations of a valid tiny input, read by the library call in a child process with a 10 s limit per case and "
+        "an address space of 2 GiB more than the process had. ok: accepted; error: one MoekitError line; crash, "
+        "timeout, memory (a declared size allocated before it was checked), touched (a file changed outside the "
+        "case's output): failures, each to become a fixed bug and a row in tests/test_bad_inputs.py.", "",
+        *table(state), "",
+        *([f"Failures kept (first {KEEP} per reader):", "", *failures, ""] if failures else []), MARK[1]])
 
 
 def main() -> None:
@@ -109,9 +134,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the fuzz seed (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=500, help="cases per child process (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per case (default: %(default)s)")
-    p.add_argument("--state", type=Path, default=Path("runs/fuzz/state.json"), help="progress file (default: %(default)s)")
+    p.add_argument("--state", type=Path, default=Path("bench/results/fuzz/state.json"),
+                   help="progress file, committed (default: %(default)s)")
     p.add_argument("--work", type=Path, default=Path("runs/fuzz/work"), help="seeds and cases (default: %(default)s)")
     p.add_argument("--write", type=Path, help="BENCHMARKS.md to put the table in")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild the section from --state into --write (or print it)")
     p.add_argument("--show", type=Path, help="write case --index of --reader into this folder and stop")
     p.add_argument("--reader", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help="the case --show writes (default: %(default)s)")
@@ -125,8 +153,12 @@ def main() -> None:
         run_reader(READERS[args.reader], args.work, count=0)  # the seed
         print(write_case(READERS[args.reader], args.work / args.reader / "seed", args.seed, args.index, args.show))
         return None
-    command = " ".join(["bench/fuzz.py", *sys.argv[1:]])
-    fuzz(args, lambda state: args.write and write_section(args.write, section(state, command), MARK))
+    if args.report_only:
+        state = load_state(args.state)
+        if not state:
+            raise SystemExit(f"{args.state}: no fuzz state to report")
+        return write_section(args.write, section(state), MARK) if args.write else print(section(state))
+    fuzz(args, lambda state: args.write and write_section(args.write, section(state), MARK))
 
 
 if __name__ == "__main__":

@@ -212,3 +212,31 @@ def test_fig5_token_entropy_and_fig6_relative_wer_change(tiny_speech):
     report = routing_report(model, tr, [tr.batch(test["en"][:4])], None, [0.5])
     assert len(report["token_entropy"]) == len(report["layers"]) == 2
     assert report["token_entropy_tokens"] >= 1 and all(0 <= h <= math.log(4) + 1e-9 for h in report["token_entropy"])
+
+
+def test_whisper_recipe_trains_its_upcycled_checkpoint_as_it_is(tiny_speech, tmp_path, run):
+    """model.path holding the recipe's own upcycle of the Whisper (moekit.checkpoint.upcycle, as `moekit upcycle`
+    writes it) trains as it is, as text and speech-LLM recipes do (TrainingMethod.prepared): the same trained weights
+    and transcripts as the run that upcycles the dense Whisper itself; a checkpoint upcycled with another spec is
+    refused naming the field, before any run directory is made."""
+    from moekit.checkpoint.upcycle import upcycle_checkpoint
+    from moekit.config import load_yaml
+
+    path = RECIPES[ids.index("ume_whisper_tiny")]
+    dense = tiny_overrides(path, tiny_speech, tmp_path / "dense")
+    upcycle_checkpoint(tiny_speech["whisper"], tmp_path / "up", load_yaml(path, ASRRecipe, dense).moe)
+    rc, _, err = run("train", path, *dense)
+    assert rc == 0, err
+    rc, _, err = run("train", path, *tiny_overrides(path, tiny_speech, tmp_path / "from_up",
+                                                    **{"model.path": str(tmp_path / "up")}))
+    assert rc == 0, err
+    ran, again = (load_model(tmp_path / name / "model").state_dict() for name in ("dense", "from_up"))
+    assert ran.keys() == again.keys() and all(torch.equal(ran[k], again[k]) for k in ran)
+    results = [json.loads((tmp_path / name / "results.json").read_text()) for name in ("dense", "from_up")]
+    assert results[0]["transcripts"] == results[1]["transcripts"]
+    rc, _, err = run("train", path, *tiny_overrides(path, tiny_speech, tmp_path / "other",
+                                                    **{"model.path": str(tmp_path / "up"), "moe.top_k": 1}))
+    assert rc == 2 and err.splitlines()[-1] == (
+        f"moekit: error: {tmp_path / 'up'} was upcycled with moe.top_k=2 (its moekit.json), the recipe has "
+        "moe.top_k=1: give the recipe the checkpoint's spec, or start from the dense model")
+    assert not (tmp_path / "other").exists()

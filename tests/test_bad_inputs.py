@@ -2086,22 +2086,22 @@ CASES = [*GUARDS, *DRY_RUN, *REMOTE_CODE, *CHECKPOINT_FILES, *TRACES, *SELECTION
          *ISSUE37_BAD_INPUTS, *FUZZ_FINDS, *SPEECH_LLM_TRANSCRIPTS]
 
 # issue 37 §6 (model cards and the mergekit command line)
-def qwen2_base_llama_expert(t: Path, f: Fx) -> Path:
-    """A mergekit-moe config with a Qwen2 base (attention biases) and a Llama expert (none) of the same shapes."""
-    from moekit.testing import tiny_qwen2, tiny_tokenizer
+def llama_base_gpt2_expert(t: Path, f: Fx) -> Path:
+    """A mergekit-moe config with a Llama base (gate/up/down FFNs) and a GPT-2 expert (c_fc/c_proj): expert sources
+    give their FFN tensors only, and this one has none of the base's."""
+    from moekit.testing import tiny_gpt2
 
-    tiny_qwen2().save_pretrained(t / "qwen2")
-    tiny_tokenizer().save_pretrained(t / "qwen2")
-    return write(t / "mk.yml", yaml.safe_dump({"base_model": str(t / "qwen2"), "gate_mode": "random",
-                                                "experts": [{"source_model": str(dense(t, f))},
-                                                            {"source_model": str(t / "qwen2")}]}))
+    tiny_gpt2().save_pretrained(t / "gpt2")
+    return write(t / "mk.yml", yaml.safe_dump({"base_model": str(dense(t, f)), "gate_mode": "random",
+                                                "experts": [{"source_model": str(dense(t, f, "d2"))},
+                                                            {"source_model": str(t / "gpt2")}]}))
 
 
 CASES += [
     Case("mergekit-crimes-tensors-differ",
-         lambda t, f: (["upcycle", qwen2_base_llama_expert(t, f), "--allow-crimes", t / "o"], t / "o"),
-         r"dense \(LlamaForCausalLM\) and the base model .*qwen2 \(Qwen2ForCausalLM\) mix architectures whose tensors "
-         r"differ: the first has no model\.layers\.0\.self_attn\.q_proj\.bias$"),
+         lambda t, f: (["upcycle", llama_base_gpt2_expert(t, f), "--allow-crimes", t / "o"], t / "o"),
+         r"gpt2 \(GPT2LMHeadModel\) and the base model .*dense \(LlamaForCausalLM\) mix architectures whose tensors "
+         r"differ: the first has no model\.layers\.0\.mlp\.gate_proj\.weight$"),
 ]
 
 
@@ -2139,6 +2139,37 @@ CASES += [
              p.unlink() for p in (t / "qwen3_asr").iterdir() if p.name.startswith(("processor", "tokenizer")))))],
          r"qwen3_asr has no usable processor: "),
 ]
+
+# i37-rest (issue 37 leftovers: finetune --dry-run's selection check, a config wider than its weights on every load
+# path, mergekit expert sources with FFN tensors only)
+CASES += [
+    Case("finetune-dry-run-selection-of-a-layer-the-model-lacks",
+         lambda t, f: ["finetune", "--model", moe(t, f), "--experts",
+                       other_model_sel(t, {f.layers[0]: [0]}, {f.layers[0]: 4, "model.layers.2.mlp": 4}),
+                       "--data", f"en={text(t, f)}", "--out", t / "ft", "--dry-run"],
+         OTHER + r"model\.layers\.2\.mlp has 4 experts there, no such MoE layer here"),
+    # a config declaring 200,000 experts over 8-expert weights: refused on every load path before its size is
+    # allocated (before the fix: 1.7 GiB of per-expert names for the shape check, 5 GiB of experts streamed)
+    *(Case(f"config-200000-experts-{name}", lambda t, f, a=argv: a(t, native_with(t, f, config_set(
+        "num_local_experts", 200_000))), re.escape(f"q3: model.layers.0.mlp.gate.weight is [8, 32] in the weights "
+                                                  "but [200000, 32] by its config.json") + "$")
+      for name, argv in (("inspect", lambda t, m: ["inspect", m]),
+                         *((f"collect-stream-{mode}", lambda t, m, mode=mode: collect(
+                             m, t / "t.npz", "en=" + str(write(t / "en.txt", "the day\n")), extra=["--stream", mode]))
+                           for mode in ("on", "off")),
+                         ("prune", lambda t, m: ["prune", "--model", m, "--experts", native_sel(t), "--out", t / "p"]),
+                         ("prune-keep", lambda t, m: ["prune", "--model", m, "--experts", native_sel(t), "--keep",
+                                                      "--out", t / "p"]))),
+    *(Case(f"moekit-json-200000-experts-{name}", lambda t, f, a=argv: a(t, moe_with(t, f, lambda d: edit_json(
+        d / "moekit.json", lambda m: [dig(m, f"layers.{i}.layout.num_experts", 200_000) for i in (0, 1)]))),
+           r"moe/model\.safetensors: model\.layers\.1\.mlp\.router\.weight is F32\[4, 32\], the metadata says "
+           r"float32\[200000, 32\]$")
+      for name, argv in (*((f"collect-stream-{mode}", lambda t, m, mode=mode: collect(
+                             m, t / "t.npz", "en=" + str(write(t / "en.txt", "the day\n")), extra=["--stream", mode]))
+                           for mode in ("on", "off")),
+                         ("export", lambda t, m: ["export", m, "--format", "mixtral", "--out", t / "e"]))),
+]
+
 
 def params(cases: list[Case]) -> list:
     return [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=c.bug)] if c.bug else [])

@@ -204,3 +204,21 @@ def test_plots_write_pngs_and_show_nothing(tmp_path, monkeypatch):
     assert "matplotlib.pyplot" not in sys.modules or not sys.modules["matplotlib.pyplot"].get_fignums()
     with pytest.raises(ConfigError):
         plot_usage({}, tmp_path / "none.png")
+
+
+def test_model_fields_of_translation_and_speech_llm_results(moe):
+    """The run-level fields both evaluations report (moekit.eval.translation.model_fields, used by evaluate_run and
+    moekit.eval.s2tt.evaluate_speech_llm): usage summed over directions then normalized, per direction normalized."""
+    from moekit.eval.translation import model_fields
+    from moekit.routing.sites import param_counts
+
+    layer = moe_layers(moe)[0][0]
+    counts = {"fr": {layer: torch.tensor([1, 3, 0, 0])}, "de": {layer: torch.tensor([3, 1, 2, 2])}}
+    fields = model_fields(moe, counts, {"fr": "13a", "de": "13a"})
+    total, active = param_counts(moe)
+    assert fields == {"diversity_init": fields["diversity_init"], "diversity": fields["diversity"],
+                      "usage": {layer: [4 / 12, 4 / 12, 2 / 12, 2 / 12]},
+                      "usage_by_direction": {"fr": {layer: [0.25, 0.75, 0.0, 0.0]},
+                                             "de": {layer: [3 / 8, 1 / 8, 2 / 8, 2 / 8]}},
+                      "params": {"total": total, "active": active}, "bleu_tokenize": {"fr": "13a", "de": "13a"}}
+    assert 0 < fields["diversity"] < 1

@@ -127,3 +127,33 @@ def test_ct2_zero_size_variable_reads(tmp_path):
     ck = ct2.read_model_bin(tmp_path / "model.bin")
     assert ck.variables["a"].shape == (0, 3) and ck.variables["a"].dtype == torch.int32
     assert torch.equal(ck.variables["b"], torch.ones(2))
+
+
+def test_bench_report_only_rebuilds_the_section_from_the_state(tmp_path):
+    """bench/fuzz.py --report-only: BENCHMARKS.md's section from the committed state alone (a state written before
+    "seed" and "date" were kept reads as seed 0), no "known" column, the text outside the section kept."""
+    import json
+    import subprocess
+    import sys
+
+    state = {"trace": {"next": 2000, "counts": {"ok": 500, "error": 1499, "crash": 1}, "seconds": 30.0,
+                       "failures": [{"index": 17, "outcome": "crash", "detail": "TypeError:\n  boom"}]},
+             "ct2": {"next": 1000, "counts": {"ok": 10, "error": 989, "timeout": 1}, "seconds": 16.4, "failures": [],
+                     "seed": 0, "date": "2026-11-27"}}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text("# Benchmarks\n\nbefore\n\n<!-- fuzz -->\nold\n<!-- /fuzz -->\n\nafter\n")
+    script = Path(__file__).resolve().parents[1] / "bench" / "fuzz.py"
+    proc = subprocess.run([sys.executable, str(script), "--report-only", "--state", str(tmp_path / "state.json"),
+                           "--write", str(bench), "--work", str(tmp_path / "nothing")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = bench.read_text()
+    assert text.startswith("# Benchmarks\n\nbefore\n\n<!-- fuzz -->\n") and text.endswith("<!-- /fuzz -->\n\nafter\n")
+    lines = text.splitlines()
+    head = lines.index("| reader | cases | ok | error | crash | timeout | memory | touched | ms / case |")
+    assert lines[head + 1:head + 5] == ["|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+                                        "| ct2 | 1,000 | 10 | 989 | 0 | 1 | 0 | 0 | 16 |",
+                                        "| trace | 2,000 | 500 | 1,499 | 1 | 0 | 0 | 0 | 15 |", ""]
+    assert "- trace case 17: crash: TypeError: boom" in lines
+    assert "Last cases run 2026-11-27, CPU (`bench/fuzz.py --cases 2000 --readers ct2 trace --write BENCHMARKS.md`" in text
+    assert not (tmp_path / "nothing").exists()  # nothing ran

@@ -305,3 +305,59 @@ def test_readme_tables_every_mergekit_flag_and_key():
     keys = [k for k in MergekitMoE.model_fields if k != "experts"]
     for key in [*keys, *(f"experts[i].{k}" for k in MergekitExpert.model_fields)]:
         assert f"`{key}`" in readme, key
+
+
+def ffn_only(src, dest, drop=None):
+    """`src` saved with its decoder FFN tensors only (config.json, no tokenizer): what mergekit-moe reads of an expert
+    model. `drop`: one FFN tensor left out as well."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir()
+    shutil.copy(src / "config.json", dest / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if ".mlp." in k and k != drop}, dest / "model.safetensors",
+              metadata={"format": "pt"})
+    return dest
+
+
+def out_tensors(folder):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_expert_sources_need_only_their_ffn_tensors(models, tmp_path, run):
+    """mergekit-moe reads only the FFN tensors of each expert model (docs/moe.md: attention and norms from the base):
+    an expert checkpoint without embeddings, attention, norms or lm_head upcycles to the same tensors as the full
+    model, with or without --allow-crimes; one that lacks an FFN tensor is refused naming it, nothing written. A
+    Qwen2 base (attention biases) with Llama experts (none) upcycles under --allow-crimes, every expert FFN the
+    Llama model's, every other tensor the base's."""
+    from moekit.testing import tiny_qwen2
+
+    data = config(models, "random")
+    rc, _, err = run("upcycle", write(tmp_path / "full.yml", data), tmp_path / "full")
+    assert rc == 0, err
+    data["experts"][1]["source_model"] = str(ffn_only(models / "m2", tmp_path / "m2_ffn"))
+    for flags in ([], ["--allow-crimes"]):
+        out = tmp_path / f"ffn{len(flags)}"
+        rc, _, err = run("upcycle", write(tmp_path / "ffn.yml", data), out, *flags)
+        assert rc == 0, err
+        want, got = out_tensors(tmp_path / "full"), out_tensors(out)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    gone = "model.layers.1.mlp.up_proj.weight"
+    data["experts"][1]["source_model"] = str(ffn_only(models / "m2", tmp_path / "m2_less", drop=gone))
+    err = refused(run, tmp_path / "less", data)
+    assert f"{tmp_path / 'm2_less'} has no tensor {gone}" in err
+    tiny_qwen2().save_pretrained(tmp_path / "qwen2")
+    tiny_tokenizer().save_pretrained(tmp_path / "qwen2")
+    data = {**config(models, "random"), "base_model": str(tmp_path / "qwen2")}
+    rc, _, err = run("upcycle", write(tmp_path / "crimes.yml", data), tmp_path / "crimes", "--allow-crimes")
+    assert rc == 0, err
+    got, base, expert = (out_tensors(tmp_path / "crimes"), out_tensors(tmp_path / "qwen2"),
+                         out_tensors(models / "m1"))
+    assert torch.equal(got["model.layers.0.self_attn.q_proj.bias"], base["model.layers.0.self_attn.q_proj.bias"])
+    assert torch.equal(got["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+    assert torch.equal(got["model.layers.0.mlp.experts.0.gate_proj.weight"],  # Qwen2-MoE, as mergekit writes it
+                       expert["model.layers.0.mlp.gate_proj.weight"])

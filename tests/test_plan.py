@@ -410,3 +410,36 @@ def test_dry_run_of_a_hub_id_fetches_its_config_only(run, tiny_recipe_overrides,
     files = {p.name for p in cache.rglob("*") if p.is_file() and "snapshots" in p.parts}
     assert files == {"config.json"}
     assert "config.json alone" in stdout and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind", ["moe", "qwen3_moe"])
+def test_finetune_dry_run_checks_the_selections_model(kind, run, tiny_moe, tmp_path):
+    """finetune --dry-run refuses a selection made for another model before printing a plan, as finetune does: a
+    selection recorded on this model (routes collect, select) plans; the same with another config digest is one error
+    line and nothing written; --allow-other-model plans it (issue 37 §4)."""
+    import json
+
+    folder, data = tiny_moe / kind, f"en={tiny_moe / 'en.txt'}"
+    rc, _, err = run("routes", "collect", "--model", folder, "--texts", data, "--out", tmp_path / "t.npz")
+    assert rc == 0, err
+    rc, _, err = run("select", "usage", tmp_path / "t.npz", "--top", 2, "--out", tmp_path / "s.json")
+    assert rc == 0, err
+    other = json.loads((tmp_path / "s.json").read_text())
+    digest = other["source"]["config_sha256"]
+    other["source"]["config_sha256"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(other))
+
+    def dry_run(sel, *extra):
+        return run("finetune", "--model", folder, "--experts", sel, "--data", data, "--out", tmp_path / "ft",
+                   "--dry-run", *extra)
+
+    rc, stdout, err = dry_run(tmp_path / "s.json")
+    assert rc == 0 and "the K selected rows" in stdout and "warning" not in err, err
+    before = tree_hash(tmp_path)
+    rc, stdout, err = dry_run(tmp_path / "other.json")
+    assert rc == 2 and stdout == "" and err.splitlines() == [
+        f"moekit: error: the selection was made for another model (trace {tmp_path / 't.npz'}): its config (sha256 "
+        f"000000000000) is not this model's ({digest[:12]}); pass --allow-other-model to use it anyway"]
+    assert tree_hash(tmp_path) == before and not (tmp_path / "ft").exists()
+    rc, stdout, err = dry_run(tmp_path / "other.json", "--allow-other-model")
+    assert rc == 0 and "the K selected rows" in stdout, err

@@ -188,9 +188,7 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     has_st = has_safetensors(path, allow_pickle)
     config = load_config(path, trust_remote_code)
     if has_st:  # shard names, headers, coverage, shapes and size checked before transformers opens anything
-        model = meta_model(path, trust_remote_code)
-        check_stored_shapes(path, model)
-        check_size(model, read_headers(path), path)
+        check_stored_shapes(path, meta_model(path, trust_remote_code))
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = model_class(arch, path) if arch and not trust_remote_code else transformers.AutoModel
     try:
@@ -273,10 +271,19 @@ def stored_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 def check_stored_shapes(folder: Path, model: nn.Module) -> None:
     """Every safetensors tensor of `folder` that `model` (its config's model on the meta device) names has the shape
-    the config gives it: a header with a transposed shape of the same byte count is refused before any weight is
-    read (transformers would report the tensor missing, or a copy would carry the wrong shape on)."""
-    want = stored_shapes(model)
-    for name, info in read_headers(folder).items():
+    the config gives it, and the config declares no model far larger than the weights (check_size), before any
+    weight is read: a header with a transposed shape of the same byte count is refused (transformers would report the
+    tensor missing, or a copy would carry the wrong shape on), and so is a config with more experts than its weights.
+    The model's own names come first (a router's or fused experts' shape is the telling line), the size next, and the
+    names transformers saves under last (one per expert: as many as the config declares, so only once it fits)."""
+    headers = read_headers(folder)
+    _compare_shapes(folder, headers, {k: tuple(v.shape) for k, v in model.state_dict().items()})
+    check_size(model, headers, folder)
+    _compare_shapes(folder, headers, stored_shapes(model))
+
+
+def _compare_shapes(folder: Path, headers: dict, want: dict[str, tuple[int, ...]]) -> None:
+    for name, info in headers.items():
         if name in want and tuple(info.shape) != want[name]:
             raise CheckpointError(f"{folder}: {name} is {list(info.shape)} in the weights but {list(want[name])} by "
                                   "its config.json")

@@ -212,10 +212,14 @@ def build_from_meta(folder: str | Path, buffers: bool = False) -> tuple[nn.Modul
     folder = Path(folder)
     meta = read_meta(folder)
     config = load_config(folder)
-    with init_empty_weights(include_buffers=False) if buffers else torch.device("meta"):
+    with torch.device("meta"):
         model = _build(meta, config, folder)
     model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint (export copies it once)
     check_headers(model, folder, meta["aliases"])
+    if buffers:  # built again once its sizes are checked: init_empty_weights creates each parameter before moving it
+        with init_empty_weights(include_buffers=False):
+            model = _build(meta, config, folder)
+        model.tie_weights()
     if meta["spec"] is not None:
         model_state(model).spec = validate(MoESpec, meta["spec"], source=f"MoE spec in {folder}/moekit.json")
     return model, meta

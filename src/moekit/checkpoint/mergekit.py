@@ -1,7 +1,7 @@
 """mergekit-moe configs (mergekit 0.1.5's MoEMergeConfig and docs/moe.md) read as moekit upcycling recipes.
 
 Key by key: `base_model` -> the model upcycled (every weight but the FFNs); `experts[i].source_model` -> routed
-expert i's FFN (init `sources`); its `positive_prompts` / `negative_prompts` -> router.prompts[i]; `noise_scale`
+expert i's FFN (init `sources`; only its FFN tensors are read or needed, as mergekit reads only those); its `positive_prompts` / `negative_prompts` -> router.prompts[i]; `noise_scale`
 / `residual_scale` -> init.scaling; `gate_mode` -> router.init (GATE_MODES); `experts_per_token` -> top_k;
 `shared_experts` (at most one) -> the shared expert and its model, gated as Qwen-MoE's where mergekit writes Qwen
 MoE (`shared_gated`; its prompts -> router.shared_prompts); `dtype` -> the output dtype; `architecture` -> the

@@ -19,8 +19,8 @@ from moekit.checkpoint.export.write import native_units
 from moekit.checkpoint.files import ShardReader, copy_file, read_headers
 from moekit.checkpoint.format import moekit_meta, unique_tensors
 from moekit.checkpoint.layerwise import streamed_prompt_rows
-from moekit.checkpoint.stream import (Copy, StoredParts, UpcycledParts, draw_router, meta_moe_model, moe_units,
-                                      moekit_naming, ordered_units, planned_bytes, read_ffn, write_units)
+from moekit.checkpoint.stream import (Copy, StoredParts, UpcycledParts, draw_router, ffn_keys, meta_moe_model,
+                                      moe_units, moekit_naming, ordered_units, planned_bytes, read_ffn, write_units)
 from moekit.checkpoint.wrapped import save_config
 from moekit.checkpoint.writer import DEFAULT_SHARD
 from moekit.config import Config
@@ -169,8 +169,9 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     reader, branches = ShardReader(src), [ShardReader(b) for b in branch_dirs]
     dt = output_dtype(dtype, reader)
     slots = selected_slots(dense, spec)
-    for r in (reader, *branches):
-        check_shapes(dense, r, src)
+    check_shapes(dense, reader, src)
+    for b in branches:  # a branch gives its FFNs only, unless its other weights are averaged in (btx)
+        check_shapes(dense, b, src, None if spec.init.averages_non_ffn else ffn_names(slots))
     tokenizer = load_tokenizer(src, trust_remote_code)  # its files are copied: they must load
     moe, _ = meta_moe_model(dense, slots, router_groups(slots, spec), public, dt)
     fmt, plan, why = choose_format(format, moe, layout, dt)
@@ -263,14 +264,23 @@ def check_memory(dense: nn.Module, slots, spec: MoESpec, force: bool) -> None:
                             "available; pass force=True to try anyway")
 
 
-def check_shapes(model: nn.Module, reader: ShardReader, config_dir: Path) -> None:
-    """Every tensor of the model that `config_dir`'s config.json describes is in the checkpoint with that shape
-    (a config that disagrees with its weights, or a branch or expert model of another size or architecture, is
-    refused before any work; for a mix of architectures, in one line naming both and the first missing tensor)."""
+def ffn_names(slots) -> set[str]:
+    """The checkpoint names of the dense FFN tensors of `slots` (what an expert source model gives)."""
+    return {f"{slot.stack}.{slot.index}.{key}" for slot in slots for key in ffn_keys(slot)}
+
+
+def check_shapes(model: nn.Module, reader: ShardReader, config_dir: Path, only: set[str] | None = None) -> None:
+    """Every tensor of the model that `config_dir`'s config.json describes (or those of them named in `only`) is in
+    the checkpoint with that shape (a config that disagrees with its weights, or a branch or expert model of another
+    size or architecture, is refused before any work; for a mix of architectures, in one line naming both and the
+    first missing tensor). mergekit-moe reads only the FFN tensors of its expert models (docs/moe.md: attention and
+    norms come from the base model), so an expert source is checked with `only` its FFNs (ffn_names)."""
     kept, aliases = unique_tensors(model)
     base, folder = Path(config_dir), Path(reader.folder)
     kinds = (declared_architecture(folder), declared_architecture(base))
     for key, t in kept.items():
+        if only is not None and key not in only:
+            continue
         try:
             name = source_key(key, aliases, reader)
         except ConfigError:

@@ -127,7 +127,8 @@ def run_finetune(args: argparse.Namespace) -> None:
         print_plan(plan_finetune(args.model, args.experts, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                  max_length=args.max_length, trust_remote_code=args.trust_remote_code,
                                  devices=args.devices, expert_parallel=args.expert_parallel,
-                                 log=err_console().print), args.device_memory)
+                                 allow_other_model=args.allow_other_model, log=err_console().print, warn=warn),
+                   args.device_memory)
         return
     engine = engine_of({} if args.deepspeed is None else {"deepspeed": args.deepspeed}, args.fsdp,
                        args.expert_parallel or 1)

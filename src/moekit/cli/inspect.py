@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
                        description="Show the base model, the MoE layers (experts, top-k), total and active "
                                    "parameter counts and, for a moekit checkpoint, the init method. A transformers "
                                    "MoE directory (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) is read from its "
-                                   "config alone: no weights are loaded.")
+                                   "config alone, its shapes checked against the safetensors headers: no weights "
+                                   "are loaded.")
     p.add_argument("dir", help="moekit checkpoint or transformers MoE model directory")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model directory that ships its own Python code (auto_map); it will run")
@@ -96,12 +97,15 @@ def show_moekit(folder: str) -> None:
 
 
 def show_native(folder: Path, trust_remote_code: bool) -> None:
-    """A transformers MoE directory, built on the meta device from its config (no weight is read)."""
+    """A transformers MoE directory, built on the meta device from its config (no weight is read; the shapes it gives
+    are checked against the safetensors headers where there are weights)."""
     from moekit.errors import CheckpointError, UnsupportedModelError
-    from moekit.checkpoint.dense import meta_model
+    from moekit.checkpoint.dense import check_stored_shapes, has_safetensors, meta_model
     from moekit.routing.sites import find_sites
 
     model = meta_model(folder, trust_remote_code)
+    if has_safetensors(folder, allow_pickle=True):
+        check_stored_shapes(folder, model)
     try:
         sites = find_sites(model)
     except UnsupportedModelError as e:

@@ -19,13 +19,10 @@ from pathlib import Path
 from torch import nn
 
 from moekit.errors import ConfigError
-from moekit.eval.translation import bleu_chrf, bleu_tokenizer, sentence_bleu_chrf
-from moekit.eval.usage import fractions, inference, usage_counts
-from moekit.moe.diversity import diversity, init_diversity
-from moekit.moe.layer import moe_layers
+from moekit.eval.translation import bleu_chrf, bleu_tokenizer, model_fields, sentence_bleu_chrf
+from moekit.eval.usage import inference, usage_counts
 from moekit.progress import report
 from moekit.routing.permutation import mean_loss
-from moekit.routing.sites import param_counts
 from moekit.speech.llm import SpeechLLMInputs
 from moekit.speech.s2tt import SOURCE, Example
 
@@ -118,19 +115,8 @@ def evaluate_speech_llm(model: nn.Module, inputs: SpeechLLMInputs, test: dict[st
             outs[d] = outputs(model, inputs, rows, batch_size, max_new_tokens)
             corpus, items[d] = _scores(rows, outs[d], ckpt, comet_batch_size)
             directions[d].update(corpus)
-    total, active = param_counts(model)
-    return {
-        "directions": directions,
-        "avg": _average(directions),
-        "diversity_init": init_diversity(model),
-        "diversity": diversity(model) if moe_layers(model) else None,
-        "usage": fractions({p: sum(c[p] for c in counts.values()) for p in next(iter(counts.values()))}),
-        "usage_by_direction": {d: fractions(c) for d, c in counts.items()},
-        "params": {"total": total, "active": active},
-        "bleu_tokenize": tokenize,
-        "outputs": outs,
-        "per_item": items,
-    }
+    return {"directions": directions, "avg": _average(directions), **model_fields(model, counts, tokenize),
+            "outputs": outs, "per_item": items}
 
 
 def result_rows(results: dict) -> list[dict]:

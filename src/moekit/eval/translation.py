@@ -245,19 +245,25 @@ def evaluate_run(model: nn.Module, tokenizer, test_pairs: dict[str, list[Pair]],
         if generate:
             translations[lang] = hyps
     keys = [k for k in ("bleu", "chrf", "loss") if all(k in row for row in directions.values())]
-    total, active = param_counts(model)
     return {
         "directions": directions,
         "avg": {k: sum(row[k] for row in directions.values()) / len(directions) for k in keys},
         "kl": None if dense_ref is None else dense_ref.kl(model, batch_size),
-        "diversity_init": init_diversity(model),
-        "diversity": diversity(model) if moe_layers(model) else None,
-        "usage": fractions({p: sum(c[p] for c in counts.values()) for p in next(iter(counts.values()))}),
-        "usage_by_direction": {lang: fractions(c) for lang, c in counts.items()},
-        "params": {"total": total, "active": active},
-        "bleu_tokenize": tokenize,
+        **model_fields(model, counts, tokenize),
         "translations": translations,
     }
+
+
+def model_fields(model: nn.Module, counts: dict[str, dict[str, Tensor]], tokenize: dict[str, str]) -> dict:
+    """The model-level fields of a run's results (evaluate_run's, and the speech-LLM evaluation's in moekit.eval.s2tt):
+    inter-expert diversity of an MoE model now and as upcycled (SPRI A.1; None where not recorded), expert usage
+    overall and per direction (`counts`: {direction: moekit.eval.usage.usage_counts}), total / active parameters,
+    and the sacreBLEU tokenizer of each direction (`tokenize`)."""
+    total, active = param_counts(model)
+    return {"diversity_init": init_diversity(model), "diversity": diversity(model) if moe_layers(model) else None,
+            "usage": fractions({p: sum(c[p] for c in counts.values()) for p in next(iter(counts.values()))}),
+            "usage_by_direction": {d: fractions(c) for d, c in counts.items()},
+            "params": {"total": total, "active": active}, "bleu_tokenize": tokenize}
 
 
 def result_rows(results: dict) -> list[dict]:

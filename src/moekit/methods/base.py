@@ -21,7 +21,7 @@ def load_base(recipe, path: Path) -> nn.Module:
     from moekit.checkpoint.dense import load_dense
     from moekit.checkpoint.format import load
 
-    dtype = torch.bfloat16 if recipe.model.dtype == "bfloat16" else torch.float32
+    dtype = torch.bfloat16 if getattr(recipe.model, "dtype", "float32") == "bfloat16" else torch.float32  # ASR: float32
     if method(recipe.method).prepared(recipe, path):
         return load(path).to(dtype)
     return load_dense(path, recipe.model.allow_pickle, recipe.model.trust_remote_code, dtype)

@@ -23,8 +23,8 @@ from moekit.eval.asr import CTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.training.args import check_training_args
 from moekit.training.recipe import ASRRecipe
-from moekit.training.common import (adapt, evaluation_model, make_trainer, recipe_inputs, resume_from, run_directory,
-                                 save_final, write_run_files)
+from moekit.training.common import (adapt, check_base, evaluation_model, make_trainer, recipe_inputs, resume_from,
+                                    run_directory, save_final, write_run_files)
 
 VOCAB_FILE = "ctc_vocab.json"
 
@@ -41,11 +41,12 @@ def _whisper(recipe: ASRRecipe) -> tuple[nn.Module, Speech]:
     from transformers import WhisperFeatureExtractor
 
     from moekit.assets import resolve_model
-    from moekit.checkpoint.dense import load_dense, load_tokenizer
+    from moekit.checkpoint.dense import load_tokenizer
+    from moekit.methods.base import load_base
 
     m = recipe.model
-    path = resolve_model(m.path)
-    model, tok = load_dense(path, m.allow_pickle, m.trust_remote_code), load_tokenizer(path, m.trust_remote_code)
+    path = resolve_model(m.path)  # a dense Whisper, or the recipe's upcycled checkpoint of it (trained as it is)
+    model, tok = load_base(recipe, path), load_tokenizer(path, m.trust_remote_code)
     if tok is None:
         raise ConfigError(f"{path} has no tokenizer files; a Whisper recipe needs Whisper's tokenizer")
     multi = bool(getattr(model.generation_config, "is_multilingual", False))
@@ -107,6 +108,7 @@ def train_asr(recipe: ASRRecipe, overwrite: bool = False, resume: bool = False, 
     """Train an ASR recipe and evaluate the result (results.json/csv, loss.png, usage.png in `out`); the run
     lives in a working directory until it has finished (moekit.training.common.run_directory)."""
     check_training_args(recipe)
+    check_base(recipe)
     with run_directory(recipe, overwrite, resume, [*recipe_inputs(recipe), *inputs]) as (work, last):
         return _train_asr(work, last, callbacks, final_out=recipe.out)
 

@@ -47,10 +47,9 @@ def adapt(recipe, model: nn.Module, tokenizer=None) -> nn.Module:
 
 def check_base(recipe) -> None:
     """A local model.path the recipe's method cannot start from, refused before any work (TrainingMethod.prepared:
-    e.g. a checkpoint upcycled with another MoE spec than the recipe's)."""
-    folder = Path(recipe.model.path)
-    if folder.is_dir():
-        method(recipe.method).prepared(recipe, folder)
+    e.g. a checkpoint upcycled with another MoE spec than the recipe's). A CTC recipe has none (trained from scratch)."""
+    if recipe.model.path is not None and Path(recipe.model.path).is_dir():
+        method(recipe.method).prepared(recipe, Path(recipe.model.path))
 
 
 def build_model(recipe: TranslationRecipe, path: Path) -> nn.Module:

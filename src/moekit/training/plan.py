@@ -231,10 +231,12 @@ def _optimizer_note(trainer_args: dict) -> list[str]:
 
 def plan_finetune(model: str, experts: str, *, batch_size: int = 16, grad_accum: int = 1, max_length: int = 128,
                   trust_remote_code: bool = False, devices: int = 8, expert_parallel: int | None = None,
-                  log=None) -> Plan:
+                  allow_other_model: bool = False, log=None, warn=None) -> Plan:
     """The plan of `moekit finetune`: only the selection's expert rows train (moekit.selection.finetune.attach on the
     meta device), with the Trainer's AdamW in the checkpoint's dtype (moekit checkpoints) or float32 (transformers
-    directories, as finetune loads them); no mixed precision, no aux losses."""
+    directories, as finetune loads them); no mixed precision, no aux losses. A selection made for another model is
+    refused as finetune refuses it (moekit.selection.common.check_source, `warn` told of one without a source)."""
+    from moekit.selection.common import check_source
     from moekit.selection.finetune import ExpertRows, attach
     from moekit.selection.selection import Selection
     from moekit.training.plan_model import finetune_model
@@ -243,6 +245,7 @@ def plan_finetune(model: str, experts: str, *, batch_size: int = 16, grad_accum:
         raise ConfigError(f"devices must be a positive count, got {devices}")
     selection = Selection.load(experts)
     meta, folder, shapes = finetune_model(model, trust_remote_code, log)
+    check_source(selection, meta, allow_other_model, warn)
     attach(meta, selection)
     bases = [m.base for m in meta.modules() if isinstance(m, ExpertRows)]
     setting = Setting(f"moekit finetune {model}: {selection.count} experts in {len(selection.experts)} layers",
