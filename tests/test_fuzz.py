@@ -157,3 +157,30 @@ def test_bench_report_only_rebuilds_the_section_from_the_state(tmp_path):
     assert "- trace case 17: crash: TypeError: boom" in lines
     assert "Last cases run 2026-11-27, CPU (`bench/fuzz.py --cases 2000 --readers ct2 trace --write BENCHMARKS.md`" in text
     assert not (tmp_path / "nothing").exists()  # nothing ran
+
+
+def test_gguf_declared_counts_are_checked_against_the_file(tmp_path):
+    """Fuzz find (gguf cases 505, 930): a metadata array declaring 7.9e18 items made gguf's reader loop over it
+    (4.3 GiB and over a minute before the time limit); the counts walk refuses it from the header, and passes the
+    valid file. A tensor count beyond the file is refused the same way."""
+    import struct
+
+    from moekit.assets.gguf_header import check_gguf_counts
+    from moekit.errors import AssetError
+    from moekit.testing.fuzz import write_case
+    from moekit.testing.fuzz_readers import READERS
+
+    reader, seed_dir = READERS["gguf"], tmp_path / "seed"
+    seed_dir.mkdir()
+    reader.build(seed_dir)
+    check_gguf_counts(seed_dir / "m.gguf")  # the valid file
+    for index in (505, 930):
+        case = write_case(reader, seed_dir, 0, index, tmp_path / f"case-{index}")
+        with pytest.raises(AssetError, match=r"metadata entry \d+ array length 7,881,700,033,987,346,432 at byte \d+ "
+                                             r"does not fit in its 16,896 bytes"):
+            check_gguf_counts(case / "m.gguf")
+    data = bytearray((seed_dir / "m.gguf").read_bytes())
+    data[8:16] = struct.pack("<Q", 2**40)
+    (tmp_path / "t.gguf").write_bytes(data)
+    with pytest.raises(AssetError, match=r"tensor count 1,099,511,627,776 at byte 16 does not fit"):
+        check_gguf_counts(tmp_path / "t.gguf")

@@ -32,6 +32,7 @@ from torch import nn
 from moekit.checkpoint.card import HUB_ID, hub_id as card_hub_id
 from moekit.checkpoint.hub import resolve_hub
 from moekit.assets.ct2 import convert_whisper
+from moekit.assets.gguf_header import check_gguf_counts
 from moekit.errors import AssetError, MoekitError
 from moekit._fs import hub_cache, output
 
@@ -201,6 +202,7 @@ def _check_gguf_size(gguf: Path) -> None:
 
     from moekit.checkpoint.dense import check_layer_limit
 
+    check_gguf_counts(gguf)
     tensors = GGUFReader(gguf).tensors
     have = sum(math.prod(int(d) for d in t.shape) for t in tensors)
     config = tf.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)

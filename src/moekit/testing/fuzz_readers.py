@@ -119,7 +119,7 @@ def _hub_damage(rng: random.Random, repo: Path) -> None:
     elif op == 6:
         shutil.rmtree(snap)
         rng.choice([lambda: None, lambda: snap.write_text("x"), lambda: snap.symlink_to("../../..")])()
-    elif op == 7 and not (snap / "model.safetensors.index.json").is_symlink():
+    elif op == 7 and not os.path.lexists(snap / "model.safetensors.index.json"):  # op 6 may leave a file there
         (snap / "model.safetensors.index.json").symlink_to("../../../../outside.json")
     elif op == 8:
         (snap / rng.choice(["model.safetensors.index.json", "tokenizer_config.json", "extra.json"])).write_bytes(
