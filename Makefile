@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps clients test demo bench clean
+.PHONY: install sysdeps clients test demo docs bench clean
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SYSDEPS := espeak-ng flite sox
 
@@ -28,11 +28,16 @@ sysdeps:
 clients: $(STAMP)
 	$(BIN)/python tests/clients_env.py
 
+# loadgroup: the documentation walkthrough's pages (tests/test_readme.py, one xdist group) run on one worker, in order
 test: $(STAMP) sysdeps clients
-	$(BIN)/python -m pytest -n 2 -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q tests
+
+# the documentation site (mkdocs.yml, docs/) into site/; strict: a broken link or reference fails the build
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict
 
 demo: $(STAMP) sysdeps
 	$(BIN)/moekit demo --overwrite
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

@@ -1,7 +1,7 @@
 """The headline claims' tables, rebuilt by code: every claims table of BENCHMARKS.md recomputed from the per-item
 scores committed under bench/results/<bench>/ (bench/evidence.py; a table measured before those were committed: from
-its own printed per-seed columns, marked as such), then copied word for word into README.md (between <!-- claims -->
-and <!-- /claims -->), so that the two files cannot give a claim different words or numbers.
+its own printed per-seed columns, marked as such), then copied word for word into the documentation site's benchmarks page, docs/benchmarks.md (between
+<!-- claims --> and <!-- /claims -->), so that the two files cannot give a claim different words or numbers.
 tests/test_bench_stats.py checks that both files are this script's output for what the repository holds.
 
     .venv/bin/python bench/claims.py            # after a benchmark wrote its section to BENCHMARKS.md
@@ -99,11 +99,11 @@ def section(benchmarks: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--benchmarks", type=Path, default=Path("BENCHMARKS.md"))
-    ap.add_argument("--readme", type=Path, default=Path("README.md"))
+    ap.add_argument("--page", type=Path, default=Path("docs/benchmarks.md"))
     args = ap.parse_args()
     text = rebuild(args.benchmarks.read_text())
     args.benchmarks.write_text(text)
-    write_section(args.readme, section(text), MARK)
+    write_section(args.page, section(text), MARK)
 
 
 if __name__ == "__main__":

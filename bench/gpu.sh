@@ -3,7 +3,7 @@
 # transformers' experts, and the whole model against transformers' native MoE classes, in bf16 on one card.
 # Writes the GPU sections of BENCHMARKS.md and logs into $OUT (default runs/gpu). Made for a fresh copy of
 # the working tree on a lent machine whose image has torch and Triton but not this project's pinned packages:
-# wheels in .whl/ (see the README's "GPU" section for the list) are installed into /tmp/site first.
+# wheels in .whl/ (see docs/guides/distributed.md, "On a GPU", for the list) are installed into /tmp/site first.
 #     bash bench/gpu.sh            # at most about 9 minutes on one H100 / H200 (each step has its own timeout)
 set -u -o pipefail
 OUT=$(mkdir -p "${OUT:-runs/gpu}" && cd "${OUT:-runs/gpu}" && pwd)

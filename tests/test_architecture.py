@@ -1,13 +1,16 @@
 """The package's layering, checked on the import graph built from the code's own imports (every `import` and
 `from ... import` of a moekit module anywhere in a file: module level, inside functions, under TYPE_CHECKING).
 
-Layers, lowest first (README "Architecture"); a module may import its own layer and the ones below, never one
+Layers, lowest first (docs/architecture.md); a module may import its own layer and the ones below, never one
 above, and the graph has no circle. cli/ is the only importer of rich; nothing below the entry points imports
 cli/.
 """
 from __future__ import annotations
 
 import ast
+import importlib
+import re
+import types
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -142,3 +145,67 @@ def test_the_checker_sees_a_circle_and_an_upward_import():
             raise AssertionError(f"{test.__name__} missed the made-up import")
     finally:
         GRAPH = saved
+
+
+# --- the API the documentation shows (docs/reference: mkdocstrings' `::: path` entries) ---
+
+DOCS = SRC.parent / "docs"
+ENTRY = re.compile(r"^::: ([\w.]+)\n((?:    .*\n)*)", re.M)  # the identifier and its indented options
+
+
+def documented() -> list[tuple[str, list[str]]]:
+    """(identifier, members listed under its options, if any) of every `::: identifier` of the site's pages."""
+    found = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for ident, options in ENTRY.findall(page.read_text()):
+            members = re.search(r"members: \[([^\]]*)\]", options)
+            found.append((ident, [m.strip() for m in members[1].split(",")] if members else []))
+    return found
+
+
+def resolve(path: str):
+    """The object a dotted path names: the longest importable module prefix, then attributes; AssertionError where a
+    part is missing."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            assert hasattr(obj, name), f"{path}: {'.'.join(parts[:cut])} has no {name}"
+            obj = getattr(obj, name)
+        return obj
+    raise AssertionError(f"{path}: no module of it imports")
+
+
+def test_every_name_the_docs_show_imports_from_its_path():
+    entries = documented()
+    assert len(entries) > 20
+    for ident, members in entries:
+        obj = resolve(ident)
+        for member in members:
+            assert hasattr(obj, member), f"docs show {ident}.{member}, which {ident} lacks"
+        public = [m for m in members if not m.startswith("_")]
+        assert public == members, f"docs show private names of {ident}: {sorted(set(members) - set(public))}"
+
+
+def test_every_public_name_of_moekit_is_in_the_reference():
+    import moekit
+
+    shown = {id(resolve(ident)) for ident, _ in documented()}
+    shown |= {id(getattr(resolve(ident), m)) for ident, members in documented() for m in members}
+    shown |= {id(getattr(module, n)) for ident, members in documented() if not members
+              and isinstance(module := resolve(ident), types.ModuleType) for n in dir(module) if not n.startswith("_")}
+    missing = [name for name in moekit.__all__ if id(getattr(moekit, name)) not in shown]
+    assert not missing, f"moekit.{missing} are in moekit.__all__ but in no `:::` entry of docs/reference"
+
+
+def test_the_docs_check_sees_a_wrong_path():
+    """The check is not vacuous: a path that does not import, and a member a module lacks, are caught."""
+    for bad in ("moekit.nowhere.upcycle", "moekit.moe.NoSuchLayer"):
+        try:
+            resolve(bad)
+        except AssertionError:
+            continue
+        raise AssertionError(f"{bad} resolved")

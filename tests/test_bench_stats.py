@@ -1,5 +1,5 @@
 """bench/report.py's paired bootstrap (one seed's item tables) against hand-computed cases; bench/evidence.py's interval
-over seeds × test items (its coverage, simulated), verdict rules and Holm's correction; bench/claims.py's copy of the claims tables into README.md, against BENCHMARKS.md as it is."""
+over seeds × test items (its coverage, simulated), verdict rules and Holm's correction; bench/claims.py's copy of the claims tables into docs/benchmarks.md, against BENCHMARKS.md as it is."""
 from __future__ import annotations
 
 import sys
@@ -103,10 +103,10 @@ def test_claims_are_rebuilt_from_committed_scores_and_a_changed_score_shows(tmp_
         rebuild_table("Elsewhere", old, tmp_path)
 
 
-def test_readme_claims_are_benchmarks_words():
-    """README's claims section is bench/claims.py's output for BENCHMARKS.md as committed: each verdict row the same
-    line in both files."""
-    readme, benchmarks = (ROOT / "README.md").read_text(), (ROOT / "BENCHMARKS.md").read_text()
+def test_docs_claims_are_benchmarks_words():
+    """The claims section of the site's benchmarks page is bench/claims.py's output for BENCHMARKS.md as committed:
+    each verdict row the same line in both files."""
+    readme, benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(), (ROOT / "BENCHMARKS.md").read_text()
     inside = MARK[0] + readme.split(MARK[0], 1)[1].split(MARK[1], 1)[0] + MARK[1]
     assert inside == section(benchmarks)
     rows = [line for line in inside.splitlines() if line.startswith("| ")]

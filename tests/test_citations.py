@@ -1,4 +1,5 @@
-"""Every "§", "eq." and "Table/Fig." reference in README.md, BENCHMARKS.md and the sources under src/moekit and bench/
+"""Every "§", "eq." and "Table/Fig." reference in README.md, BENCHMARKS.md, the documentation site's pages (docs/) and
+the sources under src/moekit and bench/
 names a section, equation, table or figure that exists in its paper (issue 41): the paper is the one named nearest
 before the reference (same line, else the same paragraph, else the file's or section's paper), and its headings,
 numbered equations and table/figure captions are extracted from the full text in ../shared/papers (beside the
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAPERS = ROOT.parent / "shared" / "papers"
 NAMES = {"SPRI": "spri", "UME": "ume", "Omni-router": "omni_router", "Omni-Router": "omni_router", "SIMoE": "simoe",
          "RISE": "rise"}
-NAMES.update({f"`{p}`": p for p in ("spri", "ume", "simoe")})  # README's method names
+NAMES.update({f"`{p}`": p for p in ("spri", "ume", "simoe")})  # the method names of README and docs/
 NAME = re.compile(r"(" + "|".join(map(re.escape, NAMES)) + r")\b|\bet al\.")  # et al.: a paper not among the five
 ROMAN = "IVX"
 NUM = r"(?:[IVX]+|[A-Z]?\d+(?:\.\d+)*|[A-Z](?:\.\d+)+)"
@@ -86,7 +87,8 @@ def references(path: Path):
 
 
 def files() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "src" / "moekit").rglob("*.py")),
+    return [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md")),
+            *sorted((ROOT / "src" / "moekit").rglob("*.py")),
             *sorted((ROOT / "bench").glob("*.py"))]
 
 

@@ -3,7 +3,7 @@ with DeepSpeed ZeRO-2 through the Trainer; the saved moekit checkpoint equals th
 
 ZeRO-3 is not covered: with moekit's MoE layers its first backward fails here ("The size of tensor a (0)
 must match the size of tensor b (32) at non-singleton dimension 1": a partitioned parameter is used in the
-backward pass outside the module hooks that gather it); a dense model trains under ZeRO-3 (see README)."""
+backward pass outside the module hooks that gather it); a dense model trains under ZeRO-3 (see docs/guides/distributed.md)."""
 import json
 import sys
 from pathlib import Path

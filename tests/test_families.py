@@ -26,7 +26,7 @@ HARNESS_CANNOT_BUILD = {
     "mimo_v2_flash": "its attention's head sizes (shape mismatch)",
     "qwen4_exp_text": "a None size in the default config",
 }
-# moekit cannot read these families' routing (README, "Routing capture: families")
+# moekit cannot read these families' routing (docs/guides/routing.md, "Families")
 REFUSED = {
     "doge": "product-key routing over a bank of single-neuron experts (no top-k over E experts)",
     "jetmoe": "JetMoE's own layout (ParallelExperts input/output linears with a TopKGating router)",

@@ -293,13 +293,13 @@ def test_mixed_architectures_refused_unless_allow_crimes(models, tmp_path, run):
 
 
 def test_readme_tables_every_mergekit_flag_and_key():
-    """README's tables name every flag of the flag table and every config key moekit reads."""
+    """The mergekit-moe guide's tables name every flag of the flag table and every config key moekit reads."""
     from pathlib import Path
 
     from moekit.cli.mergekit_flags import MERGEKIT_FLAGS, MERGEKIT_REFUSED_NEGATIONS
     from moekit.checkpoint.mergekit import MergekitExpert, MergekitMoE
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "guides" / "mergekit.md").read_text()
     for flag in [*MERGEKIT_FLAGS, *MERGEKIT_REFUSED_NEGATIONS]:
         assert f"| `{flag}`" in readme, flag
     keys = [k for k in MergekitMoE.model_fields if k != "experts"]

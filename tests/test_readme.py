@@ -1,16 +1,21 @@
-"""README.md as a tested walkthrough, so that it cannot drift from the command line.
+"""README.md and the documentation site's pages (docs/) as one tested walkthrough, so that none can drift from the
+command line.
 
-Every ```bash and ```python block of README.md runs, in document order, in one temporary working directory that
-holds a copy of recipes/: bash blocks with `bash -euo pipefail -c`, Python blocks with the venv's interpreter.
-The built-in assets are tiny stand-ins (MOEKIT_CACHE = moekit.testing.standins.standin_cache), the Hub ids the
-README names are tiny models in a stand-in Hugging Face cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1), PIP_NO_INDEX=1
-makes any attempt to fetch a real asset fail instead of downloading it, and the venv's bin comes first on PATH
-with this checkout's sources first on PYTHONPATH. A command that exits non-zero fails the test; after each block,
-the checks keyed by a command of that block assert a property of what it printed or wrote.
+Every ```bash and ```python block of README.md, then of each page of the site in the order of its navigation
+(mkdocs.yml), runs in document order in one temporary working directory that holds a copy of recipes/: bash blocks
+with `bash -euo pipefail -c`, Python blocks with the venv's interpreter. One test per page runs its blocks; a page
+builds on what the pages before it wrote (the README's quickstart upcycles the model that the getting-started page
+inspects, ...), so each page's test first runs the pages before it that this process has not run (one pass under
+`make test`, whose xdist scheduling keeps the group on one worker; several passes only where a page is selected
+alone, e.g. with -k). The built-in assets are tiny stand-ins (MOEKIT_CACHE = moekit.testing.standins.standin_cache),
+the Hub ids the pages name are tiny models in a stand-in Hugging Face cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1),
+PIP_NO_INDEX=1 makes any attempt to fetch a real asset fail instead of downloading it, and the venv's bin comes
+first on PATH with this checkout's sources first on PYTHONPATH. A command that exits non-zero fails the test; after
+each block, the checks keyed by a command of that block assert a property of what it printed or wrote.
 
-Skipped: the ```sh blocks, which hold only the set-up commands `make demo` and `make test` (they install into
+Skipped: the ```sh blocks, which hold only README's set-up commands `make demo` and `make test` (they install into
 .venv from scratch, and `make test` runs this very suite). ```yaml blocks are configuration fragments, no
-commands (they are parsed), and the unlabelled block is the source tree under "Architecture".
+commands (they are parsed), and the unlabelled block is the source tree on the architecture page.
 """
 from __future__ import annotations
 
@@ -33,17 +38,37 @@ SETUP = "sh"  # skipped: see the module docstring
 HUB_REPOS = ["meta-llama/Llama-3.1-8B", "HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M-Instruct"]
 
 
-def readme_blocks() -> list[tuple[str, str]]:
-    """(language tag, body) of every fenced block of README.md, in order."""
-    return FENCE.findall((ROOT / "README.md").read_text())
+def nav_pages(nav) -> list[str]:
+    """The pages of mkdocs.yml's nav, in order."""
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, dict):
+        return [p for v in nav.values() for p in nav_pages(v)]
+    return [p for item in nav for p in nav_pages(item)]
 
 
-def test_every_block_is_run_parsed_or_setup():
-    blocks = readme_blocks()
-    assert {lang for lang, _ in blocks} <= {*RUN, SETUP, "yaml", ""}
-    setup = [line.split("#")[0].strip() for lang, body in blocks if lang == SETUP for line in body.splitlines()]
-    assert setup == ["make demo", "make test"]  # only the set-up commands are skipped
-    for lang, body in blocks:
+PAGES = ["README.md", *(f"docs/{p}" for p in nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]))]
+
+
+def blocks(page: str) -> list[tuple[str, str]]:
+    """(language tag, body) of every fenced block of a page, in order."""
+    return FENCE.findall((ROOT / page).read_text())
+
+
+WALKED = [p for p in PAGES if any(lang in RUN for lang, _ in blocks(p))]  # the pages with blocks to run
+
+
+def test_every_page_is_in_the_walkthrough():
+    assert sorted(f"docs/{p.relative_to(ROOT / 'docs')}" for p in (ROOT / "docs").rglob("*.md")) == sorted(PAGES[1:])
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_block_is_run_parsed_or_setup(page):
+    found = blocks(page)
+    assert {lang for lang, _ in found} <= {*RUN, SETUP, "yaml", ""}
+    setup = [line.split("#")[0].strip() for lang, body in found if lang == SETUP for line in body.splitlines()]
+    assert setup == (["make demo", "make test"] if page == "README.md" else [])  # only the set-up commands are skipped
+    for lang, body in found:
         if lang == "yaml":
             assert isinstance(yaml.safe_load(body), dict)
         if lang == "":
@@ -66,22 +91,22 @@ def steps(work: Path, run: str) -> int:
     return json.loads((work / run / "log_history.json").read_text())[-1]["step"]
 
 
-# (text of a README command, check of the block holding it: (working directory, the block's output) -> truth)
+# (text of a command of a page, check of the block holding it: (working directory, the block's output) -> truth)
 CHECKS: list[tuple[str, Callable[[Path, str], bool]]] = [
     ("moekit --version", lambda w, out: f"from {ROOT / 'src' / 'moekit'}" in out),  # this checkout's sources
     ("moekit list methods", lambda w, out: all(m in out for m in ("spri", "ume", "scaled_copy", "sources"))),
-    ("--shared-expert --out runs/smollm2-spri\n",  # 8 experts, top-2 in the table of `moekit inspect`
-     lambda w, out: re.search(r"model\.layers\.3\.mlp\s*│\s*8\s*│\s*2\s*│", out) and spec(w, "runs/smollm2-spri")[
-         "init"]["method"] == "spri"),
-    ("--out runs/smollm2-spri-qwen2moe", lambda w, out: config(w, "runs/smollm2-spri-qwen2moe")["model_type"] ==
-     "qwen2_moe" and "Qwen2MoeForCausalLM, native transformers MoE" in out),
+    ("moekit train recipes/spri_two_stage.yaml model.path=runs/smollm2-spri", lambda w, out: spec(
+        w, "runs/smollm2-spri")["init"]["method"] == "spri" and steps(w, "runs/spri_two_stage") == 50
+     and set(json.loads((w / "runs/spri_two_stage/results.json").read_text())["directions"]) >= {"fr", "sw", "tl"}
+     and config(w, "runs/spri-qwen2moe")["model_type"] == "qwen2_moe"),  # README's quickstart
+    ("moekit inspect runs/smollm2-spri ",  # 8 experts, top-2 in the table of `moekit inspect`
+     lambda w, out: re.search(r"model\.layers\.3\.mlp\s*│\s*8\s*│\s*2\s*│", out)),
+    ("moekit inspect runs/spri-qwen2moe", lambda w, out: "Qwen2MoeForCausalLM, native transformers MoE" in out),
     ("--out runs/llama-spri", lambda w, out: config(w, "runs/llama-spri")["model_type"] == "qwen2_moe"
      and config(w, "runs/llama-spri")["dtype"] == "bfloat16"  # bf16 in, bf16 out
      and "base_model: meta-llama/Llama-3.1-8B" in (w / "runs/llama-spri/README.md").read_text()),
     ("moekit upcycle noise.yaml", lambda w, out: (s := spec(w, "runs/smollm2-noise"))["top_k"] == 1
      and s["init"] == {**s["init"], "method": "noise", "std": 0.2, "ratio": 0.99}),
-    ("moekit train recipes/spri_two_stage.yaml train.steps=50", lambda w, out: steps(w, "runs/spri_two_stage") == 50
-     and set(json.loads((w / "runs/spri_two_stage/results.json").read_text())["directions"]) >= {"fr", "sw", "tl"}),
     ("moekit train text.yaml\n", lambda w, out: all(
         steps(w, f"runs/{r}") == 10 and yaml.safe_load((w / f"runs/{r}/recipe.yaml").read_text())["data"]["format"] == f
         for r, f in (("text", "text"), ("alpaca", "alpaca"), ("chat", "chat")))),
@@ -119,29 +144,59 @@ def run_block(lang: str, body: str, work: Path, env: dict) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
-    assert proc.returncode == 0, f"README block failed (exit {proc.returncode}):\n{body}\n--- output ---\n{out[-4000:]}"
+    assert proc.returncode == 0, f"block failed (exit {proc.returncode}):\n{body}\n--- output ---\n{out[-4000:]}"
     return out
 
 
-@pytest.mark.slow
-def test_readme_walkthrough(tmp_path):
-    from moekit.testing.standins import standin_cache, standin_hub
+def test_each_check_keys_one_block():
+    runnable = [body for page in WALKED for lang, body in blocks(page) if lang in RUN]
+    matched = {key: sum(key in body for body in runnable) for key, _ in CHECKS}
+    assert all(n == 1 for n in matched.values()), f"each check must match exactly one block: {matched}"
 
-    work = tmp_path / "work"
-    shutil.copytree(ROOT / "recipes", work / "recipes")
-    env = {**os.environ, "MOEKIT_CACHE": str(standin_cache(tmp_path / "cache")),
-           "HF_HUB_CACHE": str(standin_hub(tmp_path / "hub", HUB_REPOS)), "HF_HUB_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf_home"), "PIP_NO_INDEX": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    matched = {key: 0 for key, _ in CHECKS}
-    for lang, body in readme_blocks():
+
+def run_page(page: str, work: Path, env: dict) -> None:
+    for lang, body in blocks(page):
         if lang not in RUN:
             continue
         out = run_block(lang, body, work, env)
         for key, check in CHECKS:
             if key in body:
-                matched[key] += 1
-                assert check(work, out), f"README check {key!r} failed on this block's results:\n{body}\n{out[-3000:]}"
-    assert all(n == 1 for n in matched.values()), f"each check must match exactly one README block: {matched}"
+                assert check(work, out), f"{page}: check {key!r} failed on this block's results:\n{body}\n{out[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def walkthrough(tmp_path_factory):
+    """run(page): the page's blocks, after the pages before it that this process has not run yet."""
+    from moekit.testing.standins import standin_cache, standin_hub
+
+    root = tmp_path_factory.mktemp("walkthrough")
+    work = root / "work"
+    shutil.copytree(ROOT / "recipes", work / "recipes")
+    env = {**os.environ, "MOEKIT_CACHE": str(standin_cache(root / "cache")),
+           "HF_HUB_CACHE": str(standin_hub(root / "hub", HUB_REPOS)), "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(root / "hf_home"), "PIP_NO_INDEX": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done: dict[str, bool] = {}  # page -> it ran to its end
+
+    def run(page: str) -> None:
+        for before in WALKED[: WALKED.index(page)]:
+            if before not in done:
+                done[before] = False
+                run_page(before, work, env)
+                done[before] = True
+            if not done[before]:
+                pytest.fail(f"the walkthrough stopped at {before}, which {page} builds on")
+        done[page] = False
+        run_page(page, work, env)
+        done[page] = True
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("walkthrough")
+@pytest.mark.parametrize("page", WALKED)
+def test_walkthrough(page, walkthrough):
+    walkthrough(page)

@@ -1,6 +1,6 @@
 """Safe outputs: every file or directory moekit writes goes through `output()`.
 
-What it guarantees (README "Safety"):
+What it guarantees (docs/safety.md):
 
 * **Nothing the user did not name is touched.** Before any work, `guard()` refuses an output that
   equals or contains an input of the command, the working directory, or an ancestor of either, an

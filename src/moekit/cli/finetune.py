@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     shard = p.add_mutually_exclusive_group()
     shard.add_argument("--deepspeed", metavar="CONFIG",
                        help="a DeepSpeed config (JSON) to train with, under torchrun or accelerate launch; ZeRO-3 "
-                            "shards the model, with --weight-decay 0 (README: Training beyond one device)")
+                            "shards the model, with --weight-decay 0 (docs/guides/distributed.md)")
     shard.add_argument("--fsdp", action="store_true",
                        help="FSDP2 full shard over the processes of a distributed launch (transformers' FSDP2)")
     add_plan_args(p)

@@ -1,4 +1,4 @@
-"""mergekit-moe 0.1.5's command-line flags as `moekit upcycle` takes them (README "From a mergekit-moe config"):
+"""mergekit-moe 0.1.5's command-line flags as `moekit upcycle` takes them (docs/guides/mergekit.md):
 the table below says, for every flag of mergekit-moe (scripts/moe.py and MergeOptions), what moekit does with it.
 Read without importing torch, so that `--help` stays fast."""
 from __future__ import annotations

@@ -112,8 +112,8 @@ def add_mergekit_flags(p: argparse.ArgumentParser) -> None:
     --no- forms ask for mergekit's defaults, which moekit keeps, except the few it cannot do without."""
     from moekit.cli.mergekit_flags import MERGEKIT_FLAGS
 
-    g = p.add_argument_group("mergekit-moe's flags", "accepted as mergekit-moe 0.1.5 spells them; README \"From a "
-                             "mergekit-moe config\" has the table")
+    g = p.add_argument_group("mergekit-moe's flags", "accepted as mergekit-moe 0.1.5 spells them; the documentation's "
+                             "mergekit-moe page (docs/guides/mergekit.md) has the table")
     taken = {o for a in p._actions for o in a.option_strings}
     for flag, (kind, takes_value, what) in MERGEKIT_FLAGS.items():
         if flag in taken:

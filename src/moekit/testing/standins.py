@@ -3,7 +3,7 @@
 `standin_cache(root)` fills a moekit asset cache with tiny random models under every built-in model name and a
 small synthetic Bible database; with MOEKIT_CACHE=root every command that names `smollm2-135m`,
 `whisper-tiny.en`, `whisper-base` or reads the Bible runs in seconds, offline (tests/test_readme.py runs the
-README's commands this way). `standin_hub(root, repos)` fills a Hugging Face cache with tiny models, so that
+commands of README and docs/ this way). `standin_hub(root, repos)` fills a Hugging Face cache with tiny models, so that
 with HF_HUB_CACHE=root and HF_HUB_OFFLINE=1 Hub ids such as `meta-llama/Llama-3.1-8B` resolve without a
 network. The stand-ins have the real models' kinds and interfaces (tokenizer, eos, chat template, Whisper's
 special tokens and generation config), never their weights or sizes: no result obtained with them means

@@ -1,6 +1,6 @@
 """Training beyond one device: which engine a run uses, and what moekit does so that its recipes run on it unchanged.
 
-One engine per run, chosen by the recipe (README "Training beyond one device"):
+One engine per run, chosen by the recipe (docs/guides/distributed.md):
 
 - ddp: a distributed launch (torchrun, accelerate launch) without a sharding option: accelerate's DDP (gloo on CPU).
 - deepspeed: `train.trainer_args.deepspeed`, a DeepSpeed config as DeepSpeed's docs write it (a JSON path or a

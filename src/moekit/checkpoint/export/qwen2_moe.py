@@ -28,7 +28,7 @@ def half_gate(hidden: int, dtype: torch.dtype) -> Tensor:
     silu(z) / z = 1/2 exactly (llama.cpp; z / 2 is a normal float while |z| >= 2^-125). z = 0 only when the H
     products cancel exactly (or x = 0), which real hidden states do not; a zero row would be 0 always.
     float16 cannot hold 2^-60: there g_j = 2^-24 (its smallest value), exact in transformers computing in float16
-    while |z| < 2^-11, and in llama.cpp (float32) 1/2 within a relative |z|/2 (README: Formats)."""
+    while |z| < 2^-11, and in llama.cpp (float32) 1/2 within a relative |z|/2 (docs/guides/export.md)."""
     gen = torch.Generator().manual_seed(0)
     if dtype == torch.float16:
         return torch.full((1, hidden), HALF_GATE_SCALE_F16)

@@ -1,0 +1,1 @@
+"""Evaluation: BLEU/chrF, ROUGE-L, WER/CER, KL to the dense model, expert usage, plots."""
