@@ -21,6 +21,7 @@ LAYERS = [  # (name, module prefixes): a prefix names a module or a package and 
     ("methods' state", ["moekit.selection", "moekit.simoe"]),
     ("training methods", ["moekit.methods"]),
     ("training", ["moekit.training"]),
+    ("public modules", ["moekit.routes"]),  # moekit.routes: the routing commands as functions (routing + selection)
     ("entry points", ["moekit.cli", "moekit.__main__", "moekit._auto", "moekit.testing"]),
 ]
 ROOT = "moekit"  # the package's __init__: the public API, imported lazily by name, above everything
