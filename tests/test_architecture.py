@@ -14,7 +14,8 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = SRC / "moekit"
 
 LAYERS = [  # (name, module prefixes): a prefix names a module or a package and everything in it
-    ("foundation", ["moekit.errors", "moekit._fs", "moekit.registry", "moekit.config", "moekit.progress"]),
+    ("foundation", ["moekit.errors", "moekit._fs", "moekit.registry", "moekit.config", "moekit.progress",
+                    "moekit._version"]),
     ("model", ["moekit.moe", "moekit.init", "moekit.surgery", "moekit.routing.sites"]),
     ("checkpoint", ["moekit.checkpoint"]),
     ("sources and analysis", ["moekit.assets", "moekit.data", "moekit.speech", "moekit.routing", "moekit.eval"]),

@@ -357,8 +357,8 @@ def test_public_api_is_lazy_and_exports_export():
     code = ("import sys, moekit\n"
             "light = 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
             "from moekit import export\n"
-            "import moekit.checkpoint.export\n"
-            "assert export is moekit.checkpoint.export.export and 'export' in moekit.__all__\n"
+            "import moekit.checkpoint.convert\n"
+            "assert export is moekit.checkpoint.convert.export and 'export' in moekit.__all__\n"
             "assert all(getattr(moekit, name) is not None for name in moekit.__all__)\n"
             "print(light)")
     res = python("-c", code)

@@ -21,7 +21,8 @@ import transformers as tf
 
 import clients_env
 from moekit import MoESpec
-from moekit.checkpoint.export import EXPORTERS, export
+from moekit.checkpoint.convert import export
+from moekit.checkpoint.export import EXPORTERS
 from moekit.checkpoint.export.base import LLAMA_CPP, TF4
 from moekit.testing import logits, randomized_moe, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_tokenizer
 

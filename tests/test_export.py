@@ -11,7 +11,8 @@ from torch import nn
 
 from moekit import MoESpec, moe_layers, upcycle
 from moekit.errors import ConfigError, ExportError, OutputExistsError
-from moekit.checkpoint.export import EXPORTERS, export
+from moekit.checkpoint.convert import export
+from moekit.checkpoint.export import EXPORTERS
 from moekit.moe import Experts, Router, SharedExpert
 from moekit.testing import logits, randomized_moe, tiny_inputs, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
 

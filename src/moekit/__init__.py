@@ -15,7 +15,7 @@ from moekit.errors import MoekitError
 
 if TYPE_CHECKING:
     from moekit import routes, simoe, speech
-    from moekit.checkpoint.export import export
+    from moekit.checkpoint.convert import export
     from moekit.checkpoint.format import load, save
     from moekit.checkpoint.summary import InspectSummary, inspect
     from moekit.checkpoint.upcycle import upcycle_checkpoint
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 _API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit.moe", "moe_layers": "moekit.moe",
         "load": "moekit.checkpoint.format", "save": "moekit.checkpoint.format",
         "upcycle": "moekit.checkpoint.upcycle_model", "upcycle_checkpoint": "moekit.checkpoint.upcycle",
-        "export": "moekit.checkpoint.export", "inspect": "moekit.checkpoint.summary",
+        "export": "moekit.checkpoint.convert", "inspect": "moekit.checkpoint.summary",
         "InspectSummary": "moekit.checkpoint.summary", "select": "moekit.selection.api",
         "prune": "moekit.selection.api", "finetune": "moekit.training.api", "train": "moekit.training.api",
         "evaluate": "moekit.training.api", "plan": "moekit.training.api",

@@ -32,7 +32,7 @@ def collect(model: str | Path, texts: Mapping[str, str | Path], out: str | Path,
             batch_size: int = 8, max_texts: int | None = None, layers: str | None = None, overwrite: bool = False,
             trust_remote_code: bool = False, device: str = "cpu",
             stream: Literal["auto", "on", "off"] = "auto", dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-            log: Callable[[str], object] | None = None) -> RoutingTrace:
+            log: Callable[[str], None] | None = None) -> RoutingTrace:
     """Record a routing trace (.npz) of per-language text files (`moekit routes collect`).
 
     Runs the model on every line of each text file and saves the top-k experts and weights of every MoE layer for

@@ -110,7 +110,8 @@ def _summary(folder: Path, native: bool, description: str, model: nn.Module, lay
 def _moekit_layers(model: nn.Module) -> list[LayerSummary]:
     from moekit.moe.layer import moe_layers
 
-    layers, owner = [], {}
+    layers: list[LayerSummary] = []
+    owner: dict[int, str] = {}
     for path, moe in moe_layers(model):
         ex, r = moe.experts, moe.router
         first = owner.setdefault(id(r), path)

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from moekit.checkpoint.export import export
+    from moekit.checkpoint.convert import export
 
     with progress():
         w = export(args.dir, args.out, args.format, layout=args.layout, dtype=args.dtype,

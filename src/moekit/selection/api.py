@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Pruned", "prune", "select"]
 
-Log = Callable[[str], object]
+Log = Callable[[str], None]
 
 
 def select(trace: str | Path | RoutingTrace, method: str, target: str | None = None, budget: int | None = None, *,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Evaluation", "Finetuned", "evaluate", "finetune", "plan", "recipe_of", "train"]
 
-Log = Callable[[str], object]
+Log = Callable[[str], None]
 
 # DeepSpeed keys the Trainer fills -> the `finetune` arguments that set them (named when a config contradicts one)
 FINETUNE_OWNED = {"train_micro_batch_size_per_gpu": "batch_size / grad_accum",
@@ -79,7 +79,7 @@ def train(recipe: AnyRecipe | str | Path, overrides: Sequence[str] = (), *, over
 
 
 def plan(recipe: AnyRecipe | str | Path, overrides: Sequence[str] = (), *, devices: int = 8,
-         expert_parallel: int | None = None, log: Callable[[str], object] | None = None) -> Plan:
+         expert_parallel: int | None = None, log: Log | None = None) -> Plan:
     """The memory plan of training a recipe (`moekit train RECIPE --dry-run`): parameters, gradients, optimizer
     state and activations, per device under DDP, ZeRO-2/3, FSDP2 and expert parallelism, from config.json and the
     safetensors headers alone (no weight is read, nothing is written).
@@ -157,7 +157,7 @@ def evaluate(run_dir: str | Path, *, device: str = "cpu") -> Evaluation:
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:
     log = run_dir / "log_history.json"
-    return json.loads(log.read_text()) if log.is_file() else []  # type: ignore[no-any-return]
+    return json.loads(log.read_text()) if log.is_file() else []
 
 
 def _trained(recipe: AnyRecipe, run_dir: Path, device: str) -> Any:
@@ -269,8 +269,8 @@ def finetune(model: str | Path, experts: str | Path, data: dict[str, str | Path]
     engine = engine_of({} if deepspeed is None else {"deepspeed": str(deepspeed)}, fsdp, expert_parallel or 1)
     settings = dict(steps=steps, epochs=epochs, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                     weight_decay=weight_decay, seed=seed)
-    check_finetune(engine, str(model), deepspeed, trainer_settings(1, **settings), trust_remote_code,
-                   FINETUNE_OWNED)
+    check_finetune(engine, str(model), deepspeed, trainer_settings(1, steps, epochs, lr, batch_size, grad_accum,
+                                                                   weight_decay, seed), trust_remote_code, FINETUNE_OWNED)
     return _finetune(model, experts, data, out, engine, settings, max_length, device, deepspeed, overwrite,
                      trust_remote_code, allow_other_model, log, warn)
 
