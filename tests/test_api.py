@@ -300,3 +300,26 @@ def test_bad_input_raises_the_message_the_command_prints(fx, tmp_path, run, case
     assert rc == 2 and out == ""
     assert err == f"moekit: error: {' '.join(str(e.value).split())}\n"
     assert digests(tmp_path) == before
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda fx, t: moekit.routes.collect(fx / "moe", {"en": fx / "en.txt"}, t / "t.npz", max_length=0),
+     "max_length, batch_size and max_texts must be ≥ 1"),
+    (lambda fx, t: moekit.routes.collect(fx / "moe", {"en": fx / "en.txt"}, t / "t.npz", device="tpu"),
+     "expected a device auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (lambda fx, t: moekit.finetune(fx / "moe", fx / "sel.json", {"en": fx / "en.txt"}, t / "ft", batch_size=3,
+                                   grad_accum=2), "batch_size 3 is not a multiple of grad_accum 2"),
+    (lambda fx, t: moekit.finetune(fx / "moe", fx / "sel.json", {"en": fx / "en.txt"}, t / "ft", epochs=0),
+     "epochs, steps, batch_size, grad_accum and max_length must be positive"),
+    (lambda fx, t: moekit.prune(fx / "moe", fx / "sel.json", t / "p", mode="remove"),  # type: ignore[arg-type]
+     "unknown prune mode 'remove'; choose disable, keep or drop"),
+    (lambda fx, t: moekit.export(fx / "moe", t / "e", "qwen2_moe", dtype="int8"),
+     "unknown dtype 'int8'; choose auto, float32, bfloat16, float16"),
+], ids=["collect-max-length", "collect-device", "finetune-accumulation", "finetune-epochs", "prune-mode",
+        "export-dtype"])
+def test_settings_out_of_range_are_refused_in_keyword_words_before_any_work(fx, tmp_path, call, message):
+    """The functions check what the command's parser and flags check, worded as their keyword arguments."""
+    with pytest.raises(MoekitError) as e:
+        call(fx, tmp_path)
+    assert str(e.value) == message
+    assert list(tmp_path.iterdir()) == []

@@ -50,7 +50,8 @@ def export(source: str | Path | nn.Module, out: str | Path, fmt: str, *, layout:
     """
     from moekit._fs import reserve
 
-    EXPORTERS.get(fmt)  # unknown format: ConfigError before any loading
+    EXPORTERS.get(fmt)  # an unknown format or dtype: ConfigError before any loading
+    named_dtype(dtype)
     if not isinstance(source, nn.Module):
         with reserve(out, [source], overwrite):
             return export_checkpoint(source, out, fmt, dtype=dtype, max_shard_size=max_shard_size,
