@@ -353,12 +353,12 @@ def test_progress_records_carry_their_counts(caplog):
     assert caplog.records[-1].getMessage() == "upcycling 2/2 model.layers.3.mlp"
 
 
-def test_public_api_is_lazy_and_exports_export_model():
+def test_public_api_is_lazy_and_exports_export():
     code = ("import sys, moekit\n"
             "light = 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
-            "from moekit import export_model\n"
-            "import moekit.checkpoint.export\n"
-            "assert export_model is moekit.checkpoint.export.export_model and 'export_model' in moekit.__all__\n"
+            "from moekit import export\n"
+            "import moekit.checkpoint.convert\n"
+            "assert export is moekit.checkpoint.convert.export and 'export' in moekit.__all__\n"
             "assert all(getattr(moekit, name) is not None for name in moekit.__all__)\n"
             "print(light)")
     res = python("-c", code)

@@ -21,7 +21,8 @@ import transformers as tf
 
 import clients_env
 from moekit import MoESpec
-from moekit.checkpoint.export import EXPORTERS, export_model
+from moekit.checkpoint.convert import export
+from moekit.checkpoint.export import EXPORTERS
 from moekit.checkpoint.export.base import LLAMA_CPP, TF4
 from moekit.testing import logits, randomized_moe, tiny_llama, tiny_qwen2, tiny_qwen3, tiny_tokenizer
 
@@ -68,7 +69,7 @@ def exports(tmp_path_factory, clients):
     out = {}
     for name, (build, spec, fmt, layout, _) in CASES.items():
         model = randomized_moe(build, **spec)
-        export_model(model, fmt, root / name, tokenizer=tiny_tokenizer(), layout=layout)
+        export(model, root / name, fmt, tokenizer=tiny_tokenizer(), layout=layout)
         exporter = EXPORTERS.get(fmt)
         out[name] = (root / name, model, exporter.reader_gaps(model, exporter.plan(model, layout)))
     jobs = [{"dir": str(d), "ids": IDS, "out": str(d) + ".tf4.pt", "text": TEXT} for d, _, _ in out.values()]

@@ -11,7 +11,8 @@ from torch import nn
 
 from moekit import MoESpec, moe_layers, upcycle
 from moekit.errors import ConfigError, ExportError, OutputExistsError
-from moekit.checkpoint.export import EXPORTERS, export_model
+from moekit.checkpoint.convert import export
+from moekit.checkpoint.export import EXPORTERS
 from moekit.moe import Experts, Router, SharedExpert
 from moekit.testing import logits, randomized_moe, tiny_inputs, tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3
 
@@ -20,7 +21,7 @@ TOL = 1e-5
 
 def roundtrip(model, fmt: str, out, cls: type) -> tuple[nn.Module, float]:
     """Export, reload with plain transformers (fp32), return the native model and max |Δ logits|."""
-    export_model(model, fmt, out)
+    export(model, out, fmt)
     native = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert type(native) is cls
     x = tiny_inputs(model, batch=2, length=12)
@@ -74,10 +75,10 @@ def test_tokenizer_and_overwrite(tmp_path):
     (out / "keep.txt").write_text("x")
     model = randomized_moe(tiny_llama)
     with pytest.raises(OutputExistsError):
-        export_model(model, "mixtral", out)
+        export(model, out, "mixtral")
     assert (out / "keep.txt").exists()
     tok = tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, "<unk>")))
-    export_model(model, "mixtral", out, overwrite=True, tokenizer=tok)
+    export(model, out, "mixtral", overwrite=True, tokenizer=tok)
     assert not (out / "keep.txt").exists() and (out / "tokenizer.json").is_file()
     assert tf.AutoConfig.from_pretrained(out).model_type == "mixtral"
 
@@ -85,7 +86,7 @@ def test_tokenizer_and_overwrite(tmp_path):
 def test_unknown_format(tmp_path):
     assert EXPORTERS.names() == ["mixtral", "qwen2_moe", "qwen3_moe"]
     with pytest.raises(ConfigError, match="export format"):
-        export_model(randomized_moe(tiny_llama), "gguf-moe", tmp_path / "out")
+        export(randomized_moe(tiny_llama), tmp_path / "out", "gguf-moe")
 
 
 def _layer(model, i: int):
@@ -165,7 +166,7 @@ REFUSALS = {
 def test_refusals_leave_nothing(tmp_path, case):
     fmt, make, reason = REFUSALS[case]
     with pytest.raises(ExportError, match=f"cannot export to {fmt}: .*{reason}"):
-        export_model(make(), fmt, tmp_path / "out")
+        export(make(), tmp_path / "out", fmt)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -209,7 +210,7 @@ def test_classic_layout_uses_the_hub_names(tmp_path, fmt):
 def test_fused_layout(tmp_path, fmt):
     """layout="fused": transformers 5's stacked tensors, the same logits."""
     model = randomized_moe(SOURCES[fmt])
-    export_model(model, fmt, tmp_path / "out", layout="fused")
+    export(model, tmp_path / "out", fmt, layout="fused")
     names = set(stored(tmp_path / "out"))
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.experts.down_proj" in names
     assert not any(".experts.0." in n for n in names)
@@ -220,7 +221,7 @@ def test_fused_layout(tmp_path, fmt):
 
 def test_unknown_layout(tmp_path):
     with pytest.raises(ConfigError, match="unknown layout 'flat'; choose one of: classic, fused"):
-        export_model(randomized_moe(tiny_llama), "mixtral", tmp_path / "out", layout="flat")
+        export(randomized_moe(tiny_llama), tmp_path / "out", "mixtral", layout="flat")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -230,12 +231,12 @@ def test_config_carries_transformers_4_keys(tmp_path):
     import json
 
     model = randomized_moe(lambda: tiny_qwen3(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}))
-    export_model(model, "qwen3_moe", tmp_path / "out")
+    export(model, tmp_path / "out", "qwen3_moe")
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["rope_theta"] == 5e5 and cfg["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
     assert cfg["num_experts"] == cfg["num_local_experts"] == 4
     assert tf.AutoConfig.from_pretrained(tmp_path / "out").rope_parameters == model.config.rope_parameters
-    export_model(randomized_moe(tiny_llama), "mixtral", tmp_path / "mx")
+    export(randomized_moe(tiny_llama), tmp_path / "mx", "mixtral")
     assert json.loads((tmp_path / "mx" / "config.json").read_text())["rope_theta"] == 10000.0
 
 
@@ -246,7 +247,7 @@ def test_tokenizer_class_transformers_4_reads(tmp_path):
 
     from moekit.testing import tiny_tokenizer
 
-    export_model(randomized_moe(tiny_llama), "mixtral", tmp_path / "out", tokenizer=tiny_tokenizer())
+    export(randomized_moe(tiny_llama), tmp_path / "out", "mixtral", tokenizer=tiny_tokenizer())
     assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
         "PreTrainedTokenizerFast"
     tok = tf.AutoTokenizer.from_pretrained(tmp_path / "out")
@@ -353,7 +354,7 @@ STREAM_CASES = {"mixtral": (tiny_llama, {"init": "drop"}), "qwen2_moe": (lambda:
 @pytest.mark.parametrize("layout", ["classic", "fused"])
 @pytest.mark.parametrize("fmt", STREAM_CASES)
 def test_streaming_and_in_memory_exports_write_the_same_tensors(tmp_path, fmt, layout):
-    """upcycle_checkpoint (streaming) and export_model (in memory) write one file content, name for name, bit for bit."""
+    """upcycle_checkpoint (streaming) and export of a model (in memory) write one file content, name for name, bit for bit."""
     from moekit.checkpoint.upcycle import upcycle_checkpoint
     from moekit.checkpoint.dense import load_dense
 
@@ -361,7 +362,7 @@ def test_streaming_and_in_memory_exports_write_the_same_tensors(tmp_path, fmt, l
     build().save_pretrained(tmp_path / "dense")
     spec = MoESpec(num_experts=4, top_k=2, **spec_kw)
     upcycle_checkpoint(tmp_path / "dense", tmp_path / "streamed", spec, format=fmt, layout=layout)
-    export_model(upcycle(load_dense(tmp_path / "dense"), spec), fmt, tmp_path / "memory", layout=layout)
+    export(upcycle(load_dense(tmp_path / "dense"), spec), tmp_path / "memory", fmt, layout=layout)
     got, want = stored(tmp_path / "streamed"), stored(tmp_path / "memory")
     assert got.keys() == want.keys()
     assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)

@@ -114,6 +114,7 @@ CHECKS: list[tuple[str, Callable[[Path, str], bool]]] = [
         (w / f"runs/{r}/checkpoints/checkpoint-4/moekit.json").is_file() for r in ("py-train", "py-train-own"))),
     ("runs/py-spri-qwen2moe", lambda w, out: spec(w, "runs/py-spri")["num_experts"] == 8 and all(
         config(w, f"runs/{d}")["model_type"] == "qwen2_moe" for d in ("py-spri-auto", "py-spri-qwen2moe"))),
+    ("summary = moekit.inspect(", lambda w, out: "('model.layers.3.mlp', 8, 2)" in out),  # README's Python API
     ("--out runs/smollm2-granular", lambda w, out: (c := config(w, "runs/smollm2-granular"))["model_type"] == "mixtral"
      and (c["num_local_experts"], c["num_experts_per_tok"], c["intermediate_size"]) == (32, 8, 64 // 4)),
     ("moekit upcycle mergekit.yml", lambda w, out: (c := config(w, "runs/smollm2-mergekit"))["num_local_experts"] == 2

@@ -275,20 +275,16 @@ def test_stream_on_and_off_give_one_trace(tmp_path, run):
 def test_stream_auto_decides_from_the_whole_models_predicted_peak(tmp_path, monkeypatch):
     """auto: the whole model when LOAD_PEAK × its weights in the compute dtype fit in IN_MEMORY_SHARE of the memory
     available (not the checkpoint's bytes: a bf16 checkpoint loads in float32 at twice its size)."""
-    import argparse
-
     import moekit._fs
-    from moekit.cli import routes
+    from moekit import routes
 
     model = _bf16_qwen3_moe(tmp_path / "m")
     numel = sum(p.numel() for p in loaded(model).parameters())
     peak = routes.in_memory_peak(model, torch.float32)
     assert peak == int(routes.LOAD_PEAK * numel * 4)
-    args = argparse.Namespace(stream="auto", model=model)
     for memory, streamed in ((peak / routes.IN_MEMORY_SHARE * 1.01, False), (peak / routes.IN_MEMORY_SHARE * 0.99, True)):
         monkeypatch.setattr(moekit._fs, "available_memory", lambda memory=memory: int(memory))
-        assert routes.streaming(args, torch.float32) is streamed
-    assert routes.streaming(argparse.Namespace(stream="on", model=model), torch.float32) is True
+        assert routes.too_big_to_load(model, torch.float32) is streamed
 
 
 def test_routes_collect_resolves_a_hub_id_from_the_cache(tmp_path, run, monkeypatch):

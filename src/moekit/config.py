@@ -114,3 +114,18 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must contain a mapping at the top level")
     return data
+
+
+def resolve_device(name: str) -> str:
+    """A device name as torch takes it: cpu, cuda, cuda:N; "auto" is cuda where torch sees one, else cpu."""
+    if name not in ("auto", "cpu", "cuda") and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise ConfigError(f"expected a device auto, cpu, cuda or cuda:N, got {name!r}")
+    if name == "cpu":
+        return name
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {name}: torch sees no CUDA device here; use cpu (or auto)")
+    return name

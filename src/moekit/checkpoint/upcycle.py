@@ -82,8 +82,13 @@ def stored_dtype(reader: ShardReader) -> torch.dtype:
 
 
 def output_dtype(name: str, reader: ShardReader) -> torch.dtype:
+    return named_dtype(name) or stored_dtype(reader)
+
+
+def named_dtype(name: str) -> torch.dtype | None:
+    """The dtype an output dtype name means; None for "auto" (the source's own)."""
     if name == "auto":
-        return stored_dtype(reader)
+        return None
     if name not in DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]

@@ -117,18 +117,13 @@ def lang_file(text: str) -> tuple[str, Path]:
 
 
 def device_arg(text: str) -> str:
-    """argparse type for --device: auto | cpu | cuda | cuda:N (auto: cuda when torch sees one)."""
-    if text not in ("auto", "cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
-    if text == "cpu":
-        return text
-    import torch
+    """argparse type for --device: auto | cpu | cuda | cuda:N (moekit.config.resolve_device)."""
+    from moekit.config import resolve_device
 
-    if text == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text}: torch sees no CUDA device here; use --device cpu (or auto)")
-    return text
+    try:
+        return resolve_device(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def lang_files(pairs: list[tuple[str, Path]] | None, flag: str) -> dict[str, Path]:

@@ -24,13 +24,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from moekit._fs import reserve
-    from moekit.checkpoint.upcycle import export_checkpoint
-    from moekit.checkpoint.export import EXPORTERS
+    from moekit.checkpoint.convert import export
 
-    EXPORTERS.get(args.format)  # unknown format: ConfigError before any loading
-    with reserve(args.out, [args.dir], args.overwrite) as out, progress():
-        w = export_checkpoint(args.dir, out, args.format, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                              overwrite=args.overwrite, layout=args.layout)
+    with progress():
+        w = export(args.dir, args.out, args.format, layout=args.layout, dtype=args.dtype,
+                   max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     out_console().print(f"exported {args.dir} as {w.format} ({args.layout} layout) to {args.out}: {w.dtype}, "
                         f"{w.bytes / 1e9:.2f} GB in {w.seconds:.1f} s, peak RSS {w.peak_rss / 2**30:.2f} GiB{w.note}")

@@ -3,14 +3,12 @@ native checkpoint)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
-from pathlib import Path
 
 from moekit.cli.common import device_arg, err_console, human, lang_file, lang_files, out_console
 from moekit.cli.plan import add_plan_args
 from moekit.cli.progress import progress
-from moekit.errors import CheckpointError, ConfigError
+from moekit.errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -71,49 +69,8 @@ def warn(text: str) -> None:
     err_console().print(f"moekit: warning: {text}", markup=False)
 
 
-def inputs_of(args: argparse.Namespace) -> list[Path]:
-    from moekit.assets import model_inputs
-
-    return [*model_inputs(args.model), Path(args.experts), *(path for _, path in getattr(args, "data", None) or [])]
-
-
-def prepare(args: argparse.Namespace):
-    """Load the selection, model and tokenizer (inside the output's reservation)."""
-    from moekit.assets import resolve_model
-    from moekit.checkpoint.format import load_model
-    from moekit.checkpoint.dense import load_tokenizer
-    from moekit.selection.selection import Selection
-
-    selection = Selection.load(args.experts)
-    model_dir = resolve_model(args.model, log=err_console().print)
-    with err_console().status(f"loading {model_dir}"):
-        model = load_model(model_dir, trust_remote_code=args.trust_remote_code)
-    return selection, model, load_tokenizer(model_dir, args.trust_remote_code)
-
-
-def read_lines(data: dict[str, Path]) -> list[str]:
-    from moekit._fs import read_small
-
-    lines = []
-    for lang, path in data.items():
-        lines += read_small(path, f"--data file for {lang}", ConfigError, limit=4 << 30).splitlines()
-    return lines
-
-
-# DeepSpeed keys the Trainer fills -> the options of `moekit finetune` that set them
-FINETUNE_OWNED = {"train_micro_batch_size_per_gpu": "--batch-size / --grad-accum",
-                  "gradient_accumulation_steps": "--grad-accum", "train_batch_size": "--batch-size × processes",
-                  "gradient_clipping": "the Trainer's default (1.0)", "optimizer.params.lr": "--lr",
-                  "optimizer.params.weight_decay": "--weight-decay", "scheduler.params.warmup_max_lr": "--lr",
-                  "fp16.enabled": "float32 training", "bf16.enabled": "float32 training"}
-
-
 def run_finetune(args: argparse.Namespace) -> None:
-    from moekit.selection.common import check_source, save_model
-    from moekit.training.finetune import check_finetune, finetune
-    from moekit.training.parallel import engine_of, is_main, leave_launch
-
-    from moekit._fs import reserve
+    from moekit.training.api import finetune
 
     if min(args.steps or 1, args.batch_size, args.max_length, args.grad_accum) < 1 or args.epochs <= 0:
         raise ConfigError("--epochs, --steps, --batch-size, --grad-accum and --max-length must be positive")
@@ -130,83 +87,34 @@ def run_finetune(args: argparse.Namespace) -> None:
                                  allow_other_model=args.allow_other_model, log=err_console().print, warn=warn),
                    args.device_memory)
         return
-    engine = engine_of({} if args.deepspeed is None else {"deepspeed": args.deepspeed}, args.fsdp,
-                       args.expert_parallel or 1)
-    settings = dict(steps=args.steps, epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
-                    grad_accum=args.grad_accum, weight_decay=args.weight_decay, seed=args.seed)
-    check_finetune(engine, args.model, args.deepspeed, _trainer_settings(settings), args.trust_remote_code,
-                   FINETUNE_OWNED)
-    start, main = time.perf_counter(), is_main()
-    # only the main process of a distributed launch reserves and writes the output
-    with reserve(args.out, inputs_of(args), args.overwrite) if main else contextlib.nullcontext(args.out) as out:
-        lines = read_lines(data)
-        selection, model, tokenizer = prepare(args)
-        check_source(selection, model, args.allow_other_model, warn)
-        if tokenizer is None:
-            raise CheckpointError(f"{args.model} has no tokenizer files; finetune needs one to read the text")
-        with progress():
-            trained, log = finetune(model, selection, tokenizer, lines, engine, lambda: prepare(args)[1],
-                                    max_length=args.max_length, device=args.device, deepspeed=args.deepspeed,
-                                    **settings)
-        leave_launch()
-        if not main:
-            return
-        losses = [e["loss"] for e in log if "loss" in e]
-        steps = max((e["step"] for e in log if "step" in e), default=0)
-        record = {"selection": selection.model_dump(), "data": {lang: str(p) for lang, p in data.items()},
-                  "steps": steps, "epochs": None if args.steps else args.epochs, "lr": args.lr,
-                  "batch_size": args.batch_size, "grad_accum": args.grad_accum, "max_length": args.max_length,
-                  "weight_decay": args.weight_decay, "seed": args.seed, "engine": engine.describe(),
-                  "log_history": log}
-        with err_console().status(f"saving {args.out}"):
-            save_model(trained, out, args.overwrite, tokenizer, extra={"finetune.json": record})
-    loss = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, " if losses else ""
-    out_console().print(f"trained {selection.count} experts in {len(selection.experts)} layers for {steps} "
-                        f"steps ({loss}{time.perf_counter() - start:.1f} s); saved to {args.out}")
-
-
-def _trainer_settings(s: dict) -> dict:
-    from moekit.training.finetune import trainer_settings
-
-    return trainer_settings(1, s["steps"], s["epochs"], s["lr"], s["batch_size"], s["grad_accum"],
-                            s["weight_decay"], s["seed"])
+    start = time.perf_counter()
+    with progress():
+        done = finetune(args.model, args.experts, data, args.out, epochs=args.epochs, steps=args.steps, lr=args.lr,
+                        batch_size=args.batch_size, grad_accum=args.grad_accum, max_length=args.max_length,
+                        weight_decay=args.weight_decay, seed=args.seed, device=args.device, deepspeed=args.deepspeed,
+                        fsdp=args.fsdp, expert_parallel=args.expert_parallel, overwrite=args.overwrite,
+                        trust_remote_code=args.trust_remote_code, allow_other_model=args.allow_other_model,
+                        log=err_console().print, warn=warn)
+    if done is None:  # not the main process of a distributed launch
+        return
+    loss = f"loss {done.losses[0]:.4f} -> {done.losses[-1]:.4f}, " if done.losses else ""
+    out_console().print(f"trained {done.selection.count} experts in {len(done.selection.experts)} layers for "
+                        f"{done.steps} steps ({loss}{time.perf_counter() - start:.1f} s); saved to {args.out}")
 
 
 def run_prune(args: argparse.Namespace) -> None:
-    from moekit._fs import reserve
-    from moekit.selection.common import check_source
-    from moekit.selection.prune import prune, save_pruned
+    from moekit._fs import peak_memory
+    from moekit.selection.api import prune
 
-    if args.keep or args.drop:
-        return run_remove(args)
-    with reserve(args.out, inputs_of(args), args.overwrite) as out:
-        selection, model, tokenizer = prepare(args)
-        check_source(selection, model, args.allow_other_model, warn)
-        prune(model, selection)
-        save_pruned(model, out, args.overwrite, tokenizer)
-    total = sum(p.numel() for p in model.parameters())
-    out_console().print(f"disabled {selection.count} experts in {len(selection.experts)} layers "
-                        f"(model {human(total)} parameters, weights unchanged); saved to {args.out}")
-
-
-def run_remove(args: argparse.Namespace) -> None:
-    """`prune --keep|--drop`: experts removed from a native checkpoint, tensor by tensor."""
-    from moekit._fs import peak_memory, reserve
-    from moekit.assets import resolve_model
-    from moekit.checkpoint.remove import remove_experts
-    from moekit.selection.prune import kept_experts
-    from moekit.selection.selection import Selection
-
-    start = time.perf_counter()
-    with reserve(args.out, inputs_of(args), args.overwrite):
-        selection = Selection.load(args.experts)
-        model = resolve_model(args.model)
-        keep = kept_experts(model, selection, "keep" if args.keep else "drop", args.allow_other_model,
-                            args.trust_remote_code, warn)
-        with progress():
-            nbytes = remove_experts(model, args.out, keep, args.overwrite, inputs_of(args),
-                                    trust_remote_code=args.trust_remote_code)
-    kept, mode = len(next(iter(keep.values()))), "--keep" if args.keep else "--drop"
-    out_console().print(f"kept {kept} experts in each of {len(keep)} MoE layers ({mode}); wrote {args.out}: "
-                        f"{nbytes / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s, peak RSS "
-                        f"{peak_memory() / 2**30:.2f} GiB")
+    start, mode = time.perf_counter(), "keep" if args.keep else "drop" if args.drop else "disable"
+    with progress():
+        p = prune(args.model, args.experts, args.out, mode=mode, overwrite=args.overwrite,
+                  trust_remote_code=args.trust_remote_code, allow_other_model=args.allow_other_model, log=err_console().print,
+                  warn=warn)
+    if p.kept is None:
+        out_console().print(f"disabled {p.selection.count} experts in {len(p.selection.experts)} layers "
+                            f"(model {human(p.params)} parameters, weights unchanged); saved to {args.out}")
+        return
+    out_console().print(f"kept {len(next(iter(p.kept.values())))} experts in each of {len(p.kept)} MoE layers "
+                        f"(--{mode}); wrote {args.out}: {p.bytes / 1e9:.2f} GB in {time.perf_counter() - start:.1f} s, "
+                        f"peak RSS {peak_memory() / 2**30:.2f} GiB")

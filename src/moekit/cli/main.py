@@ -39,27 +39,10 @@ class Version(argparse.Action):
 
 
 def version_line() -> str:
-    """`moekit 0.1.0 from /path/to/moekit (Python 3.11)`, like pip's; the version of the installed
-    distribution, else of the source tree's pyproject.toml, else "(not installed)"."""
-    import importlib.metadata
-    from pathlib import Path
+    """`moekit 0.1.0 from /path/to/moekit (Python 3.11)`, like pip's (moekit._version.version)."""
+    from moekit._version import PACKAGE, version
 
-    package = Path(__file__).resolve().parents[1]
-    try:
-        number = importlib.metadata.version("moekit")
-    except importlib.metadata.PackageNotFoundError:
-        number = source_version(package.parents[1] / "pyproject.toml") or "(not installed)"
-    return f"moekit {number} from {package} (Python {sys.version_info.major}.{sys.version_info.minor})"
-
-
-def source_version(pyproject) -> str | None:
-    import tomllib
-
-    try:
-        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
-    except (OSError, tomllib.TOMLDecodeError):
-        return None
-    return project.get("version") if project.get("name") == "moekit" else None
+    return f"moekit {version()} from {PACKAGE} (Python {sys.version_info.major}.{sys.version_info.minor})"
 
 
 def build_parser() -> argparse.ArgumentParser:

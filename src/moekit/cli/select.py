@@ -79,27 +79,22 @@ def settings_of(method: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> None:
-    from moekit._fs import reserve
-    from moekit.routing.trace import RoutingTrace
-    from moekit.selection import select
+    from moekit.selection.api import select
 
-    out = Path(args.out)
     given = {k: getattr(args, k) for k in settings_of(args.method) if getattr(args, k) is not None}
-    with reserve(args.out, [args.trace], args.overwrite, what="selection", kind="file"):  # as typed: "s.json/"
-        trace = RoutingTrace.load(args.trace)
-        selection = select(trace, args.method, args.target, args.budget, **given).from_trace(args.trace)
-        selection.save(out, overwrite=args.overwrite)
-    print_selection(selection, trace.num_experts, out)
+    selection = select(args.trace, args.method, args.target, args.budget, out=args.out, overwrite=args.overwrite,
+                       **given)
+    print_selection(selection, Path(args.out))
 
 
-def print_selection(selection, num_experts, out: Path) -> None:
+def print_selection(selection, out: Path) -> None:
     from rich.table import Table
 
     regions = selection.params.get("layer_regions")
     table = Table("layer", *(["region"] if regions else []), "n", "experts", box=None, pad_edge=False)
     for li, (layer, ids) in enumerate(selection.experts.items()):
         region = [regions[li]] if regions else []
-        table.add_row(layer, *region, f"{len(ids)}/{int(num_experts[li])}", " ".join(map(str, ids)))
+        table.add_row(layer, *region, f"{len(ids)}/{selection.source.experts[layer]}", " ".join(map(str, ids)))
     console = out_console()
     console.print(table)
     extra = f" (top_p {selection.params['top_p']})" if selection.params.get("top_p") is not None else ""

@@ -6,7 +6,6 @@ train RECIPE`; transformers' Trainer picks the distributed setup up from the env
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from moekit.cli.common import err_console, out_console
 from moekit.cli.plan import add_plan_args
@@ -37,27 +36,22 @@ def run_validate(args: argparse.Namespace) -> None:
 
 def run_train(args: argparse.Namespace) -> None:
     from moekit.cli.tables import run_table
-    from moekit.training.recipe import load_recipe
+    from moekit.training.api import plan, recipe_of, train
 
-    overrides = list(args.overrides)
-    if args.expert_parallel and not args.dry_run:  # --expert-parallel N runs as train.expert_parallel=N
-        overrides.append(f"train.expert_parallel={args.expert_parallel}")
-    recipe = load_recipe(args.recipe, overrides)
     if args.dry_run:
         from moekit.cli.plan import print_plan
-        from moekit.training.plan import plan_recipe
 
-        ep = args.expert_parallel or (recipe.train.expert_parallel if recipe.train.expert_parallel > 1 else None)
-        print_plan(plan_recipe(recipe, args.devices, ep, log=err_console().print), args.device_memory)
+        print_plan(plan(args.recipe, args.overrides, devices=args.devices, expert_parallel=args.expert_parallel,
+                        log=err_console().print), args.device_memory)
         return
-    if recipe.task == "asr":
-        from moekit.training.asr import train_asr as train
-    else:
-        from moekit.training.run import train
+    overrides = list(args.overrides)
+    if args.expert_parallel:  # --expert-parallel N runs as train.expert_parallel=N
+        overrides.append(f"train.expert_parallel={args.expert_parallel}")
+    recipe = recipe_of(args.recipe, overrides)
     from moekit.training.parallel import leave_launch
 
     with progress():
-        trainer = train(recipe, overwrite=args.overwrite, resume=args.resume, inputs=[Path(args.recipe)])
+        trainer = train(args.recipe, overrides, overwrite=args.overwrite, resume=args.resume)
     leave_launch()
     if trainer.is_world_process_zero():
         out_console().print(run_table(recipe, trainer.results))

@@ -30,7 +30,7 @@ class Selector(Config):
 SELECTORS: Registry[type[Selector]] = Registry("expert selection method")
 
 
-def select(trace: RoutingTrace, method: str, target: str, budget: int | None = None, **params) -> Selection:
+def select(trace: RoutingTrace, method: str, target: str | None, budget: int | None = None, **params) -> Selection:
     """Run the registered selection `method` with its settings `params` (validated: ConfigError if invalid).
 
     e.g. `select(trace, "rise", "sw", 128, alpha=10.0)`, `select(trace, "esft", "sw", score="gate")`.

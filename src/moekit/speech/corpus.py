@@ -21,7 +21,7 @@ import wave
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import Field, model_validator
 
@@ -234,10 +234,33 @@ def _summary(cfg: CorpusConfig, rows: list[dict]) -> dict:
             "hours": sum(r["seconds"] for r in rows) / 3600, "counts": counts, "voices": voices}
 
 
-def build_corpus(cfg: CorpusConfig, out: str | Path, overwrite: bool = False) -> Path:
-    """Synthesize the corpus `cfg` into `out` (atomically: nothing is left on failure). Everything
-    that can be checked (output directory, programs, texts) is checked before synthesis starts.
-    Progress: "synthesizing" per utterance (moekit.progress). Deterministic in `cfg`."""
+def build_corpus(cfg: CorpusConfig | dict[str, Any], out: str | Path, overwrite: bool = False) -> Path:
+    """Synthesize a multilingual speech corpus with espeak-ng (and flite) voices (`moekit speech corpus`).
+
+    Writes manifest.jsonl, audio/<lang>/*.wav (16 kHz) and corpus.json into `out`, atomically (nothing is left on
+    failure). Test utterances use held-out texts and held-out voices. Everything that can be checked (output
+    directory, programs, texts) is checked before synthesis starts. Progress: "synthesizing" per utterance
+    (moekit.progress). Deterministic in `cfg`.
+
+    Args:
+        cfg: What to synthesize: a CorpusConfig, or its fields as a dict (e.g. {"langs": ["en", "fr"]}; the other
+            fields default as the command's options do).
+        out: The output directory.
+        overwrite: Replace a non-empty `out`.
+
+    Returns:
+        The corpus directory (`read_manifest` lists its utterances).
+
+    Raises:
+        ConfigError: Invalid settings, an unknown language, missing texts or programs (espeak-ng, sox, flite).
+        OutputExistsError: `out` is not empty and `overwrite` is False.
+
+    Example:
+        >>> moekit.speech.build_corpus({"langs": ["en", "fr"], "voices": 2}, "corpus")  # doctest: +SKIP
+    """
+    from moekit.config import validate
+
+    cfg = cfg if isinstance(cfg, CorpusConfig) else validate(CorpusConfig, cfg, source="speech corpus settings")
     with reserve(out, cfg.inputs(), overwrite):
         for binary in ("espeak-ng", "sox", *(["flite"] if cfg.flite_test else [])):
             require(binary)

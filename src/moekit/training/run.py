@@ -16,7 +16,7 @@ from moekit.eval.plots import plot_curves, plot_usage
 from moekit.methods.base import load_base
 from moekit.training.args import check_training_args
 from moekit.training.parallel import is_main
-from moekit.training.recipe import TranslationRecipe
+from moekit.training.recipe import SpeechLLMRecipe, TextRecipe, TranslationRecipe
 from moekit.training.trainer import MoETrainer
 from moekit.training.common import (adapt, check_base, evaluation_model, load_tokenizer, make_trainer, recipe_inputs,
                                  resume_from, run_directory, save_final, write_run_files)
@@ -104,9 +104,10 @@ def report(recipe: TranslationRecipe, model, tok, test, ref, log_history) -> dic
     return results
 
 
-def train(recipe: TranslationRecipe, overwrite: bool = False, resume: bool = False, callbacks=(),
+def train(recipe: TranslationRecipe | TextRecipe | SpeechLLMRecipe, overwrite: bool = False, resume: bool = False, callbacks=(),
           final_out: str | None = None, inputs: list[Path] = ()) -> MoETrainer:
-    """Train `recipe` and evaluate the result; with `resume`, continue from the last checkpoint
+    """Train `recipe` (any task but asr: moekit.training.asr.train_asr; moekit.train takes every task) and
+    evaluate the result; with `resume`, continue from the last checkpoint
     (see `run_directory` for where the run lives meanwhile). `final_out`: where the run will finally live, as
     recorded in its recipe.yaml, if not `recipe.out` (`moekit demo` builds its runs inside its own output).
     `inputs`: files read besides the recipe's own (e.g. the recipe file), which `out` may not be or contain.

@@ -1,4 +1,4 @@
-"""Writing a native export, shared by the in-memory export (`export_model`) and the streaming ones
+"""Writing a native export, shared by the in-memory export (`moekit.export` of a model) and the streaming ones
 (moekit.checkpoint.upcycle): the units in file order, the files besides the weights that other readers need as they
 read them (tokenizer_config.json), and what each reader computes (the command's final line and the model card).
 """
