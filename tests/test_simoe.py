@@ -317,6 +317,25 @@ def test_simoe_recipe_trains_resumes_and_evaluates(tiny_recipe_overrides, tmp_pa
     rc, _, err = run("simoe", "export", out, "--out", tmp_path / "x", "--merge", "nope")
     assert rc == 2 and "unknown task" in err and not (tmp_path / "x").exists()
 
+    # the same from Python (moekit.simoe_report / simoe_export): the same files, the same refusal
+    import hashlib
+
+    import moekit
+
+    def digests(d):
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir()) if f.is_file()}
+
+    assert moekit.simoe_report(out, tmp_path / "report-py") == tmp_path / "report-py"
+    assert json.loads((tmp_path / "report-py" / "report.json").read_text()) == report
+    w = moekit.simoe_export(out, tmp_path / "pruned-py", prune=True)
+    assert digests(tmp_path / "pruned-py") == digests(tmp_path / "pruned") and w.merged_task is None
+    assert w.total < w.before_total
+    w = moekit.simoe_export(out, tmp_path / "dense-py", merge="c")
+    assert digests(tmp_path / "dense-py") == digests(tmp_path / "dense") and w.merged_task == "c"
+    with pytest.raises(moekit.MoekitError, match=r"unknown task 'nope'; the run's test tasks: a, b, c"):
+        moekit.simoe_export(out, tmp_path / "y", merge="nope")
+    assert not (tmp_path / "y").exists()
+
 
 def test_analysis_closed_forms():
     from moekit.simoe.analysis import nonzero_fractions, overlaps, task_routing

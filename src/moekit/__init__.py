@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from moekit.training.api import evaluate, finetune, plan, train
     from moekit.training.args import training_args
     from moekit.training.recipe import AuxConfig, load_recipe
+    from moekit.training.simoe_run import simoe_export, simoe_report
     from moekit.training.trainer import MoECallback, MoETrainer
 
     __version__: str
@@ -39,12 +40,14 @@ _API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit
         "evaluate": "moekit.training.api", "plan": "moekit.training.api",
         "MoETrainer": "moekit.training.trainer", "MoECallback": "moekit.training.trainer",
         "AuxConfig": "moekit.training.recipe", "load_recipe": "moekit.training.recipe",
-        "FreezeConfig": "moekit.methods.freeze", "training_args": "moekit.training.args"}
+        "FreezeConfig": "moekit.methods.freeze", "training_args": "moekit.training.args",
+        "simoe_report": "moekit.training.simoe_run", "simoe_export": "moekit.training.simoe_run"}
 _MODULES = ("routes", "simoe", "speech")  # public modules of functions (`moekit.routes.collect`)
 
 __all__ = ["InspectSummary", "MoECallback", "MoELayer", "MoESpec", "MoETrainer", "MoekitError", "AuxConfig", "FreezeConfig",
            "RouterSpec", "__version__", "evaluate", "export", "finetune", "inspect", "load", "load_recipe",
-           "moe_layers", "plan", "prune", "routes", "save", "select", "simoe", "speech", "train", "training_args",
+           "moe_layers", "plan", "prune", "routes", "save", "select", "simoe", "simoe_export", "simoe_report",
+           "speech", "train", "training_args",
            "upcycle", "upcycle_checkpoint"]  # written out for static readers (griffe); tests/test_api.py: = _API's
 
 _auto.install()

@@ -36,6 +36,8 @@ class Registry(Generic[T]):
         return deco
 
     def get(self, name: str) -> T:
+        if not isinstance(name, str):  # a list or mapping from an untrusted file would raise TypeError below
+            raise ConfigError(f"{self.kind} must be a name, got {name!r:.100}")
         try:
             return self._filled()[name]
         except KeyError:
@@ -46,8 +48,8 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._filled())
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._filled()
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._filled()
 
 
 def declared(package: str, registry: str) -> dict[str, str]:

@@ -78,7 +78,10 @@ def find_slots(model: nn.Module) -> list[Slot]:
 
 def slot_at(model: nn.Module, stack: str, index: int, adapter: str) -> Slot:
     """The slot recorded in a saved moekit model (block located by path, adapter by name)."""
-    block = model.get_submodule(stack)[index]
+    blocks = model.get_submodule(stack)
+    if not isinstance(blocks, nn.ModuleList) or not 0 <= index < len(blocks):
+        raise UnsupportedModelError(f"{stack} is not a list of blocks with a block {index}")
+    block = blocks[index]
     ad = ADAPTERS_BY_NAME[adapter]
     rel = ad.locate(block)
     if rel is None:
