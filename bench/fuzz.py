@@ -23,7 +23,7 @@ from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import write_section  # bench/report.py  # noqa: E402
+from report import cpu_name, write_section  # bench/report.py  # noqa: E402
 
 from moekit._fs import write_text_atomic  # noqa: E402
 from moekit.testing.fuzz import OUTCOMES, run_reader, write_case  # noqa: E402
@@ -63,8 +63,8 @@ def run_chunk(args, name: str, start: int, count: int) -> list[dict]:
 
 def load_state(path: Path) -> dict:
     """{reader: {"next": cases done, "counts": {outcome: n}, "failures": [the first KEEP], "seconds": spent,
-    "seed", "date": of its last chunk}}; "seed" and "date" may be missing (states written before they were kept:
-    seed 0, date unknown)."""
+    "seed", "date" and "machine": of its last chunk}}; "seed", "date" and "machine" may be missing (states written
+    before they were kept: seed 0, date and machine unknown)."""
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -85,11 +85,32 @@ def fuzz(args, report) -> dict:
             entry["next"] += n
             entry["seconds"] += time.perf_counter() - t0
             entry["date"] = str(date.today())
+            entry["machine"] = f"{cpu_name()}, {os.cpu_count()} cores"
             args.state.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(args.state, json.dumps(state, indent=1))
             report(state)
             print(f"{name}: {entry['next']} cases {entry['counts']} ({entry['seconds']:.0f} s)", file=sys.stderr)
     return state
+
+
+def recheck(args) -> dict:
+    """Every kept failure's case again on this code, each in its own child process: its outcome and the date are
+    kept beside the failure (so the section says, from the state, which failures the fixes since ended)."""
+    state = load_state(args.state)
+    for name in args.readers:
+        for f in state.get(name, {}).get("failures", []):
+            (r,) = run_chunk(args, name, f["index"], 1)
+            f["recheck"] = {"outcome": r["outcome"], "date": str(date.today()),
+                            **({} if r["outcome"] in ("ok", "error") else {"detail": r["detail"][-300:]})}
+            print(f"{name} case {f['index']}: {f['outcome']} -> {r['outcome']}", file=sys.stderr)
+    write_text_atomic(args.state, json.dumps(state, indent=1))
+    return state
+
+
+def failure_line(name: str, f: dict) -> str:
+    again = f.get("recheck")
+    now = f"; rechecked {again['date']}: **{again['outcome']}**" if again else ""
+    return f"- {name} case {f['index']}: {f['outcome']}: {' '.join(f['detail'].split())[-200:]}{now}"
 
 
 def table(state: dict) -> list[str]:
@@ -111,19 +132,29 @@ def command(state: dict) -> str:
 def section(state: dict) -> str:
     """BENCHMARKS.md's fuzz section, from the state alone (so --report-only rebuilds it byte for byte)."""
     dates = sorted(e["date"] for e in state.values() if "date" in e)
-    failures = [f"- {name} case {f['index']}: {f['outcome']}: {' '.join(f['detail'].split())[-200:]}"
-                for name, e in sorted(state.items()) for f in e["failures"]]
+    machines = {}  # machine -> its readers (states written before it was kept: "not recorded")
+    for name, e in sorted(state.items()):
+        machines.setdefault(e.get("machine", "machine not recorded"), []).append(name)
+    where = "; ".join(f"{m} ({', '.join(names)})" if len(machines) > 1 else m for m, names in machines.items())
+    failures = [failure_line(name, f) for name, e in sorted(state.items()) for f in e["failures"]]
+    rechecked = [f["recheck"]["outcome"] for e in state.values() for f in e["failures"] if "recheck" in f]
+    fixed = sum(o in ("ok", "error") for o in rechecked)
     return "\n".join([
         MARK[0], "## Fuzzing the readers of untrusted input (bench/fuzz.py)", "",
-        (f"Last cases run {dates[-1]}, " if dates else "") + f"CPU (`{command(state)}`; the same command continues a "
+        (f"Last cases run {dates[-1]}; " if dates else "") + f"machine: {where} (`{command(state)}`; the same command continues a "
         "run that stopped; `bench/fuzz.py --report-only --write BENCHMARKS.md` rebuilds this section from "
         "bench/results/fuzz/state.json). Cases 0..N-1 of each reader (moekit.testing.fuzz_readers): structure-aware "
         "mutations of a valid tiny input, read by the library call in a child process with a 10 s limit per case and "
         "an address space of 2 GiB more than the process had. ok: accepted; error: one MoekitError line; crash, "
         "timeout, memory (a declared size allocated before it was checked), touched (a file changed outside the "
-        "case's output): failures, each to become a fixed bug and a row in tests/test_bad_inputs.py.", "",
+        "case's output): failures, each to become a fixed bug and a row in tests/test_bad_inputs.py. ms / case: wall "
+        "time per case, child processes included, while other jobs shared the machine (the runs were started at nice "
+        "19).", "",
         *table(state), "",
-        *([f"Failures kept (first {KEEP} per reader):", "", *failures, ""] if failures else []), MARK[1]])
+        *([f"Failures kept (first {KEEP} per reader; `bench/fuzz.py --recheck` reruns each on the current code, one "
+            "child process per case, and keeps its outcome here):", "", *failures, ""] if failures else []),
+        *([f"Rechecked: {fixed} of {len(rechecked)} kept failures now end in ok or one error line."]
+          if rechecked else []), MARK[1]])
 
 
 def main() -> None:
@@ -140,6 +171,8 @@ def main() -> None:
     p.add_argument("--write", type=Path, help="BENCHMARKS.md to put the table in")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the section from --state into --write (or print it)")
+    p.add_argument("--recheck", action="store_true",
+                   help="run each kept failure's case again on the current code, keep its outcome in --state, stop")
     p.add_argument("--show", type=Path, help="write case --index of --reader into this folder and stop")
     p.add_argument("--reader", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help="the case --show writes (default: %(default)s)")
@@ -153,6 +186,9 @@ def main() -> None:
         run_reader(READERS[args.reader], args.work, count=0)  # the seed
         print(write_case(READERS[args.reader], args.work / args.reader / "seed", args.seed, args.index, args.show))
         return None
+    if args.recheck:
+        state = recheck(args)
+        return write_section(args.write, section(state), MARK) if args.write else None
     if args.report_only:
         state = load_state(args.state)
         if not state:

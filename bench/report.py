@@ -65,7 +65,20 @@ def device_name(device=None) -> str:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s)"
+    return f"{cpu_name()}, {torch.get_num_threads()} thread(s)"
+
+
+def cpu_name() -> str:
+    """The CPU's model name as Linux reports it (/proc/cpuinfo), else the architecture: "AMD EPYC CPU"."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + " CPU"
+    except OSError:
+        pass
+    return f"{platform.machine()} CPU"
 
 
 def measured_on(summaries) -> str:
