@@ -109,7 +109,8 @@ def test_every_verb_takes_its_sources_before_its_output():
 
 
 def test_every_verb_has_a_google_style_docstring_and_annotations():
-    for name in ("export", "inspect", "select", "prune", "finetune", "train", "plan", "evaluate", "load_recipe"):
+    for name in ("export", "inspect", "select", "prune", "finetune", "finetune_plan", "train", "plan", "evaluate",
+                 "load_recipe"):
         fn = getattr(moekit, name)
         doc = pyinspect.getdoc(fn) or ""
         assert all(f"\n{part}:\n" in doc for part in ("Args", "Returns", "Raises", "Example")), name
@@ -232,6 +233,15 @@ def test_finetune_trains_what_the_command_trains(fx, tmp_path, run):
     assert digests(tmp_path / "py", skip=("finetune.json",)) == digests(tmp_path / "cli", skip=("finetune.json",))
     logged = json.loads((tmp_path / "cli" / "finetune.json").read_text())
     assert [e["loss"] for e in logged["log_history"] if "loss" in e] == done.losses
+    p = moekit.finetune_plan(fx / "moe", tmp_path / "sel.json", batch_size=2, max_length=16, devices=2)
+    rows = sum(len(ids) for ids in sel.experts.values())  # each selected expert's rows train, nothing else
+    _, layer = moekit.moe_layers(moekit.load(fx / "moe"))[0]
+    per_expert = sum(t.numel() for t in layer.experts.parameters()) // layer.router.num_experts
+    assert p.devices == 2 and p.trainable == rows * per_expert
+    rc, out, err = run("finetune", "--model", fx / "moe", "--experts", tmp_path / "sel.json", "--data",
+                       f"fr={fx / 'fr.txt'}", "--out", tmp_path / "dry", "--batch-size", 2, "--max-length", 16, "--devices", 2, "--dry-run")
+    assert rc == 0, err
+    assert f"{p.params:,}" in out and p.title in out and not (tmp_path / "dry").exists()
 
 
 def test_train_plan_and_evaluate_equal_the_commands(tmp_path, run, tiny_recipe_overrides):
@@ -311,12 +321,16 @@ def test_bad_input_raises_the_message_the_command_prints(fx, tmp_path, run, case
                                    grad_accum=2), "batch_size 3 is not a multiple of grad_accum 2"),
     (lambda fx, t: moekit.finetune(fx / "moe", fx / "sel.json", {"en": fx / "en.txt"}, t / "ft", epochs=0),
      "epochs, steps, batch_size, grad_accum and max_length must be positive"),
+    (lambda fx, t: moekit.finetune_plan(fx / "moe", fx / "sel.json", batch_size=4, grad_accum=3),
+     "batch_size 4 is not a multiple of grad_accum 3"),
+    (lambda fx, t: moekit.finetune_plan(fx / "moe", fx / "sel.json", max_length=0),
+     "batch_size, grad_accum and max_length must be positive"),
     (lambda fx, t: moekit.prune(fx / "moe", fx / "sel.json", t / "p", mode="remove"),  # type: ignore[arg-type]
      "unknown prune mode 'remove'; choose disable, keep or drop"),
     (lambda fx, t: moekit.export(fx / "moe", t / "e", "qwen2_moe", dtype="int8"),
      "unknown dtype 'int8'; choose auto, float32, bfloat16, float16"),
-], ids=["collect-max-length", "collect-device", "finetune-accumulation", "finetune-epochs", "prune-mode",
-        "export-dtype"])
+], ids=["collect-max-length", "collect-device", "finetune-accumulation", "finetune-epochs",
+        "finetune-plan-accumulation", "finetune-plan-length", "prune-mode", "export-dtype"])
 def test_settings_out_of_range_are_refused_in_keyword_words_before_any_work(fx, tmp_path, call, message):
     """The functions check what the command's parser and flags check, worded as their keyword arguments."""
     with pytest.raises(MoekitError) as e:

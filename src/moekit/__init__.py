@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from moekit.methods.freeze import FreezeConfig
     from moekit.moe import MoELayer, MoESpec, RouterSpec, moe_layers
     from moekit.selection.api import prune, select
-    from moekit.training.api import evaluate, finetune, plan, train
+    from moekit.training.api import evaluate, finetune, finetune_plan, plan, train
     from moekit.training.args import training_args
     from moekit.training.recipe import AuxConfig, load_recipe
     from moekit.training.simoe_run import simoe_export, simoe_report
@@ -36,7 +36,8 @@ _API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit
         "upcycle": "moekit.checkpoint.upcycle_model", "upcycle_checkpoint": "moekit.checkpoint.upcycle",
         "export": "moekit.checkpoint.convert", "inspect": "moekit.checkpoint.summary",
         "InspectSummary": "moekit.checkpoint.summary", "select": "moekit.selection.api",
-        "prune": "moekit.selection.api", "finetune": "moekit.training.api", "train": "moekit.training.api",
+        "prune": "moekit.selection.api", "finetune": "moekit.training.api", "finetune_plan": "moekit.training.api",
+        "train": "moekit.training.api",
         "evaluate": "moekit.training.api", "plan": "moekit.training.api",
         "MoETrainer": "moekit.training.trainer", "MoECallback": "moekit.training.trainer",
         "AuxConfig": "moekit.training.recipe", "load_recipe": "moekit.training.recipe",
@@ -45,7 +46,8 @@ _API = {"MoELayer": "moekit.moe", "MoESpec": "moekit.moe", "RouterSpec": "moekit
 _MODULES = ("routes", "simoe", "speech")  # public modules of functions (`moekit.routes.collect`)
 
 __all__ = ["InspectSummary", "MoECallback", "MoELayer", "MoESpec", "MoETrainer", "MoekitError", "AuxConfig", "FreezeConfig",
-           "RouterSpec", "__version__", "evaluate", "export", "finetune", "inspect", "load", "load_recipe",
+           "RouterSpec", "__version__", "evaluate", "export", "finetune", "finetune_plan", "inspect", "load",
+           "load_recipe",
            "moe_layers", "plan", "prune", "routes", "save", "select", "simoe", "simoe_export", "simoe_report",
            "speech", "train", "training_args",
            "upcycle", "upcycle_checkpoint"]  # written out for static readers (griffe); tests/test_api.py: = _API's

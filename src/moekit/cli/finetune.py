@@ -79,12 +79,12 @@ def run_finetune(args: argparse.Namespace) -> None:
     data = lang_files(args.data, "--data")
     if args.dry_run:
         from moekit.cli.plan import print_plan
-        from moekit.training.plan import plan_finetune
+        from moekit.training.api import finetune_plan
 
-        print_plan(plan_finetune(args.model, args.experts, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                                 max_length=args.max_length, trust_remote_code=args.trust_remote_code,
-                                 devices=args.devices, expert_parallel=args.expert_parallel,
-                                 allow_other_model=args.allow_other_model, log=err_console().print, warn=warn),
+        print_plan(finetune_plan(args.model, args.experts, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                                 max_length=args.max_length, devices=args.devices, expert_parallel=args.expert_parallel,
+                                 trust_remote_code=args.trust_remote_code, allow_other_model=args.allow_other_model,
+                                 log=err_console().print, warn=warn),
                    args.device_memory)
         return
     start = time.perf_counter()

@@ -275,6 +275,49 @@ def finetune(model: str | Path, experts: str | Path, data: dict[str, str | Path]
                      trust_remote_code, allow_other_model, log, warn)
 
 
+def finetune_plan(model: str | Path, experts: str | Path, *, batch_size: int = 16, grad_accum: int = 1,
+                  max_length: int = 128, devices: int = 8, expert_parallel: int | None = None,
+                  trust_remote_code: bool = False, allow_other_model: bool = False, log: Log | None = None,
+                  warn: Log | None = None) -> Plan:
+    """The memory plan of `finetune` (`moekit finetune ... --dry-run`): only the selection's expert rows train, the
+    full expert tensors stay resident; per device under DDP, ZeRO-2/3, FSDP2 and expert parallelism, from config.json,
+    the safetensors headers and the selection alone (no weight is read, nothing is written).
+
+    Args:
+        model: An MoE model: a moekit checkpoint, a transformers model directory or a built-in asset name.
+        experts: A selection JSON (`moekit.select`).
+        batch_size: Examples per optimizer step.
+        grad_accum: Micro-batches each optimizer step's batch is split into.
+        max_length: Tokens per example.
+        devices: The devices the engines spread over.
+        expert_parallel: Expert-parallel ranks (None: `devices` where it divides every MoE layer's experts).
+        trust_remote_code: Allow a model directory that ships its own Python code (auto_map).
+        allow_other_model: Plan with a selection made for another model (the layers and expert ids are still checked).
+        log: Called with status lines; None: silent.
+        warn: Called with warnings (a selection that does not record its model); None: silent.
+
+    Returns:
+        The plan (sizes in bytes, counts in elements; `shares`: per device under each engine).
+
+    Raises:
+        ConfigError: Settings out of range, or a selection that does not fit the model.
+
+    Example:
+        >>> p = moekit.finetune_plan("olmoe", "sw.json", devices=4)  # doctest: +SKIP
+        >>> p.trainable  # doctest: +SKIP
+    """
+    from moekit.errors import ConfigError
+    from moekit.training.plan import plan_finetune
+
+    if min(batch_size, max_length, grad_accum) < 1:
+        raise ConfigError("batch_size, grad_accum and max_length must be positive")
+    if batch_size % grad_accum:
+        raise ConfigError(f"batch_size {batch_size} is not a multiple of grad_accum {grad_accum}")
+    return plan_finetune(str(model), str(experts), batch_size=batch_size, grad_accum=grad_accum, max_length=max_length,
+                         trust_remote_code=trust_remote_code, devices=devices, expert_parallel=expert_parallel,
+                         allow_other_model=allow_other_model, log=log, warn=warn)
+
+
 def _finetune(model: str | Path, experts: str | Path, data: dict[str, str | Path], out: str | Path, engine: Any,
               settings: dict[str, Any], max_length: int, device: str, deepspeed: str | Path | None, overwrite: bool,
               trust_remote_code: bool, allow_other_model: bool, log: Log | None, warn: Log | None) -> Finetuned | None:
