@@ -134,7 +134,7 @@ def section(state: dict) -> str:
     dates = sorted(e["date"] for e in state.values() if "date" in e)
     machines = {}  # machine -> its readers (states written before it was kept: "not recorded")
     for name, e in sorted(state.items()):
-        machines.setdefault(e.get("machine", "machine not recorded"), []).append(name)
+        machines.setdefault(e.get("machine", "not recorded"), []).append(name)
     where = "; ".join(f"{m} ({', '.join(names)})" if len(machines) > 1 else m for m, names in machines.items())
     failures = [failure_line(name, f) for name, e in sorted(state.items()) for f in e["failures"]]
     rechecked = [f["recheck"]["outcome"] for e in state.values() for f in e["failures"] if "recheck" in f]
