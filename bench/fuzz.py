@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import cpu_name, write_section  # bench/report.py  # noqa: E402
 
 from moekit._fs import write_text_atomic  # noqa: E402
-from moekit.testing.fuzz import OUTCOMES, run_reader, write_case  # noqa: E402
+from moekit.testing.fuzz import OUTCOMES, WALL_FACTOR, run_reader, write_case  # noqa: E402
 from moekit.testing.fuzz_readers import READERS  # noqa: E402
 
 MARK = ("<!-- fuzz -->", "<!-- /fuzz -->")
@@ -63,8 +63,8 @@ def run_chunk(args, name: str, start: int, count: int) -> list[dict]:
 
 def load_state(path: Path) -> dict:
     """{reader: {"next": cases done, "counts": {outcome: n}, "failures": [the first KEEP], "seconds": spent,
-    "seed", "date" and "machine": of its last chunk}}; "seed", "date" and "machine" may be missing (states written
-    before they were kept: seed 0, date and machine unknown)."""
+    "seed", "date", "machine" and "limit" (the time limit per case, in words): of its last chunk}}; these four may be
+    missing (states written before they were kept: seed 0, date and machine unknown, OLD_LIMIT)."""
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -86,6 +86,7 @@ def fuzz(args, report) -> dict:
             entry["seconds"] += time.perf_counter() - t0
             entry["date"] = str(date.today())
             entry["machine"] = f"{cpu_name()}, {os.cpu_count()} cores"
+            entry["limit"] = limit_text(args.timeout)
             args.state.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(args.state, json.dumps(state, indent=1))
             report(state)
@@ -129,13 +130,25 @@ def command(state: dict) -> str:
     return f"bench/fuzz.py --cases {max(e['next'] for e in state.values())}{readers}{seed} --write BENCHMARKS.md"
 
 
+OLD_LIMIT = "10 s of wall time"  # the limit of the cases run before the state kept it
+
+
+def limit_text(timeout: float) -> str:
+    return f"{timeout:g} s of CPU time ({WALL_FACTOR * timeout:g} s of wall time for a read that blocks)"
+
+
+def grouped(state: dict, key: str, missing: str) -> str:
+    """A per-reader value of the state in words: the value, or each value with its readers where they differ."""
+    by = {}
+    for name, e in sorted(state.items()):
+        by.setdefault(e.get(key, missing), []).append(name)
+    return "; ".join(f"{v} ({', '.join(names)})" if len(by) > 1 else v for v, names in by.items())
+
+
 def section(state: dict) -> str:
     """BENCHMARKS.md's fuzz section, from the state alone (so --report-only rebuilds it byte for byte)."""
     dates = sorted(e["date"] for e in state.values() if "date" in e)
-    machines = {}  # machine -> its readers (states written before it was kept: "not recorded")
-    for name, e in sorted(state.items()):
-        machines.setdefault(e.get("machine", "not recorded"), []).append(name)
-    where = "; ".join(f"{m} ({', '.join(names)})" if len(machines) > 1 else m for m, names in machines.items())
+    where, limit = grouped(state, "machine", "not recorded"), grouped(state, "limit", OLD_LIMIT)
     failures = [failure_line(name, f) for name, e in sorted(state.items()) for f in e["failures"]]
     rechecked = [f["recheck"]["outcome"] for e in state.values() for f in e["failures"] if "recheck" in f]
     fixed = sum(o in ("ok", "error") for o in rechecked)
@@ -144,8 +157,8 @@ def section(state: dict) -> str:
         (f"Last cases run {dates[-1]}; " if dates else "") + f"machine: {where} (`{command(state)}`; the same command continues a "
         "run that stopped; `bench/fuzz.py --report-only --write BENCHMARKS.md` rebuilds this section from "
         "bench/results/fuzz/state.json). Cases 0..N-1 of each reader (moekit.testing.fuzz_readers): structure-aware "
-        "mutations of a valid tiny input, read by the library call in a child process with a 10 s limit per case and "
-        "an address space of 2 GiB more than the process had. ok: accepted; error: one MoekitError line; crash, "
+        "mutations of a valid tiny input, read by the library call in a child process with a time limit per case of "
+        f"{limit} and an address space of 2 GiB more than the process had. ok: accepted; error: one MoekitError line; crash, "
         "timeout, memory (a declared size allocated before it was checked), touched (a file changed outside the "
         "case's output): failures, each to become a fixed bug and a row in tests/test_bad_inputs.py. ms / case: wall "
         "time per case, child processes included, while other jobs shared the machine (the runs were started at nice "
@@ -164,7 +177,8 @@ def main() -> None:
                    help="readers to fuzz (default: all)")
     p.add_argument("--seed", type=int, default=0, help="the fuzz seed (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=500, help="cases per child process (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per case (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="CPU seconds per case; 6x that of wall time stops a read that blocks (default: %(default)s)")
     p.add_argument("--state", type=Path, default=Path("bench/results/fuzz/state.json"),
                    help="progress file, committed (default: %(default)s)")
     p.add_argument("--work", type=Path, default=Path("runs/fuzz/work"), help="seeds and cases (default: %(default)s)")

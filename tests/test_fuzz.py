@@ -24,8 +24,8 @@ CASES = {"safetensors": 300, "safetensors-index": 300, "trace": 300, "selection"
          "gguf": 100, "covost-tsv": 200}
 
 
-# per case: three times bench/fuzz.py's 10 s, as CI may share its cores (PyYAML takes seconds to refuse a recipe
-# nested 10**5 deep: it recurses to Python's limit first)
+# CPU seconds per case: three times bench/fuzz.py's 10 s (PyYAML takes seconds to refuse a recipe nested 10**5 deep:
+# it recurses to Python's limit first; CI's slower cores)
 TIMEOUT = 30.0
 
 
@@ -61,7 +61,12 @@ def _probe(tmp_path: Path, read, mutate=lambda rng, seed, case: None) -> str:
     (tmp_path / "seed").mkdir(exist_ok=True)
     (tmp_path / "cases").mkdir(exist_ok=True)
     reader = Reader("probe", lambda seed: None, mutate, read)
-    return run_case(reader, tmp_path / "seed", tmp_path / "cases", 0, 0, timeout=1.0).outcome
+    return run_case(reader, tmp_path / "seed", tmp_path / "cases", 0, 0, timeout=0.5).outcome
+
+
+def _spin() -> None:
+    while True:
+        pass
 
 
 def _write_outside(case: Path) -> None:
@@ -72,13 +77,17 @@ def _write_outside(case: Path) -> None:
     (lambda case: None, "ok"),
     (lambda case: (_ for _ in ()).throw(ConfigError("bad input")), "error"),
     (lambda case: {}["missing"], "crash"),
+    (lambda case: _spin(), "timeout"),
     (lambda case: time.sleep(5), "timeout"),
+    (lambda case: time.sleep(1), "ok"),
     (lambda case: np.ones(2**40, dtype=np.uint8), "memory"),
     (_write_outside, "touched"),
 ])
 def test_the_harness_tells_each_outcome(read, outcome, tmp_path):
-    """Each outcome class is detected: the 1 TiB allocation fails under the case's address-space limit, the sleep
-    is cut by the per-case timeout, the file written beside the case folder is seen."""
+    """Each outcome class is detected: the 1 TiB allocation fails under the case's address-space limit, the endless
+    loop is cut by the CPU time limit (0.5 s), a read blocked for 5 s by the wall-time backstop (6 × 0.5 s), while a
+    case that waits 1 s without computing is not a timeout (the time other jobs take from a case is not its own),
+    and the file written beside the case folder is seen."""
     assert _probe(tmp_path, read) == outcome
 
 
@@ -131,7 +140,8 @@ def test_ct2_zero_size_variable_reads(tmp_path):
 
 def test_bench_report_only_rebuilds_the_section_from_the_state(tmp_path):
     """bench/fuzz.py --report-only: BENCHMARKS.md's section from the committed state alone (a state written before
-    "seed", "date" and "machine" were kept reads as seed 0 on an unrecorded machine), no "known" column, the text
+    "seed", "date", "machine" and "limit" were kept reads as seed 0 on an unrecorded machine with a wall-time limit),
+    no "known" column, the text
     outside the section kept, a rechecked failure's new outcome beside it."""
     import json
     import subprocess
@@ -141,7 +151,8 @@ def test_bench_report_only_rebuilds_the_section_from_the_state(tmp_path):
                        "failures": [{"index": 17, "outcome": "crash", "detail": "TypeError:\n  boom",
                                      "recheck": {"outcome": "error", "date": "2026-11-28"}}]},
              "ct2": {"next": 1000, "counts": {"ok": 10, "error": 989, "timeout": 1}, "seconds": 16.4, "failures": [],
-                     "seed": 0, "date": "2026-11-27", "machine": "AMD EPYC CPU, 2 cores"}}
+                     "seed": 0, "date": "2026-11-27", "machine": "AMD EPYC CPU, 2 cores",
+                     "limit": "10 s of CPU time (60 s of wall time for a read that blocks)"}}
     (tmp_path / "state.json").write_text(json.dumps(state))
     bench = tmp_path / "BENCHMARKS.md"
     bench.write_text("# Benchmarks\n\nbefore\n\n<!-- fuzz -->\nold\n<!-- /fuzz -->\n\nafter\n")
@@ -158,8 +169,10 @@ def test_bench_report_only_rebuilds_the_section_from_the_state(tmp_path):
                                         "| trace | 2,000 | 500 | 1,499 | 1 | 0 | 0 | 0 | 15 |", ""]
     assert "- trace case 17: crash: TypeError: boom; rechecked 2026-11-28: **error**" in lines
     assert "Rechecked: 1 of 1 kept failures now end in ok or one error line." in lines
-    assert ("Last cases run 2026-11-27; machine: AMD EPYC CPU, 2 cores (ct2); machine not recorded (trace) "
+    assert ("Last cases run 2026-11-27; machine: AMD EPYC CPU, 2 cores (ct2); not recorded (trace) "
             "(`bench/fuzz.py --cases 2000 --readers ct2 trace --write BENCHMARKS.md`") in text
+    assert ("with a time limit per case of 10 s of CPU time (60 s of wall time for a read that blocks) (ct2); 10 s of "
+            "wall time (trace) and an address space") in text
     assert not (tmp_path / "nothing").exists()  # nothing ran
 
 

@@ -7,7 +7,9 @@ field, a cache's links), and the library call that reads it, run in this process
   ok       the reader accepted the input
   error    a MoekitError whose message is one non-empty line once the CLI prints it (moekit.cli.main.message)
   crash    any other exception (a traceback at the CLI), or a MoekitError with an empty message
-  timeout  the case ran past its time limit (SIGALRM, a BaseException the reader cannot swallow)
+  timeout  the case used more than its CPU time limit (SIGPROF), or blocked past the wall-time backstop (SIGALRM,
+           WALL_FACTOR × the limit); each raises a BaseException the reader cannot swallow. CPU time, not wall
+           time, so that other jobs on the machine do not turn a slow case into a timeout
   memory   an allocation failed under the address-space limit set around each case (RLIMIT_AS: the process's
            size then plus MEMORY_BUDGET): a size the input declares was allocated before it was checked
   touched  a file was created, changed or removed outside the case's own input (the seed, the fuzz root)
@@ -40,7 +42,8 @@ from pathlib import Path
 OUTCOMES = ("ok", "error", "crash", "timeout", "memory", "touched")
 FAILURES = ("crash", "timeout", "memory", "touched")
 MEMORY_BUDGET = 2 << 30  # bytes of address space a case may add (the fixtures are a few hundred KiB)
-TIMEOUT = 10.0  # seconds a case may run
+TIMEOUT = 10.0  # seconds of CPU time a case may use
+WALL_FACTOR = 6  # a case that computes nothing (a read blocked on a FIFO) is stopped after this × TIMEOUT of wall time
 
 
 @dataclass
@@ -62,7 +65,8 @@ class Result:
 
 
 class _Timeout(BaseException):
-    """Raised by SIGALRM inside the reader; a BaseException, so `except Exception` in a reader lets it through."""
+    """Raised by SIGPROF or SIGALRM inside the reader; a BaseException, so `except Exception` in a reader lets it
+    through."""
 
 
 def _alarm(signum, frame):
@@ -71,13 +75,17 @@ def _alarm(signum, frame):
 
 @contextlib.contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    """`seconds` of this process's CPU time (ITIMER_PROF), and WALL_FACTOR × that of wall time (ITIMER_REAL)."""
+    timers = ((signal.ITIMER_PROF, signal.SIGPROF, seconds), (signal.ITIMER_REAL, signal.SIGALRM, WALL_FACTOR * seconds))
+    old = [signal.signal(sig, _alarm) for _, sig, _ in timers]
+    for which, _, limit in timers:
+        signal.setitimer(which, limit)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        for (which, sig, _), handler in zip(timers, old):
+            signal.setitimer(which, 0)
+            signal.signal(sig, handler)
 
 
 def _address_space() -> int:
