@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import shutil
 import time
@@ -57,7 +56,7 @@ from moekit.training.trainer import MoETrainer
 from moekit.checkpoint.upcycle_model import upcycle
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, save_scores  # bench/evidence.py
-from report import log_progress, cached, write_section  # bench/report.py
+from report import cached, device_name, log_progress, measured_on, write_section  # bench/report.py
 
 LANGS = {"en": "k", "fr": "l", "de": "e", "es": "v", "sw": "h", "tl": "f", "id": "6", "vi": "7"}
 HIGH, LOW, TARGET = ["en", "fr", "de", "es"], ["sw", "tl", "id", "vi"], "sw"
@@ -244,7 +243,7 @@ def keep(result: dict, out: Path, root: Path = RESULTS) -> None:
     by its name."""
     seed = result["seed"]
     save_scores("rise_mini", "base", seed, verse_scores(result["before_items"]), root,
-                {"stage1_seconds": result["stage1_seconds"], "before": result["before"],
+                {"stage1_seconds": result["stage1_seconds"], "before": result["before"], "device": device_name(),
                  "metrics": {k: result["metrics"][k] for k in METRICS}})
     for method, row in result["methods"].items():
         save_scores("rise_mini", method, seed, verse_scores(row["ft_items"]), root,
@@ -286,7 +285,7 @@ def render(results: dict[int, dict], cmd: str, root: Path = RESULTS) -> str:
     langs = list(LANGS)
     jac = m["jaccard"]
     lines = [MARK[0], "## Routing isolation + RISE in miniature (bench/rise_mini.py)", "",
-             f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. SmolLM2-135M, Drop-Upcycled (ratio 0.2) to E=8/top-2 on "
+             f"`{cmd}` — {date.today()}, measured on {measured_on(results.values())}. SmolLM2-135M, Drop-Upcycled (ratio 0.2) to E=8/top-2 on "
              f"every 3rd block (10 MoE layers, 80 experts); stage 1 trains only the MoE layers for {STAGE1_STEPS} steps "
              f"of {BATCH} verses on {', '.join(HIGH)} ({HIGH_N} verses each) and {', '.join(LOW)} ({LOW_N} each) "
              f"({r['stage1_seconds'] / 60:.1f} min). Traces: {TRACE_N} held-out verses per language, identical content. "

@@ -123,6 +123,9 @@ def test_rise_mini_section_comes_from_committed_results_alone(tmp_path):
     text = report_only(rise_mini, tmp_path)
     assert "| rise (seed 4) | 16 | 0.250 | 4.00 | 0.250 | 4.00 | -0.5000 | +0.0100 | +0.2000 | +0.0000 |" in text
     assert "(10.0 min)" in text and "Seeds 0, 1, 2, 3, 4" in text
+    from report import device_name
+
+    assert f"measured on {device_name()}. SmolLM2-135M" in text  # the machine the runs recorded
     check_claims(text, root, 3)
     # the committed per-verse losses weight back to the corpus loss the run reported
     kept = load_scores("rise_mini", root)[("base", 0)]
