@@ -29,7 +29,18 @@ from moekit._fs import write_text_atomic  # noqa: E402
 from moekit.testing.fuzz import OUTCOMES, WALL_FACTOR, run_reader, write_case  # noqa: E402
 from moekit.testing.fuzz_readers import READERS  # noqa: E402
 
-MARK = ("<!-- fuzz -->", "<!-- /fuzz -->")
+STATE = Path("bench/results/fuzz/state.json")
+
+
+def marks(state_path: Path) -> tuple[str, str]:
+    """The section of a state file: the main one's (state.json), or one section per other state file (e.g.
+    rerun.json: the same cases again on later code)."""
+    name = "" if state_path.name == STATE.name else f" {state_path.stem}"
+    return f"<!-- fuzz{name} -->", f"<!-- /fuzz{name} -->"
+
+
+def state_option(state_path: Path) -> str:
+    return "" if state_path.name == STATE.name else f" --state {state_path}"
 KEEP = 20  # failures kept per reader in the state file
 
 
@@ -122,12 +133,13 @@ def table(state: dict) -> list[str]:
             *rows]
 
 
-def command(state: dict) -> str:
+def command(state: dict, state_path: Path = STATE) -> str:
     """The command that runs the cases of `state` (and continues them where they stopped)."""
     readers = "" if set(state) == set(READERS) else " --readers " + " ".join(sorted(state))
     seeds = {e.get("seed", 0) for e in state.values()}
     seed = f" --seed {seeds.pop()}" if seeds != {0} and len(seeds) == 1 else ""
-    return f"bench/fuzz.py --cases {max(e['next'] for e in state.values())}{readers}{seed} --write BENCHMARKS.md"
+    return (f"bench/fuzz.py --cases {max(e['next'] for e in state.values())}{readers}{seed}{state_option(state_path)} "
+            "--write BENCHMARKS.md")
 
 
 OLD_LIMIT = "10 s of wall time"  # the limit of the cases run before the state kept it
@@ -145,18 +157,21 @@ def grouped(state: dict, key: str, missing: str) -> str:
     return "; ".join(f"{v} ({', '.join(names)})" if len(by) > 1 else v for v, names in by.items())
 
 
-def section(state: dict) -> str:
-    """BENCHMARKS.md's fuzz section, from the state alone (so --report-only rebuilds it byte for byte)."""
+def section(state: dict, state_path: Path = STATE) -> str:
+    """BENCHMARKS.md's fuzz section of a state file, from the state alone (so --report-only rebuilds it byte for
+    byte)."""
     dates = sorted(e["date"] for e in state.values() if "date" in e)
     where, limit = grouped(state, "machine", "not recorded"), grouped(state, "limit", OLD_LIMIT)
     failures = [failure_line(name, f) for name, e in sorted(state.items()) for f in e["failures"]]
     rechecked = [f["recheck"]["outcome"] for e in state.values() for f in e["failures"] if "recheck" in f]
     fixed = sum(o in ("ok", "error") for o in rechecked)
+    mark, option = marks(state_path), state_option(state_path)
+    title = f": {state_path.stem}" if option else ""
     return "\n".join([
-        MARK[0], "## Fuzzing the readers of untrusted input (bench/fuzz.py)", "",
-        (f"Last cases run {dates[-1]}; " if dates else "") + f"machine: {where} (`{command(state)}`; the same command continues a "
-        "run that stopped; `bench/fuzz.py --report-only --write BENCHMARKS.md` rebuilds this section from "
-        "bench/results/fuzz/state.json). Cases 0..N-1 of each reader (moekit.testing.fuzz_readers): structure-aware "
+        mark[0], f"## Fuzzing the readers of untrusted input{title} (bench/fuzz.py)", "",
+        (f"Last cases run {dates[-1]}; " if dates else "") + f"machine: {where} (`{command(state, state_path)}`; the "
+        f"same command continues a run that stopped; `bench/fuzz.py --report-only{option} --write BENCHMARKS.md` "
+        f"rebuilds this section from {STATE if not option else state_path}). Cases 0..N-1 of each reader (moekit.testing.fuzz_readers): structure-aware "
         "mutations of a valid tiny input, read by the library call in a child process with a time limit per case of "
         f"{limit} and an address space of 2 GiB more than the process had. ok: accepted; error: one MoekitError line; crash, "
         "timeout, memory (a declared size allocated before it was checked), touched (a file changed outside the "
@@ -167,7 +182,7 @@ def section(state: dict) -> str:
         *([f"Failures kept (first {KEEP} per reader; `bench/fuzz.py --recheck` reruns each on the current code, one "
             "child process per case, and keeps its outcome here):", "", *failures, ""] if failures else []),
         *([f"Rechecked: {fixed} of {len(rechecked)} kept failures now end in ok or one error line."]
-          if rechecked else []), MARK[1]])
+          if rechecked else []), mark[1]])
 
 
 def main() -> None:
@@ -179,8 +194,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=500, help="cases per child process (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="CPU seconds per case; 6x that of wall time stops a read that blocks (default: %(default)s)")
-    p.add_argument("--state", type=Path, default=Path("bench/results/fuzz/state.json"),
-                   help="progress file, committed (default: %(default)s)")
+    p.add_argument("--state", type=Path, default=STATE,
+                   help="progress file, committed; each has its own section (default: %(default)s)")
     p.add_argument("--work", type=Path, default=Path("runs/fuzz/work"), help="seeds and cases (default: %(default)s)")
     p.add_argument("--write", type=Path, help="BENCHMARKS.md to put the table in")
     p.add_argument("--report-only", action="store_true",
@@ -202,13 +217,14 @@ def main() -> None:
         return None
     if args.recheck:
         state = recheck(args)
-        return write_section(args.write, section(state), MARK) if args.write else None
+        return write_section(args.write, section(state, args.state), marks(args.state)) if args.write else None
     if args.report_only:
         state = load_state(args.state)
         if not state:
             raise SystemExit(f"{args.state}: no fuzz state to report")
-        return write_section(args.write, section(state), MARK) if args.write else print(section(state))
-    fuzz(args, lambda state: args.write and write_section(args.write, section(state), MARK))
+        text = section(state, args.state)
+        return write_section(args.write, text, marks(args.state)) if args.write else print(text)
+    fuzz(args, lambda state: args.write and write_section(args.write, section(state, args.state), marks(args.state)))
 
 
 if __name__ == "__main__":

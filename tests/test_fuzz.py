@@ -176,6 +176,30 @@ def test_bench_report_only_rebuilds_the_section_from_the_state(tmp_path):
     assert not (tmp_path / "nothing").exists()  # nothing ran
 
 
+def test_bench_other_state_files_get_their_own_section(tmp_path):
+    """A state file other than state.json (e.g. the same cases rerun on later code) is its own section, beside the main
+    one, and its commands name it."""
+    import json
+    import subprocess
+    import sys
+
+    entry = {"next": 10, "counts": {"ok": 1, "error": 9}, "seconds": 1.0, "failures": []}
+    script = Path(__file__).resolve().parents[1] / "bench" / "fuzz.py"
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text("# Benchmarks\n\n<!-- fuzz -->\nmain\n<!-- /fuzz -->\n")
+    (tmp_path / "rerun.json").write_text(json.dumps({"trace": entry}))
+    proc = subprocess.run([sys.executable, str(script), "--report-only", "--state", str(tmp_path / "rerun.json"),
+                           "--write", str(bench)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = bench.read_text()
+    assert text.startswith("# Benchmarks\n\n<!-- fuzz -->\nmain\n<!-- /fuzz -->\n\n<!-- fuzz rerun -->\n"
+                           "## Fuzzing the readers of untrusted input: rerun (bench/fuzz.py)\n")
+    assert text.endswith("<!-- /fuzz rerun -->\n")
+    assert (f"`bench/fuzz.py --cases 10 --readers trace --state {tmp_path / 'rerun.json'} --write BENCHMARKS.md`; "
+            f"the same command continues a run that stopped; `bench/fuzz.py --report-only --state "
+            f"{tmp_path / 'rerun.json'} --write BENCHMARKS.md` rebuilds this section from {tmp_path / 'rerun.json'})") in text
+
+
 def test_bench_recheck_reruns_each_kept_failure_on_this_code(tmp_path):
     """bench/fuzz.py --recheck: a kept failure's case runs again in a child process and its outcome on this code is
     kept beside it in the state (case 0 of trace, which the current code reads or refuses in one line); the counts
