@@ -171,9 +171,10 @@ def section(state: dict, state_path: Path = STATE) -> str:
         mark[0], f"## Fuzzing the readers of untrusted input{title} (bench/fuzz.py)", "",
         (f"Last cases run {dates[-1]}; " if dates else "") + f"machine: {where} (`{command(state, state_path)}`; the "
         f"same command continues a run that stopped; `bench/fuzz.py --report-only{option} --write BENCHMARKS.md` "
-        f"rebuilds this section from {STATE if not option else state_path}). Cases 0..N-1 of each reader (moekit.testing.fuzz_readers): structure-aware "
-        "mutations of a valid tiny input, read by the library call in a child process with a time limit per case of "
-        f"{limit} and an address space of 2 GiB more than the process had. ok: accepted; error: one MoekitError line; crash, "
+        f"rebuilds this section from {STATE if not option else state_path}). Cases 0..N-1 of each reader "
+        "(moekit.testing.fuzz_readers): structure-aware mutations of a valid tiny input, read by the library call in "
+        f"a child process with a time limit per case of {limit} and an address space of 2 GiB more than the process "
+        "had. ok: accepted; error: one MoekitError line; crash, "
         "timeout, memory (a declared size allocated before it was checked), touched (a file changed outside the "
         "case's output): failures, each to become a fixed bug and a row in tests/test_bad_inputs.py. ms / case: wall "
         "time per case, child processes included, while other jobs shared the machine (the runs were started at nice "

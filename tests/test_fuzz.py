@@ -197,7 +197,8 @@ def test_bench_other_state_files_get_their_own_section(tmp_path):
     assert text.endswith("<!-- /fuzz rerun -->\n")
     assert (f"`bench/fuzz.py --cases 10 --readers trace --state {tmp_path / 'rerun.json'} --write BENCHMARKS.md`; "
             f"the same command continues a run that stopped; `bench/fuzz.py --report-only --state "
-            f"{tmp_path / 'rerun.json'} --write BENCHMARKS.md` rebuilds this section from {tmp_path / 'rerun.json'})") in text
+            f"{tmp_path / 'rerun.json'} --write BENCHMARKS.md` rebuilds this section from "
+            f"{tmp_path / 'rerun.json'})") in text
 
 
 def test_bench_recheck_reruns_each_kept_failure_on_this_code(tmp_path):
@@ -213,7 +214,8 @@ def test_bench_recheck_reruns_each_kept_failure_on_this_code(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps(state))
     script = Path(__file__).resolve().parents[1] / "bench" / "fuzz.py"
     proc = subprocess.run([sys.executable, str(script), "--recheck", "--readers", "trace", "--state",
-                           str(tmp_path / "state.json"), "--work", str(tmp_path / "work")], capture_output=True, text=True)
+                           str(tmp_path / "state.json"), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     after = json.loads((tmp_path / "state.json").read_text())["trace"]
     assert after["counts"] == {"error": 9, "crash": 1} and after["next"] == 10

@@ -76,7 +76,8 @@ def _alarm(signum, frame):
 @contextlib.contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
     """`seconds` of this process's CPU time (ITIMER_PROF), and WALL_FACTOR × that of wall time (ITIMER_REAL)."""
-    timers = ((signal.ITIMER_PROF, signal.SIGPROF, seconds), (signal.ITIMER_REAL, signal.SIGALRM, WALL_FACTOR * seconds))
+    timers = ((signal.ITIMER_PROF, signal.SIGPROF, seconds),
+              (signal.ITIMER_REAL, signal.SIGALRM, WALL_FACTOR * seconds))
     old = [signal.signal(sig, _alarm) for _, sig, _ in timers]
     for which, _, limit in timers:
         signal.setitimer(which, limit)
