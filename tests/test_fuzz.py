@@ -176,6 +176,21 @@ def test_bench_report_only_rebuilds_the_section_from_the_state(tmp_path):
     assert not (tmp_path / "nothing").exists()  # nothing ran
 
 
+@pytest.mark.parametrize("state", sorted(p.name for p in (Path(__file__).resolve().parents[1] / "bench" / "results"
+                                                           / "fuzz").glob("*.json")))
+def test_benchmarks_fuzz_sections_are_the_committed_states(state):
+    """BENCHMARKS.md's fuzz sections are what `bench/fuzz.py --report-only` makes of the committed state files."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "fuzz.py"), "--report-only", "--state",
+                           f"bench/results/fuzz/{state}"], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    section = proc.stdout.rstrip("\n")
+    assert section.splitlines()[0].startswith("<!-- fuzz") and section in (root / "BENCHMARKS.md").read_text()
+
+
 def test_bench_other_state_files_get_their_own_section(tmp_path):
     """A state file other than state.json (e.g. the same cases rerun on later code) is its own section, beside the main
     one, and its commands name it."""
