@@ -32,15 +32,25 @@ from moekit.testing.fuzz_readers import READERS  # noqa: E402
 STATE = Path("bench/results/fuzz/state.json")
 
 
+def is_main(state_path: Path) -> bool:
+    return state_path.name == STATE.name
+
+
 def marks(state_path: Path) -> tuple[str, str]:
     """The section of a state file: the main one's (state.json), or one section per other state file (e.g.
     rerun.json: the same cases again on later code)."""
-    name = "" if state_path.name == STATE.name else f" {state_path.stem}"
+    name = "" if is_main(state_path) else f" {state_path.stem}"
     return f"<!-- fuzz{name} -->", f"<!-- /fuzz{name} -->"
 
 
 def state_option(state_path: Path) -> str:
-    return "" if state_path.name == STATE.name else f" --state {state_path}"
+    return "" if is_main(state_path) else f" --state {state_path}"
+
+
+def publish(args, state: dict) -> None:
+    """Put the state's section into --write (a no-op without --write)."""
+    if args.write:
+        write_section(args.write, section(state, args.state), marks(args.state))
 KEEP = 20  # failures kept per reader in the state file
 
 
@@ -194,7 +204,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the fuzz seed (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=500, help="cases per child process (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=10.0,
-                   help="CPU seconds per case; 6x that of wall time stops a read that blocks (default: %(default)s)")
+                   help=f"CPU seconds per case; {WALL_FACTOR}x that of wall time stops a read that blocks "
+                        "(default: %(default)s)")
     p.add_argument("--state", type=Path, default=STATE,
                    help="progress file, committed; each has its own section (default: %(default)s)")
     p.add_argument("--work", type=Path, default=Path("runs/fuzz/work"), help="seeds and cases (default: %(default)s)")
@@ -217,15 +228,13 @@ def main() -> None:
         print(write_case(READERS[args.reader], args.work / args.reader / "seed", args.seed, args.index, args.show))
         return None
     if args.recheck:
-        state = recheck(args)
-        return write_section(args.write, section(state, args.state), marks(args.state)) if args.write else None
+        return publish(args, recheck(args))
     if args.report_only:
         state = load_state(args.state)
         if not state:
             raise SystemExit(f"{args.state}: no fuzz state to report")
-        text = section(state, args.state)
-        return write_section(args.write, text, marks(args.state)) if args.write else print(text)
-    fuzz(args, lambda state: args.write and write_section(args.write, section(state, args.state), marks(args.state)))
+        return publish(args, state) if args.write else print(section(state, args.state))
+    fuzz(args, lambda state: publish(args, state))
 
 
 if __name__ == "__main__":

@@ -389,6 +389,20 @@ def test_finetune_dry_run_reads_no_weight_and_writes_nothing(run, tiny_moe, tmp_
     assert "EP 2 + DDP" in stdout and "the K selected rows" in stdout
 
 
+def test_finetune_dry_run_needs_no_out_or_data_and_a_run_needs_both(run, tiny_moe, tmp_path, no_weights):
+    """The plan reads neither the training text nor an output folder, so --dry-run goes without them; a run without
+    them is refused in one line, before anything is read or written."""
+    sel = selection(tmp_path, 2)
+    before = tree_hash(tmp_path), tree_hash(tiny_moe)
+    rc, stdout, err = run("finetune", "--model", tiny_moe / "moe", "--experts", sel, "--dry-run", "--devices", 2)
+    assert rc == 0, err
+    assert "EP 2 + DDP" in stdout
+    for missing in (["--data", f"en={tiny_moe / 'en.txt'}"], ["--out", tmp_path / "ft"]):
+        rc, stdout, err = run("finetune", "--model", tiny_moe / "moe", "--experts", sel, *missing)
+        assert rc == 2 and "finetune needs --out and --data (only --dry-run goes without them)" in err, err
+    assert (tree_hash(tmp_path), tree_hash(tiny_moe)) == before
+
+
 def test_dry_run_of_a_hub_id_fetches_its_config_only(run, tiny_recipe_overrides, tmp_path, monkeypatch):
     """A Hub id that is not in the cache: config.json alone is fetched (no weights); the plan says its shapes were
     not checked against weights."""

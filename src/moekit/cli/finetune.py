@@ -16,9 +16,10 @@ def add_parser(sub) -> None:
                        description="Causal-LM training on plain text (one example per line) in which only the "
                                    "experts of a selection JSON train; routers, attention, embeddings, norms and "
                                    "every other expert stay bit-identical. Saves the merged model.")
-    common(p)
-    p.add_argument("--data", type=lang_file, nargs="+", action="extend", required=True, metavar="LANG=FILE",
-                   help="training text, one example per line (several per flag, or repeat the flag)")
+    common(p, out_required=False)
+    p.add_argument("--data", type=lang_file, nargs="+", action="extend", metavar="LANG=FILE",
+                   help="training text, one example per line (several per flag, or repeat the flag; not needed "
+                        "with --dry-run)")
     p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (RISE §5.1)")
     p.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
     p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate, linear decay (RISE §5.1)")
@@ -53,10 +54,11 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run_prune)
 
 
-def common(p) -> None:
+def common(p, out_required: bool = True) -> None:
     p.add_argument("--model", required=True, help="MoE model: moekit checkpoint, HF model directory or asset name")
     p.add_argument("--experts", required=True, help="selection JSON ({layer: [expert ids]}, `moekit select`)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=out_required,
+                   help="output directory" + ("" if out_required else " (not needed with --dry-run)"))
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a model directory that ships its own Python code (auto_map); it will run")
@@ -87,6 +89,8 @@ def run_finetune(args: argparse.Namespace) -> None:
                                  log=err_console().print, warn=warn),
                    args.device_memory)
         return
+    if args.out is None or not data:
+        raise ConfigError("finetune needs --out and --data (only --dry-run goes without them)")
     start = time.perf_counter()
     with progress():
         done = finetune(args.model, args.experts, data, args.out, epochs=args.epochs, steps=args.steps, lr=args.lr,
