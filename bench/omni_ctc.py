@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from datetime import date
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import numpy as np
 from claim_specs import WEIGHTS  # bench/claim_specs.py
 from claims import committed_claims, committed_rows  # bench/claims.py
 from evidence import RESULTS, Claim, claim_rows, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import log_progress, cached, corpus, seed_folder, write_section  # bench/report.py
+from report import cached, corpus, device_name, log_progress, measured_on, seed_folder, write_section  # bench/report.py
 
 LANGS = ["en", "fr", "de", "sw"]
 CORPUS = dict(langs=LANGS, voices=4, test_voices=1, train_per_lang=500, test_per_lang=40, max_chars=120, seed=0)
@@ -62,7 +61,8 @@ def run_system(name: str, out: Path, corpus_dir: Path, steps: int, seed: int = 0
     def go() -> dict:
         recipe = load_recipe(Path("recipes/asr") / f"{recipe_name}.yaml", overrides(folder, corpus_dir, experts, steps, seed))
         trainer = train_asr(recipe, overwrite=True, resume=True)  # from the last checkpoint if any
-        return {"loss": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]}
+        return {"loss": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h],
+                "device": device_name()}
 
     return cached(folder, go)
 
@@ -130,7 +130,7 @@ def keep(name: str, seed: int, out: Path, summary: dict, hours: float, root: Pat
     run = {"languages": {lang: {k: v[k] for k in ("wer", "cer")} for lang, v in r["languages"].items()},
            "avg": {k: r["avg"][k] for k in ("wer", "cer")}, "routing": routing,
            "params": {k: r["params"][k] for k in ("total", "active")}, "loss": summary["loss"],
-           "seconds": summary["seconds"], "corpus_hours": hours}
+           "seconds": summary["seconds"], "device": summary.get("device", "CPU"), "corpus_hours": hours}
     save_scores("omni_ctc", name, seed, utterance_errors(folder), root, run)
 
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
            + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + (f" --write {args.write}" if args.write else ""))
     lines = [MARK[0], "## Omni-router in miniature: dense vs Switch vs Omni-router CTC (bench/omni_ctc.py)", "",
-             f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Corpus: espeak-ng, {', '.join(LANGS)}; "
+             f"`{cmd}` — {date.today()}, measured on {measured_on(summaries.values())}. Corpus: espeak-ng, {', '.join(LANGS)}; "
              f"{CORPUS['train_per_lang']} training utterances per language by {CORPUS['voices']} voices, "
              f"{CORPUS['test_per_lang']} held-out texts per language by a held-out voice "
              f"({hours:.2f} h in all). Every system: recipes/asr/*_ctc.yaml (6 layers, d=144, FFN 576, "

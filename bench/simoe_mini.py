@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import paired_bootstrap, seed_folder, seed_overrides, write_section  # bench/report.py
+from report import device_name, measured_on, paired_bootstrap, seed_folder, seed_overrides, write_section  # bench/report.py
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
            "SIMoE": ("simoe_instruct", []), "SIMoE w/o ortho": ("simoe_instruct", ["simoe.mask_lr=0.1", "simoe.ortho=0"]),  # ablation (b) of "SIMoE mask lr 0.1"
@@ -86,7 +85,7 @@ def child(label: str, out: Path, seed: int) -> None:
     t0 = time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)
     last = [h for h in trainer.state.log_history if "simoe/sparsity" in h]
-    summary = {"seconds": time.perf_counter() - t0,
+    summary = {"seconds": time.perf_counter() - t0, "device": device_name(),
                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "sparsity": last[-1]["simoe/sparsity"] if last else None,
                "lambda": [h["simoe/lambda"] for h in last]}
@@ -228,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
               "sparsity constraint (`simoe.masks=real`).") if args.common else ""
     section = "\n".join([
         mark[0], f"## {title} (bench/simoe_mini.py)", "",
-        f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores, fp32. Overrides on every recipe: "
+        f"`{cmd}` — {date.today()}, measured on {measured_on(summaries.values())}, fp32. Overrides on every recipe: "
         f"`{' '.join(OVERRIDES)}`. Seen = held-out verses of the 5 trained tasks, unseen = 4 tasks of untrained "
         "categories (reverse translation, book name, paraphrase); unweighted means over tasks." + common + status, "",
         "| system | seen ROUGE-L | seen chrF | unseen ROUGE-L | unseen chrF | final mask sparsity (τ = 0.75) | λ max / "

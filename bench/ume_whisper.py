@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from datetime import date
 from pathlib import Path
 
 from claim_specs import specs  # bench/claim_specs.py
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, save_scores  # bench/evidence.py
-from report import log_progress, cached, corpus, seed_folder, write_section  # bench/report.py
+from report import cached, corpus, device_name, log_progress, measured_on, seed_folder, write_section  # bench/report.py
 
 CORPUS = dict(langs=["en"], voices=4, test_voices=2, train_per_lang=640, test_per_lang=48, max_chars=120,
               flite_test=True, seed=0)
@@ -124,9 +123,10 @@ def run_system(name: str, out: Path, corpus_dir: Path, steps: int, seed: int = 0
             model, speech = build(recipe, train)
             folder.mkdir(parents=True, exist_ok=True)
             report(recipe, model, speech, test, [])
-            return {"loss": []}
+            return {"loss": [], "device": device_name()}
         trainer = train_asr(recipe, overwrite=True, resume=True)  # from the last checkpoint if any
-        return {"loss": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]}
+        return {"loss": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h],
+                "device": device_name()}
 
     return {**cached(folder, go), "folder": str(folder)}
 
@@ -159,7 +159,7 @@ def keep(name: str, seed: int, out: Path, corpus_dir: Path, summary: dict, bench
     r = json.loads((folder / "results.json").read_text())
     run = {"families": {fam: {k: r["families"][fam][k] for k in ("wer", "cer")} for fam in FAMILIES},
            "params": {k: r["params"][k] for k in ("total", "active")}, "rtf": r["rtf"],
-           "loss": summary["loss"][-1:], "seconds": summary["seconds"],
+           "loss": summary["loss"][-1:], "seconds": summary["seconds"], "device": summary.get("device", "CPU"),
            "corpus_hours": json.loads((corpus_dir / "corpus.json").read_text())["hours"]}
     save_scores(bench, name, seed, scores, root, run)
 
@@ -215,13 +215,13 @@ def main(argv: list[str] | None = None) -> None:
     title = ("UME Table I's scratch-trained baselines in miniature (issue 30)" if mark == EXTRA_MARK
              else "UME on Whisper tiny.en in miniature")
     lines = [mark[0], f"## {title} (bench/ume_whisper.py)", "",
-             f"`{cmd}` — {date.today()}, {platform.machine()}, 2 cores. Whisper tiny.en (real, converted from its "
+             f"`{cmd}` — {date.today()}, measured on {measured_on(summaries.values())}. Whisper tiny.en (real, converted from its "
              f"CTranslate2 package). Training: {CORPUS['train_per_lang']} English utterances (Bible verses of ≤ "
              f"{CORPUS['max_chars']} characters) by {CORPUS['voices']} espeak-ng voices; {args.steps} steps of 8, "
              f"AdamW 1e-4, linear schedule, 10 % warm-up. Test: {CORPUS['test_per_lang']} held-out verses spoken by "
              f"{CORPUS['test_voices']} held-out espeak-ng voice{'s' if CORPUS['test_voices'] > 1 else ''} (in-domain) and by the 4 flite voices (never seen "
              f"in training: the forgetting check); {hours:.2f} h of audio in all. WER/CER after Whisper's "
-             "English normalizer; RTF = decoding time / audio time (greedy, batch 8, 2 cores). Seed n > 0 adds "
+             "English normalizer; RTF = decoding time / audio time (greedy, batch 8). Seed n > 0 adds "
              f"`train.seed=n data.seed=n` and, for UME, `moe.seed=n` (same corpus and test utterances); rows no claim "
              "compares (ablations, scratch baselines) are single runs at seed 0."
              + (" Scratch rows (UME Table I's C2/C3 in miniature): Whisper tiny.en's architecture with transformers' "

@@ -144,7 +144,8 @@ def omni_run(cer: float) -> dict:
     return {"languages": {lang: {"wer": 0.99, "cer": cer / 100} for lang in OMNI_LANGS},
             "avg": {"wer": 0.99, "cer": cer / 100},
             "routing": routing, "params": {"total": 4.56e6, "active": 1.56e6},
-            "loss": [[s, 3.0 - s / 400] for s in range(10, 410, 10)], "seconds": 480.0, "corpus_hours": 2.5}
+            "loss": [[s, 3.0 - s / 400] for s in range(10, 410, 10)], "seconds": 480.0, "corpus_hours": 2.5,
+            "device": "test CPU"}
 
 
 def test_omni_ctc_section_comes_from_committed_results_alone(tmp_path):
@@ -159,7 +160,7 @@ def test_omni_ctc_section_comes_from_committed_results_alone(tmp_path):
     text = report_only(omni_ctc, tmp_path, "--systems", "dense", "switch-4", "omni-4")
     assert "| omni-4 (seed 2) | 99.0 | en 99.0 / fr 99.0 | 62.0 | en 62.0 / fr 62.0 | 2.025 | 0.25 | 1.35 | 0.80 | " \
            "-0.1 | +0.2 | +0.004 | +0.020 | 4.56M | 1.56M | 8.0 |" in text
-    assert "(2.50 h in all)" in text and "Δ WER in points, same interval: omni-4 − switch-4 " in text
+    assert "(2.50 h in all)" in text and "measured on test CPU." in text and "Δ WER in points, same interval: omni-4 − switch-4 " in text
     check_claims(text, root, 2)
 
 
@@ -187,7 +188,7 @@ def test_omni_ctc_keeps_error_rates_in_percent_weighted_to_the_average(tmp_path)
 def ume_run(wer: float) -> dict:
     return {"families": {f: {"wer": wer / 100, "cer": wer / 300} for f in ("espeak-ng", "flite")},
             "params": {"total": 37.8e6, "active": 37.8e6}, "rtf": 0.2, "loss": [[80, 0.5]], "seconds": 1200.0,
-            "corpus_hours": 1.25}
+            "corpus_hours": 1.25, "device": "test CPU"}
 
 
 def test_ume_whisper_section_comes_from_committed_results_alone(tmp_path):
@@ -206,7 +207,7 @@ def test_ume_whisper_section_comes_from_committed_results_alone(tmp_path):
     text = report_only(ume_whisper, tmp_path, "--systems", "pretrained", "fmft", "ume")
     assert "| pretrained | 40.0 | 40.0 | 13.3 | 13.3 | – | 37.8M | 37.8M | 0.200 | 20.0 |" in text
     assert "| ume (seed 4) | 6.5 | 6.5 | 2.2 | 2.2 | 0.500 | 37.8M | 37.8M | 0.200 | 20.0 |" in text
-    assert "1.25 h of audio" in text and "Incomplete" not in text
+    assert "1.25 h of audio" in text and "measured on test CPU." in text and "Incomplete" not in text
     check_claims(text, root, 2)
 
 
@@ -240,7 +241,7 @@ def simoe_run(rouge: float, simoe: bool) -> dict:
     run = {"groups": {"seen": {"rougeL": rouge, "chrf": 30.0}, "unseen": {"rougeL": rouge / 2, "chrf": 15.0}},
            "directions": {"t1": {"rougeL": rouge}, "u1": {"rougeL": rouge / 2}}, "params": {"total": 2000, "active": 1000},
            "tau": 0.75 if simoe else None, "seconds": 600.0, "peak_rss": 2 ** 31, "sparsity": 0.6 if simoe else None,
-           "lambda": [0.1, 0.3, 0.2] if simoe else []}
+           "lambda": [0.1, 0.3, 0.2] if simoe else [], "device": "test CPU"}
     if simoe:
         run.update(nonzero={"by_type": {"gate": 0.5}, "by_depth": {"0": 0.5, "1": 0.4}, "overall": 0.45}, overlap=0.7,
                    pruned_params=1500, unpruned_params=2000)
@@ -261,6 +262,7 @@ def test_simoe_mini_section_comes_from_committed_results_alone(tmp_path):
     text = report_only(simoe_mini, tmp_path, "--common")
     assert "| SIMoE (common optimizer) (seed 2) | 32.0 | 30.0 | 16.0 | 15.0 | 0.600 (below τ) | 0.3 / 0.2 | 2,000 | " \
            "1,000 | 1,500 (0.750×) | 2.00 | 10.0 |" in text
+    assert "measured on test CPU, fp32." in text
     assert "| t1 | 32.0 | 31.5 | 31.4 | 30.0 | 31.0 |" in text and "overall 0.450; by depth 0.50 0.40" in text
     scores = load_scores("simoe_mini", root)
     c = [simoe_mini.paired_bootstrap([scores[("sparse upcycling", 0)][g]], [scores[("full FT", 0)][g]])
@@ -299,7 +301,8 @@ def test_ume_whisper_keeps_wer_per_voice_family_with_its_reference_words(tmp_pat
     (corpus_dir / "corpus.json").write_text(json.dumps({"hours": 1.25}))
     run = ume_run(6.0)
     (folder / "results.json").write_text(json.dumps({**run, "transcripts": {"en": items}}))
-    ume_whisper.keep("ume", 0, tmp_path / "runs", corpus_dir, {"loss": [[10, 0.9], [80, 0.5]], "seconds": 1200.0},
+    ume_whisper.keep("ume", 0, tmp_path / "runs", corpus_dir, {"loss": [[10, 0.9], [80, 0.5]], "seconds": 1200.0,
+                                                                      "device": "test CPU"},
                      "ume_whisper", tmp_path / "results")
     kept = load_scores("ume_whisper", tmp_path / "results")[("ume", 0)]
     flite = [error_rates([t["ref"]], [t["hyp"]], "en") for t in items[1:]]
