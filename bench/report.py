@@ -81,9 +81,13 @@ def cpu_name() -> str:
     return f"{platform.machine()} CPU"
 
 
+UNRECORDED = "CPU (device not recorded)"  # runs summarized before the device was: all ran on CPU machines
+
+
 def measured_on(summaries) -> str:
-    """The devices a table's runs were measured on (runs summarized before this was recorded: "CPU")."""
-    return ", ".join(sorted({s.get("device", "CPU") for s in summaries}))
+    """The devices a table's runs were measured on, each named once, "; " between them (a device name may hold a
+    comma: "AMD EPYC CPU, 1 thread(s)")."""
+    return "; ".join(sorted({s.get("device", UNRECORDED) for s in summaries}))
 
 
 def corpus(out: Path, **cfg) -> Path:

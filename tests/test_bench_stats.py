@@ -17,10 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_table_names_every_device_its_runs_were_measured_on_once():
-    # runs summarized before the device was recorded count as "CPU"
+    # runs summarized before the device was recorded are named as such
     runs = [{"device": "NVIDIA H100 80GB HBM3"}, {}, {"device": "NVIDIA H100 80GB HBM3"}, {"device": device_name()}]
-    assert measured_on(runs) == ", ".join(sorted({"NVIDIA H100 80GB HBM3", "CPU", device_name()}))
-    assert measured_on([{}]) == "CPU"
+    assert measured_on(runs) == "; ".join(sorted({"NVIDIA H100 80GB HBM3", "CPU (device not recorded)", device_name()}))
+    assert measured_on([{}, {}]) == "CPU (device not recorded)"
+    assert measured_on([{"device": "AMD EPYC CPU, 1 thread(s)"}, {"device": "NVIDIA H200"}]) == \
+        "AMD EPYC CPU, 1 thread(s); NVIDIA H200"
 
 
 def test_a_device_is_named_as_asked_and_the_default_is_the_gpu_when_there_is_one():
