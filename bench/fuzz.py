@@ -51,6 +51,8 @@ def publish(args, state: dict) -> None:
     """Put the state's section into --write (a no-op without --write)."""
     if args.write:
         write_section(args.write, section(state, args.state), marks(args.state))
+
+
 KEEP = 20  # failures kept per reader in the state file
 
 

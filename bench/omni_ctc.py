@@ -130,7 +130,7 @@ def keep(name: str, seed: int, out: Path, summary: dict, hours: float, root: Pat
     run = {"languages": {lang: {k: v[k] for k in ("wer", "cer")} for lang, v in r["languages"].items()},
            "avg": {k: r["avg"][k] for k in ("wer", "cer")}, "routing": routing,
            "params": {k: r["params"][k] for k in ("total", "active")}, "loss": summary["loss"],
-           "seconds": summary["seconds"], "device": summary.get("device", "CPU"), "corpus_hours": hours}
+           "seconds": summary["seconds"], "device": summary.get("device"), "corpus_hours": hours}
     save_scores("omni_ctc", name, seed, utterance_errors(folder), root, run)
 
 

@@ -87,7 +87,7 @@ UNRECORDED = "CPU (device not recorded)"  # runs summarized before the device wa
 def measured_on(summaries) -> str:
     """The devices a table's runs were measured on, each named once, "; " between them (a device name may hold a
     comma: "AMD EPYC CPU, 1 thread(s)")."""
-    return "; ".join(sorted({s.get("device", UNRECORDED) for s in summaries}))
+    return "; ".join(sorted({s.get("device") or UNRECORDED for s in summaries}))
 
 
 def corpus(out: Path, **cfg) -> Path:

@@ -159,7 +159,7 @@ def keep(name: str, seed: int, out: Path, corpus_dir: Path, summary: dict, bench
     r = json.loads((folder / "results.json").read_text())
     run = {"families": {fam: {k: r["families"][fam][k] for k in ("wer", "cer")} for fam in FAMILIES},
            "params": {k: r["params"][k] for k in ("total", "active")}, "rtf": r["rtf"],
-           "loss": summary["loss"][-1:], "seconds": summary["seconds"], "device": summary.get("device", "CPU"),
+           "loss": summary["loss"][-1:], "seconds": summary["seconds"], "device": summary.get("device"),
            "corpus_hours": json.loads((corpus_dir / "corpus.json").read_text())["hours"]}
     save_scores(bench, name, seed, scores, root, run)
 

@@ -20,7 +20,7 @@ def test_a_table_names_every_device_its_runs_were_measured_on_once():
     # runs summarized before the device was recorded are named as such
     runs = [{"device": "NVIDIA H100 80GB HBM3"}, {}, {"device": "NVIDIA H100 80GB HBM3"}, {"device": device_name()}]
     assert measured_on(runs) == "; ".join(sorted({"NVIDIA H100 80GB HBM3", "CPU (device not recorded)", device_name()}))
-    assert measured_on([{}, {}]) == "CPU (device not recorded)"
+    assert measured_on([{}, {"device": None}]) == "CPU (device not recorded)"
     assert measured_on([{"device": "AMD EPYC CPU, 1 thread(s)"}, {"device": "NVIDIA H200"}]) == \
         "AMD EPYC CPU, 1 thread(s); NVIDIA H200"
 
