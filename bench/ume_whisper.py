@@ -123,10 +123,11 @@ def run_system(name: str, out: Path, corpus_dir: Path, steps: int, seed: int = 0
             model, speech = build(recipe, train)
             folder.mkdir(parents=True, exist_ok=True)
             report(recipe, model, speech, test, [])
-            return {"loss": [], "device": device_name()}
-        trainer = train_asr(recipe, overwrite=True, resume=True)  # from the last checkpoint if any
-        return {"loss": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h],
-                "device": device_name()}
+            loss = []
+        else:
+            trainer = train_asr(recipe, overwrite=True, resume=True)  # from the last checkpoint if any
+            loss = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+        return {"loss": loss, "device": device_name()}
 
     return {**cached(folder, go), "folder": str(folder)}
 

@@ -125,8 +125,8 @@ def routing_report(model: nn.Module, transcriber, batches: list[dict], stack: st
     """Over teacher-forced `batches`, for the encoder MoE layers matching `stack`: adjacent-layer Cramér's V
     (Omni-router Figs. 3-4), per-layer usage entropy, and per-token routing entropy of the 100 most frequent
     tokens (Fig. 5; a CTC frame's token is its best-path label, blanks left out; Whisper's encoder frames
-    have none); and over every MoE layer the permutation test's loss change (the teacher-forced companion
-    of Fig. 6's WER change)."""
+    have none, so there it is None); and over every MoE layer the permutation test's loss change (the
+    teacher-forced companion of Fig. 6's WER change)."""
     model.eval()
     with RoutingCapture(model, layers=stack) as cap:
         for b in batches:
@@ -138,8 +138,8 @@ def routing_report(model: nn.Module, transcriber, batches: list[dict], stack: st
     tokens, token_h = token_routing_entropy(trace, 100, exclude=(-1, transcriber.blank))
     perm = permutation_test(model, batches, ps, seed=seed)
     return {"layers": trace.layers, "cramers_v": v.tolist(), "usage": usage.tolist(),
-            "usage_entropy": entropy(usage).tolist(), "token_entropy": token_h.mean(1).tolist(),
-            "token_entropy_tokens": len(tokens),
+            "usage_entropy": entropy(usage).tolist(),
+            "token_entropy": token_h.mean(1).tolist() if len(tokens) else None, "token_entropy_tokens": len(tokens),
             "permutation": {"base": perm.base, "deltas": {str(p): d for p, d in perm.deltas.items()}}}
 
 
