@@ -29,7 +29,8 @@ import numpy as np
 from claim_specs import WEIGHTS  # bench/claim_specs.py
 from claims import committed_claims, committed_rows  # bench/claims.py
 from evidence import RESULTS, Claim, claim_rows, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import cached, corpus, device_name, log_progress, measured_on, seed_folder, write_section  # bench/report.py
+from report import (cached, corpus, device_name, log_progress, measured_on, seed_folder, wall, wall_of,  # bench/report.py
+                    write_section)
 
 LANGS = ["en", "fr", "de", "sw"]
 CORPUS = dict(langs=LANGS, voices=4, test_voices=1, train_per_lang=500, test_per_lang=40, max_chars=120, seed=0)
@@ -83,7 +84,7 @@ def row(name: str, seed: int, r: dict) -> str:
         f"{rt['permutation']['deltas']['0.1']:+.3f} | {rt['permutation']['deltas']['0.5']:+.3f}")
     p = r["params"]
     return (f"| {label(name, seed)} | {100 * r['avg']['wer']:.1f} | {langs} | {100 * r['avg']['cer']:.1f} | {cer} | {last:.3f} | "
-            f"{routing} | {p['total'] / 1e6:.2f}M | {p['active'] / 1e6:.2f}M | {r['seconds'] / 60:.1f} |")
+            f"{routing} | {p['total'] / 1e6:.2f}M | {p['active'] / 1e6:.2f}M | {wall(r)} |")
 
 
 def curves(summaries: dict) -> list[str]:
@@ -130,7 +131,7 @@ def keep(name: str, seed: int, out: Path, summary: dict, hours: float, root: Pat
     run = {"languages": {lang: {k: v[k] for k in ("wer", "cer")} for lang, v in r["languages"].items()},
            "avg": {k: r["avg"][k] for k in ("wer", "cer")}, "routing": routing,
            "params": {k: r["params"][k] for k in ("total", "active")}, "loss": summary["loss"],
-           "seconds": summary["seconds"], "device": summary.get("device"), "corpus_hours": hours}
+           **wall_of(summary), "device": summary.get("device"), "corpus_hours": hours}
     save_scores("omni_ctc", name, seed, utterance_errors(folder), root, run)
 
 

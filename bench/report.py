@@ -41,15 +41,37 @@ def spread(times: list[float]) -> tuple[float, float]:
     return med, (q[2] - q[0]) / med
 
 
+def resumed(folder: Path) -> dict:
+    """For a run's summary, taken before it starts: {"resumed_at": step} where the run into `folder` continues from
+    a checkpoint (the last complete one of its interrupted partial directory), {} for a fresh start. A resumed
+    run's "seconds" count only the process that finished it."""
+    from moekit._fs import PARTIAL
+    from moekit.training.common import last_checkpoint
+
+    last = last_checkpoint(folder.parent / f".{folder.name}{PARTIAL}")
+    return {} if last is None else {"resumed_at": int(last.name.removeprefix("checkpoint-"))}
+
+
+def wall_of(summary: dict) -> dict:
+    """What a committed run keeps of its summary's wall time: "seconds", and "resumed_at" where there is one."""
+    return {k: summary[k] for k in ("seconds", "resumed_at") if k in summary}
+
+
+def wall(r: dict) -> str:
+    """A table's wall time in minutes, naming the step a resumed run continued from (`resumed`)."""
+    step = r.get("resumed_at")
+    return f"{r['seconds'] / 60:.1f}" + (f" (resumed at step {step})" if step else "")
+
+
 def cached(folder: Path, run) -> dict:
-    """`run()`'s summary dict (its wall time added as "seconds"), kept in folder/summary.json: a bench that
-    is interrupted resumes with the systems it has not finished (written atomically: a kill mid-write
-    leaves no half file to trip over)."""
+    """`run()`'s summary dict (its wall time added as "seconds", and "resumed_at" where it continued from a
+    checkpoint: `resumed`), kept in folder/summary.json: a bench that is interrupted resumes with the systems it has
+    not finished (written atomically: a kill mid-write leaves no half file to trip over)."""
     path = folder / "summary.json"
     if path.is_file():
         return json.loads(path.read_text())
-    t0 = time.perf_counter()
-    summary = {**run(), "seconds": time.perf_counter() - t0}
+    start, t0 = resumed(folder), time.perf_counter()
+    summary = {**run(), "seconds": time.perf_counter() - t0, **start}
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(summary))
     return summary

@@ -32,9 +32,12 @@ import time
 from datetime import date
 from pathlib import Path
 
+from moekit._fs import write_text_atomic
+
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import device_name, measured_on, paired_bootstrap, seed_folder, seed_overrides, write_section  # bench/report.py
+from report import (device_name, measured_on, paired_bootstrap, resumed, seed_folder, seed_overrides, wall,  # bench/report.py
+                    write_section)
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
            "SIMoE": ("simoe_instruct", []), "SIMoE w/o ortho": ("simoe_instruct", ["simoe.mask_lr=0.1", "simoe.ortho=0"]),  # ablation (b) of "SIMoE mask lr 0.1"
@@ -82,10 +85,10 @@ def child(label: str, out: Path, seed: int) -> None:
     folder = folder_of(out, label, seed)
     path = Path("recipes") / f"{recipe_name}.yaml"
     recipe = load_recipe(path, [*OVERRIDES, *extra, *seed_overrides(path, seed), f"out={folder}"])
-    t0 = time.perf_counter()
+    start, t0 = resumed(folder), time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)
     last = [h for h in trainer.state.log_history if "simoe/sparsity" in h]
-    summary = {"seconds": time.perf_counter() - t0, "device": device_name(),
+    summary = {"seconds": time.perf_counter() - t0, **start, "device": device_name(),
                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "sparsity": last[-1]["simoe/sparsity"] if last else None,
                "lambda": [h["simoe/lambda"] for h in last]}
@@ -102,7 +105,7 @@ def child(label: str, out: Path, seed: int) -> None:
         summary["overlap"] = float(ov[~np.eye(len(ov), dtype=bool)].mean())  # mean off-diagonal (Fig. 5)
         summary["pruned_params"] = sum(p.numel() for p in prune(model).parameters())
         summary["unpruned_params"] = param_counts(load(folder / "model"))["total"]
-    (folder / "summary.json").write_text(json.dumps(summary))
+    write_text_atomic(folder / "summary.json", json.dumps(summary))
 
 
 def run_system(label: str, out: Path, seed: int = 0) -> dict:
@@ -136,7 +139,7 @@ def row(label: str, s: dict) -> str:
     pruned = f"{s['pruned_params']:,} ({s['pruned_params'] / s['unpruned_params']:.3f}×)" if "pruned_params" in s else "–"
     return (f"| {label} | {g['seen']['rougeL']:.1f} | {g['seen']['chrf']:.1f} | {g['unseen']['rougeL']:.1f} | "
             f"{g['unseen']['chrf']:.1f} | {sparsity} | {lam} | {p['total']:,} | {p['active']:,} | {pruned} | "
-            f"{s['peak_rss'] / 2**30:.2f} | {s['seconds'] / 60:.1f} |")
+            f"{s['peak_rss'] / 2**30:.2f} | {wall(s)} |")
 
 
 def per_task(results: dict) -> list[str]:

@@ -27,10 +27,13 @@ import statistics
 import time
 from datetime import date
 from pathlib import Path
+
+from moekit._fs import write_text_atomic
+
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import (device_name, log_progress, measured_on, seed_folder, seed_overrides,  # bench/report.py
-                    write_section)
+from report import (device_name, log_progress, measured_on, resumed, seed_folder, seed_overrides,  # bench/report.py
+                    wall, write_section)
 
 SYSTEMS = {name: (name, []) for name in
            ["dense_ft", "lora", "naive", "noise", "drop", "ume", "spri", "spri_two_stage"]}  # name: (recipe, overrides)
@@ -128,13 +131,13 @@ def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: i
     recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe,
                        [*OVERRIDES, *extra, *seed_overrides(Path("recipes") / f"{recipe_name}.yaml", seed),
                         f"out={folder}"])
-    t0 = time.perf_counter()
+    start, t0 = resumed(folder), time.perf_counter()
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
-    summary = {"seconds": time.perf_counter() - t0, "mean_kl": statistics.mean(kls) if kls else None,
+    summary = {"seconds": time.perf_counter() - t0, **start, "mean_kl": statistics.mean(kls) if kls else None,
                "device": device_name(),
                **({"branch_seconds": branch_seconds} if recipe_name == "btx" else {})}
-    (folder / "summary.json").write_text(json.dumps(summary))
+    write_text_atomic(folder / "summary.json", json.dumps(summary))
     return summary
 
 
@@ -156,7 +159,7 @@ def table(runs: dict) -> list[str]:
         rows.append(f"| {label(name, seed)} | {fmt(r['avg']['bleu'])} | {fmt(r['avg']['chrf'])} | {per_dir['bleu']} | "
                     f"{per_dir['chrf']} | {fmt(r['avg']['loss'], 3)} | {fmt(r['kl'], 4)} | "
                     f"{fmt(r['mean_kl'], 4)} | {fmt(r.get('diversity_init'), 3)} → {fmt(r['diversity'], 3)} | {p['total']:,} | "
-                    f"{p['active']:,} | {r['seconds'] / 60:.1f} |")
+                    f"{p['active']:,} | {wall(r)} |")
     return ["| system | BLEU avg | chrF avg | BLEU per direction | chrF per direction | target loss avg | final KL "
             "| mean KL | diversity init → trained | total params | active params | wall (min) |", "|---" * 12 + "|", *rows]
 

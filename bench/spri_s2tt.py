@@ -28,7 +28,7 @@ from pathlib import Path
 from claim_specs import BEST  # bench/claim_specs.py
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, save_scores  # bench/evidence.py
-from report import cached, corpus, device_name, log_progress, measured_on, write_section  # bench/report.py
+from report import cached, corpus, device_name, log_progress, measured_on, wall, write_section  # bench/report.py
 
 RECIPE = Path("recipes/spri_s2tt.yaml")
 MODEL = "whisper-base-smollm2-135m"
@@ -148,7 +148,7 @@ def table(runs: dict) -> list[str]:
         rows.append(f"| {name} | {seed} | {fmt(r['avg'].get('bleu'), 2)} | {fmt(r['avg'].get('chrf'), 2)} | "
                     f"{per['bleu']} | {per['chrf']} | {fmt(r['avg'].get('loss'), 3)} | "
                     f"{r['params']['total'] / 1e6:.1f} M / {r['params']['active'] / 1e6:.1f} M | {r['steps']} | "
-                    f"{r['seconds'] / 60:.1f} |")
+                    f"{wall(r)} |")
     return [*head, *rows]
 
 
@@ -166,7 +166,7 @@ def stage0_lines(committed: dict) -> list[str]:
             r = committed[(name, 0)]
             en = r["directions"]["en"]
             lines.append(f"| {when} | {r['steps']} | {fmt(en.get('wer'), 3)} | {fmt(en.get('cer'), 3)} | "
-                         f"{fmt(en.get('loss'), 3)} | {r['seconds'] / 60:.1f} |")
+                         f"{fmt(en.get('loss'), 3)} | {wall(r)} |")
     return ["| adapter | steps | WER | CER | target loss | wall (min) |", "|---" * 6 + "|", *lines] if lines else \
         ["Stage 0 has not finished yet."]
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from claim_specs import specs  # bench/claim_specs.py
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, save_scores  # bench/evidence.py
-from report import cached, corpus, device_name, log_progress, measured_on, seed_folder, write_section  # bench/report.py
+from report import (cached, corpus, device_name, log_progress, measured_on, seed_folder, wall, wall_of,  # bench/report.py
+                    write_section)
 
 CORPUS = dict(langs=["en"], voices=4, test_voices=2, train_per_lang=640, test_per_lang=48, max_chars=120,
               flite_test=True, seed=0)
@@ -160,7 +161,7 @@ def keep(name: str, seed: int, out: Path, corpus_dir: Path, summary: dict, bench
     r = json.loads((folder / "results.json").read_text())
     run = {"families": {fam: {k: r["families"][fam][k] for k in ("wer", "cer")} for fam in FAMILIES},
            "params": {k: r["params"][k] for k in ("total", "active")}, "rtf": r["rtf"],
-           "loss": summary["loss"][-1:], "seconds": summary["seconds"], "device": summary.get("device"),
+           "loss": summary["loss"][-1:], **wall_of(summary), "device": summary.get("device"),
            "corpus_hours": json.loads((corpus_dir / "corpus.json").read_text())["hours"]}
     save_scores(bench, name, seed, scores, root, run)
 
@@ -175,7 +176,7 @@ def row(name: str, seed: int, r: dict) -> str:
     loss = f"{r['loss'][-1][1]:.3f}" if r["loss"] else "–"
     return (f"| {name if seed == 0 else f'{name} (seed {seed})'} | {100 * fam['espeak-ng']['wer']:.1f} | {100 * fam['flite']['wer']:.1f} | "
             f"{100 * fam['espeak-ng']['cer']:.1f} | {100 * fam['flite']['cer']:.1f} | {loss} | {p['total'] / 1e6:.1f}M | "
-            f"{p['active'] / 1e6:.1f}M | {r['rtf']:.3f} | {r['seconds'] / 60:.1f} |")
+            f"{p['active'] / 1e6:.1f}M | {r['rtf']:.3f} | {wall(r)} |")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from claims import MARK, claim_tables, rebuild, rebuild_table, section  # noqa: E402
-from report import device_name, measured_on, paired_bootstrap, seed_folder  # noqa: E402
+from report import cached, device_name, measured_on, paired_bootstrap, resumed, seed_folder, wall, wall_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +23,22 @@ def test_a_table_names_every_device_its_runs_were_measured_on_once():
     assert measured_on([{}, {"device": None}]) == "CPU (device not recorded)"
     assert measured_on([{"device": "AMD EPYC CPU, 1 thread(s)"}, {"device": "NVIDIA H200"}]) == \
         "AMD EPYC CPU, 1 thread(s); NVIDIA H200"
+
+
+def test_a_resumed_run_says_the_step_it_continued_from_beside_its_wall_time(tmp_path):
+    """A bench run that continues an interrupted run times only the process that finishes it: its summary (and the
+    committed run) names the step of the last complete checkpoint of the partial directory, and its row says so."""
+    folder = tmp_path / "spri"
+    assert resumed(folder) == {}
+    checkpoints = tmp_path / ".spri.moekit-partial" / "checkpoints"
+    (checkpoints / "checkpoint-40").mkdir(parents=True)
+    (checkpoints / "checkpoint-40" / "trainer_state.json").write_text("{}")
+    (checkpoints / "checkpoint-80").mkdir()  # killed while saving: no trainer_state.json, not a checkpoint
+    assert resumed(folder) == {"resumed_at": 40}
+    summary = cached(folder, lambda: {"loss": []})
+    assert summary["resumed_at"] == 40 and wall_of(summary) == {k: summary[k] for k in ("seconds", "resumed_at")}
+    assert wall({"seconds": 90.0}) == "1.5" and wall({"seconds": 90.0, "resumed_at": 40}) == "1.5 (resumed at step 40)"
+    assert wall_of({"seconds": 3.0, "loss": []}) == {"seconds": 3.0}
 
 
 def test_a_device_is_named_as_asked_and_the_default_is_the_gpu_when_there_is_one():
