@@ -41,15 +41,16 @@ def spread(times: list[float]) -> tuple[float, float]:
     return med, (q[2] - q[0]) / med
 
 
-def resumed(folder: Path) -> dict:
-    """For a run's summary, taken before it starts: {"resumed_at": step} where the run into `folder` continues from
-    a checkpoint (the last complete one of its interrupted partial directory), {} for a fresh start. A resumed
-    run's "seconds" count only the process that finished it."""
-    from moekit._fs import PARTIAL
+def stopwatch(folder: Path):
+    """Start timing a run into `folder`. Returns a function giving the run's wall time for its summary:
+    {"seconds": s}, plus {"resumed_at": step} where the run continues from a checkpoint (the last complete one of its
+    interrupted partial directory); a resumed run's seconds count only the process that finished it."""
+    from moekit._fs import partial_path
     from moekit.training.common import last_checkpoint
 
-    last = last_checkpoint(folder.parent / f".{folder.name}{PARTIAL}")
-    return {} if last is None else {"resumed_at": int(last.name.removeprefix("checkpoint-"))}
+    last = last_checkpoint(partial_path(folder))
+    start, t0 = {} if last is None else {"resumed_at": int(last.name.removeprefix("checkpoint-"))}, time.perf_counter()
+    return lambda: {"seconds": time.perf_counter() - t0, **start}
 
 
 def wall_of(summary: dict) -> dict:
@@ -58,20 +59,20 @@ def wall_of(summary: dict) -> dict:
 
 
 def wall(r: dict) -> str:
-    """A table's wall time in minutes, naming the step a resumed run continued from (`resumed`)."""
+    """A table's wall time in minutes, naming the step a resumed run continued from (`stopwatch`)."""
     step = r.get("resumed_at")
     return f"{r['seconds'] / 60:.1f}" + (f" (resumed at step {step})" if step else "")
 
 
 def cached(folder: Path, run) -> dict:
     """`run()`'s summary dict (its wall time added as "seconds", and "resumed_at" where it continued from a
-    checkpoint: `resumed`), kept in folder/summary.json: a bench that is interrupted resumes with the systems it has
+    checkpoint: `stopwatch`), kept in folder/summary.json: a bench that is interrupted resumes with the systems it has
     not finished (written atomically: a kill mid-write leaves no half file to trip over)."""
     path = folder / "summary.json"
     if path.is_file():
         return json.loads(path.read_text())
-    start, t0 = resumed(folder), time.perf_counter()
-    summary = {**run(), "seconds": time.perf_counter() - t0, **start}
+    clock = stopwatch(folder)
+    summary = {**run(), **clock()}
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(summary))
     return summary
@@ -80,8 +81,6 @@ def cached(folder: Path, run) -> dict:
 def device_name(device=None) -> str:
     """What this process computes on (`device`, or by default the first GPU if there is one), for a run's summary:
     the GPU's name, or the CPU and its thread count."""
-    import platform
-
     import torch
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

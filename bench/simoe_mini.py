@@ -28,7 +28,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from moekit._fs import write_text_atomic
 
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import (device_name, measured_on, paired_bootstrap, resumed, seed_folder, seed_overrides, wall,  # bench/report.py
+from report import (device_name, measured_on, paired_bootstrap, seed_folder, seed_overrides, stopwatch, wall,  # bench/report.py
                     write_section)
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
@@ -85,10 +84,10 @@ def child(label: str, out: Path, seed: int) -> None:
     folder = folder_of(out, label, seed)
     path = Path("recipes") / f"{recipe_name}.yaml"
     recipe = load_recipe(path, [*OVERRIDES, *extra, *seed_overrides(path, seed), f"out={folder}"])
-    start, t0 = resumed(folder), time.perf_counter()
+    clock = stopwatch(folder)
     trainer = train(recipe, overwrite=True, resume=True)
     last = [h for h in trainer.state.log_history if "simoe/sparsity" in h]
-    summary = {"seconds": time.perf_counter() - t0, **start, "device": device_name(),
+    summary = {**clock(), "device": device_name(),
                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "sparsity": last[-1]["simoe/sparsity"] if last else None,
                "lambda": [h["simoe/lambda"] for h in last]}

@@ -32,7 +32,7 @@ from moekit._fs import write_text_atomic
 
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import (device_name, log_progress, measured_on, resumed, seed_folder, seed_overrides,  # bench/report.py
+from report import (device_name, log_progress, measured_on, seed_folder, seed_overrides, stopwatch,  # bench/report.py
                     wall, write_section)
 
 SYSTEMS = {name: (name, []) for name in
@@ -131,10 +131,10 @@ def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: i
     recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe,
                        [*OVERRIDES, *extra, *seed_overrides(Path("recipes") / f"{recipe_name}.yaml", seed),
                         f"out={folder}"])
-    start, t0 = resumed(folder), time.perf_counter()
+    clock = stopwatch(folder)
     trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
     kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
-    summary = {"seconds": time.perf_counter() - t0, **start, "mean_kl": statistics.mean(kls) if kls else None,
+    summary = {**clock(), "mean_kl": statistics.mean(kls) if kls else None,
                "device": device_name(),
                **({"branch_seconds": branch_seconds} if recipe_name == "btx" else {})}
     write_text_atomic(folder / "summary.json", json.dumps(summary))

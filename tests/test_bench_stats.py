@@ -3,6 +3,7 @@ over seeds × test items (its coverage, simulated), verdict rules and Holm's cor
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from claims import MARK, claim_tables, rebuild, rebuild_table, section  # noqa: E402
-from report import cached, device_name, measured_on, paired_bootstrap, resumed, seed_folder, wall, wall_of  # noqa: E402
+from report import cached, device_name, measured_on, paired_bootstrap, seed_folder, stopwatch, wall, wall_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,12 +30,15 @@ def test_a_resumed_run_says_the_step_it_continued_from_beside_its_wall_time(tmp_
     """A bench run that continues an interrupted run times only the process that finishes it: its summary (and the
     committed run) names the step of the last complete checkpoint of the partial directory, and its row says so."""
     folder = tmp_path / "spri"
-    assert resumed(folder) == {}
+    assert stopwatch(folder)().keys() == {"seconds"}
     checkpoints = tmp_path / ".spri.moekit-partial" / "checkpoints"
     (checkpoints / "checkpoint-40").mkdir(parents=True)
     (checkpoints / "checkpoint-40" / "trainer_state.json").write_text("{}")
     (checkpoints / "checkpoint-80").mkdir()  # killed while saving: no trainer_state.json, not a checkpoint
-    assert resumed(folder) == {"resumed_at": 40}
+    clock = stopwatch(folder)
+    time.sleep(0.01)
+    lap = clock()
+    assert lap["resumed_at"] == 40 and 0.01 <= lap["seconds"] < 60
     summary = cached(folder, lambda: {"loss": []})
     assert summary["resumed_at"] == 40 and wall_of(summary) == {k: summary[k] for k in ("seconds", "resumed_at")}
     assert wall({"seconds": 90.0}) == "1.5" and wall({"seconds": 90.0, "resumed_at": 40}) == "1.5 (resumed at step 40)"

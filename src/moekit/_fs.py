@@ -422,6 +422,11 @@ def reserve(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), ov
                     _rmdirs(created)
 
 
+def partial_path(out: Path) -> Path:
+    """Where `output(partial=True)` builds `out`, kept if interrupted to resume: `.NAME.moekit-partial` beside it."""
+    return out.parent / f".{out.name}{PARTIAL}"
+
+
 @contextlib.contextmanager
 def output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
            need_bytes: int = 0, kind: str = "dir", what: str = "output", partial: bool = False,
@@ -440,8 +445,7 @@ def output(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), ove
         held_inputs, held_overwrite = _reserved()[real]
         inputs, overwrite = [*held_inputs, *inputs], overwrite or held_overwrite
     with reserve(out, inputs, overwrite, need_bytes, what, kind):
-        tmp = real.parent / (f".{real.name}{PARTIAL}" if partial else
-                             f".{real.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = partial_path(real) if partial else real.parent / f".{real.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}"
         try:
             if kind == "dir":
                 tmp.mkdir(exist_ok=partial)

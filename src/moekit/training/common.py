@@ -12,7 +12,7 @@ import yaml
 from torch import nn
 from transformers.trainer_callback import PrinterCallback, TrainerState
 
-from moekit._fs import PARTIAL, output, read_small, remove
+from moekit._fs import output, partial_path, read_small, remove
 from moekit.assets import hub_id, model_inputs
 from moekit.checkpoint.card import write_model_card
 from moekit.errors import CheckpointError, ConfigError, OutputExistsError
@@ -176,7 +176,7 @@ def run_directory(recipe, overwrite: bool, resume: bool, inputs: list[Path]) -> 
 
     check_launch()
     out = Path(recipe.out)
-    partial = out.parent / f".{out.name}{PARTIAL}"
+    partial = partial_path(out)
     if resume and engine_of(recipe).by_transformers:
         raise ConfigError("a run under train.fsdp or train.expert_parallel cannot resume: transformers checkpoints a "
                           "model it shards without its optimizer state (its checkpoints hold the model only)")
