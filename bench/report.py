@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -74,7 +75,15 @@ def cached(folder: Path, run) -> dict:
     clock = stopwatch(folder)
     summary = {**run(), **clock()}
     folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(summary))
+    return finish(folder, summary)
+
+
+def finish(folder: Path, summary: dict) -> dict:
+    """Mark a run finished: write folder/summary.json (atomically), then delete folder/checkpoints. Checkpoints only
+    serve to resume an interrupted run, and a finished MoE run's last one is ~3x its model (the optimizer's two
+    moments): left in place, five seeds of a few systems fill a disk. The trained model and results stay."""
+    write_text_atomic(folder / "summary.json", json.dumps(summary))
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
     return summary
 
 

@@ -31,11 +31,9 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from moekit._fs import write_text_atomic
-
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import (device_name, measured_on, paired_bootstrap, seed_folder, seed_overrides, stopwatch, wall,  # bench/report.py
+from report import (device_name, finish, measured_on, paired_bootstrap, seed_folder, seed_overrides, stopwatch, wall,  # bench/report.py
                     write_section)
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
@@ -104,7 +102,7 @@ def child(label: str, out: Path, seed: int) -> None:
         summary["overlap"] = float(ov[~np.eye(len(ov), dtype=bool)].mean())  # mean off-diagonal (Fig. 5)
         summary["pruned_params"] = sum(p.numel() for p in prune(model).parameters())
         summary["unpruned_params"] = param_counts(load(folder / "model"))["total"]
-    write_text_atomic(folder / "summary.json", json.dumps(summary))
+    finish(folder, summary)
 
 
 def run_system(label: str, out: Path, seed: int = 0) -> dict:

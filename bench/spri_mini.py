@@ -28,11 +28,9 @@ import time
 from datetime import date
 from pathlib import Path
 
-from moekit._fs import write_text_atomic
-
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import (device_name, log_progress, measured_on, seed_folder, seed_overrides, stopwatch,  # bench/report.py
+from report import (device_name, finish, log_progress, measured_on, seed_folder, seed_overrides, stopwatch,  # bench/report.py
                     wall, write_section)
 
 SYSTEMS = {name: (name, []) for name in
@@ -137,8 +135,7 @@ def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: i
     summary = {**clock(), "mean_kl": statistics.mean(kls) if kls else None,
                "device": device_name(),
                **({"branch_seconds": branch_seconds} if recipe_name == "btx" else {})}
-    write_text_atomic(folder / "summary.json", json.dumps(summary))
-    return summary
+    return finish(folder, summary)
 
 
 def fmt(x, nd=2) -> str:

@@ -45,6 +45,19 @@ def test_a_resumed_run_says_the_step_it_continued_from_beside_its_wall_time(tmp_
     assert wall_of({"seconds": 3.0, "loss": []}) == {"seconds": 3.0}
 
 
+def test_a_finished_run_keeps_its_model_and_results_and_drops_its_checkpoints(tmp_path):
+    """A finished bench run's training checkpoints (a MoE run's last one is ~3x its model) are deleted once its
+    summary.json is written; the model, results and summary stay, and a second call reads the summary, runs nothing."""
+    folder = tmp_path / "naive"
+    for f in ("checkpoints/checkpoint-120/optimizer.pt", "model/model.safetensors", "results.json"):
+        (folder / f).parent.mkdir(parents=True, exist_ok=True)
+        (folder / f).write_bytes(b"x")
+    summary = cached(folder, lambda: {"loss": 3.5})
+    assert not (folder / "checkpoints").exists()
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == \
+        ["model/model.safetensors", "results.json", "summary.json"]
+    assert cached(folder, lambda: pytest.fail("a finished run ran again")) == summary and summary["loss"] == 3.5
+
 def test_a_device_is_named_as_asked_and_the_default_is_the_gpu_when_there_is_one():
     import platform
 
