@@ -30,7 +30,7 @@ from pathlib import Path
 
 from claims import committed_claims  # bench/claims.py
 from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import (device_name, finish, log_progress, measured_on, seed_folder, seed_overrides, stopwatch,  # bench/report.py
+from report import (cached, device_name, log_progress, measured_on, seed_folder, seed_overrides,  # bench/report.py
                     wall, write_section)
 
 SYSTEMS = {name: (name, []) for name in
@@ -119,23 +119,22 @@ def run_system(name: str, recipe_name: str, extra: list[str], out: Path, seed: i
     from moekit.training.run import train
 
     folder = seed_folder(out, name, seed)
-    if (folder / "summary.json").is_file():  # cached (written after results.json)
-        return json.loads((folder / "summary.json").read_text())
     branch_seconds = 0.0
-    if recipe_name == "btx":
+    if recipe_name == "btx" and not (folder / "summary.json").is_file():
         branches, branch_seconds = btx_branches(out)
         E = 8  # recipes/btx.yaml: branch d of D directions gives experts d·E/D .. (d+1)·E/D − 1 (pairs for D = 4)
         extra = [*extra, f"moe.init.branches={json.dumps([branches[i * len(branches) // E] for i in range(E)])}"]
-    recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe,
-                       [*OVERRIDES, *extra, *seed_overrides(Path("recipes") / f"{recipe_name}.yaml", seed),
-                        f"out={folder}"])
-    clock = stopwatch(folder)
-    trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
-    kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
-    summary = {**clock(), "mean_kl": statistics.mean(kls) if kls else None,
-               "device": device_name(),
-               **({"branch_seconds": branch_seconds} if recipe_name == "btx" else {})}
-    return finish(folder, summary)
+
+    def go() -> dict:
+        recipe = load_yaml(Path("recipes") / f"{recipe_name}.yaml", TranslationRecipe,
+                           [*OVERRIDES, *extra, *seed_overrides(Path("recipes") / f"{recipe_name}.yaml", seed),
+                            f"out={folder}"])
+        trainer = train(recipe, overwrite=True, resume=True)  # resume from the last checkpoint if any, else start over
+        kls = [h["eval_kl"] for h in trainer.state.log_history if "eval_kl" in h]
+        return {"mean_kl": statistics.mean(kls) if kls else None, "device": device_name(),
+                **({"branch_seconds": branch_seconds} if recipe_name == "btx" else {})}
+
+    return cached(folder, go)
 
 
 def fmt(x, nd=2) -> str:

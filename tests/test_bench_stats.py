@@ -58,6 +58,7 @@ def test_a_finished_run_keeps_its_model_and_results_and_drops_its_checkpoints(tm
         ["model/model.safetensors", "results.json", "summary.json"]
     assert cached(folder, lambda: pytest.fail("a finished run ran again")) == summary and summary["loss"] == 3.5
 
+
 def test_a_device_is_named_as_asked_and_the_default_is_the_gpu_when_there_is_one():
     import platform
 
