@@ -282,12 +282,12 @@ def main(argv: list[str] | None = None) -> None:
              f"`{cmd}` — {date.today()}, measured on {measured_on(runs.values())}. Overrides on every recipe: "
              f"`{' '.join(OVERRIDES)}`" + (" and `aux.layer_reduction=mean`" if args.ablations else "")
              + f"; per-row overrides in the script; seed n > 0 adds `train.seed=n` and `moe.seed=n` (test "
-             f"verses fixed).{status}", "", *table(runs), "",
-             *(paired(scores, [n for n, s in runs if s == 0], base) if (base, 0) in runs else []), "",
-             *(paired(scores, [n for n, s in runs if s == 0], "spri_two_stage")
-               if args.extra and ("spri_two_stage", 0) in runs else []), "",
-             *([] if args.ablations or args.extra else committed_claims(bench, CLAIMS_INTRO, args.results)), "",
-             mark[1]]
+             f"verses fixed).{status}", "", *table(runs), ""]
+    seed0 = [n for n, s in runs if s == 0]
+    blocks = [paired(scores, seed0, base) if (base, 0) in runs else [],
+              paired(scores, seed0, "spri_two_stage") if args.extra and ("spri_two_stage", 0) in runs else [],
+              [] if args.ablations or args.extra else committed_claims(bench, CLAIMS_INTRO, args.results)]
+    lines += [line for block in blocks if block for line in [*block, ""]] + [mark[1]]
     section = "\n".join(lines)
     print(section)
     if args.write:
