@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -228,10 +229,11 @@ def save_scores(bench: str, system: str, seed: int, scores: dict[str, list[float
     bench/results/<bench>/seed{n}/<system>.json, compact (6 significant digits), and return them as read back, so
     that a table computed from the return value is the one a clone rebuilds from the file. `run`: the run's other
     reported values (small, JSON: the numbers of its row in the bench's table; no weights, no outputs), kept beside
-    the scores for load_runs."""
+    the scores for load_runs, with the day the run is committed (its "date": the day it finished; for the files
+    committed before dates were kept, 2026-11-27/28, the day git first holds the file)."""
     if not scores or any(len(v) == 0 for v in scores.values()):
         raise ValueError(f"no per-item scores for {system} seed {seed}")
-    data = {"bench": bench, "system": system, "seed": seed,
+    data = {"bench": bench, "system": system, "seed": seed, "date": str(date.today()),
             "scores": {k: [float(f"{x:.6g}") for x in np.asarray(v, float).tolist()] for k, v in scores.items()},
             **({"run": run} if run is not None else {})}
     path = scores_path(bench, system, seed, root)
@@ -251,8 +253,8 @@ def load_scores(bench: str, root: Path = RESULTS) -> dict[tuple[str, int], dict[
 
 
 def load_runs(bench: str, root: Path = RESULTS) -> dict[tuple[str, int], dict]:
-    """Every committed run of a bench: (system, seed) → the `run` values saved with its scores ({} if none)."""
-    return {(d["system"], d["seed"]): d.get("run", {}) for d in _committed(bench, root)}
+    """Every committed run of a bench: (system, seed) → the `run` values saved with its scores and its "date"."""
+    return {(d["system"], d["seed"]): {**d.get("run", {}), "date": d.get("date")} for d in _committed(bench, root)}
 
 
 def claim_rows(claims: list[Claim], scores: dict, weights: dict[str, str] | None = None) -> list[dict]:

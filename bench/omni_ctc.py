@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
            + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
            + (f" --write {args.write}" if args.write else ""))
     lines = [MARK[0], "## Omni-router in miniature: dense vs Switch vs Omni-router CTC (bench/omni_ctc.py)", "",
-             f"`{cmd}` — {date.today()}, measured on {measured_on(summaries.values())}. Corpus: espeak-ng, {', '.join(LANGS)}; "
+             f"`{cmd}` — {measured_on(summaries.values())}. Corpus: espeak-ng, {', '.join(LANGS)}; "
              f"{CORPUS['train_per_lang']} training utterances per language by {CORPUS['voices']} voices, "
              f"{CORPUS['test_per_lang']} held-out texts per language by a held-out voice "
              f"({hours:.2f} h in all). Every system: recipes/asr/*_ctc.yaml (6 layers, d=144, FFN 576, "

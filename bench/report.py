@@ -115,9 +115,13 @@ UNRECORDED = "CPU (device not recorded)"  # runs summarized before the device wa
 
 
 def measured_on(summaries) -> str:
-    """The devices a table's runs were measured on, each named once, "; " between them (a device name may hold a
-    comma: "AMD EPYC CPU, 1 thread(s)")."""
-    return "; ".join(sorted({s.get("device") or UNRECORDED for s in summaries}))
+    """When and on what a table's runs were measured, from their committed records: "2026-11-27 to 2026-11-28,
+    measured on AMD EPYC CPU, 1 thread(s)" (the days the runs finished, evidence.save_scores; each device named
+    once, "; " between them: a device name may hold a comma)."""
+    summaries = list(summaries)
+    days = sorted({s["date"] for s in summaries if s.get("date")})
+    when = " to ".join(dict.fromkeys([days[0], days[-1]])) if days else "date not recorded"
+    return f"{when}, measured on " + "; ".join(sorted({s.get("device") or UNRECORDED for s in summaries}))
 
 
 def corpus(out: Path, **cfg) -> Path:

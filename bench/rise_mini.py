@@ -32,7 +32,6 @@ import json
 import random
 import shutil
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -285,7 +284,7 @@ def render(results: dict[int, dict], cmd: str, root: Path = RESULTS) -> str:
     langs = list(LANGS)
     jac = m["jaccard"]
     lines = [MARK[0], "## Routing isolation + RISE in miniature (bench/rise_mini.py)", "",
-             f"`{cmd}` — {date.today()}, measured on {measured_on(results.values())}. SmolLM2-135M, Drop-Upcycled (ratio 0.2) to E=8/top-2 on "
+             f"`{cmd}` — {measured_on(results.values())}. SmolLM2-135M, Drop-Upcycled (ratio 0.2) to E=8/top-2 on "
              f"every 3rd block (10 MoE layers, 80 experts); stage 1 trains only the MoE layers for {STAGE1_STEPS} steps "
              f"of {BATCH} verses on {', '.join(HIGH)} ({HIGH_N} verses each) and {', '.join(LOW)} ({LOW_N} each) "
              f"({r['stage1_seconds'] / 60:.1f} min). Traces: {TRACE_N} held-out verses per language, identical content. "

@@ -28,7 +28,6 @@ import json
 import resource
 import subprocess
 import sys
-from datetime import date
 from pathlib import Path
 
 from claims import committed_claims  # bench/claims.py
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
               "sparsity constraint (`simoe.masks=real`).") if args.common else ""
     section = "\n".join([
         mark[0], f"## {title} (bench/simoe_mini.py)", "",
-        f"`{cmd}` — {date.today()}, measured on {measured_on(summaries.values())}, fp32. Overrides on every recipe: "
+        f"`{cmd}` — {measured_on(summaries.values())}, fp32. Overrides on every recipe: "
         f"`{' '.join(OVERRIDES)}`. Seen = held-out verses of the 5 trained tasks, unseen = 4 tasks of untrained "
         "categories (reverse translation, book name, paraphrase); unweighted means over tasks." + common + status, "",
         "| system | seen ROUGE-L | seen chrF | unseen ROUGE-L | unseen chrF | final mask sparsity (τ = 0.75) | λ max / "

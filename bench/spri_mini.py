@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import time
-from datetime import date
 from pathlib import Path
 
 from claims import committed_claims  # bench/claims.py
@@ -279,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
                    + (f" {' and '.join(REFERENCES)}: copied from {args.reference_from} (seed 0)." if args.reference_from
                       else ""))
     lines = [mark[0], f"## {title} (bench/spri_mini.py)", "",
-             f"`{cmd}` — {date.today()}, measured on {measured_on(runs.values())}. Overrides on every recipe: "
+             f"`{cmd}` — {measured_on(runs.values())}. Overrides on every recipe: "
              f"`{' '.join(OVERRIDES)}`" + (" and `aux.layer_reduction=mean`" if args.ablations else "")
              + f"; per-row overrides in the script; seed n > 0 adds `train.seed=n` and `moe.seed=n` (test "
              f"verses fixed).{status}", "", *table(runs), ""]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import date
 from pathlib import Path
 
 from claim_specs import BEST  # bench/claim_specs.py
@@ -182,7 +181,7 @@ def report(root: Path, seeds: list[int], cmd: str) -> str:
     claims = committed_claims(BENCH, CLAIMS_INTRO, root) or ["No claim has both of its systems committed yet."]
     return "\n".join([
         MARK[0], "## SPRI Table 2 in miniature with real weights: speech translation (bench/spri_s2tt.py)", "",
-        f"`{cmd}` — {date.today()}, measured on {measured_on(committed.values()) if committed else 'nothing yet'}. "
+        f"`{cmd}` — {measured_on(committed.values()) if committed else 'nothing measured yet'}. "
         f"Model: `{MODEL}` (Whisper base encoder + linear adapter + SmolLM2-135M-Instruct as transformers' "
         f"Qwen2AudioForConditionalGeneration). Corpus: `{CORPUS}` ({hours}). Every system: `{RECIPE}` with "
         f"`{' '.join(SHARED)}` and its own overrides (bench/spri_s2tt.py SYSTEMS); seed n > 0 adds `train.seed=n` "

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import date
 from pathlib import Path
 
 from claim_specs import specs  # bench/claim_specs.py
@@ -217,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     title = ("UME Table I's scratch-trained baselines in miniature (issue 30)" if mark == EXTRA_MARK
              else "UME on Whisper tiny.en in miniature")
     lines = [mark[0], f"## {title} (bench/ume_whisper.py)", "",
-             f"`{cmd}` — {date.today()}, measured on {measured_on(summaries.values())}. Whisper tiny.en (real, converted from its "
+             f"`{cmd}` — {measured_on(summaries.values())}. Whisper tiny.en (real, converted from its "
              f"CTranslate2 package). Training: {CORPUS['train_per_lang']} English utterances (Bible verses of ≤ "
              f"{CORPUS['max_chars']} characters) by {CORPUS['voices']} espeak-ng voices; {args.steps} steps of 8, "
              f"AdamW 1e-4, linear schedule, 10 % warm-up. Test: {CORPUS['test_per_lang']} held-out verses spoken by "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -308,7 +309,8 @@ def test_ume_whisper_keeps_wer_per_voice_family_with_its_reference_words(tmp_pat
     flite = [error_rates([t["ref"]], [t["hyp"]], "en") for t in items[1:]]
     np.testing.assert_allclose(kept["wer flite"], [100 * e["wer"] for e in flite], rtol=1e-5)
     assert kept["words flite"].tolist() == [1.0, 3.0] and kept["words espeak-ng"].tolist() == [4.0]
-    assert load_runs("ume_whisper", tmp_path / "results")[("ume", 0)] == {**run, "loss": [[80, 0.5]]}
+    assert load_runs("ume_whisper", tmp_path / "results")[("ume", 0)] == {**run, "loss": [[80, 0.5]],
+                                                                          "date": str(date.today())}
 
 
 def test_omni_ctc_commits_each_run_it_finishes_and_reports_it(tmp_path, monkeypatch):
@@ -404,7 +406,7 @@ def test_spri_s2tt_keeps_the_evaluations_per_item_scores_and_its_row(tmp_path):
     assert load_runs("spri_s2tt", tmp_path / "results")[("spri", 1)] == {
         "directions": {lang: {"n": 2, "bleu": 5.0, "chrf": 6.0, "loss": 2.0} for lang in per_item},
         "avg": {"bleu": 5.0, "chrf": 6.0, "loss": 2.0}, "params": {"total": 10, "active": 5}, "device": "x",
-        "steps": 3, "seconds": 1.0, "hours": {"train": 1.0, "test": 0.1}}
+        "steps": 3, "seconds": 1.0, "hours": {"train": 1.0, "test": 0.1}, "date": str(date.today())}
 
 
 def test_spri_s2tt_commits_each_run_it_finishes_and_reports_it(tmp_path, monkeypatch):

@@ -17,13 +17,16 @@ from report import cached, device_name, measured_on, paired_bootstrap, seed_fold
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_table_names_every_device_its_runs_were_measured_on_once():
-    # runs summarized before the device was recorded are named as such
-    runs = [{"device": "NVIDIA H100 80GB HBM3"}, {}, {"device": "NVIDIA H100 80GB HBM3"}, {"device": device_name()}]
-    assert measured_on(runs) == "; ".join(sorted({"NVIDIA H100 80GB HBM3", "CPU (device not recorded)", device_name()}))
-    assert measured_on([{}, {"device": None}]) == "CPU (device not recorded)"
-    assert measured_on([{"device": "AMD EPYC CPU, 1 thread(s)"}, {"device": "NVIDIA H200"}]) == \
-        "AMD EPYC CPU, 1 thread(s); NVIDIA H200"
+def test_a_table_names_every_device_its_runs_were_measured_on_once_and_the_days_they_finished():
+    # runs summarized before the device was recorded are named as such; the days are the runs' own, first to last
+    runs = [{"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-28"}, {"date": "2026-11-26"},
+            {"device": "NVIDIA H100 80GB HBM3"}, {"device": device_name(), "date": "2026-12-01"}]
+    assert measured_on(runs) == "2026-11-26 to 2026-12-01, measured on " + "; ".join(
+        sorted({"NVIDIA H100 80GB HBM3", "CPU (device not recorded)", device_name()}))
+    assert measured_on([{}, {"device": None}]) == "date not recorded, measured on CPU (device not recorded)"
+    assert measured_on([{"device": "AMD EPYC CPU, 1 thread(s)", "date": "2026-11-27"},
+                        {"device": "NVIDIA H200", "date": "2026-11-27"}]) == \
+        "2026-11-27, measured on AMD EPYC CPU, 1 thread(s); NVIDIA H200"
 
 
 def test_a_resumed_run_says_the_step_it_continued_from_beside_its_wall_time(tmp_path):
