@@ -120,7 +120,7 @@ def measured_on(summaries) -> str:
     once, "; " between them: a device name may hold a comma)."""
     summaries = list(summaries)
     days = sorted({s["date"] for s in summaries if s.get("date")})
-    when = " to ".join(dict.fromkeys([days[0], days[-1]])) if days else "date not recorded"
+    when = "date not recorded" if not days else days[0] if days[0] == days[-1] else f"{days[0]} to {days[-1]}"
     return f"{when}, measured on " + "; ".join(sorted({s.get("device") or UNRECORDED for s in summaries}))
 
 
