@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps clients test demo docs bench clean
+.PHONY: install sysdeps clients test demo docs bench clean gpu-wheels
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SYSDEPS := espeak-ng flite sox
 
@@ -38,6 +38,15 @@ docs: $(STAMP)
 
 demo: $(STAMP) sysdeps
 	$(BIN)/moekit demo --overwrite
+
+# what bench/gpu.sh installs on a lent GPU machine (Python 3.12; torch and Triton in its image, this project's pins
+# not): wheels without their dependencies into .whl/, about 20 MB, carried with the run (docs/guides/distributed.md)
+GPU_WHEELS := transformers==5.23.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection \
+  typing-extensions>=4.16 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 jiwer==4.0.0 rapidfuzz
+gpu-wheels:
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+	  $(foreach w,$(GPU_WHEELS),'$(w)')
 
 clean:
 	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

@@ -11,6 +11,7 @@ import importlib.metadata
 import inspect as pyinspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -65,6 +66,17 @@ def test_py_typed_ships_with_the_package():
     assert (ROOT / "src" / "moekit" / "py.typed").is_file()
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "py.typed" in config["tool"]["setuptools"]["package-data"]["moekit"]
+
+
+def test_gpu_wheels_are_the_pinned_versions():
+    """`make gpu-wheels` (what bench/gpu.sh installs on a lent GPU machine) downloads the very versions pyproject pins."""
+    make = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    wheels = dict(w.split("==") for w in re.search(r"^GPU_WHEELS := (.*)$", make, re.M)[1].split() if "==" in w)
+    pins = dict(d.split("#")[0].strip().split("==") for d in tomllib.loads((ROOT / "pyproject.toml").read_text())
+                ["project"]["dependencies"] if "==" in d)
+    shared = wheels.keys() & pins.keys()
+    assert {"transformers", "pydantic", "gguf", "datasets", "jiwer"} <= shared
+    assert {name: wheels[name] for name in shared} == {name: pins[name] for name in shared}
 
 
 def test_mypy_strict_passes_on_the_public_api():
