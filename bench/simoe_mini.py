@@ -30,9 +30,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from claims import committed_claims  # bench/claims.py
-from evidence import RESULTS, load_runs, load_scores, save_scores  # bench/evidence.py
-from report import (device_name, finish, measured_on, paired_bootstrap, seed_folder, seed_overrides, stopwatch, wall,  # bench/report.py
+from evidence import RESULTS, claim_interval, load_runs, load_scores, save_scores  # bench/evidence.py
+from report import (device_name, finish, measured_on, seed_folder, seed_overrides, stopwatch, wall,  # bench/report.py
                     write_section)
 
 SYSTEMS = {"full FT": ("instruct_ft", []), "sparse upcycling": ("instruct_upcycle", []),  # label: (recipe, overrides)
@@ -89,8 +91,6 @@ def child(label: str, out: Path, seed: int) -> None:
                "sparsity": last[-1]["simoe/sparsity"] if last else None,
                "lambda": [h["simoe/lambda"] for h in last]}
     if recipe.method == "simoe":
-        import numpy as np
-
         from moekit.simoe.analysis import nonzero_fractions, overlaps
         from moekit.simoe.export import load, prune
         from moekit.simoe.model import param_counts
@@ -138,12 +138,28 @@ def row(label: str, s: dict) -> str:
             f"{s['peak_rss'] / 2**30:.2f} | {wall(s)} |")
 
 
-def per_task(results: dict) -> list[str]:
-    """ROUGE-L per task of each committed system (label -> its values)."""
-    tasks = list(next(iter(results.values()))["directions"])
-    return ["| task | " + " | ".join(results) + " |", "|---|" + "---|" * len(results),
-            *[f"| {t} | " + " | ".join(f"{r['directions'][t]['rougeL']:.1f}" for r in results.values()) + " |"
-              for t in tasks]]
+def per_task(runs: dict[str, list[dict]]) -> list[str]:
+    """ROUGE-L per task of each system, the mean over its committed runs (system -> its runs)."""
+    tasks = list(next(iter(runs.values()))[0]["directions"])
+    return ["| task | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs),
+            *[f"| {t} | " + " | ".join(f"{np.mean([r['directions'][t]['rougeL'] for r in rs]):.1f}"
+                                       for rs in runs.values()) + " |" for t in tasks]]
+
+
+def masks(label: str, runs: list[dict]) -> str:
+    """Fig. 4 (non-zero expert parameters by layer type and depth) and Fig. 5 (mask overlap) of a SIMoE system,
+    each the mean over its committed runs."""
+    nz = [r["nonzero"] for r in runs]
+
+    def mean(key: str, k: str) -> float:
+        return float(np.mean([n[key][k] for n in nz]))
+
+    depths = sorted(nz[0]["by_depth"], key=int)
+    return (f"{label}: non-zero expert parameters (Fig. 4, median gates) "
+            + " · ".join(f"{k} {mean('by_type', k):.2f}" for k in nz[0]["by_type"])
+            + f"; overall {np.mean([n['overall'] for n in nz]):.3f}; by depth "
+            + " ".join(f"{mean('by_depth', d):.2f}" for d in depths)
+            + f"; mean mask overlap between experts (Fig. 5) {np.mean([r['overlap'] for r in runs]):.3f}.\n")
 
 
 def held_out(folder: Path) -> tuple[dict, list[str]]:
@@ -171,16 +187,17 @@ def item_rouge(folder: Path, label: str, test: dict, unseen: list[str]) -> dict[
     return scores
 
 
-def paired(scores: dict, labels: list[str], base: str = "full FT") -> list[str]:
-    """Each system − `base` in ROUGE-L, mean and 95 % paired bootstrap interval over test items (one seed); `scores`:
-    the committed per-item scores (load_scores)."""
-    ref = scores[(base, 0)]
-    lines = [f"ROUGE-L difference to {base}, 95 % paired bootstrap interval over test items (one seed, 2000 "
-             "resamples):", "", "| system | seen | unseen |", "|---|---|---|"]
+def paired(scores: dict, labels: list[str], seeds: list[int], base: str = "full FT") -> list[str]:
+    """Each system − `base` in ROUGE-L over the seeds both have committed: the mean over seeds × test items and its
+    95 % t-interval (evidence.claim_interval, the claims tables' interval); `scores`: load_scores."""
+    lines = [f"ROUGE-L difference to {base}, mean over seeds × test items and its 95 % t-interval (bench/evidence.py "
+             "claim_interval, as in the claims table below):", "", "| system | seeds | seen | unseen |", "|---|---|---|---|"]
     for label in labels:
-        cells = [paired_bootstrap([scores[(label, 0)][g]], [ref[g]]) for g in ("seen", "unseen")]
-        lines.append(f"| {label} | " + " | ".join(f"{c['mean']:+.1f} [{c['lo']:+.1f}, {c['hi']:+.1f}]" for c in cells)
-                     + " |")
+        both = [s for s in seeds if (label, s) in scores and (base, s) in scores]
+        cells = [claim_interval(np.stack([scores[(label, s)][g] for s in both]),
+                                np.stack([scores[(base, s)][g] for s in both])) for g in ("seen", "unseen")]
+        lines.append(f"| {label} | {len(both)} | "
+                     + " | ".join(f"{c['mean']:+.1f} [{c['lo']:+.1f}, {c['hi']:+.1f}]" for c in cells) + " |")
     return [*lines, ""]
 
 
@@ -210,7 +227,11 @@ def main(argv: list[str] | None = None) -> None:
                 keep(label, seed, args.out, run_system(label, args.out, seed), args.results)
     committed = load_runs(BENCH, args.results)
     summaries = {(n, s): committed[(n, s)] for s in args.seeds for n in systems if (n, s) in committed}
-    first = {n: r for (n, s), r in summaries.items() if s == 0}  # per task, Fig. 4 and the paired table: seed 0
+    runs: dict[str, list[dict]] = {}  # system -> its committed runs, in seed order
+    for (n, _), r in summaries.items():
+        runs.setdefault(n, []).append(r)
+    seeds = sorted({s for _, s in summaries})
+    over = f"mean over seeds {', '.join(map(str, seeds))}"
     cmd = (f".venv/bin/python bench/simoe_mini.py --out {args.out}" + (" --common" if args.common else "")
            + ("" if args.systems is None else " --systems " + " ".join(f"'{s}'" for s in args.systems))
            + ("" if args.seeds == [0] else f" --seeds {' '.join(map(str, args.seeds))}")
@@ -232,15 +253,10 @@ def main(argv: list[str] | None = None) -> None:
         "| system | seen ROUGE-L | seen chrF | unseen ROUGE-L | unseen chrF | final mask sparsity (τ = 0.75) | λ max / "
         "final | total params | active params | pruned export | peak RSS (GiB) | wall (min) |", "|---" * 12 + "|",
         *[row(label_of(n, s), r) for (n, s), r in summaries.items()], "",
-        *(["ROUGE-L per task (seed 0):", "", *per_task(first), ""] if first else []),
-        *(paired(load_scores(BENCH, args.results), [n for n in first if n != "full FT"])
-          if args.common and "full FT" in first else []),
-        *[f"{label}: non-zero expert parameters (Fig. 4, median gates) "
-          + " · ".join(f"{k} {v:.2f}" for k, v in s["nonzero"]["by_type"].items())
-          + f"; overall {s['nonzero']['overall']:.3f}; by depth "
-          + " ".join(f"{v:.2f}" for _, v in sorted(s["nonzero"]["by_depth"].items(), key=lambda kv: int(kv[0])))
-          + f"; mean mask overlap between experts (Fig. 5) {s['overlap']:.3f}.\n" for label, s in first.items()
-          if "nonzero" in s],
+        *([f"ROUGE-L per task ({over}):", "", *per_task(runs), ""] if runs else []),
+        *(paired(load_scores(BENCH, args.results), [n for n in runs if n != "full FT"], seeds)
+          if args.common and "full FT" in runs else []),
+        *[masks(f"{label} ({over})", rs) for label, rs in runs.items() if "nonzero" in rs[0]],
         *(committed_claims(BENCH, CLAIMS_INTRO, args.results) if args.common else []), "",
         mark[1]])
     print(section)

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from claims import claim_tables, rebuild, rebuild_table  # noqa: E402
-from evidence import load_runs, load_scores, save_scores  # noqa: E402
+from evidence import claim_interval, load_runs, load_scores, save_scores  # noqa: E402
 
 SEEDS = [0, 1, 2, 3, 4]
 
@@ -266,12 +266,26 @@ def test_simoe_mini_section_comes_from_committed_results_alone(tmp_path):
     assert "measured on test CPU, fp32." in text
     assert "| t1 | 32.0 | 31.5 | 31.4 | 30.0 | 31.0 |" in text and "overall 0.450; by depth 0.50 0.40" in text
     scores = load_scores("simoe_mini", root)
-    c = [simoe_mini.paired_bootstrap([scores[("sparse upcycling", 0)][g]], [scores[("full FT", 0)][g]])
-         for g in ("seen", "unseen")]
+    c = [claim_interval(np.stack([scores[("sparse upcycling", s)][g] for s in SEEDS]),
+                        np.stack([scores[("full FT", s)][g] for s in SEEDS])) for g in ("seen", "unseen")]
     cells = " | ".join(f"{x['mean']:+.1f} [{x['lo']:+.1f}, {x['hi']:+.1f}]" for x in c)
-    assert f"| sparse upcycling | {cells} |" in text
+    assert f"| sparse upcycling | 5 | {cells} |" in text
+    assert "ROUGE-L per task (mean over seeds 0, 1, 2, 3, 4):" in text
     rows = check_claims(text, root, 4)
     assert rows[0].startswith("| SIMoE beats full fine-tuning (unseen tasks) (A > B) | SIMoE (common optimizer) − full FT |")
+
+
+def test_simoe_mini_per_task_and_mask_figures_are_means_over_seeds():
+    import simoe_mini
+
+    runs = {"SIMoE": [simoe_run(30.0, True), simoe_run(20.0, True)], "full FT": [simoe_run(10.0, False)] * 2}
+    runs["SIMoE"][1]["nonzero"] = {"by_type": {"gate": 0.2}, "by_depth": {"0": 0.1, "1": 0.3}, "overall": 0.15}
+    runs["SIMoE"][1]["overlap"] = 0.5
+    assert simoe_mini.per_task(runs) == ["| task | SIMoE | full FT |", "|---|---|---|", "| t1 | 25.0 | 10.0 |",
+                                         "| u1 | 12.5 | 5.0 |"]
+    assert simoe_mini.masks("SIMoE", runs["SIMoE"]) == (
+        "SIMoE: non-zero expert parameters (Fig. 4, median gates) gate 0.35; overall 0.300; by depth 0.30 0.35; "
+        "mean mask overlap between experts (Fig. 5) 0.600.\n")
 
 
 def test_simoe_mini_seed_n_seeds_the_trainer_and_the_masks():
