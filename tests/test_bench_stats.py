@@ -172,6 +172,15 @@ def simulate(rng, runs, seeds, items, sd_seed, sd_item, sd_cell, delta=0.3):
             + sd_cell * rng.standard_normal((runs, seeds, items)))
 
 
+def mean_squares(d):
+    """The two-way ANOVA's mean squares (seeds, items, residual) of each (seeds, items) table in a batch d."""
+    _, S, N = d.shape
+    u = d - d.mean((1, 2))[:, None, None]
+    rows, cols = u.mean(2), u.mean(1)
+    return (N * (rows ** 2).sum(1) / (S - 1), S * (cols ** 2).sum(1) / (N - 1),
+            ((u - rows[:, :, None] - cols[:, None, :]) ** 2).sum((1, 2)) / ((S - 1) * (N - 1)))
+
+
 def vectorized_interval(d):
     """claim_interval's arithmetic (unweighted) over a batch of tables, so that thousands of runs take a second;
     tested equal to claim_interval below."""
@@ -179,10 +188,7 @@ def vectorized_interval(d):
 
     _, S, N = d.shape
     m = d.mean((1, 2))
-    u = d - m[:, None, None]
-    rows, cols = u.mean(2), u.mean(1)
-    m_s, m_i = N * (rows ** 2).sum(1) / (S - 1), S * (cols ** 2).sum(1) / (N - 1)
-    m_r = ((u - rows[:, :, None] - cols[:, None, :]) ** 2).sum((1, 2)) / ((S - 1) * (N - 1))
+    m_s, m_i, m_r = mean_squares(d)
     total = m_s + m_i - m_r
     df = total ** 2 / (m_s ** 2 / (S - 1) + m_i ** 2 / (N - 1) + m_r ** 2 / ((S - 1) * (N - 1)))
     low = total < np.maximum(m_s, m_i)
@@ -220,6 +226,52 @@ def test_claim_interval_itself_covers_95_percent_at_the_spri_runs_variances():
     d = simulate(np.random.default_rng(7), 2000, 5, 128, *SETTINGS[0])
     lo, hi = crossed(d)
     assert 0.93 <= ((lo < 0.3) & (0.3 < hi)).mean() <= 0.97
+
+
+def components(d) -> tuple[float, float, float]:
+    """(σ_seed, σ_item, σ_cell) of a (seeds, items) table of per-item differences: the two-way crossed model's
+    method-of-moments estimates from the mean squares claim_interval uses (negative estimates as 0)."""
+    S, N = d.shape
+    m_s, m_i, m_r = (float(m[0]) for m in mean_squares(d[None]))
+    return float(np.sqrt(max(m_s - m_r, 0) / N)), float(np.sqrt(max(m_i - m_r, 0) / S)), float(np.sqrt(m_r))
+
+
+def committed_claims_data() -> list[tuple[str, np.ndarray]]:
+    """(bench: claim, its (seeds, items) per-item differences A − B) of every claim whose runs are committed under
+    bench/results/ (omni_ctc at 4 experts; unweighted)."""
+    from claim_specs import SPECS, specs
+    from evidence import load_scores
+
+    out = []
+    for bench in SPECS:
+        scores = load_scores(bench)
+        for c in specs(bench, 4):
+            seeds = sorted(s for n, s in scores if n == c.a and (c.b, s) in scores)
+            if seeds:
+                out.append((f"{bench}: {c.text}",
+                            np.stack([scores[(c.a, s)][c.key] - scores[(c.b, s)][c.key] for s in seeds])))
+    return out
+
+
+def test_the_interval_covers_95_percent_at_every_committed_claims_measured_variances():
+    """Issue 41: the coverage at the seed, item and residual variances measured in the committed runs of every claim
+    (SPRI, RISE, Omni-router, UME, SIMoE: each claim's own seeds × items), 8000 simulated runs each: 93-97 %, or,
+    where the residual is most of the mean's variance (the seeds and items share little), on the wide side, 95-98 %
+    (as in the test below: the estimate is then often floored at one shared component's)."""
+    claims = committed_claims_data()
+    assert len(claims) >= 16 and all(d.shape[0] == 5 for _, d in claims)
+    for i, (name, d) in enumerate(claims):
+        (S, N), (sd_seed, sd_item, sd_cell) = d.shape, components(d)
+        residual = sd_cell ** 2 / (S * N) / (sd_seed ** 2 / S + sd_item ** 2 / N + sd_cell ** 2 / (S * N))
+        lo, hi = vectorized_interval(simulate(np.random.default_rng(i), RUNS, S, N, sd_seed, sd_item, sd_cell))
+        coverage = ((lo < 0.3) & (0.3 < hi)).mean()
+        low, high = (0.95, 0.98) if residual > 0.5 else (0.93, 0.97)
+        assert low <= coverage <= high, (name, residual, coverage)
+
+
+def test_components_recover_the_simulated_variances():
+    d = simulate(np.random.default_rng(2), 1, 40, 400, 0.5, 2.0, 3.0)[0]
+    np.testing.assert_allclose(components(d), (0.5, 2.0, 3.0), rtol=0.25)
 
 
 def test_without_an_item_effect_the_interval_errs_on_the_wide_side():
