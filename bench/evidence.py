@@ -265,14 +265,22 @@ def claim_rows(claims: list[Claim], scores: dict, weights: dict[str, str] | None
     B's run: the references are the same for both)."""
     rows = []
     for c in claims:
-        seeds = sorted(s for n, s in scores if n == c.a and (c.b, s) in scores)
-        if not seeds:
-            continue
-        A = np.stack([scores[(c.a, s)][c.key] for s in seeds])
-        B = np.stack([scores[(c.b, s)][c.key] for s in seeds])
-        w = np.stack([scores[(c.b, s)][weights[c.key]] for s in seeds]) if weights and c.key in weights else None
-        rows.append({"claim": c, "seeds": seeds, "stat": claim_interval(A, B, w)})
+        if paired := paired_items(scores, c.a, c.b, c.key, (weights or {}).get(c.key)):
+            seeds, A, B, w = paired
+            rows.append({"claim": c, "seeds": seeds, "stat": claim_interval(A, B, w)})
     return rows
+
+
+def paired_items(scores: dict, a: str, b: str, key: str, weight_key: str | None = None,
+                 only: list[int] | None = None) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """(seeds, A, B, W) of systems a and b from per-item scores ((system, seed) → metric → items): the seeds where
+    both have scores (of `only`, if given), A and B their (seeds, items) scores under `key`, W (seeds, items) the
+    weights under `weight_key`, taken from b's runs (None without it); None where no seed has both."""
+    seeds = sorted(s for n, s in scores if n == a and (b, s) in scores and (only is None or s in only))
+    if not seeds:
+        return None
+    A, B = (np.stack([scores[(n, s)][key] for s in seeds]) for n in (a, b))
+    return seeds, A, B, None if weight_key is None else np.stack([scores[(b, s)][weight_key] for s in seeds])
 
 
 # --- tables printed before issue 41: recomputed from their per-seed columns ---

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from claims import committed_claims  # bench/claims.py
-from evidence import RESULTS, claim_interval, load_runs, load_scores, save_scores  # bench/evidence.py
+from evidence import RESULTS, claim_interval, load_runs, load_scores, paired_items, save_scores  # bench/evidence.py
 from report import (device_name, finish, measured_on, seed_folder, seed_overrides, stopwatch, wall,  # bench/report.py
                     write_section)
 
@@ -193,10 +193,9 @@ def paired(scores: dict, labels: list[str], seeds: list[int], base: str = "full 
     lines = [f"ROUGE-L difference to {base}, mean over seeds × test items and its 95 % t-interval (bench/evidence.py "
              "claim_interval, as in the claims table below):", "", "| system | seeds | seen | unseen |", "|---|---|---|---|"]
     for label in labels:
-        both = [s for s in seeds if (label, s) in scores and (base, s) in scores]
-        cells = [claim_interval(np.stack([scores[(label, s)][g] for s in both]),
-                                np.stack([scores[(base, s)][g] for s in both])) for g in ("seen", "unseen")]
-        lines.append(f"| {label} | {len(both)} | "
+        both = [paired_items(scores, label, base, g, only=seeds) for g in ("seen", "unseen")]
+        cells = [claim_interval(A, B) for _, A, B, _ in both]
+        lines.append(f"| {label} | {len(both[0][0])} | "
                      + " | ".join(f"{c['mean']:+.1f} [{c['lo']:+.1f}, {c['hi']:+.1f}]" for c in cells) + " |")
     return [*lines, ""]
 

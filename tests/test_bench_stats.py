@@ -240,16 +240,14 @@ def committed_claims_data() -> list[tuple[str, np.ndarray]]:
     """(bench: claim, its (seeds, items) per-item differences A − B) of every claim whose runs are committed under
     bench/results/ (omni_ctc at 4 experts; unweighted)."""
     from claim_specs import SPECS, specs
-    from evidence import load_scores
+    from evidence import load_scores, paired_items
 
     out = []
     for bench in SPECS:
         scores = load_scores(bench)
         for c in specs(bench, 4):
-            seeds = sorted(s for n, s in scores if n == c.a and (c.b, s) in scores)
-            if seeds:
-                out.append((f"{bench}: {c.text}",
-                            np.stack([scores[(c.a, s)][c.key] - scores[(c.b, s)][c.key] for s in seeds])))
+            if paired := paired_items(scores, c.a, c.b, c.key):
+                out.append((f"{bench}: {c.text}", paired[1] - paired[2]))
     return out
 
 
