@@ -20,7 +20,8 @@ On a GPU the table gains moekit's two CUDA paths side by side ("moekit" = the de
 Triton kernels; "moekit grouped_mm" = torch's grouped_mm GEMMs with moekit's Triton SwiGLU) and the limit is
 the roofline of the card as measured in the same run: max(model FLOPs / the measured dense bf16 GEMM rate,
 bytes of the hit experts' weights / the measured device-to-device copy bandwidth). `--profile DIR` writes
-torch.profiler's kernel-by-kernel table of each implementation's fwd+bwd step there.
+torch.profiler's kernel-by-kernel table of each implementation's fwd+bwd step there, and of the router's
+(with its load-balance and z-loss). Decode rows on a GPU add each forward replayed as a CUDA graph.
 """
 from __future__ import annotations
 
@@ -178,6 +179,34 @@ def roofline(x, ids, H, I, bwd, peak):
     return max(flops / peak["flops"], weight_bytes / peak["bandwidth"])
 
 
+def graph_time(m, x, ids, w, repeats):
+    """Median seconds of one replay (launch to synchronize) of m's forward captured in a CUDA graph, after a
+    warm-up on a side stream (autotuning, probes); or the capture's error, shortened."""
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(x, ids, w)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                m(x, ids, w)
+        except RuntimeError as e:
+            return f"capture fails: {str(e).splitlines()[0][:60]}"
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return spread(times)[0]
+
+
+GRAPHED = ("moekit", "hf_grouped_mm")  # decode rows on a GPU: also timed as CUDA graph replays
+
+
 def timed_row(label, mode, mods, impls, x, ids, w, grad, E, repeats, decode, peak=None):
     bwd = mode == "fwd+bwd"
     units, m = dense_tokens(ids, E, decode)
@@ -189,7 +218,8 @@ def timed_row(label, mode, mods, impls, x, ids, w, grad, E, repeats, decode, pea
     limit = units * t["dense"][0] if peak is None else roofline(x, ids, H, I, bwd, peak)
     router = t["router"][0] / (t["router"][0] + t["moekit"][0])
     noise = max(v[1] for v in t.values())
-    return (label, x.shape[0], mode, limit, {n: t[n][0] for n in impls}, router, noise)
+    graphs = {n: graph_time(mods[n], x, ids, w, repeats) for n in GRAPHED} if decode and peak is not None else {}
+    return (label, x.shape[0], mode, limit, {n: t[n][0] for n in impls}, router, noise, graphs)
 
 
 IMPLS = ("moekit", "hf_eager", "hf_grouped_mm")
@@ -212,11 +242,12 @@ def peaks(device, dtype) -> dict:
 
 
 def profile(mods, impls, x, ids, w, grad, label, folder: Path):
-    """torch.profiler's per-kernel table of each implementation's fwd+bwd step (5 steps after 2 warm-ups)."""
+    """torch.profiler's per-kernel table of each implementation's (and the router's) fwd+bwd step (5 steps after
+    2 warm-ups)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    for n in impls:
+    for n in (*impls, "router"):
         m = mods[n]
         for _ in range(2):
             m.zero_grad(set_to_none=True)
@@ -271,7 +302,7 @@ def render(rows, T, repeats, decode_repeats, cmd, load, device, dtype, mark, pea
            "share of router + experts. noise = the largest (p75 − p25) / median of the row's timings.", "",
            "| shape | T | pass | limit (ms) | moekit | transformers eager | transformers grouped_mm | router | noise |",
            "|---|---|---|---|---|---|---|---|---|"]
-    for label, t, mode, limit, times, router, noise in rows:
+    for label, t, mode, limit, times, router, noise, _ in rows:
         cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" for n in impls]
         out.append(f"| {label} | {t} | {mode} | {1000 * limit:.3g} | " + " | ".join(cells)
                    + f" | {100 * router:.1f} % | {100 * noise:.0f} % |")
@@ -294,13 +325,21 @@ def render_cuda(rows, impls, T, repeats, decode_repeats, cmd, load, device, dtyp
            "bandwidth); model FLOPs = 2·T·k·3·H·I per pass, 3 passes with the backward. Each cell: time / limit "
            "(time); \"vs grouped_mm\" = moekit's time / transformers grouped_mm's. router = moekit's router (+ "
            "load-balance and z-loss in fwd+bwd) as a share of router + experts. noise = the largest (p75 − p25) / "
-           "median of the row's timings.", "",
+           "median of the row's timings. Decode rows also time moekit's and transformers grouped_mm's forward "
+           "captured once in a CUDA graph and replayed (the same inputs; launch to synchronize): what a caller "
+           "that captures the layer (a static-cache `generate` under torch.compile) pays.", "",
            "| shape | T | pass | limit (ms) | " + " | ".join(NAMES[n] for n in impls)
-           + " | moekit vs grouped_mm | router | noise |", "|---" * (len(impls) + 7) + "|"]
-    for label, t, mode, limit, times, router, noise in rows:
+           + " | moekit vs grouped_mm | " + " | ".join(f"{NAMES[n]}, CUDA graph" for n in GRAPHED)
+           + " | graph: moekit vs grouped_mm | router | noise |", "|---" * (len(impls) + 10) + "|"]
+    for label, t, mode, limit, times, router, noise, graphs in rows:
         cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" for n in impls]
+        cells.append(f"{times['moekit'] / times['hf_grouped_mm']:.2f}×")
+        cells += [f"{graphs[n] / limit:.2f}× ({1000 * graphs[n]:.3g} ms)" if isinstance(graphs.get(n), float)
+                  else graphs.get(n, "—") for n in GRAPHED]
+        both = all(isinstance(graphs.get(n), float) for n in GRAPHED)
+        cells.append(f"{graphs['moekit'] / graphs['hf_grouped_mm']:.2f}×" if both else "—")
         out.append(f"| {label} | {t} | {mode} | {1000 * limit:.3g} | " + " | ".join(cells)
-                   + f" | {times['moekit'] / times['hf_grouped_mm']:.2f}× | {100 * router:.1f} % | {100 * noise:.0f} % |")
+                   + f" | {100 * router:.1f} % | {100 * noise:.0f} % |")
     return "\n".join(out + ["", mark[1]])
 
 

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -14,8 +15,16 @@ def test_moe_layer_bench_implementations_agree():
 
     rows = moe_layer.run_shape("tiny", 4, 2, 16, 32, 96, repeats=2, decode_repeats=2)  # checks equality first
     assert [(r[1], r[2]) for r in rows] == [(96, "fwd+bwd"), (96, "fwd"), (1, "fwd"), (8, "fwd"), (64, "fwd")]
-    for _, _, _, limit, times, router, _ in rows:
-        assert limit > 0 and set(times) == set(moe_layer.IMPLS) and 0 < router < 1
+    for _, _, _, limit, times, router, _, graphs in rows:
+        assert limit > 0 and set(times) == set(moe_layer.IMPLS) and 0 < router < 1 and graphs == {}  # CPU: no graphs
+    # the GPU table, from these rows: every line has the header's cells; a capture that failed is said in its cell
+    rows = [r[:7] + ({"moekit": 2e-5, "hf_grouped_mm": "capture fails: boom"} if r[1] == 8 else r[7],) for r in rows]
+    table = moe_layer.render_cuda(rows, list(rows[0][4]), 96, 2, 2, "cmd", "0 → 0", torch.device("cpu"),
+                                  torch.float32, moe_layer.MARK_CUDA, {"flops": 1e12, "bandwidth": 1e12})
+    lines = [ln for ln in table.splitlines() if ln.startswith("|")]
+    assert len({ln.count("|") for ln in lines}) == 1 and len(lines) == 2 + len(rows)
+    row8 = next(ln for ln in lines if ln.startswith("| tiny | 8 "))
+    assert "capture fails: boom" in row8 and "(0.02 ms)" in row8 and row8.count(" — ") == 1
 
 
 @pytest.mark.parametrize("shape", [(16, 24), (24, 16)])

@@ -59,8 +59,9 @@ def test_loop_equals_grouped_fp32(T, H, I):
     args = _inputs(T, H)
     loop, grouped = _run(m, "loop", *args), _run(m, "grouped", *args)
     for i, (a, b) in enumerate(zip(loop, grouped)):
-        # w's gradient: a dot product over I in the loop, over H in grouped where I > H (its narrower side)
-        tol = 1e-5 if i == 2 and I > H else 1e-6
+        # w's gradient: a dot product over I in the loop, over H in grouped where I > H (its narrower side); the
+        # weights' gradients (i >= 3) sum over tokens, which 2 intra-op threads split differently in the two paths
+        tol = 1e-5 if (i == 2 and I > H) or i >= 3 else 1e-6
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
     assert torch.count_nonzero(loop[3][4]) == 0 and torch.count_nonzero(loop[4][4]) == 0  # unrouted expert: 0
 

@@ -156,6 +156,43 @@ def test_triton_path_in_bf16_equals_the_float32_grouped_path(E, k, H, I, T):
         assert ((a.float() - b).norm() / b.norm()).item() <= 1e-2
 
 
+@pytest.mark.parametrize("E, k, T", [(64, 8, 1), (64, 8, 64), (8, 2, 16384), (64, 8, 16384), (160, 6, 4000)])
+def test_counting_sort_on_cuda_equals_stable_argsort(E, k, T):
+    """The Triton counting sort at decode and training sizes (one block; many blocks with the histogram's running
+    sum): exactly torch's stable argsort and bincount, the weights gathered in bf16."""
+    from moekit.moe import triton_experts as tx
+
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(CUDA)
+    w = torch.rand(T, k, generator=g).to(CUDA)
+    order, counts, ws = tx.sort_by_expert(ids, E, w, torch.bfloat16)
+    assert torch.equal(order, torch.argsort(ids.reshape(-1), stable=True))
+    assert torch.equal(counts.long(), torch.bincount(ids.reshape(-1), minlength=E))
+    assert torch.equal(ws, w.reshape(-1)[order].unsqueeze(-1).bfloat16())
+
+
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_decode_forward_of_the_layer_replays_as_a_cuda_graph(T):
+    """Router, counting sort and fused experts have no host sync and no routing-dependent allocation: the layer's
+    decode forward, captured once in a CUDA graph, replays on new tokens bit for bit what eager computes."""
+    layer = _layer(64, 8, 512, 384, torch.bfloat16)
+    x = torch.randn(T, 512, device=CUDA, dtype=torch.bfloat16)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # autotuning and the grouped_mm probe, outside the capture
+                layer(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        for seed in range(3):
+            x.copy_(torch.randn(T, 512, generator=torch.Generator().manual_seed(seed)).to(CUDA, torch.bfloat16))
+            graph.replay()
+            assert torch.equal(out, layer(x))
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu") / "dense"

@@ -130,17 +130,20 @@ def test_triton_experts_forward_with_odd_sizes(H, I):
     assert _rel(y, _eager(first, down, x, ids, w)) <= 1e-5
 
 
-def test_triton_experts_without_grad_matches_grouped():
-    g = torch.Generator().manual_seed(3)
-    E, k, H, I, T = 4, 2, 16, 32, 6
+def _random_experts(E, k, H, I, T, seed):
+    """Experts with random weights, and inputs x (T, H), ids (T, k), weights (T, k) for them."""
+    g = torch.Generator().manual_seed(seed)
     m = Experts(E, H, I, "silu")
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    m = m.to(DEVICE)
     x = torch.randn(T, H, generator=g).to(DEVICE)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
-    w = torch.rand(T, k, generator=g).to(DEVICE)
+    return m.to(DEVICE), x, ids, torch.rand(T, k, generator=g).to(DEVICE)
+
+
+def test_triton_experts_without_grad_matches_grouped():
+    m, x, ids, w = _random_experts(4, 2, 16, 32, 6, seed=3)
     with torch.no_grad():
         m.dispatch = "triton"
         got = m(x, ids, w)
@@ -192,3 +195,95 @@ def test_grouped_mm_probe_answers_the_same_in_every_autograd_mode(mode):
     ctx = {"grad": nullcontext(), "no_grad": torch.no_grad(), "inference_mode": torch.inference_mode()}[mode]
     with ctx:
         assert _grouped_mm_works(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("T, k, E, tile", [
+    (1, 1, 3, None),       # one slot
+    (8, 8, 64, None),      # decode: one block, one kernel
+    (37, 3, 5, 64),        # several blocks (E not a power of two): histogram, running sum, scatter
+    (50, 2, 8, 16),        # one block per 2 slots' worth of tile: many blocks
+    (0, 2, 4, None),       # no tokens
+])
+def test_counting_sort_equals_stable_argsort(T, k, E, tile, monkeypatch):
+    """The Triton counting sort gives exactly the stable argsort's order, bincount's counts and the weights in
+    that order, converted to the asked dtype; one block or many."""
+    if tile is not None:
+        monkeypatch.setattr(tx, "SORT_TILE", tile)
+    g = torch.Generator().manual_seed(T * 10 + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)] or [torch.zeros(0, k).long()])
+    ids, w = ids.reshape(T, k).to(DEVICE), torch.rand(T, k, generator=g).to(DEVICE)
+    order, counts, ws = tx.sort_by_expert(ids, E, w, torch.float16)
+    assert order.dtype == torch.int64 and counts.dtype == torch.int32 and ws.shape == (T * k, 1)
+    assert torch.equal(order, torch.argsort(ids.reshape(-1), stable=True))
+    assert torch.equal(counts.long(), torch.bincount(ids.reshape(-1).cpu(), minlength=E).to(DEVICE))
+    assert torch.equal(ws, w.reshape(-1)[order].unsqueeze(-1).half())
+    assert torch.equal(tx.sort_by_expert(ids, E)[0], order)
+
+
+def test_counting_sort_leaves_ids_outside_the_experts_unplaced():
+    ids = torch.tensor([[2, 5], [0, 2], [-1, 1]], device=DEVICE)  # 5 and -1: no such expert
+    order, counts, _ = tx.sort_by_expert(ids, 3)
+    assert counts.tolist() == [1, 1, 2]
+    assert order[:4].tolist() == [2, 5, 0, 3]
+
+
+def test_triton_dispatch_trains_the_routing_weights_like_grouped():
+    """Experts with dispatch="triton" (the counting sort, and the weights gathered by torch when a gradient is
+    recorded) against the grouped path: output and every gradient, routing weights included."""
+    m, x0, ids, w0 = _random_experts(5, 2, 16, 32, 9, seed=5)
+    dy = torch.randn(x0.shape, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    out = {}
+    for dispatch in ("triton", "grouped"):
+        m.dispatch = dispatch
+        m.zero_grad(set_to_none=True)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = m(x, ids, w)
+        y.backward(dy)
+        out[dispatch] = [y, x.grad, w.grad, m.gate_up.grad, m.down.grad]
+    for a, b in zip(out["triton"], out["grouped"]):
+        assert _rel(a, b) <= 1e-5
+
+
+class _DeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that would launch device work (allocations and views do not)."""
+
+    FREE = {"empty", "new_empty", "empty_strided", "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "alias",
+            "detach", "t", "transpose", "slice", "select", "unsqueeze", "squeeze", "expand", "split", "chunk"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = [], False  # paused inside a Triton launch (the interpreter runs torch ops)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func.overloadpacket.__name__ not in self.FREE:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_forward_is_four_kernel_launches(monkeypatch):
+    """At decode sizes without autograd the experts cost four kernel launches (counting sort with the weight
+    gather, fused gate_up, down, k-sum) and no other device op: no argsort, histogram, index or cast kernels."""
+    launches, ops = [], _DeviceOps()
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(self.name)
+                ops.paused = True
+                try:
+                    return self.kernel[grid](*args, **kw)
+                finally:
+                    ops.paused = False
+            return launch
+
+    for name in ("counting_sort_kernel", "expert_hist_kernel", "gate_up_kernel", "down_kernel", "combine_k"):
+        monkeypatch.setattr(tx, name, Counted(name, getattr(tx, name)))
+    m, x, ids, w = _random_experts(8, 2, 16, 32, 3, seed=2)
+    m.dispatch = "triton"
+    with torch.no_grad(), ops:
+        m(x, ids, w)
+    assert launches == ["counting_sort_kernel", "gate_up_kernel", "down_kernel", "combine_k"]
+    assert ops.ops == []

@@ -3,8 +3,9 @@
 Weights are stored like transformers v5: gated `gate_up` (E, 2I, H) = [gate; up] along dim 1, or
 non-gated `up` (E, I, H); `down` (E, H, I); optional biases (E, 2I | I) and (E, H).
 
-Dispatch sorts the T*k (token, slot) pairs by expert (moekit.moe.permute: no host sync, no atomics), then takes
-one of three paths (`Experts.dispatch`):
+Dispatch sorts the T*k (token, slot) pairs by expert (no host sync, no atomics: on a GPU moekit's Triton counting
+sort, `triton_experts.sort_by_expert`; elsewhere a stable argsort, moekit.moe.permute), then takes one of three
+paths (`Experts.dispatch`):
 
 - "triton": moekit's Triton kernels (moekit.moe.triton_experts), the default on CUDA for gated SiLU experts
   without biases: the token gather, gate_up GEMM, SwiGLU and routing weight fused in one kernel, the down GEMM
@@ -322,10 +323,9 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """x (T, H), topk_ids (T, k), topk_weights (T, k) -> (T, H)."""
         k = topk_ids.shape[1]
-        order, counts = sort_by_expert(topk_ids, self.num_experts)  # (S,) slots by expert, S = T*k; (E,)
-        weight = topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (S, 1)
-        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+        grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad
                                             or any(p.requires_grad for p in self.parameters()))
+        order, counts, weight = self._sort(x, topk_ids, topk_weights, grad)  # (S,) slots by expert, S = T*k; (E,)
         if self._use_triton(x):
             return triton_experts.triton_experts(x, weight, self.first, self.down, order, counts, k)
         if self._use_loop(x, counts, grad):
@@ -336,6 +336,18 @@ class Experts(nn.Module):
                 return self._loop(x, weight, order // k, offs)
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,)
         return self._grouped(x, weight, order, k, topk_ids.reshape(-1)[order], offs)
+
+    def _sort(self, x: Tensor, ids: Tensor, weights: Tensor, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """order (S,) the slots by expert, counts (E,), the routing weights in that order (S, 1) in x's dtype.
+        Where moekit's Triton kernels run (a GPU), the sort is their counting sort, which also gathers the
+        weights when no gradient is recorded: at decode sizes one kernel launch for the whole routing metadata."""
+        if triton_experts.available(x.device) and (x.device.type == "cuda" or self.dispatch == "triton"):
+            order, counts, w = triton_experts.sort_by_expert(ids, self.num_experts, None if grad else weights, x.dtype)
+            if not grad:
+                return order, counts, w
+        else:
+            order, counts = sort_by_expert(ids, self.num_experts)
+        return order, counts, weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (S, 1), with its gradient
 
     def _loop_trainable(self) -> bool:
         """ExpertLoop's hand-written backward covers gated SiLU experts without biases."""

@@ -1,6 +1,11 @@
 """moekit's Triton kernels for gated-SiLU experts (the GPU path of `Experts`; optional: needs `triton`).
 
-Two levels, both deterministic (no atomics) and free of host syncs:
+Three levels, all deterministic (no atomics) and free of host syncs:
+
+- `sort_by_expert`: the routing metadata (slots in expert order, per-expert counts, the routing weights in that
+  order) by a counting sort; at decode sizes one kernel launch, so a decode forward of `Experts` is four launches
+  (sort, gate_up, down, k-sum) and no other device op (tests/test_triton_experts.py counts them). No shape or
+  allocation depends on the routing: the layer can be captured in a CUDA graph (tests/test_gpu.py).
 
 - `swiglu` / `combine`: the element-wise parts around transformers-style `grouped_mm` GEMMs. `swiglu` is
   silu(g) ⊙ u ⊙ w in one pass over h = [g | u] (S, 2I), its backward recomputes the activation from the
@@ -190,7 +195,84 @@ if triton is not None:  # module level: a jitted kernel calls another through th
 
     gate_up_kernel, down_kernel = _tuned(gate_up_kernel), _tuned(down_kernel)
 
+    @triton.jit
+    def _one_hot(ids, S, E, BS: tl.constexpr, BE: tl.constexpr):
+        """This program's slots (BS,), their mask and one-hot experts (BS, BE) int32 (an id outside [0, E) has
+        none: it is neither counted nor placed)."""
+        slots = tl.program_id(0) * BS + tl.arange(0, BS)
+        smask = slots < S
+        e = tl.load(ids + slots, mask=smask, other=-1)
+        eidx = tl.arange(0, BE)
+        return slots, smask, ((e[:, None] == eidx[None, :]) & (eidx < E)[None, :]).to(tl.int32)
 
+    @triton.jit
+    def expert_hist_kernel(ids, hist, S, E, BS: tl.constexpr, BE: tl.constexpr):
+        """hist[b, e] = how many of block b's slots chose expert e."""
+        eidx = tl.arange(0, BE)
+        _, _, hot = _one_hot(ids, S, E, BS, BE)
+        tl.store(hist + tl.program_id(0) * E + eidx, tl.sum(hot, 0), mask=eidx < E)
+
+    @triton.jit
+    def counting_sort_kernel(ids, prefix, w, order, w_sorted, counts, S, E, NB, HAS_W: tl.constexpr,
+                             BS: tl.constexpr, BE: tl.constexpr):
+        """order[pos] = slot, stable by expert: pos = (rows of lower experts) + (this expert's rows in earlier
+        blocks) + (its rows before the slot in this block); prefix (NB, E) the blocks' inclusive running
+        histogram (unused when NB == 1). Also w_sorted[pos] = w[slot] and, in block 0, counts."""
+        b = tl.program_id(0)
+        eidx = tl.arange(0, BE)
+        emask = eidx < E
+        slots, smask, hot = _one_hot(ids, S, E, BS, BE)
+        mine = tl.sum(hot, 0)  # (BE,)
+        if NB == 1:
+            total, before = mine, mine * 0
+        else:
+            total = tl.load(prefix + (NB - 1) * E + eidx, mask=emask, other=0)  # (BE,)
+            before = tl.load(prefix + b * E + eidx, mask=emask, other=0) - mine
+        start = tl.cumsum(total, 0) - total + before  # (BE,) where this block's rows of each expert begin
+        rank = tl.cumsum(hot, 0) - hot  # (BS, BE) rows of the same expert before each slot in this block
+        pos = tl.sum(hot * (start[None, :] + rank), 1)  # (BS,)
+        placed = smask & (tl.sum(hot, 1) > 0)
+        tl.store(order + pos, slots.to(tl.int64), mask=placed)
+        if HAS_W:
+            tl.store(w_sorted + pos, tl.load(w + slots, mask=placed).to(w_sorted.dtype.element_ty), mask=placed)
+        if b == 0:
+            tl.store(counts + eidx, total, mask=emask)
+
+
+
+
+# one-hot elements (slots x experts) of one counting-sort block: 64 experts sort 256 slots per block, 8 experts 2048
+SORT_TILE = 16384
+
+
+def sort_by_expert(ids: Tensor, num_experts: int, weights: Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """topk ids (T, k) -> order (S,) int64 the slots sorted by expert (stable: what permute.sort_by_expert's
+    argsort gives), counts (E,) int32 and, with `weights` (T, k), weights[order] (S, 1) in `dtype`.
+
+    A counting sort (histogram, prefix sum, scatter) instead of a radix sort: one kernel when the S = T·k slots
+    fit one block (decode sizes: T·k ≤ SORT_TILE / E), else a per-block histogram, its running sum over
+    blocks (torch.cumsum) and the scatter. No host sync, no atomics. Ids outside [0, E) are neither counted
+    nor placed (their entries of `order` are left unset)."""
+    flat = ids.reshape(-1)  # (S,)
+    S, E = flat.numel(), num_experts
+    BE = _pow2(E)
+    BS = max(16, min(_pow2(S), SORT_TILE // BE))
+    NB = triton.cdiv(S, BS)
+    order = torch.empty(S, dtype=torch.int64, device=flat.device)
+    counts = torch.empty(E, dtype=torch.int32, device=flat.device)
+    w_sorted = None if weights is None else weights.new_empty(S, 1, dtype=dtype or weights.dtype)
+    if S == 0:
+        return order, counts.zero_(), w_sorted
+    prefix = counts
+    if NB > 1:
+        hist = torch.empty(NB, E, dtype=torch.int32, device=flat.device)
+        expert_hist_kernel[(NB,)](flat, hist, S, E, BS=BS, BE=BE)
+        prefix = torch.cumsum(hist, 0, dtype=torch.int32)  # (NB, E)
+    w = flat if weights is None else weights.reshape(-1)
+    counting_sort_kernel[(NB,)](flat, prefix, w, order, order if w_sorted is None else w_sorted, counts, S, E, NB,
+                                HAS_W=weights is not None, BS=BS, BE=BE)
+    return order, counts, w_sorted
 
 
 def _rows_grid(S: int, E: int, n: int):
