@@ -43,3 +43,16 @@ def test_routing_capture_bench_times_plain_and_captured():
     ids, mask = routing_capture.batch(2, 16, routing_capture.DIMS["vocab_size"])
     (plain, n_plain), (captured, n_captured) = routing_capture.measure(model, ids, mask, repeats=2)
     assert plain > 0 and captured > 0 and n_plain >= 0 and n_captured >= 0
+
+
+def test_device_speed_bench_upcycles_and_collects_on_each_device(tmp_path):
+    """bench/device_speed.py on a tiny model with the CPU as both devices: the same checkpoint and trace, so its
+    checks pass and say so exactly; the table has a row per step."""
+    import device_speed
+
+    runs = device_speed.run_all(tmp_path, device_speed.TINY, ["cpu", "cpu"], 1, 4, 32)
+    assert {step for step, _ in runs} == {"upcycle", "routes collect"}
+    (line,) = device_speed.checks(tmp_path, ["cpu", "cpu"])
+    assert "max |Δ| / max |w| 0.0e+00" in line and "same top-k ids 100.00 %" in line
+    table = device_speed.render(runs, ["cpu", "cpu"], "cmd", "tiny", 1, [line])
+    assert table.count("\n| upcycle | ") == 1 and table.count("\n| routes collect | ") == 1

@@ -245,14 +245,34 @@ def test_triton_dispatch_trains_the_routing_weights_like_grouped():
 
 
 class _DeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten ops that would launch device work (allocations and views do not)."""
+    """Records the device work of what runs inside it: every aten op that would launch a kernel (allocations and
+    views do not) and every launch of moekit's Triton kernels (whose interpreter's own torch ops are not counted)."""
 
-    FREE = {"empty", "new_empty", "empty_strided", "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "alias",
-            "detach", "t", "transpose", "slice", "select", "unsqueeze", "squeeze", "expand", "split", "chunk"}
+    FREE = {"empty", "new_empty", "empty_like", "empty_strided", "view", "_unsafe_view", "reshape", "_reshape_alias",
+            "as_strided", "alias", "detach", "t", "transpose", "slice", "select", "unsqueeze", "squeeze", "expand",
+            "split", "chunk"}
+    KERNELS = ("counting_sort_kernel", "expert_hist_kernel", "gate_up_kernel", "down_kernel", "combine_k")
 
-    def __init__(self):
+    def __init__(self, monkeypatch):
         super().__init__()
-        self.ops, self.paused = [], False  # paused inside a Triton launch (the interpreter runs torch ops)
+        self.ops, self.paused = [], False
+        for name in self.KERNELS:
+            monkeypatch.setattr(tx, name, self._counted(name, getattr(tx, name)))
+
+    def _counted(self, name, kernel):
+        mode = self
+
+        class Counted:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    mode.ops.append(name)
+                    mode.paused = True
+                    try:
+                        return kernel[grid](*args, **kw)
+                    finally:
+                        mode.paused = False
+                return launch
+        return Counted()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused and func.overloadpacket.__name__ not in self.FREE:
@@ -263,27 +283,36 @@ class _DeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
 def test_decode_forward_is_four_kernel_launches(monkeypatch):
     """At decode sizes without autograd the experts cost four kernel launches (counting sort with the weight
     gather, fused gate_up, down, k-sum) and no other device op: no argsort, histogram, index or cast kernels."""
-    launches, ops = [], _DeviceOps()
-
-    class Counted:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launches.append(self.name)
-                ops.paused = True
-                try:
-                    return self.kernel[grid](*args, **kw)
-                finally:
-                    ops.paused = False
-            return launch
-
-    for name in ("counting_sort_kernel", "expert_hist_kernel", "gate_up_kernel", "down_kernel", "combine_k"):
-        monkeypatch.setattr(tx, name, Counted(name, getattr(tx, name)))
     m, x, ids, w = _random_experts(8, 2, 16, 32, 3, seed=2)
     m.dispatch = "triton"
-    with torch.no_grad(), ops:
+    with torch.no_grad(), _DeviceOps(monkeypatch) as dev:
         m(x, ids, w)
-    assert launches == ["counting_sort_kernel", "gate_up_kernel", "down_kernel", "combine_k"]
-    assert ops.ops == []
+    assert dev.ops == ["counting_sort_kernel", "gate_up_kernel", "down_kernel", "combine_k"]
+
+
+def test_decode_layer_launches_a_third_of_what_transformers_block_does(monkeypatch):
+    """A whole MoE layer's decode step (one token): moekit's router (linear, top-k, softmax) and its four Triton
+    kernels, 7 device ops, against transformers' own Mixtral block with `grouped_mm` experts (22 in transformers
+    5.23: its sort, histogram, casts, index ops, two grouped GEMMs and the element-wise ops between them). On a GPU
+    each is a launch, and at decode sizes launches are the cost (BENCHMARKS.md, MoE layer speed on a GPU)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from moekit.moe.layer import MoELayer
+    from moekit.moe.router import Router
+
+    E, k, H, I = 8, 2, 16, 32
+    ours = MoELayer(Router(H, E, k, "topk_softmax"), _random_experts(E, k, H, I, 1, seed=0)[0]).to(DEVICE)
+    ours.experts.dispatch = "triton"
+    cfg = MixtralConfig(num_local_experts=E, num_experts_per_tok=k, hidden_size=H, intermediate_size=I,
+                        experts_implementation="grouped_mm")
+    theirs = MixtralSparseMoeBlock(cfg).to(DEVICE)
+    x = torch.randn(1, 1, H, device=DEVICE)
+    counts = []
+    for block in (ours, theirs):
+        with torch.no_grad():
+            block(x)  # warm-up
+            with _DeviceOps(monkeypatch) as dev:
+                block(x)
+        counts.append(len(dev.ops))
+    assert counts[0] == 7 and 3 * counts[0] <= counts[1], counts
