@@ -42,7 +42,8 @@ demo: $(STAMP) sysdeps
 # what bench/gpu.sh installs on a lent GPU machine (Python 3.12; torch and Triton in its image, this project's pins
 # not): wheels without their dependencies into .whl/, about 20 MB, carried with the run (docs/guides/distributed.md)
 GPU_WHEELS := transformers==5.23.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection \
-  typing-extensions>=4.16 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 jiwer==4.0.0 rapidfuzz
+  typing-extensions>=4.16 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 jiwer==4.0.0 rapidfuzz \
+  liger-kernel==0.8.5
 gpu-wheels:
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \

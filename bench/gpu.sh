@@ -22,7 +22,7 @@ rc=0
 cap() { local left=$(( ${BUDGET:-590} - SECONDS )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
 timeout "$(cap 260)" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_triton_experts.py 2>&1 \
   | tee "$OUT/tests.log" | tail -25 || rc=1
-(cd bench && timeout "$(cap 140)" python3 moe_layer.py --tokens 16384 --repeats 15 --decode-repeats 100 --device cuda \
+(cd bench && timeout "$(cap 180)" python3 moe_layer.py --tokens 16384 --repeats 15 --decode-repeats 100 --device cuda \
   --dtype bfloat16 --write ../BENCHMARKS.md --profile "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | tail -20) || rc=1
 (cd bench && timeout "$(cap 150)" python3 model_throughput.py --layers 30 --repeats 3 --batch 16 --seq 512 --new 32 \
   --device cuda --dtype bfloat16 --only-every-layer --qwen3 --qwen3-layers 12 --out "$OUT/mt" \

@@ -17,7 +17,8 @@ and z-loss, forward and backward, in fwd+bwd rows) as a share of the whole MoE l
 (its own section; every step synchronized with the GPU before the clock is read).
 
 On a GPU the table gains moekit's two CUDA paths side by side ("moekit" = the default dispatch, moekit's
-Triton kernels; "moekit grouped_mm" = torch's grouped_mm GEMMs with moekit's Triton SwiGLU) and the limit is
+Triton kernels; "moekit grouped_mm" = torch's grouped_mm GEMMs with moekit's Triton SwiGLU), Liger-Kernel's fused
+MoE where liger_kernel is installed (`make gpu-wheels` carries it), and the limit is
 the roofline of the card as measured in the same run: max(model FLOPs / the measured dense bf16 GEMM rate,
 bytes of the hit experts' weights / the measured device-to-device copy bandwidth). `--profile DIR` writes
 torch.profiler's kernel-by-kernel table of each implementation's fwd+bwd step there, and of the router's
@@ -89,11 +90,39 @@ class RouterAux(Router):
         return x[:, :1] * info.topk_weights.sum(-1, keepdim=True) + aux  # (T, 1): every output gets a gradient
 
 
+class LigerExperts(torch.nn.Module):
+    """Liger-Kernel's fused MoE experts (liger_kernel.ops.fused_moe, pure Triton, BSD-2; the issue's baseline to
+    time against): transformers' weight layout, gate_up (E, 2I, H) and down (E, H, I). Its forward reads the
+    number of row tiles back to the host (one `.item()` per call)."""
+
+    def __init__(self, gate_up, down):
+        super().__init__()
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") == "1":  # its autotuner benchmarks on a GPU: one config instead
+            os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        self.fn = LigerFusedMoEFunction
+        self.gate_up, self.down = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
+
+    def forward(self, x, ids, w):
+        return self.fn.apply(x, self.gate_up, self.down, ids.int(), w)
+
+
+def liger_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 def build(name, E, k, H, I, gate_up, down):
     if name == "dense":
         return Dense(gate_up, down)
     if name == "router":
         return RouterAux(E, k, H)
+    if name == "liger":
+        return LigerExperts(gate_up, down)
     if name.startswith("moekit"):
         m = Experts(E, H, I, "silu", gated=True)
         m.gate_up.data.copy_(gate_up)
@@ -223,9 +252,9 @@ def timed_row(label, mode, mods, impls, x, ids, w, grad, E, repeats, decode, pea
 
 
 IMPLS = ("moekit", "hf_eager", "hf_grouped_mm")
-IMPLS_CUDA = ("moekit", "moekit grouped_mm", "hf_eager", "hf_grouped_mm")
+IMPLS_CUDA = ("moekit", "moekit grouped_mm", "hf_eager", "hf_grouped_mm", "liger")
 NAMES = {"moekit": "moekit", "moekit grouped_mm": "moekit (grouped_mm GEMMs)", "hf_eager": "transformers eager",
-         "hf_grouped_mm": "transformers grouped_mm"}
+         "hf_grouped_mm": "transformers grouped_mm", "liger": "Liger fused_moe"}
 
 
 def peaks(device, dtype) -> dict:
@@ -269,11 +298,19 @@ def on(device, dtype, x, ids, w, grad):
 
 def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device=torch.device("cpu"), dtype=torch.float32,
               peak=None, profile_dir=None):
-    impls = IMPLS_CUDA if device.type == "cuda" else IMPLS
+    impls = [n for n in (IMPLS_CUDA if device.type == "cuda" else IMPLS) if n != "liger"]
     x, ids, w, gate_up, down, grad = make_inputs(E, k, H, I, T)
     mods = {n: build(n, E, k, H, I, gate_up, down).to(device, dtype) for n in ("dense", "router", *impls)}
     x, ids, w, grad = on(device, dtype, x, ids, w, grad)
     check_equal(mods, impls, x, ids, w, grad)
+    if device.type == "cuda" and liger_installed():  # the baseline: a column only where it computes the same
+        try:
+            mods["liger"] = build("liger", E, k, H, I, gate_up, down).to(device, dtype)
+            check_equal(mods, ["moekit", "liger"], x, ids, w, grad)
+            impls.append("liger")
+        except (AssertionError, RuntimeError, ImportError) as e:
+            print(f"{label}: no Liger column ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            mods.pop("liger", None)
     if profile_dir is not None:
         profile(mods, impls, x, ids, w, grad, label, profile_dir)
     rows = [timed_row(label, mode, mods, impls, x, ids, w, grad, E, repeats, False, peak)
@@ -286,7 +323,7 @@ def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device=torch.device
 
 
 def render(rows, T, repeats, decode_repeats, cmd, load, device, dtype, mark, peak=None):
-    impls = list(rows[0][4])
+    impls = list(dict.fromkeys(n for row in rows for n in row[4]))  # a baseline may be missing from some shapes
     if peak is not None:
         return render_cuda(rows, impls, T, repeats, decode_repeats, cmd, load, device, dtype, mark, peak)
     out = [mark[0], "## MoE layer speed (bench/moe_layer.py)", "",
@@ -332,7 +369,7 @@ def render_cuda(rows, impls, T, repeats, decode_repeats, cmd, load, device, dtyp
            + " | moekit vs grouped_mm | " + " | ".join(f"{NAMES[n]}, CUDA graph" for n in GRAPHED)
            + " | graph: moekit vs grouped_mm | router | noise |", "|---" * (len(impls) + 10) + "|"]
     for label, t, mode, limit, times, router, noise, graphs in rows:
-        cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" for n in impls]
+        cells = [f"{times[n] / limit:.2f}× ({1000 * times[n]:.3g} ms)" if n in times else "—" for n in impls]
         cells.append(f"{times['moekit'] / times['hf_grouped_mm']:.2f}×")
         cells += [f"{graphs[n] / limit:.2f}× ({1000 * graphs[n]:.3g} ms)" if isinstance(graphs.get(n), float)
                   else graphs.get(n, "—") for n in GRAPHED]

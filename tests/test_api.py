@@ -72,10 +72,11 @@ def test_gpu_wheels_are_the_pinned_versions():
     """`make gpu-wheels` (what bench/gpu.sh installs on a lent GPU machine) downloads the very versions pyproject pins."""
     make = (ROOT / "Makefile").read_text().replace("\\\n", " ")
     wheels = dict(w.split("==") for w in re.search(r"^GPU_WHEELS := (.*)$", make, re.M)[1].split() if "==" in w)
-    pins = dict(d.split("==") for d in tomllib.loads((ROOT / "pyproject.toml").read_text())
-                ["project"]["dependencies"] if "==" in d)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = dict(d.split(";")[0].strip().split("==") for d in project["dependencies"]
+                + project["optional-dependencies"]["test"] if "==" in d)
     shared = wheels.keys() & pins.keys()
-    assert {"transformers", "pydantic", "gguf", "datasets", "jiwer"} <= shared
+    assert {"transformers", "pydantic", "gguf", "datasets", "jiwer", "liger-kernel"} <= shared
     assert {name: wheels[name] for name in shared} == {name: pins[name] for name in shared}
 
 

@@ -18,13 +18,37 @@ def test_moe_layer_bench_implementations_agree():
     for _, _, _, limit, times, router, _, graphs in rows:
         assert limit > 0 and set(times) == set(moe_layer.IMPLS) and 0 < router < 1 and graphs == {}  # CPU: no graphs
     # the GPU table, from these rows: every line has the header's cells; a capture that failed is said in its cell
-    rows = [r[:7] + ({"moekit": 2e-5, "hf_grouped_mm": "capture fails: boom"} if r[1] == 8 else r[7],) for r in rows]
-    table = moe_layer.render_cuda(rows, list(rows[0][4]), 96, 2, 2, "cmd", "0 → 0", torch.device("cpu"),
-                                  torch.float32, moe_layer.MARK_CUDA, {"flops": 1e12, "bandwidth": 1e12})
+    # a baseline timed at some rows only (Liger dropped where it disagrees) gets "—" in the others
+    rows = [r[:4] + ({**r[4], "liger": 1e-3} if r[1] == 1 else r[4],) + r[5:7]
+            + ({"moekit": 2e-5, "hf_grouped_mm": "capture fails: boom"} if r[1] == 8 else r[7],) for r in rows]
+    table = moe_layer.render(rows, 96, 2, 2, "cmd", "0 → 0", torch.device("cpu"), torch.float32, moe_layer.MARK_CUDA,
+                             {"flops": 1e12, "bandwidth": 1e12})
     lines = [ln for ln in table.splitlines() if ln.startswith("|")]
-    assert len({ln.count("|") for ln in lines}) == 1 and len(lines) == 2 + len(rows)
+    assert len({ln.count("|") for ln in lines}) == 1 and len(lines) == 2 + len(rows) and "Liger" in lines[0]
     row8 = next(ln for ln in lines if ln.startswith("| tiny | 8 "))
-    assert "capture fails: boom" in row8 and "(0.02 ms)" in row8 and row8.count(" — ") == 1
+    assert "capture fails: boom" in row8 and "(0.02 ms)" in row8 and row8.count(" — ") == 2
+    assert "(1 ms)" in next(ln for ln in lines if ln.startswith("| tiny | 1 "))
+
+
+def test_liger_baseline_computes_what_moekit_does():
+    """The GPU table's Liger column (bench/moe_layer.LigerExperts around Liger-Kernel's fused MoE), run here under
+    Triton's interpreter in float32: output and every gradient equal moekit's (check_equal, 1e-4), and a wrong
+    down projection is caught."""
+    pytest.importorskip("liger_kernel")
+    import moe_layer
+
+    from moekit.moe import triton_experts
+
+    if not triton_experts.available(torch.device("cpu")):
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+    E, k, H, I = 4, 2, 32, 64
+    x, ids, w, gate_up, down, grad = moe_layer.make_inputs(E, k, H, I, 9)
+    mods = {n: moe_layer.build(n, E, k, H, I, gate_up, down) for n in ("moekit", "liger")}
+    moe_layer.check_equal(mods, ["moekit", "liger"], x, ids, w, grad)
+    with torch.no_grad():
+        mods["liger"].down[1] *= 1.01
+    with pytest.raises(AssertionError):
+        moe_layer.check_equal(mods, ["moekit", "liger"], x, ids, w, grad)
 
 
 @pytest.mark.parametrize("shape", [(16, 24), (24, 16)])
