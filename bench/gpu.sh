@@ -25,7 +25,7 @@ timeout "$(cap 260)" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py 
 (cd bench && timeout "$(cap 180)" python3 moe_layer.py --tokens 16384 --repeats 15 --decode-repeats 100 --device cuda \
   --dtype bfloat16 --write ../BENCHMARKS.md --profile "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | tail -20) || rc=1
 (cd bench && timeout "$(cap 150)" python3 model_throughput.py --layers 30 --repeats 3 --batch 16 --seq 512 --new 32 \
-  --device cuda --dtype bfloat16 --only-every-layer --qwen3 --qwen3-layers 12 --out "$OUT/mt" \
+  --device cuda --dtype bfloat16 --only-every-layer --qwen3 --qwen3-layers 12 --out "$OUT/mt" --profile "$OUT" \
   --write ../BENCHMARKS.md 2>&1 | tee "$OUT/model_throughput.log" | tail -16) || rc=1
 (cd bench && timeout "$(cap 120)" python3 device_speed.py --work /tmp/device_speed --devices cpu cuda --repeats 1 --texts 32 \
   --write ../BENCHMARKS.md 2>&1 | tee "$OUT/device_speed.log" | tail -10) || rc=1

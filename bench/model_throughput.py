@@ -180,6 +180,24 @@ def timed(syss: dict, fn, repeats: int) -> dict:
 TASKS = ("train step", "prefill", "generate b=1", "generate b=8")
 
 
+def profile_generation(syss: dict, prompt: torch.Tensor, label: str, folder: Path) -> None:
+    """torch.profiler's table of one greedy generation (batch 1, 8 new tokens) per system, sorted by self CPU time:
+    where the per-token host time goes (on a GPU, generation is launch- and host-bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    for name, (m, impl) in syss.items():
+        generate(select(m, impl), prompt, 8)  # warm-up
+        sync()
+        with profile(activities=activities) as prof:
+            generate(m, prompt, 8)
+            sync()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "generate_profile.txt", "a") as f:
+            f.write(f"\n### {label}, {name}: generate b=1, 8 new tokens\n{table}\n")
+
+
 def measure(label: str, model, every: int | None, args, done: dict, save, fmt: str | None = None) -> None:
     """Time every task of TASKS not yet in `done` ({task: row}, rows of an earlier interrupted run), adding
     each row to it and calling save() as soon as it is measured."""
@@ -194,6 +212,8 @@ def measure(label: str, model, every: int | None, args, done: dict, save, fmt: s
     tasks = [("train step", args.batch * args.seq, lambda m: train_step(m, opt, batch)),
              ("prefill", args.batch * args.seq, lambda m: prefill(m, batch))]
     tasks += [(f"generate b={b}", b * args.new, lambda m, b=b: generate(m, prompts[b], args.new)) for b in (1, 8)]
+    if args.profile is not None:
+        profile_generation(syss, prompts[1], label, args.profile)
     for task, tokens, fn in tasks:
         if task not in done:
             t = timed(syss, fn, args.repeats)
@@ -261,6 +281,8 @@ def main():
     ap.add_argument("--qwen3-layers", type=int, default=24)
     ap.add_argument("--only-every-layer", action="store_true", help="skip the every-4th-layer SmolLM2 model")
     ap.add_argument("--report-only", action="store_true", help="render the table from --out's finished rows")
+    ap.add_argument("--profile", type=Path, help="write torch.profiler tables of a batch-1 generation to "
+                                                 "DIR/generate_profile.txt")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.batch, args.seq, args.new, args.repeats = 4, 2, 64, 8, 3

@@ -80,3 +80,16 @@ def test_device_speed_bench_upcycles_and_collects_on_each_device(tmp_path):
     assert "max |Δ| / max |w| 0.0e+00" in line and "same top-k ids 100.00 %" in line
     table = device_speed.render(runs, ["cpu", "cpu"], "cmd", "tiny", 1, [line])
     assert table.count("\n| upcycle | ") == 1 and table.count("\n| routes collect | ") == 1
+
+
+def test_model_throughput_profiles_a_generation_per_system(tmp_path):
+    """bench/model_throughput.py --profile: one torch.profiler table of a batch-1 generation per system."""
+    import model_throughput as mt
+
+    model = mt.moekit_model(2, None, None)
+    syss = mt.systems(model, None, None, ("grouped_mm",))
+    mt.profile_generation(syss, torch.randint(0, model.config.vocab_size, (1, 8)), "tiny", tmp_path)
+    text = (tmp_path / "generate_profile.txt").read_text()
+    assert [ln for ln in text.splitlines() if ln.startswith("###")] == [
+        "### tiny, moekit: generate b=1, 8 new tokens", "### tiny, mixtral grouped_mm: generate b=1, 8 new tokens"]
+    assert text.count("aten::") >= 10
