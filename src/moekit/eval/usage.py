@@ -51,9 +51,10 @@ def model_usage(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[
     return fractions(usage_counts(model, batches))
 
 
-def routing_stats(info, mask) -> dict[str, float]:
-    """Expert-usage entropy (nats) and max load fraction of one layer, padding excluded."""
+def routing_stats(info, mask) -> dict[str, Tensor]:
+    """Expert-usage entropy (nats) and max load fraction of one layer, padding excluded: 0-dim tensors on the
+    routing's device (read back only when logged, so a training step does not wait for them)."""
     counts = info.tokens_per_expert(mask).float()  # (E,)
     frac = counts / counts.sum().clamp_min(1)  # (E,)
     entropy = -(frac * frac.clamp_min(1e-12).log()).sum()
-    return {"usage_entropy": float(entropy), "max_load": float(frac.max())}
+    return {"usage_entropy": entropy, "max_load": frac.max()}

@@ -77,7 +77,8 @@ class MoE(TrainingMethod):
 
     def extra_loss(self, trainer, model: nn.Module, mask: torch.Tensor | None) -> torch.Tensor | None:
         """λ_lb·LB + λ_z·Z, each summed or averaged over the MoE layers (aux.layer_reduction), padding
-        excluded; logged per layer with usage entropy and max load fraction."""
+        excluded; logged per layer with usage entropy and max load fraction, as device tensors (no host sync in
+        the step: the Trainer's log reads them back, `moekit.training.trainer.means`)."""
         from moekit.moe.losses import load_balance, z_loss
         from moekit.eval.usage import routing_stats
 
@@ -90,12 +91,12 @@ class MoE(TrainingMethod):
             m = mask.reshape(-1) if mask is not None and mask.numel() == info.logits.shape[0] else None
             lbs.append(load_balance(info, m, aux.balance_variant))
             zs.append(z_loss(info, m))
-            for k, v in {"lb": lbs[-1].item(), "z": zs[-1].item(), **routing_stats(info, m)}.items():
-                logs[f"moe/{path}/{k}"].append(v)
+            for k, v in {"lb": lbs[-1], "z": zs[-1], **routing_stats(info, m)}.items():
+                logs[f"moe/{path}/{k}"].append(v.detach())
         reduce = torch.sum if aux.layer_reduction == "sum" else torch.mean
         lb, z = reduce(torch.stack(lbs)), reduce(torch.stack(zs))
-        logs["moe/lb"].append(lb.item())
-        logs["moe/z"].append(z.item())
+        logs["moe/lb"].append(lb.detach())
+        logs["moe/z"].append(z.detach())
         return aux.load_balance * lb + aux.z_loss * z
 
     def checkpoint_format(self) -> CheckpointFormat:
