@@ -47,3 +47,20 @@ def test_moe_extra_loss_reads_nothing_back_and_logs_what_it_adds():
     logged = means(trainer.aux_logs)
     assert abs(logged["moe/lb"] - lb.item()) < 1e-6 and abs(logged["moe/z"] - z.item()) < 1e-6
     assert all(isinstance(v, float) for v in logged.values()) and len(logged) == 2 + 4 * len(infos)
+
+
+def test_a_training_step_with_router_losses_reads_nothing_back():
+    """The whole step, as tests/test_gpu.py checks it on a GPU with torch's sync debug mode: forward (grouped
+    dispatch: the CPU's per-expert loop reads the counts on purpose), router losses and logs, backward. The model
+    gets no attention_mask: transformers' own mask preparation reads back with one (and with use_cache=False, to
+    look for packed sequences), once per forward and outside moekit; the router losses get the mask."""
+    model = upcycle(tiny_llama(), MoESpec(num_experts=4, top_k=2, every=1, shared_expert=True))
+    for _, layer in moe_layers(model):
+        layer.experts.dispatch = "grouped"
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    trainer = SimpleNamespace(aux=AuxConfig(), aux_logs=defaultdict(list))
+    with NoReadBack():
+        loss = model(input_ids=ids, labels=ids).loss  # no attention_mask: see the docstring
+        (loss + method("moe").extra_loss(trainer, model, torch.ones(2, 16))).backward()
+    assert all(p.grad is not None for _, layer in moe_layers(model) for p in layer.router.parameters())

@@ -111,6 +111,18 @@ def _layer(E, k, H, I, dtype, dispatch="auto"):
     return MoELayer(r, m).to(CUDA, dtype)
 
 
+def assert_no_host_sync(step) -> None:
+    """step() once to warm up (Triton's autotuning, the grouped_mm probe), then again under torch's sync debug
+    mode "error": any device-to-host read-back raises."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.parametrize("dispatch", ["auto", "grouped"])
 def test_a_training_step_of_the_layer_has_no_host_sync(dispatch):
     """Router, experts, load-balance and z-loss, forward and backward, under torch's sync debug mode "error"
@@ -128,13 +140,7 @@ def test_a_training_step_of_the_layer_has_no_host_sync(dispatch):
         loss = y.float().square().mean() + 0.01 * load_balance(info, mask) + 1e-3 * z_loss(info, mask)
         loss.backward()
 
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    assert_no_host_sync(step)
 
 
 @pytest.mark.parametrize("E, k, H, I, T", [(8, 2, 1024, 3072, 4096), (64, 8, 512, 384, 4096), (64, 8, 512, 384, 1),
@@ -218,6 +224,32 @@ def test_upcycle_on_cuda_equals_cpu(dense, tmp_path, run, method, exact):
         for k in a.keys():
             x, y = a.get(k), b.get(k)
             assert torch.equal(x, y) if exact else (x - y).abs().max() <= 1e-6 * max(x.abs().max(), 1), k
+
+
+def test_a_training_step_of_a_moekit_model_with_router_losses_has_no_host_sync():
+    """An upcycled model's forward, MoETrainer's router losses and logs (MoEMethod.extra_loss) and the backward,
+    under torch's sync debug mode "error" (the router logs read 4 scalars per layer back until 2026-11-28). The
+    model gets no attention_mask: transformers' own mask preparation syncs with one, once per forward, outside
+    moekit (tests/test_aux_logs.py shows it on the CPU); the router losses get the mask."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from moekit import MoESpec, upcycle
+    from moekit.methods import method
+    from moekit.training.recipe import AuxConfig
+
+    model = upcycle(tiny_llama(), MoESpec(num_experts=8, top_k=2, every=1, shared_expert=True)).to(CUDA)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), device=CUDA)
+    mask = torch.ones(2, 64, device=CUDA)
+    mask[1, 50:] = 0
+    trainer = SimpleNamespace(aux=AuxConfig(), aux_logs=defaultdict(list))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss  # no attention_mask: see the docstring
+        (loss + method("moe").extra_loss(trainer, model, mask)).backward()
+
+    assert_no_host_sync(step)
 
 
 def test_one_training_step_on_cuda(tmp_path, tiny_recipe_overrides):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moekit.moe.losses import load_balance, over_layers, z_loss
+from moekit.moe.losses import layer_stats, load_balance, over_layers, z_loss
 from moekit.moe.router import RoutingInfo
 
 LN3, LN9 = math.log(3.0), math.log(9.0)
@@ -142,3 +142,63 @@ def test_over_layers_sums_or_averages():
     assert over_layers(z_loss, [a]).item() == pytest.approx(z_loss(a).item())
     with pytest.raises(ValueError, match="forward"):
         over_layers(z_loss, [])
+
+
+def _random_infos(L, T, E, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    infos = []
+    for _ in range(L):
+        logits = torch.randn(T, E, generator=g).requires_grad_()
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        infos.append(RoutingInfo(logits=logits, topk_ids=ids, topk_weights=torch.ones(T, k)))
+    return infos
+
+
+@pytest.mark.parametrize("variant", ["topk", "argmax", "omni"])
+def test_layer_stats_equals_the_per_layer_losses_and_usage(variant):
+    """layer_stats computes same-shaped layers together; each layer's values (and gradients) are the per-layer
+    functions': a decoder's 3 layers of T = 10 tokens (masked) and an encoder's 2 layers of 7 frames with another E
+    (unmasked: the mask is over 10 tokens), interleaved, come back in layer order."""
+    dec, enc = _random_infos(3, 10, 5, 2, 0), _random_infos(2, 7, 6, 3, 1)
+    infos = [dec[0], enc[0], dec[1], dec[2], enc[1]]
+    mask = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 0, 0.0])
+    stats = layer_stats(infos, mask, variant)
+    for i, info in enumerate(infos):
+        m = mask if info.logits.shape[0] == 10 else None
+        torch.testing.assert_close(stats["lb"][i], load_balance(info, m, variant), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(stats["z"][i], z_loss(info, m), rtol=1e-6, atol=1e-7)
+        frac = info.tokens_per_expert(m).double() / info.tokens_per_expert(m).sum()
+        entropy = -(frac * frac.clamp_min(1e-12).log()).sum()
+        assert stats["usage_entropy"][i].item() == pytest.approx(entropy.item(), abs=1e-6)
+        assert stats["max_load"][i].item() == pytest.approx(frac.max().item(), abs=1e-7)
+    (stats["lb"].sum() + stats["z"].sum()).backward()
+    batched = [i.logits.grad.clone() for i in infos]
+    for info in infos:
+        info.logits.grad = None
+    sum(load_balance(i, mask if i.logits.shape[0] == 10 else None, variant)
+        + z_loss(i, mask if i.logits.shape[0] == 10 else None) for i in infos).backward()
+    for a, info in zip(batched, infos):
+        torch.testing.assert_close(a, info.logits.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_layer_stats_costs_the_same_device_ops_for_any_number_of_layers():
+    """What a training step pays for its router statistics does not grow with the MoE layers (it did: 56 aten ops
+    per layer in the forward): the same aten ops for 2 layers as for 12."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    counted = []
+    for L in (2, 12):
+        infos = _random_infos(L, 9, 4, 2, L)
+        with Ops() as ops:
+            layer_stats(infos, torch.ones(9))
+        counted.append(ops.ops)
+    assert counted[0] == counted[1] and len(counted[0]) < 80  # views and allocations included

@@ -316,3 +316,29 @@ def test_decode_layer_launches_a_third_of_what_transformers_block_does(monkeypat
                 block(x)
         counts.append(len(dev.ops))
     assert counts[0] == 7 and 3 * counts[0] <= counts[1], counts
+
+
+def test_a_counting_sort_that_does_not_fit_the_device_falls_back_to_argsort(monkeypatch):
+    """A block configuration whose kernel does not compile or fit (OutOfResources on some GPU) is tried once: the
+    experts sort with argsort instead and compute the same output; later calls do not launch it again."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    class TooBig:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                tried.append(grid)
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    m, x, ids, w = _random_experts(5, 2, 16, 32, 4, seed=7)
+    with torch.no_grad():
+        m.dispatch = "grouped"
+        want = m(x, ids, w)
+        monkeypatch.setattr(tx, "counting_sort_kernel", TooBig())
+        monkeypatch.setattr(tx, "_SORT_FAILED", set())
+        m.dispatch = "triton"
+        got = [m(x, ids, w) for _ in range(2)]
+    assert len(tried) == 1 and tx.sort_by_expert(ids, 5) is None
+    assert all(_rel(y, want) <= 1e-5 for y in got)

@@ -49,12 +49,3 @@ def model_usage(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> dict[
     """{MoE layer path: fraction of routed (token, slot) assignments per expert}, teacher-forced,
     over the non-padding tokens (attention_mask) of `batches`; {} for a dense model."""
     return fractions(usage_counts(model, batches))
-
-
-def routing_stats(info, mask) -> dict[str, Tensor]:
-    """Expert-usage entropy (nats) and max load fraction of one layer, padding excluded: 0-dim tensors on the
-    routing's device (read back only when logged, so a training step does not wait for them)."""
-    counts = info.tokens_per_expert(mask).float()  # (E,)
-    frac = counts / counts.sum().clamp_min(1)  # (E,)
-    entropy = -(frac * frac.clamp_min(1e-12).log()).sum()
-    return {"usage_entropy": entropy, "max_load": frac.max()}

@@ -78,23 +78,19 @@ class MoE(TrainingMethod):
     def extra_loss(self, trainer, model: nn.Module, mask: torch.Tensor | None) -> torch.Tensor | None:
         """λ_lb·LB + λ_z·Z, each summed or averaged over the MoE layers (aux.layer_reduction), padding
         excluded; logged per layer with usage entropy and max load fraction, as device tensors (no host sync in
-        the step: the Trainer's log reads them back, `moekit.training.trainer.means`)."""
-        from moekit.moe.losses import load_balance, z_loss
-        from moekit.eval.usage import routing_stats
+        the step: the Trainer's log reads them back, `moekit.training.trainer.means`). All layers' statistics come
+        from one `layer_stats` call: a fixed number of device ops per step, not a number per layer."""
+        from moekit.moe.losses import layer_stats
 
         layers, aux, logs = moe_layers(model), trainer.aux, trainer.aux_logs
         if not layers:
             return None
-        lbs, zs = [], []
-        for path, moe in layers:
-            info = moe.last_routing
-            m = mask.reshape(-1) if mask is not None and mask.numel() == info.logits.shape[0] else None
-            lbs.append(load_balance(info, m, aux.balance_variant))
-            zs.append(z_loss(info, m))
-            for k, v in {"lb": lbs[-1], "z": zs[-1], **routing_stats(info, m)}.items():
-                logs[f"moe/{path}/{k}"].append(v.detach())
+        stats = layer_stats([moe.last_routing for _, moe in layers], mask, aux.balance_variant)  # each (L,)
+        for i, (path, _) in enumerate(layers):
+            for k, v in stats.items():
+                logs[f"moe/{path}/{k}"].append(v[i].detach())
         reduce = torch.sum if aux.layer_reduction == "sum" else torch.mean
-        lb, z = reduce(torch.stack(lbs)), reduce(torch.stack(zs))
+        lb, z = reduce(stats["lb"]), reduce(stats["z"])
         logs["moe/lb"].append(lb.detach())
         logs["moe/z"].append(z.detach())
         return aux.load_balance * lb + aux.z_loss * z

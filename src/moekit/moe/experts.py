@@ -340,13 +340,14 @@ class Experts(nn.Module):
     def _sort(self, x: Tensor, ids: Tensor, weights: Tensor, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         """order (S,) the slots by expert, counts (E,), the routing weights in that order (S, 1) in x's dtype.
         Where moekit's Triton kernels run (a GPU), the sort is their counting sort, which also gathers the
-        weights when no gradient is recorded: at decode sizes one kernel launch for the whole routing metadata."""
+        weights when no gradient is recorded: at decode sizes one kernel launch for the whole routing metadata.
+        Where it cannot compile, a stable argsort (moekit.moe.permute) gives the same order."""
+        counted = None
         if triton_experts.available(x.device) and (x.device.type == "cuda" or self.dispatch == "triton"):
-            order, counts, w = triton_experts.sort_by_expert(ids, self.num_experts, None if grad else weights, x.dtype)
-            if not grad:
-                return order, counts, w
-        else:
-            order, counts = sort_by_expert(ids, self.num_experts)
+            counted = triton_experts.sort_by_expert(ids, self.num_experts, None if grad else weights, x.dtype)
+        if counted is not None and not grad:
+            return counted
+        order, counts = counted[:2] if counted is not None else sort_by_expert(ids, self.num_experts)
         return order, counts, weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)  # (S, 1), with its gradient
 
     def _loop_trainable(self) -> bool:

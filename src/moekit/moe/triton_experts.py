@@ -34,6 +34,13 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.compiler import errors as _compile_errors
+    from triton.runtime import errors as _runtime_errors
+
+    # a kernel that does not compile or does not fit the device at some configuration
+    KERNEL_ERRORS = tuple(getattr(m, n) for m, n in ((_compile_errors, "CompilationError"),
+                                                     (_runtime_errors, "OutOfResources"),
+                                                     (_runtime_errors, "PTXASError")) if hasattr(m, n))
 except ImportError:  # the CPU wheel of torch comes without triton: moekit's other paths run
     triton = None
 
@@ -241,14 +248,17 @@ if triton is not None:  # module level: a jitted kernel calls another through th
 
 
 
-# one-hot elements (slots x experts) of one counting-sort block: 64 experts sort 256 slots per block, 8 experts 2048
-SORT_TILE = 16384
+# one-hot elements (slots x experts) of one counting-sort block: 64 experts sort 64 slots per block, 8 experts 512
+SORT_TILE = 4096
+_SORT_FAILED: set[tuple] = set()  # (device, BS, BE) where the counting sort did not compile or fit
 
 
 def sort_by_expert(ids: Tensor, num_experts: int, weights: Tensor | None = None,
-                   dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                   dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
     """topk ids (T, k) -> order (S,) int64 the slots sorted by expert (stable: what permute.sort_by_expert's
-    argsort gives), counts (E,) int32 and, with `weights` (T, k), weights[order] (S, 1) in `dtype`.
+    argsort gives), counts (E,) int32 and, with `weights` (T, k), weights[order] (S, 1) in `dtype`; or None
+    where the kernels do not compile or fit the device at this block configuration (the caller sorts otherwise;
+    tried once per device and configuration).
 
     A counting sort (histogram, prefix sum, scatter) instead of a radix sort: one kernel when the S = T·k slots
     fit one block (decode sizes: T·k ≤ SORT_TILE / E), else a per-block histogram, its running sum over
@@ -259,19 +269,26 @@ def sort_by_expert(ids: Tensor, num_experts: int, weights: Tensor | None = None,
     BE = _pow2(E)
     BS = max(16, min(_pow2(S), SORT_TILE // BE))
     NB = triton.cdiv(S, BS)
+    config = (flat.device, BS, BE)
+    if config in _SORT_FAILED:
+        return None
     order = torch.empty(S, dtype=torch.int64, device=flat.device)
     counts = torch.empty(E, dtype=torch.int32, device=flat.device)
     w_sorted = None if weights is None else weights.new_empty(S, 1, dtype=dtype or weights.dtype)
     if S == 0:
         return order, counts.zero_(), w_sorted
     prefix = counts
-    if NB > 1:
-        hist = torch.empty(NB, E, dtype=torch.int32, device=flat.device)
-        expert_hist_kernel[(NB,)](flat, hist, S, E, BS=BS, BE=BE)
-        prefix = torch.cumsum(hist, 0, dtype=torch.int32)  # (NB, E)
-    w = flat if weights is None else weights.reshape(-1)
-    counting_sort_kernel[(NB,)](flat, prefix, w, order, order if w_sorted is None else w_sorted, counts, S, E, NB,
-                                HAS_W=weights is not None, BS=BS, BE=BE)
+    try:
+        if NB > 1:
+            hist = torch.empty(NB, E, dtype=torch.int32, device=flat.device)
+            expert_hist_kernel[(NB,)](flat, hist, S, E, BS=BS, BE=BE)
+            prefix = torch.cumsum(hist, 0, dtype=torch.int32)  # (NB, E)
+        w = flat if weights is None else weights.reshape(-1)
+        counting_sort_kernel[(NB,)](flat, prefix, w, order, order if w_sorted is None else w_sorted, counts, S, E,
+                                    NB, HAS_W=weights is not None, BS=BS, BE=BE)
+    except KERNEL_ERRORS:
+        _SORT_FAILED.add(config)
+        return None
     return order, counts, w_sorted
 
 
