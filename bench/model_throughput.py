@@ -11,7 +11,9 @@ assign=True), so one AdamW and one copy of the weights serve every system: memor
 all systems see the same weights. Their logits are checked equal to moekit's before timing.
 
 Measured, interleaved across systems, median of --repeats after one warm-up each: a training step (forward,
-LM loss, backward, AdamW step) on --batch × --seq tokens; prefill (no-grad forward with cache) on the same
+LM loss, backward, AdamW step) on --batch × --seq tokens, and the same with the router losses each side trains
+with (moekit: MoETrainer's, load balance + z-loss with per-layer logs; native: output_router_logits=True, its
+load_balancing_loss_func); prefill (no-grad forward with cache) on the same
 tokens; greedy generation of --new tokens after a 32-token prompt at batch 1 and 8 (prompt included).
 Every cell says how noisy it was ((p75 − p25) / median). Each finished row is kept in --out, one file per
 configuration, so an interrupted run (the full table took 32 minutes on 2 idle cores) resumes where it stopped.
@@ -31,8 +33,10 @@ import json
 import platform
 import re
 import time
+from collections import defaultdict
 from datetime import date
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import transformers
@@ -43,6 +47,9 @@ from moekit._fs import write_text_atomic
 from moekit.checkpoint.export.base import EXPORTERS
 from moekit.moe.spec import MoESpec
 from moekit.checkpoint.upcycle_model import upcycle
+from moekit.methods import method
+from moekit.moe.layer import moe_layers
+from moekit.training.recipe import AuxConfig
 from report import spread, write_section  # bench/report.py
 
 MARK = ("<!-- model_throughput -->", "<!-- /model_throughput -->")
@@ -142,6 +149,21 @@ def train_step(m, opt, ids):
     opt.zero_grad(set_to_none=True)
 
 
+def train_step_aux(m, opt, ids, trainer):
+    """train_step with the router losses each side trains with: moekit's MoETrainer losses and logs (λ_lb·LB + λ_z·Z,
+    per-layer LB, z, usage entropy and max load; MoEMethod.extra_loss); the native class's own
+    (output_router_logits=True: its load_balancing_loss_func, weighted by router_aux_loss_coef)."""
+    m.train()
+    if moe_layers(m):
+        loss = m(ids, labels=ids).loss + method("moe").extra_loss(trainer, m, None)
+        trainer.aux_logs.clear()  # MoETrainer reads them back at each log (every logging_steps): not timed here
+    else:
+        loss = m(ids, labels=ids, output_router_logits=True).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def prefill(m, ids):
     m.eval()
     with torch.no_grad():
@@ -178,6 +200,7 @@ def timed(syss: dict, fn, repeats: int) -> dict:
 
 
 TASKS = ("train step", "prefill", "generate b=1", "generate b=8")
+AUX_TASK = "train step + router losses"  # measured since 2026-11-28: rows of earlier runs have none
 
 
 def profile_generation(syss: dict, prompt: torch.Tensor, label: str, folder: Path) -> None:
@@ -209,7 +232,9 @@ def measure(label: str, model, every: int | None, args, done: dict, save, fmt: s
     prompts = {b: torch.randint(0, model.config.vocab_size, (b, PROMPT), generator=g).to(device) for b in (1, 8)}
     check_equal(syss, batch[:2, :32], 1e-4 if args.dtype == "float32" else 2e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    trainer = SimpleNamespace(aux=AuxConfig(), aux_logs=defaultdict(list))
     tasks = [("train step", args.batch * args.seq, lambda m: train_step(m, opt, batch)),
+             (AUX_TASK, args.batch * args.seq, lambda m: train_step_aux(m, opt, batch, trainer)),
              ("prefill", args.batch * args.seq, lambda m: prefill(m, batch))]
     tasks += [(f"generate b={b}", b * args.new, lambda m, b=b: generate(m, prompts[b], args.new)) for b in (1, 8)]
     if args.profile is not None:
@@ -247,7 +272,9 @@ def render_cuda(rows: list[tuple], args, cmd: str, env: dict) -> str:
            f"one warm-up, each synchronized (noise = (p75 − p25) / median). Train step and prefill: {args.batch} × "
            f"{args.seq} tokens; generate: greedy, {PROMPT}-token prompt + {args.new} new tokens. native = "
            "transformers' own class with `grouped_mm` experts holding the same Parameters; ratio = moekit's "
-           "tokens/s / native's; logits checked against moekit's before timing (relative norm ≤ 2e-2 in bf16).", "",
+           "tokens/s / native's; logits checked against moekit's before timing (relative norm ≤ 2e-2 in bf16). "
+           f"\"{AUX_TASK}\": moekit with MoETrainer's load balance + z-loss and per-layer logs, native with "
+           "output_router_logits=True (its load_balancing_loss_func).", "",
            "| model (native class) | task | moekit | native grouped_mm | ratio | peak memory moekit / native |",
            "|---|---|---|---|---|---|"]
     for label, task, res in rows:
@@ -314,7 +341,7 @@ def main():
             model = (qwen3_moe_model(args.qwen3_layers) if fmt else moekit_model(args.layers, every, args.dense))
             measure(label, model, every, args, rows_of, save, fmt)
             del model
-        rows += [rows_of[t] for t in TASKS]
+        rows += [rows_of[t] for t in (TASKS[0], AUX_TASK, *TASKS[1:]) if t in rows_of]
     gpu = args.device != "cpu"
     cmd = (f"{'python' if gpu else '.venv/bin/python'} bench/model_throughput.py"
            + (" --quick" if args.quick else f" --layers {args.layers} --repeats {args.repeats}")

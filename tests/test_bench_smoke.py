@@ -93,3 +93,32 @@ def test_model_throughput_profiles_a_generation_per_system(tmp_path):
     assert [ln for ln in text.splitlines() if ln.startswith("###")] == [
         "### tiny, moekit: generate b=1, 8 new tokens", "### tiny, mixtral grouped_mm: generate b=1, 8 new tokens"]
     assert text.count("aten::") >= 10
+
+
+def test_model_throughput_trains_with_each_sides_router_losses():
+    """The "train step + router losses" task: moekit adds MoETrainer's losses (and logs them, per layer), the native
+    class its own load_balancing_loss_func; each step changes the shared weights."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    import model_throughput as mt
+
+    model = mt.moekit_model(2, None, None)
+    syss = mt.systems(model, None, None, ("grouped_mm",))
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    logged = []
+
+    class Logs(defaultdict):
+        def clear(self):
+            logged.append(sorted(self))
+            super().clear()
+
+    trainer = SimpleNamespace(aux=mt.AuxConfig(), aux_logs=Logs(list))
+    router = next(p for n, p in model.named_parameters() if "router" in n)
+    for name, (m, impl) in syss.items():
+        before = router.detach().clone()
+        mt.train_step_aux(mt.select(m, impl), opt, ids, trainer)
+        assert not torch.equal(before, router), name
+    assert logged == [sorted(["moe/lb", "moe/z", *(f"moe/model.layers.{i}.mlp/{k}" for i in (0, 1)
+                                                   for k in ("lb", "z", "usage_entropy", "max_load"))])]
