@@ -37,7 +37,7 @@ import transformers
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from moekit.moe.losses import load_balance, z_loss
+from moekit.moe.losses import layer_stats
 from moekit.moe.experts import Experts
 from moekit.moe.router import Router
 from report import device_name, spread, write_section  # bench/report.py
@@ -76,7 +76,8 @@ class Dense(torch.nn.Module):
 
 
 class RouterAux(Router):
-    """moekit's router with the training losses: what the MoE layer spends besides its experts."""
+    """moekit's router with the training losses (as MoETrainer computes them, usage statistics included): what the
+    MoE layer spends besides its experts."""
 
     def __init__(self, E, k, H):
         super().__init__(H, E, k, "topk_softmax")
@@ -86,7 +87,8 @@ class RouterAux(Router):
         info = super().forward(x)
         if not torch.is_grad_enabled():
             return info.topk_weights
-        aux = load_balance(info) + z_loss(info)
+        stats = layer_stats([info])  # what MoETrainer computes: LB, z-loss and the usage statistics it logs
+        aux = stats["lb"][0] + stats["z"][0]
         return x[:, :1] * info.topk_weights.sum(-1, keepdim=True) + aux  # (T, 1): every output gets a gradient
 
 
