@@ -18,9 +18,12 @@ relative to the largest |weight| ≤ 1e-2: the SVD runs in another order on the 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import subprocess
 import sys
+import time
 from datetime import date
 from pathlib import Path
 
@@ -29,8 +32,25 @@ from upcycle_scale import SHAPES, SPRI, make_dense, timed
 
 MARK = ("<!-- device_speed -->", "<!-- /device_speed -->")
 MOEKIT = [sys.executable, "-m", "moekit"]
+TIME = Path("/usr/bin/time")  # GNU time, for the peak RSS; a bare GPU image may not have it
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=512, num_attention_heads=4,
             num_key_value_heads=2)
+
+
+def tag(device: str) -> str:
+    return device.replace(":", "")
+
+
+def run(cmd: list) -> dict:
+    """upcycle_scale.timed (wall, peak RSS under /usr/bin/time -v), or the wall alone (rss None) on a machine
+    without /usr/bin/time (a bare GPU image)."""
+    if TIME.exists():
+        return timed(cmd)
+    t0 = time.perf_counter()
+    res = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{res.stderr[-3000:]}")
+    return {"wall": time.perf_counter() - t0, "rss": None}
 
 
 def texts(path: Path, n: int, length: int, seed: int = 0) -> Path:
@@ -53,17 +73,17 @@ def run_all(work: Path, shape: dict, devices: list[str], repeats: int, n_texts: 
     runs: dict = {}
     for r in range(repeats):
         for device in devices[r % len(devices):] + devices[:r % len(devices)]:
-            out = work / f"moe-{device.replace(':', '')}"
+            out = work / f"moe-{tag(device)}"
             cmd = [*MOEKIT, "upcycle", "--model", dense, "--out", out, *SPRI, "--device", device, "--overwrite"]
-            runs.setdefault(("upcycle", device), []).append(timed(cmd))
-    moe = work / f"moe-{devices[0].replace(':', '')}"
+            runs.setdefault(("upcycle", device), []).append(run(cmd))
+    moe = work / f"moe-{tag(devices[0])}"
     for r in range(repeats):
         for device in devices[r % len(devices):] + devices[:r % len(devices)]:
-            trace = work / f"trace-{device.replace(':', '')}.npz"
+            trace = work / f"trace-{tag(device)}.npz"
             cmd = [*MOEKIT, "routes", "collect", "--model", moe, "--texts", f"en={corpus}", "--out", trace,
                    "--stream", "on", "--dtype", "bfloat16", "--device", device, "--overwrite",
                    "--max-length", str(length)]
-            runs.setdefault(("routes collect", device), []).append(timed(cmd))
+            runs.setdefault(("routes collect", device), []).append(run(cmd))
     return runs
 
 
@@ -76,12 +96,12 @@ def checks(work: Path, devices: list[str]) -> list[str]:
 
     def tensors(device):
         out = {}
-        for f in sorted((work / f"moe-{device.replace(':', '')}").glob("*.safetensors")):
+        for f in sorted((work / f"moe-{tag(device)}").glob("*.safetensors")):
             out.update(load_file(f))
         return out
 
     def trace(device):
-        return RoutingTrace.load(work / f"trace-{device.replace(':', '')}.npz")
+        return RoutingTrace.load(work / f"trace-{tag(device)}.npz")
 
     ref, ref_trace, lines = tensors(devices[0]), trace(devices[0]), []
     for device in devices[1:]:
@@ -111,10 +131,10 @@ def render(runs: dict, devices: list[str], cmd: str, shape_name: str, repeats: i
            "|---" * (2 * len(devices) + 2) + "|"]
     for step in ("upcycle", "routes collect"):
         wall = {d: statistics.median(r["wall"] for r in runs[(step, d)]) for d in devices}
-        rss = {d: statistics.median(r["rss"] for r in runs[(step, d)]) / 1e9 for d in devices}
+        rss = {d: [r["rss"] for r in runs[(step, d)] if r["rss"] is not None] for d in devices}
         out.append(f"| {step} | " + " | ".join(f"{wall[d]:.1f}" for d in devices)
-                   + f" | {wall[devices[-1]] / wall[devices[0]]:.2f}× | " + " | ".join(f"{rss[d]:.2f}" for d in devices)
-                   + " |")
+                   + f" | {wall[devices[-1]] / wall[devices[0]]:.2f}× | "
+                   + " | ".join(f"{statistics.median(rss[d]) / 1e9:.2f}" if rss[d] else "—" for d in devices) + " |")
     return "\n".join(out + ["", *notes, MARK[1]])
 
 

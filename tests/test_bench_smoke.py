@@ -69,7 +69,7 @@ def test_routing_capture_bench_times_plain_and_captured():
     assert plain > 0 and captured > 0 and n_plain >= 0 and n_captured >= 0
 
 
-def test_device_speed_bench_upcycles_and_collects_on_each_device(tmp_path):
+def test_device_speed_bench_upcycles_and_collects_on_each_device(tmp_path, monkeypatch):
     """bench/device_speed.py on a tiny model with the CPU as both devices: the same checkpoint and trace, so its
     checks pass and say so exactly; the table has a row per step."""
     import device_speed
@@ -80,6 +80,13 @@ def test_device_speed_bench_upcycles_and_collects_on_each_device(tmp_path):
     assert "max |Δ| / max |w| 0.0e+00" in line and "same top-k ids 100.00 %" in line
     table = device_speed.render(runs, ["cpu", "cpu"], "cmd", "tiny", 1, [line])
     assert table.count("\n| upcycle | ") == 1 and table.count("\n| routes collect | ") == 1
+    monkeypatch.setattr(device_speed, "TIME", tmp_path / "no-such-time")  # a machine without GNU time: no RSS
+    bare = device_speed.run([sys.executable, "-c", "pass"])
+    assert bare["rss"] is None and bare["wall"] > 0
+    runs = {key: [{**r[0], "rss": None}] for key, r in runs.items()}
+    row = next(ln for ln in device_speed.render(runs, ["cpu"], "cmd", "tiny", 1, []).splitlines()
+               if ln.startswith("| upcycle |"))
+    assert row.endswith("| 1.00× | — |")
 
 
 def test_model_throughput_profiles_a_generation_per_system(tmp_path):

@@ -246,8 +246,6 @@ if triton is not None:  # module level: a jitted kernel calls another through th
             tl.store(counts + eidx, total, mask=emask)
 
 
-
-
 # one-hot elements (slots x experts) of one counting-sort block: 64 experts sort 64 slots per block, 8 experts 512
 SORT_TILE = 4096
 _SORT_FAILED: set[tuple] = set()  # (device, BS, BE) where the counting sort did not compile or fit

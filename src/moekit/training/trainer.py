@@ -48,9 +48,9 @@ def checkpoint_errors(folder):
 
 def means(logs: dict[str, list[float | torch.Tensor]]) -> dict[str, float]:
     """The mean of each logged series, the series emptied (the router logs since the last training log). Series of
-    0-dim tensors (what a training step logs without waiting for the device) are averaged where they are and read
-    back together, one transfer per training log."""
-    tensors = {k: torch.stack([t.detach().double() for t in v]).mean() for k, v in logs.items()
+    0-dim tensors (what a training step logs without waiting for the device) are averaged where they are (float32:
+    MPS has no float64) and read back together, one transfer per training log."""
+    tensors = {k: torch.stack([t.detach().float() for t in v]).mean() for k, v in logs.items()
                if v and all(isinstance(t, torch.Tensor) for t in v)}
     device = next(iter(tensors.values())).device if tensors else None
     read = dict(zip(tensors, torch.stack([t.to(device) for t in tensors.values()]).tolist())) if tensors else {}
