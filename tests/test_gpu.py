@@ -177,6 +177,20 @@ def test_counting_sort_on_cuda_equals_stable_argsort(E, k, T):
     assert torch.equal(ws, w.reshape(-1)[order].unsqueeze(-1).bfloat16())
 
 
+@pytest.mark.parametrize("E, k, H, I, T", [(64, 8, 512, 384, 1), (64, 8, 512, 384, 8), (8, 2, 1024, 3072, 1),
+                                           (8, 2, 1024, 3072, 4), (60, 4, 256, 96, 15)])
+def test_decode_kernels_in_bf16_equal_the_float32_grouped_path(E, k, H, I, T):
+    """The decode path (T·k ≤ E, no autograd) at real shapes in bf16 against the float32 grouped path."""
+    ref, fast = _layer(E, k, H, I, torch.float32, "grouped").experts, _layer(E, k, H, I, torch.bfloat16).experts
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(CUDA)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(CUDA)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(CUDA)
+    with torch.no_grad():
+        want, got = ref(x, ids, w), fast(x.bfloat16(), ids, w.bfloat16()).float()
+    assert ((got - want).norm() / want.norm()).item() <= 1e-2
+
+
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_decode_forward_of_the_layer_replays_as_a_cuda_graph(T):
     """Router, counting sort and fused experts have no host sync and no routing-dependent allocation: the layer's

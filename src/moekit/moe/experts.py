@@ -9,7 +9,8 @@ paths (`Experts.dispatch`):
 
 - "triton": moekit's Triton kernels (moekit.moe.triton_experts), the default on CUDA for gated SiLU experts
   without biases: the token gather, gate_up GEMM, SwiGLU and routing weight fused in one kernel, the down GEMM
-  writing rows back to their slots, grouped_mm in the backward (measured on an H200: BENCHMARKS.md).
+  writing rows back to their slots, grouped_mm in the backward (measured on an H200: BENCHMARKS.md). Without
+  autograd and with at most E slots (decoding), two matrix-vector kernels instead, with no sort at all.
 
 - "grouped": one grouped matmul per projection (`torch.nn.functional.grouped_mm`), so the backward
   writes every expert's weight gradient into one tensor instead of materializing a full-size zero
@@ -325,8 +326,11 @@ class Experts(nn.Module):
         k = topk_ids.shape[1]
         grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad
                                             or any(p.requires_grad for p in self.parameters()))
+        triton = self._use_triton(x)
+        if triton and not grad and triton_experts.decodes(topk_ids.numel(), self.num_experts):
+            return triton_experts.decode_experts(x, topk_ids, topk_weights, self.first, self.down)
         order, counts, weight = self._sort(x, topk_ids, topk_weights, grad)  # (S,) slots by expert, S = T*k; (E,)
-        if self._use_triton(x):
+        if triton:
             return triton_experts.triton_experts(x, weight, self.first, self.down, order, counts, k)
         if self._use_loop(x, counts, grad):
             offs = [0, *itertools.accumulate(counts.tolist())]  # (E+1,)
@@ -340,7 +344,7 @@ class Experts(nn.Module):
     def _sort(self, x: Tensor, ids: Tensor, weights: Tensor, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         """order (S,) the slots by expert, counts (E,), the routing weights in that order (S, 1) in x's dtype.
         Where moekit's Triton kernels run (a GPU), the sort is their counting sort, which also gathers the
-        weights when no gradient is recorded: at decode sizes one kernel launch for the whole routing metadata.
+        weights when no gradient is recorded: one kernel launch for the whole routing metadata of a few tokens.
         Where it cannot compile, a stable argsort (moekit.moe.permute) gives the same order."""
         counted = None
         if triton_experts.available(x.device) and (x.device.type == "cuda" or self.dispatch == "triton"):

@@ -1,11 +1,15 @@
 """moekit's Triton kernels for gated-SiLU experts (the GPU path of `Experts`; optional: needs `triton`).
 
-Three levels, all deterministic (no atomics) and free of host syncs:
+Four levels, all deterministic (no atomics) and free of host syncs:
+
+- `decode_experts`: for few tokens without autograd (T·k ≤ E), two matrix-vector kernels that read only the chosen
+  experts' rows: no sort, no padding, no routing metadata (the decode path of issue 38).
 
 - `sort_by_expert`: the routing metadata (slots in expert order, per-expert counts, the routing weights in that
-  order) by a counting sort; at decode sizes one kernel launch, so a decode forward of `Experts` is four launches
-  (sort, gate_up, down, k-sum) and no other device op (tests/test_triton_experts.py counts them). No shape or
-  allocation depends on the routing: the layer can be captured in a CUDA graph (tests/test_gpu.py).
+  order) by a counting sort; one kernel launch for a few tokens, so a no-grad forward of a few tokens beyond E
+  slots is four launches (sort, gate_up, down, k-sum) and no other device op (tests/test_triton_experts.py counts
+  them). No shape or allocation depends on the routing: the layer can be captured in a CUDA graph
+  (tests/test_gpu.py).
 
 - `swiglu` / `combine`: the element-wise parts around transformers-style `grouped_mm` GEMMs. `swiglu` is
   silu(g) ⊙ u ⊙ w in one pass over h = [g | u] (S, 2I), its backward recomputes the activation from the
@@ -246,6 +250,49 @@ if triton is not None:  # module level: a jitted kernel calls another through th
             tl.store(counts + eidx, total, mask=emask)
 
 
+    @triton.jit
+    def decode_gate_up_kernel(x, W, ids, w, a, I, K, k, s_x, s_we, s_wn, s_a, BN: tl.constexpr, BK: tl.constexpr):
+        """a[s] = silu(x[t] W_e,gᵀ) ⊙ (x[t] W_e,uᵀ) · w[s] for one slot s = t·k + j (e = ids[s]) and BN columns: a
+        matrix-vector product reading only expert e's rows, in float32."""
+        s = tl.program_id(0)
+        e = tl.load(ids + s).to(tl.int64)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < I
+        acc_g = tl.zeros((BN,), dtype=tl.float32)
+        acc_u = tl.zeros((BN,), dtype=tl.float32)
+        wbase = W + e * s_we
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < K
+            xv = tl.load(x + (s // k) * s_x + ks, mask=kmask, other=0.0).to(tl.float32)  # (BK,)
+            m = cmask[:, None] & kmask[None, :]
+            wg = tl.load(wbase + cols[:, None] * s_wn + ks[None, :], mask=m, other=0.0).to(tl.float32)  # (BN, BK)
+            wu = tl.load(wbase + (I + cols)[:, None] * s_wn + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * xv[None, :], axis=1)
+            acc_u += tl.sum(wu * xv[None, :], axis=1)
+        out = acc_g * tl.sigmoid(acc_g) * acc_u * tl.load(w + s).to(tl.float32)
+        tl.store(a + s * s_a + cols, out.to(a.dtype.element_ty), mask=cmask)
+
+    @triton.jit
+    def decode_down_kernel(a, W, ids, y, N, K, k, s_a, s_we, s_wn, s_y, BN: tl.constexpr, BK: tl.constexpr):
+        """y[t] = Σ_j a[t·k + j] W_eᵀ (e = ids[t·k + j]) for BN columns, the k slots summed in float32."""
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < N
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j in range(0, k):
+            s = t * k + j
+            wbase = W + tl.load(ids + s).to(tl.int64) * s_we
+            for k0 in range(0, K, BK):
+                ks = k0 + tl.arange(0, BK)
+                kmask = ks < K
+                av = tl.load(a + s * s_a + ks, mask=kmask, other=0.0).to(tl.float32)  # (BK,)
+                wd = tl.load(wbase + cols[:, None] * s_wn + ks[None, :], mask=cmask[:, None] & kmask[None, :],
+                             other=0.0).to(tl.float32)  # (BN, BK)
+                acc += tl.sum(wd * av[None, :], axis=1)
+        tl.store(y + t * s_y + cols, acc.to(y.dtype.element_ty), mask=cmask)
+
+
 # one-hot elements (slots x experts) of one counting-sort block: 64 experts sort 64 slots per block, 8 experts 512
 SORT_TILE = 4096
 _SORT_FAILED: set[tuple] = set()  # (device, BS, BE) where the counting sort did not compile or fit
@@ -288,6 +335,28 @@ def sort_by_expert(ids: Tensor, num_experts: int, weights: Tensor | None = None,
         _SORT_FAILED.add(config)
         return None
     return order, counts, w_sorted
+
+
+def decodes(slots: int, num_experts: int) -> bool:
+    """Whether `decode_experts` serves T·k = `slots` slots: when they are at most E, so each hit expert's weights are
+    read about once (≤ 1.6 times on average for uniform routing) and no sort pays off. Not yet timed on a GPU."""
+    return 0 < slots <= num_experts
+
+
+def decode_experts(x: Tensor, ids: Tensor, w: Tensor, first: Tensor, down: Tensor) -> Tensor:
+    """Gated-SiLU experts for few tokens without autograd, with no sort, no padding and no routing metadata: one
+    matrix-vector kernel per projection reading only the chosen experts' rows (each slot its expert's gate_up,
+    each token its k experts' down, summed in float32). Two kernel launches in all. x (T, H), ids (T, k) expert
+    ids, w (T, k) routing weights, first (E, 2I, H), down (E, H, I) -> (T, H)."""
+    (T, k), (E, H, I) = ids.shape, down.shape
+    x, flat, wf = x.contiguous(), ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
+    a, y = x.new_empty(T * k, I), x.new_empty(T, H)
+    bn, bk = (16, 16) if interpreting() else (32, 128)
+    decode_gate_up_kernel[(T * k, triton.cdiv(I, bn))](x, first, flat, wf, a, I, H, k, x.stride(0), first.stride(0),
+                                                        first.stride(1), a.stride(0), BN=bn, BK=bk)
+    decode_down_kernel[(T, triton.cdiv(H, bn))](a, down, flat, y, H, I, k, a.stride(0), down.stride(0),
+                                                 down.stride(1), y.stride(0), BN=bn, BK=bk)
+    return y
 
 
 def _rows_grid(S: int, E: int, n: int):
