@@ -17,7 +17,7 @@ from moekit.training.trainer import means
 
 
 class NoReadBack(torch.utils._python_dispatch.TorchDispatchMode):
-    """Fails on any op that copies a tensor's value to the host (.item(), float(), bool(), .tolist() of a scalar)."""
+    """Fails on any op that copies a tensor's value to the host (.item(), float(), bool() of a tensor)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "equal"):

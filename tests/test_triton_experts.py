@@ -202,7 +202,7 @@ def test_grouped_mm_probe_answers_the_same_in_every_autograd_mode(mode):
     (1, 1, 3, None),       # one slot
     (8, 8, 64, None),      # decode: one block, one kernel
     (37, 3, 5, 64),        # several blocks (E not a power of two): histogram, running sum, scatter
-    (50, 2, 8, 16),        # one block per 2 slots' worth of tile: many blocks
+    (50, 2, 8, 16),        # 16-slot blocks: 7 of them
     (0, 2, 4, None),       # no tokens
 ])
 def test_counting_sort_equals_stable_argsort(T, k, E, tile, monkeypatch):
