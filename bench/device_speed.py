@@ -18,12 +18,9 @@ relative to the largest |weight| ≤ 1e-2: the SVD runs in another order on the 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
-import subprocess
 import sys
-import time
 from datetime import date
 from pathlib import Path
 
@@ -32,25 +29,12 @@ from upcycle_scale import SHAPES, SPRI, make_dense, timed
 
 MARK = ("<!-- device_speed -->", "<!-- /device_speed -->")
 MOEKIT = [sys.executable, "-m", "moekit"]
-TIME = Path("/usr/bin/time")  # GNU time, for the peak RSS; a bare GPU image may not have it
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=512, num_attention_heads=4,
             num_key_value_heads=2)
 
 
 def tag(device: str) -> str:
     return device.replace(":", "")
-
-
-def run(cmd: list) -> dict:
-    """upcycle_scale.timed (wall, peak RSS under /usr/bin/time -v), or the wall alone (rss None) on a machine
-    without /usr/bin/time (a bare GPU image)."""
-    if TIME.exists():
-        return timed(cmd)
-    t0 = time.perf_counter()
-    res = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-    if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{res.stderr[-3000:]}")
-    return {"wall": time.perf_counter() - t0, "rss": None}
 
 
 def texts(path: Path, n: int, length: int, seed: int = 0) -> Path:
@@ -75,7 +59,7 @@ def run_all(work: Path, shape: dict, devices: list[str], repeats: int, n_texts: 
         for device in devices[r % len(devices):] + devices[:r % len(devices)]:
             out = work / f"moe-{tag(device)}"
             cmd = [*MOEKIT, "upcycle", "--model", dense, "--out", out, *SPRI, "--device", device, "--overwrite"]
-            runs.setdefault(("upcycle", device), []).append(run(cmd))
+            runs.setdefault(("upcycle", device), []).append(timed(cmd))
     moe = work / f"moe-{tag(devices[0])}"
     for r in range(repeats):
         for device in devices[r % len(devices):] + devices[:r % len(devices)]:
@@ -83,7 +67,7 @@ def run_all(work: Path, shape: dict, devices: list[str], repeats: int, n_texts: 
             cmd = [*MOEKIT, "routes", "collect", "--model", moe, "--texts", f"en={corpus}", "--out", trace,
                    "--stream", "on", "--dtype", "bfloat16", "--device", device, "--overwrite",
                    "--max-length", str(length)]
-            runs.setdefault(("routes collect", device), []).append(run(cmd))
+            runs.setdefault(("routes collect", device), []).append(timed(cmd))
     return runs
 
 

@@ -142,19 +142,15 @@ def select(m, impl: str | None):
     return m
 
 
-def train_step(m, opt, ids):
+def train_step(m, opt, ids, trainer=None):
+    """One training step; with `trainer` (aux, aux_logs) the router losses each side trains with: moekit's
+    MoETrainer losses and logs (λ_lb·LB + λ_z·Z, per-layer LB, z, usage entropy and max load;
+    MoEMethod.extra_loss), the native class's own (output_router_logits=True: its load_balancing_loss_func,
+    weighted by router_aux_loss_coef)."""
     m.train()
-    m(ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def train_step_aux(m, opt, ids, trainer):
-    """train_step with the router losses each side trains with: moekit's MoETrainer losses and logs (λ_lb·LB + λ_z·Z,
-    per-layer LB, z, usage entropy and max load; MoEMethod.extra_loss); the native class's own
-    (output_router_logits=True: its load_balancing_loss_func, weighted by router_aux_loss_coef)."""
-    m.train()
-    if moe_layers(m):
+    if trainer is None:
+        loss = m(ids, labels=ids).loss
+    elif moe_layers(m):
         loss = m(ids, labels=ids).loss + method("moe").extra_loss(trainer, m, None)
         trainer.aux_logs.clear()  # MoETrainer reads them back at each log (every logging_steps): not timed here
     else:
@@ -234,7 +230,7 @@ def measure(label: str, model, every: int | None, args, done: dict, save, fmt: s
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     trainer = SimpleNamespace(aux=AuxConfig(), aux_logs=defaultdict(list))
     tasks = [("train step", args.batch * args.seq, lambda m: train_step(m, opt, batch)),
-             (AUX_TASK, args.batch * args.seq, lambda m: train_step_aux(m, opt, batch, trainer)),
+             (AUX_TASK, args.batch * args.seq, lambda m: train_step(m, opt, batch, trainer)),
              ("prefill", args.batch * args.seq, lambda m: prefill(m, batch))]
     tasks += [(f"generate b={b}", b * args.new, lambda m, b=b: generate(m, prompts[b], args.new)) for b in (1, 8)]
     if args.profile is not None:

@@ -74,16 +74,20 @@ def make_dense(folder: Path, shape: dict, seed: int = 0) -> Path:
     return folder
 
 
+TIME = Path("/usr/bin/time")  # GNU time, for the peak RSS; a bare GPU image may not have it
+
+
 def timed(cmd: list[str]) -> dict:
-    """Run `cmd` under /usr/bin/time -v in a fresh process: wall seconds, peak RSS bytes, output."""
+    """Run `cmd` under /usr/bin/time -v in a fresh process: wall seconds, peak RSS bytes (None on a machine without
+    GNU time), output."""
     t0 = time.perf_counter()
-    res = subprocess.run(["/usr/bin/time", "-v", *map(str, cmd)], capture_output=True, text=True,
+    res = subprocess.run([*([TIME, "-v"] if TIME.exists() else []), *map(str, cmd)], capture_output=True, text=True,
                          env={**os.environ, "TQDM_DISABLE": "1"})
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed:\n{res.stderr[-3000:]}")
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", res.stderr).group(1)) * 1024
-    return {"wall": wall, "rss": rss, "stdout": res.stdout}
+    found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", res.stderr)
+    return {"wall": wall, "rss": int(found.group(1)) * 1024 if found else None, "stdout": res.stdout}
 
 
 def size(folder: Path) -> int:

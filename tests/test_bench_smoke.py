@@ -80,8 +80,10 @@ def test_device_speed_bench_upcycles_and_collects_on_each_device(tmp_path, monke
     assert "max |Δ| / max |w| 0.0e+00" in line and "same top-k ids 100.00 %" in line
     table = device_speed.render(runs, ["cpu", "cpu"], "cmd", "tiny", 1, [line])
     assert table.count("\n| upcycle | ") == 1 and table.count("\n| routes collect | ") == 1
-    monkeypatch.setattr(device_speed, "TIME", tmp_path / "no-such-time")  # a machine without GNU time: no RSS
-    bare = device_speed.run([sys.executable, "-c", "pass"])
+    import upcycle_scale
+
+    monkeypatch.setattr(upcycle_scale, "TIME", tmp_path / "no-such-time")  # a machine without GNU time: no RSS
+    bare = device_speed.timed([sys.executable, "-c", "pass"])
     assert bare["rss"] is None and bare["wall"] > 0
     runs = {key: [{**r[0], "rss": None}] for key, r in runs.items()}
     row = next(ln for ln in device_speed.render(runs, ["cpu"], "cmd", "tiny", 1, []).splitlines()
@@ -125,7 +127,7 @@ def test_model_throughput_trains_with_each_sides_router_losses():
     router = next(p for n, p in model.named_parameters() if "router" in n)
     for name, (m, impl) in syss.items():
         before = router.detach().clone()
-        mt.train_step_aux(mt.select(m, impl), opt, ids, trainer)
+        mt.train_step(mt.select(m, impl), opt, ids, trainer)
         assert not torch.equal(before, router), name
     assert logged == [sorted(["moe/lb", "moe/z", *(f"moe/model.layers.{i}.mlp/{k}" for i in (0, 1)
                                                    for k in ("lb", "z", "usage_entropy", "max_load"))])]

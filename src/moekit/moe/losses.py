@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from moekit.moe.permute import expert_counts
+from moekit.moe.permute import layer_counts
 from moekit.moe.router import RoutingInfo
 
 
@@ -24,15 +24,6 @@ def _keep(T: int, mask: Tensor | None, device: torch.device) -> tuple[Tensor, Te
     else:
         keep = mask.reshape(-1).to(device=device, dtype=torch.float32)  # (T,)
     return keep, keep.sum().clamp_min(1.0)
-
-
-def layer_counts(ids: Tensor, keep: Tensor, num_experts: int) -> Tensor:
-    """ids (L, T, c) expert ids of L layers, keep (T,) 0/1 -> (L, E) int64 slots per layer and expert over the kept
-    tokens, in one histogram (layer l's experts are bins l·E ... l·E + E − 1; dropped slots go to no bin)."""
-    L, E = ids.shape[0], num_experts
-    offset = torch.arange(L, device=ids.device).view(L, 1, 1) * E  # (L, 1, 1)
-    binned = torch.where(keep.view(1, -1, 1) > 0, ids + offset, L * E)  # (L, T, c)
-    return expert_counts(binned, L * E).view(L, E)
 
 
 def _balance(logits: Tensor, ids: Tensor, keep: Tensor, n: Tensor, variant: str) -> Tensor:

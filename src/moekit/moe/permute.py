@@ -23,6 +23,17 @@ def expert_counts(ids: Tensor, num_experts: int) -> Tensor:
     return torch.histc(flat.int(), bins=num_experts, min=0, max=num_experts - 1).long()  # (E,)
 
 
+def layer_counts(ids: Tensor, keep: Tensor | None, num_experts: int) -> Tensor:
+    """ids (L, T, c) expert ids of L layers, keep (T,) 0/1 or bool (None: every token) -> (L, E) int64 slots per
+    layer and expert over the kept tokens, in one histogram (layer l's experts are bins l·E ... l·E + E − 1; a
+    dropped token's slots go to no bin)."""
+    L, E = ids.shape[0], num_experts
+    binned = ids + torch.arange(L, device=ids.device).view(L, 1, 1) * E  # (L, T, c)
+    if keep is not None:
+        binned = torch.where(keep.to(ids.device).reshape(1, -1, 1) > 0, binned, L * E)
+    return expert_counts(binned, L * E).view(L, E)
+
+
 def sort_by_expert(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     """topk ids (T, k) -> order (S,) the slots sorted by expert (stable, so deterministic), counts (E,)."""
     flat = ids.reshape(-1)  # (S,) slot s belongs to token s // k

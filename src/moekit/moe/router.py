@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moekit.moe.permute import expert_counts
+from moekit.moe.permute import layer_counts
 
 Scoring = Literal["softmax_topk", "topk_softmax"]
 
@@ -28,10 +28,7 @@ class RoutingInfo:
     def tokens_per_expert(self, mask: Tensor | None = None) -> Tensor:
         """(E,) how many (token, slot) assignments each expert got; `mask` (T,) drops padding (without a host
         sync: the padding's slots go to a bin that is not counted)."""
-        ids = self.topk_ids  # (T, k)
-        if mask is not None:
-            ids = torch.where(mask.reshape(-1, 1).to(ids.device).bool(), ids, self.num_experts)  # (T, k)
-        return expert_counts(ids, self.num_experts)  # (E,)
+        return layer_counts(self.topk_ids[None], mask, self.num_experts)[0]  # (E,)
 
 
 def route(logits: Tensor, top_k: int, scoring: Scoring) -> tuple[Tensor, Tensor]:
