@@ -23,7 +23,7 @@ ZERO2 = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "a
 def torchrun_train(run_command, tmp_path, overrides):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moekit",
            "train", str(RECIPES / "spri.yaml"), *overrides]
-    return run_command(cmd, timeout=240, cwd=tmp_path)
+    return run_command(cmd, timeout=240, cwd=tmp_path, rerun=[*cmd, "--overwrite"])  # once, after a native crash
 
 
 @pytest.mark.slow

@@ -46,10 +46,12 @@ BACKEND = "nccl" if GPUS else "gloo"
 
 
 def torchrun(args: list[str], cwd: Path, timeout: int = 300) -> str:
-    """The stdout of `python -m moekit ARGS` on 2 processes (torchrun), which must succeed."""
+    """The stdout of `python -m moekit ARGS` on 2 processes (torchrun), which must succeed; a launch that is no
+    `--resume` runs once more with `--overwrite` where a rank crashed in native code (conftest.run_checked)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moekit",
            *args]  # one GPU cannot hold 2 NCCL ranks: CPU processes then
-    return run_checked(cmd, timeout, cwd, {} if GPUS else {"CUDA_VISIBLE_DEVICES": ""})
+    return run_checked(cmd, timeout, cwd, {} if GPUS else {"CUDA_VISIBLE_DEVICES": ""},
+                       rerun=None if "--resume" in args else [*cmd, "--overwrite"])
 
 
 def steps(out: Path) -> list[dict]:
