@@ -191,10 +191,32 @@ def test_decode_kernels_in_bf16_equal_the_float32_grouped_path(E, k, H, I, T):
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
 
 
+@pytest.mark.parametrize("E, k, H, T", [(64, 8, 2048, 1), (64, 8, 2048, 8), (8, 2, 4096, 4), (128, 8, 2048, 16),
+                                        (256, 8, 7168, 32)])
+@pytest.mark.parametrize("scoring", ["topk_softmax", "softmax_topk"])
+def test_fused_router_in_bf16_at_real_shapes(E, k, H, T, scoring):
+    """The decode router kernel (triton_experts.route_tokens) in bf16 at real router shapes (up to DeepSeek-V3's
+    E = 256, H = 7168): logits as F.linear's to bf16 rounding, and from those logits the top-k of `router.route`
+    (the same chosen values: bf16 logits can tie) with its weights."""
+    from moekit.moe import triton_experts
+    from moekit.moe.router import route
+
+    g = torch.Generator().manual_seed(E + T)
+    x = torch.randn(T, H, generator=g).to(CUDA, torch.bfloat16)
+    w = (torch.randn(E, H, generator=g) * H ** -0.5).to(CUDA, torch.bfloat16)
+    logits, weights, ids = triton_experts.route_tokens(x, w, k, scoring == "softmax_topk")
+    want = torch.nn.functional.linear(x, w)
+    assert ((logits.float() - want.float()).norm() / want.float().norm()).item() <= 1e-2
+    want_w, want_ids = route(logits, k, scoring)
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    torch.testing.assert_close(weights.float(), want_w, rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_decode_forward_of_the_layer_replays_as_a_cuda_graph(T):
-    """Router, counting sort and fused experts have no host sync and no routing-dependent allocation: the layer's
-    decode forward, captured once in a CUDA graph, replays on new tokens bit for bit what eager computes."""
+    """Router (one fused kernel at decode sizes), counting sort and fused experts have no host sync and no
+    routing-dependent allocation: the layer's decode forward, captured once in a CUDA graph, replays on new tokens
+    bit for bit what eager computes."""
     layer = _layer(64, 8, 512, 384, torch.bfloat16)
     x = torch.randn(T, 512, device=CUDA, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -253,7 +253,7 @@ class _DeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
             "as_strided", "alias", "detach", "t", "transpose", "slice", "select", "unsqueeze", "squeeze", "expand",
             "split", "chunk"}
     KERNELS = ("counting_sort_kernel", "expert_hist_kernel", "gate_up_kernel", "down_kernel", "combine_k",
-               "decode_gate_up_kernel", "decode_down_kernel")
+               "decode_gate_up_kernel", "decode_down_kernel", "route_kernel")
 
     def __init__(self, monkeypatch):
         super().__init__()
@@ -317,32 +317,130 @@ def test_decode_experts_equal_eager(dtype, E, k, H, I, T):
     assert y.dtype == dtype and _rel(y, _eager(first, down, x, ids.to(DEVICE), w)) <= TOL[dtype]
 
 
-def test_decode_layer_launches_a_quarter_of_what_transformers_block_does(monkeypatch):
-    """A whole MoE layer's decode step (one token): moekit's router (linear, top-k, softmax) and its two decode
-    kernels, 5 device ops, against transformers' own Mixtral block with `grouped_mm` experts (22 in transformers
-    5.23: its sort, histogram, casts, index ops, two grouped GEMMs and the element-wise ops between them). On a GPU
-    each is a launch, and at decode sizes launches are the cost (BENCHMARKS.md, MoE layer speed on a GPU)."""
+def test_decode_layer_launches_a_seventh_of_what_transformers_block_does(monkeypatch):
+    """A whole MoE layer's decode step (one token): moekit's fused router kernel (linear, top-k, weights) and its two
+    decode kernels, 3 launches and no other device op, against transformers' own Mixtral block with `grouped_mm`
+    experts (22 device ops in transformers 5.23: its router, sort, histogram, casts, index ops, two grouped GEMMs
+    and the element-wise ops between them). On a GPU each is a launch, and at decode sizes launches are the cost
+    (BENCHMARKS.md, MoE layer speed on a GPU)."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from moekit.moe.layer import MoELayer
-    from moekit.moe.router import Router
-
     E, k, H, I = 8, 2, 16, 32
-    ours = MoELayer(Router(H, E, k, "topk_softmax"), _random_experts(E, k, H, I, 1, seed=0)[0]).to(DEVICE)
-    ours.experts.dispatch = "triton"
+    ours = _layer(E, k, H, I, seed=0)
     cfg = MixtralConfig(num_local_experts=E, num_experts_per_tok=k, hidden_size=H, intermediate_size=I,
                         experts_implementation="grouped_mm")
     theirs = MixtralSparseMoeBlock(cfg).to(DEVICE)
     x = torch.randn(1, 1, H, device=DEVICE)
-    counts = []
+    ops = []
     for block in (ours, theirs):
         with torch.no_grad():
             block(x)  # warm-up
             with _DeviceOps(monkeypatch) as dev:
                 block(x)
-        counts.append(len(dev.ops))
-    assert counts[0] == 5 and 4 * counts[0] <= counts[1], counts
+        ops.append(dev.ops)
+    assert ops[0] == ["route_kernel", "decode_gate_up_kernel", "decode_down_kernel"]
+    assert 7 * len(ops[0]) <= len(ops[1]), ops[1]
+
+
+def _layer(E, k, H, I, seed, dispatch="triton"):
+    """A MoE layer with random router and experts, both on `dispatch` ("triton" or eager router + grouped experts)."""
+    from moekit.moe.layer import MoELayer
+    from moekit.moe.router import Router
+
+    router = Router(H, E, k, "topk_softmax")
+    torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(seed))
+    layer = MoELayer(router, _random_experts(E, k, H, I, 1, seed=seed)[0]).to(DEVICE)
+    triton = dispatch == "triton"
+    layer.router.dispatch, layer.experts.dispatch = ("triton", "triton") if triton else ("eager", "grouped")
+    return layer
+
+
+def _route_ref(x, weight, k, scoring):
+    """Router.forward's eager ops on the same inputs."""
+    from moekit.moe.router import route
+
+    logits = F.linear(x, weight)
+    weights, ids = route(logits, k, scoring)
+    return logits, weights.to(x.dtype), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scoring", ["topk_softmax", "softmax_topk"])
+@pytest.mark.parametrize("E, k, H, T", [
+    (8, 2, 32, 4),   # T·k = E
+    (5, 1, 17, 3),   # E not a power of two, k = 1, odd H
+    (6, 6, 24, 1),   # k = E: every expert
+    (60, 4, 40, 15),  # 15 tokens, 60 experts in a 64-wide block
+])
+def test_route_tokens_computes_what_the_router_computes(dtype, scoring, E, k, H, T):
+    """The fused router kernel: logits as F.linear's (float32 sums, then rounded), and from those logits the same
+    top-k experts in the same order and the same weights as `router.route`. Exact ids in float32; in 16-bit,
+    where rounded logits can tie, the chosen logits are the same values (ties may pick either expert)."""
+    g = torch.Generator().manual_seed(E * 7 + T)
+    x, weight = torch.randn(T, H, generator=g).to(DEVICE, dtype), torch.randn(E, H, generator=g).to(DEVICE, dtype)
+    logits, weights, ids = tx.route_tokens(x, weight, k, scoring == "softmax_topk")
+    want = F.linear(x.float(), weight.float())
+    assert logits.dtype == weights.dtype == dtype and ids.dtype == torch.int64
+    assert _rel(logits, want) <= TOL[dtype]
+    from moekit.moe.router import route
+
+    want_w, want_ids = route(logits, k, scoring)  # from the kernel's own logits
+    if dtype == torch.float32:
+        assert torch.equal(ids, want_ids)
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    torch.testing.assert_close(weights.float(), want_w, rtol=TOL[dtype], atol=TOL[dtype] * 1e-2)
+
+
+@pytest.mark.parametrize("scoring, weight", [("topk_softmax", 1 / 3), ("softmax_topk", 1 / 7)])
+def test_route_tokens_ties_go_to_the_lower_expert_and_nan_comes_first(scoring, weight):
+    """A zero router: every logit 0, so the top 3 of 7 are experts 0, 1, 2 with weight 1/3 each (renormalized)
+    or 1/7 (softmax over all 7). A NaN in expert 4's row: every weight NaN, as eager's; its NaN logit is chosen
+    first where the top-k is taken over the logits, as torch.topk does (and an expert id is always in range)."""
+    x = torch.ones(2, 9, device=DEVICE)
+    w = torch.zeros(7, 9, device=DEVICE)
+    logits, weights, ids = tx.route_tokens(x, w, 3, scoring == "softmax_topk")
+    assert torch.equal(logits, torch.zeros(2, 7, device=DEVICE))
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(weights, torch.full((2, 3), weight, device=DEVICE))
+    w[4, 0] = float("nan")
+    logits, weights, ids = tx.route_tokens(x, w, 3, scoring == "softmax_topk")
+    assert weights.isnan().all() and ((ids >= 0) & (ids < 7)).all()
+    if scoring == "topk_softmax":
+        assert ids[:, 0].tolist() == [4, 4] and _route_ref(x, w, 3, scoring)[2][:, 0].tolist() == [4, 4]
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_decoding_layer_equals_the_eager_layer(T):
+    """The whole layer's decode step (fused router, decode kernels) against the eager router and grouped experts."""
+    fast, slow = _layer(8, 2, 16, 32, seed=4), _layer(8, 2, 16, 32, seed=4, dispatch="eager")
+    x = torch.randn(T, 16, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    with torch.no_grad():
+        got, want = fast(x), slow(x)
+    assert torch.equal(fast.last_routing.topk_ids, slow.last_routing.topk_ids)
+    assert _rel(got, want) <= 1e-5 and _rel(fast.last_routing.logits, slow.last_routing.logits) <= 1e-6
+
+
+def test_a_router_above_the_fused_size_runs_eagerly(monkeypatch):
+    """A router weight of more than ROUTER_FUSED_MAX elements decodes with torch's ops (cuBLAS spreads its GEMV over
+    the GPU; one program per token would read it alone); at the bound, with the fused kernel."""
+    layer = _layer(8, 2, 16, 32, seed=6)
+    x = torch.randn(1, 16, device=DEVICE)
+    for bound, fused in ((8 * 16, True), (8 * 16 - 1, False)):
+        monkeypatch.setattr(tx, "ROUTER_FUSED_MAX", bound)
+        with torch.no_grad(), _DeviceOps(monkeypatch) as dev:
+            layer(x)
+        assert ("route_kernel" in dev.ops) == fused and ("topk" in dev.ops) != fused, dev.ops
+
+
+def test_the_router_runs_eagerly_where_a_gradient_is_recorded():
+    layer = _layer(8, 2, 16, 32, seed=5)
+    x = torch.randn(2, 16, device=DEVICE)
+    layer(x)  # weights require grad, grad mode on: the eager ops, with their autograd graph
+    assert layer.last_routing.logits.grad_fn is not None and layer.last_routing.topk_weights.grad_fn is not None
+    with torch.no_grad():
+        layer(x)
+    assert layer.last_routing.logits.grad_fn is None
 
 
 def test_a_counting_sort_that_does_not_fit_the_device_falls_back_to_argsort(monkeypatch):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moekit.moe import triton_experts
 from moekit.moe.permute import layer_counts
 
 Scoring = Literal["softmax_topk", "topk_softmax"]
@@ -47,6 +48,11 @@ class Router(nn.Module):
     renormalized to sum to 1, computed as the softmax over the top-k logits (the same
     numbers, two fewer (T, E) passes), as in Mixtral and UME.
     `jitter` multiplies the input by U(1-j, 1+j) in training (Switch / Mixtral).
+
+    `dispatch`: "auto" runs the router in one Triton kernel (`triton_experts.route_tokens`: linear, top-k and the
+    weights) where the experts' decode kernels run (CUDA, no autograd, T·k ≤ E, x in the weight's dtype, no
+    autocast) and the weight is small enough for one program per token (`triton_experts.routes`), else three torch
+    ops; "triton" also on CPU tensors under Triton's interpreter (tests); "eager" never.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring: Scoring, jitter: float = 0.0):
@@ -55,15 +61,29 @@ class Router(nn.Module):
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         self.num_experts, self.top_k, self.scoring, self.jitter = num_experts, top_k, scoring, jitter
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.dispatch: Literal["auto", "eager", "triton"] = "auto"
 
     def forward(self, x: Tensor) -> RoutingInfo:
         """x (T, H) -> RoutingInfo over the T tokens."""
         if self.training and self.jitter > 0:
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        if self._fused(x):
+            logits, weights, ids = triton_experts.route_tokens(x, self.weight, self.top_k,
+                                                               self.scoring == "softmax_topk")  # (T, E), (T, k) x2
+            return RoutingInfo(logits=logits, topk_ids=ids, topk_weights=weights)
         logits = F.linear(x, self.weight)  # (T, E)
         weights, ids = route(logits, self.top_k, self.scoring)  # (T, k), (T, k)
         weights = weights if weights.dtype == x.dtype else weights.to(x.dtype)  # a no-op .to() costs ~4 µs cold
         return RoutingInfo(logits=logits, topk_ids=ids, topk_weights=weights)
+
+    def _fused(self, x: Tensor) -> bool:
+        if (self.dispatch == "eager" or x.dtype != self.weight.dtype or not triton_experts.available(x.device)
+                or torch.is_autocast_enabled(x.device.type)):  # autocast: F.linear's dtype, as eager computes it
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return False
+        return (triton_experts.routes(x.shape[0] * self.top_k, self.num_experts, x.shape[1])
+                and (self.dispatch == "triton" or x.device.type == "cuda"))
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}, jitter={self.jitter}"

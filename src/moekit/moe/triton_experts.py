@@ -1,9 +1,11 @@
 """moekit's Triton kernels for gated-SiLU experts (the GPU path of `Experts`; optional: needs `triton`).
 
-Four levels, all deterministic (no atomics) and free of host syncs:
+Five levels, all deterministic (no atomics) and free of host syncs:
 
 - `decode_experts`: for few tokens without autograd (T·k ≤ E), two matrix-vector kernels that read only the chosen
   experts' rows: no sort, no padding, no routing metadata (the decode path of issue 38).
+- `route_tokens`: the router at the same sizes in one kernel (logits, top-k, weights), so that a MoE layer's decode
+  step is three kernel launches in all.
 
 - `sort_by_expert`: the routing metadata (slots in expert order, per-expert counts, the routing weights in that
   order) by a counting sort; one kernel launch for a few tokens, so a no-grad forward of a few tokens beyond E
@@ -293,6 +295,47 @@ if triton is not None:  # module level: a jitted kernel calls another through th
         tl.store(y + t * s_y + cols, acc.to(y.dtype.element_ty), mask=cmask)
 
 
+    @triton.jit
+    def route_kernel(x, W, logits, ids, weights, E, K, k, s_x, s_w, s_l, SOFTMAX_FIRST: tl.constexpr,
+                     BE: tl.constexpr, BK: tl.constexpr, BKK: tl.constexpr):
+        """One token t: logits[t] = x[t] Wᵀ (float32 sums, stored in the logits' dtype), then the top k of them
+        (ties to the lower id; NaN above everything, as torch.topk) and their weights, as `moekit.moe.router.route`
+        computes them from the stored logits: SOFTMAX_FIRST the top-k of softmax(logits), else the softmax over the
+        k chosen logits."""
+        t = tl.program_id(0)
+        eidx = tl.arange(0, BE)
+        emask = eidx < E
+        acc = tl.zeros((BE,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < K
+            xv = tl.load(x + t * s_x + ks, mask=kmask, other=0.0).to(tl.float32)  # (BK,)
+            wv = tl.load(W + eidx[:, None] * s_w + ks[None, :], mask=emask[:, None] & kmask[None, :],
+                         other=0.0).to(tl.float32)  # (BE, BK)
+            acc += tl.sum(wv * xv[None, :], axis=1)
+        stored = acc.to(logits.dtype.element_ty)
+        tl.store(logits + t * s_l + eidx, stored, mask=emask)
+        score = tl.where(emask, stored.to(tl.float32), float("-inf"))  # (BE,)
+        if SOFTMAX_FIRST:
+            p = tl.exp(score - tl.max(score, 0))
+            score = p / tl.sum(p, 0)
+        key = tl.where(score != score, float("inf"), score)  # NaN first, as torch.topk
+        free = emask
+        slot = tl.arange(0, BKK)
+        top = tl.zeros((BKK,), dtype=tl.float32)
+        for j in range(0, k):
+            best = tl.max(tl.where(free, key, float("-inf")), 0)
+            e = tl.min(tl.where(free & (key == best), eidx, BE), 0)  # < E: `free` holds k - j ≥ 1 experts
+            tl.store(ids + t * k + j, e.to(tl.int64))
+            top = tl.where(slot == j, tl.sum(tl.where(eidx == e, score, 0.0), 0), top)
+            free = free & (eidx != e)
+        if not SOFTMAX_FIRST:  # the softmax over the k chosen logits; top[0] is their maximum
+            first = tl.sum(tl.where(slot == 0, top, 0.0), 0)
+            top = tl.where(slot < k, tl.exp(top - first), 0.0)
+            top = top / tl.sum(top, 0)
+        tl.store(weights + t * k + slot, top.to(weights.dtype.element_ty), mask=slot < k)
+
+
 # one-hot elements (slots x experts) of one counting-sort block: 64 experts sort 64 slots per block, 8 experts 512
 SORT_TILE = 4096
 _SORT_FAILED: set[tuple] = set()  # (device, BS, BE) where the counting sort did not compile or fit
@@ -357,6 +400,33 @@ def decode_experts(x: Tensor, ids: Tensor, w: Tensor, first: Tensor, down: Tenso
     decode_down_kernel[(T, triton.cdiv(H, bn))](a, down, flat, y, H, I, k, a.stride(0), down.stride(0),
                                                  down.stride(1), y.stride(0), BN=bn, BK=bk)
     return y
+
+
+# the largest router (E·H elements) whose decode runs `route_tokens`: one program per token reads the whole weight
+# (512 KB in bf16 at this bound, e.g. 128 experts × 2048), where cuBLAS spreads a larger one over the GPU. A guess
+# until a GPU times it.
+ROUTER_FUSED_MAX = 1 << 18
+
+
+def routes(slots: int, num_experts: int, hidden: int) -> bool:
+    """Whether a router's forward of T·k = `slots` slots runs `route_tokens`: where the decode kernels serve the
+    experts (`decodes`) and the router weight is at most ROUTER_FUSED_MAX elements."""
+    return decodes(slots, num_experts) and num_experts * hidden <= ROUTER_FUSED_MAX
+
+
+def route_tokens(x: Tensor, weight: Tensor, top_k: int, softmax_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """A linear router's forward in one kernel launch, for few tokens without autograd (the decode path): x (T, H),
+    weight (E, H) -> logits (T, E) in x's dtype, weights (T, k) in x's dtype, ids (T, k) int64: what
+    `Router.forward` computes (router.route on the logits), with ties among equal logits going to the lower id."""
+    (T, H), E = x.shape, weight.shape[0]
+    x, weight = x.contiguous(), weight.contiguous()
+    logits, weights = x.new_empty(T, E), x.new_empty(T, top_k)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    BE = _pow2(E)
+    bk = 16 if interpreting() else max(16, min(128, 8192 // BE))
+    route_kernel[(T,)](x, weight, logits, ids, weights, E, H, top_k, x.stride(0), weight.stride(0),
+                       logits.stride(0), SOFTMAX_FIRST=softmax_first, BE=BE, BK=bk, BKK=_pow2(top_k))
+    return logits, weights, ids
 
 
 def _rows_grid(S: int, E: int, n: int):
