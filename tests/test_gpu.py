@@ -191,6 +191,29 @@ def test_decode_kernels_in_bf16_equal_the_float32_grouped_path(E, k, H, I, T):
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
 
 
+@pytest.mark.parametrize("gate", [False, True])
+def test_decode_kernels_with_a_shared_expert_in_bf16(gate):
+    """The decode kernels with a shared expert (SPRI's; with a sigmoid gate, Qwen2-MoE's) at a real shape in bf16,
+    against the float32 routed path plus the shared FFN in float32."""
+    from moekit.moe import triton_experts
+
+    E, k, H, I, IS, T = 60, 4, 2048, 1408, 5632, 8  # Qwen1.5-MoE-A2.7B's layer
+    ref = _layer(E, k, H, I, torch.float32, "grouped").experts
+    g = torch.Generator().manual_seed(IS)
+    r = lambda *shape: (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(CUDA)  # noqa: E731
+    sg, su, sd, row = r(IS, H), r(IS, H), r(H, IS), r(H) if gate else None
+    x = torch.randn(T, H, generator=g).to(CUDA)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(CUDA)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(CUDA)
+    with torch.no_grad():
+        s = (torch.nn.functional.silu(x @ sg.T) * (x @ su.T)) @ sd.T
+        want = ref(x, ids, w) + (s if row is None else torch.sigmoid(x @ row)[:, None] * s)
+        bf = [t if t is None else t.bfloat16() for t in (sg, su, sd, row)]
+        got = triton_experts.decode_experts(x.bfloat16(), ids, w.bfloat16(), ref.first.bfloat16(),
+                                            ref.down.bfloat16(), tuple(bf)).float()
+    assert ((got - want).norm() / want.norm()).item() <= 1e-2
+
+
 @pytest.mark.parametrize("E, k, H, T", [(64, 8, 2048, 1), (64, 8, 2048, 8), (8, 2, 4096, 4), (128, 8, 2048, 16),
                                         (256, 8, 7168, 32)])
 @pytest.mark.parametrize("scoring", ["topk_softmax", "softmax_topk"])

@@ -343,14 +343,25 @@ def test_decode_layer_launches_a_seventh_of_what_transformers_block_does(monkeyp
     assert 7 * len(ops[0]) <= len(ops[1]), ops[1]
 
 
-def _layer(E, k, H, I, seed, dispatch="triton"):
-    """A MoE layer with random router and experts, both on `dispatch` ("triton" or eager router + grouped experts)."""
-    from moekit.moe.layer import MoELayer
+def _layer(E, k, H, I, seed, dispatch="triton", shared=None, gate=False):
+    """A MoE layer with random router and experts, both on `dispatch` ("triton" or eager router + grouped experts);
+    `shared`: a shared expert's (intermediate size, act, gated, bias), with `gate` its sigmoid gate."""
+    from moekit.moe.ffn import FFNWeights
+    from moekit.moe.layer import MoELayer, SharedExpert
     from moekit.moe.router import Router
 
+    g = torch.Generator().manual_seed(seed)
     router = Router(H, E, k, "topk_softmax")
-    torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(seed))
-    layer = MoELayer(router, _random_experts(E, k, H, I, 1, seed=seed)[0]).to(DEVICE)
+    torch.nn.init.normal_(router.weight, generator=g)
+    if shared is not None:
+        IS, act, gated, bias = shared
+        r = lambda *shape: torch.randn(*shape, generator=g) * 0.3  # noqa: E731
+        shared = SharedExpert(FFNWeights(up=r(IS, H), down=r(H, IS), act=act, gate=r(IS, H) if gated else None,
+                                         up_bias=r(IS) if bias else None))
+    shared_gate = torch.nn.Linear(H, 1, bias=False) if gate else None
+    if shared_gate is not None:
+        torch.nn.init.normal_(shared_gate.weight, generator=g)
+    layer = MoELayer(router, _random_experts(E, k, H, I, 1, seed=seed)[0], shared, shared_gate=shared_gate).to(DEVICE)
     triton = dispatch == "triton"
     layer.router.dispatch, layer.experts.dispatch = ("triton", "triton") if triton else ("eager", "grouped")
     return layer
@@ -419,6 +430,56 @@ def test_a_decoding_layer_equals_the_eager_layer(T):
         got, want = fast(x), slow(x)
     assert torch.equal(fast.last_routing.topk_ids, slow.last_routing.topk_ids)
     assert _rel(got, want) <= 1e-5 and _rel(fast.last_routing.logits, slow.last_routing.logits) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("E, k, H, I, IS, T, gate", [
+    (8, 2, 16, 32, 48, 3, False),  # SPRI: a shared expert wider than the routed ones
+    (5, 1, 17, 24, 9, 4, True),    # Qwen2-MoE: a sigmoid-gated shared expert; odd H and IS, E not a power of 2
+])
+def test_decode_experts_add_the_shared_expert(dtype, E, k, H, I, IS, T, gate):
+    """The decode kernels with a shared expert (its own width IS) added to every token, scaled by sigmoid(g·x) with
+    a gate row: against the routed eager sum plus the shared FFN in float32."""
+    g = torch.Generator().manual_seed(IS)
+    r = lambda *shape: (torch.randn(*shape, generator=g) * 0.3).to(DEVICE, dtype)  # noqa: E731
+    first, down, x = r(E, 2 * I, H), r(E, H, I), r(T, H)
+    sg, su, sd, row = r(IS, H), r(IS, H), r(H, IS), r(H) if gate else None
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(DEVICE, dtype)
+    y = tx.decode_experts(x, ids, w, first, down, (sg, su, sd, row))
+    xf = x.float()
+    s = (F.silu(xf @ sg.float().T) * (xf @ su.float().T)) @ sd.float().T  # (T, H)
+    want = _eager(first, down, x, ids, w) + (s if row is None else torch.sigmoid(xf @ row.float())[:, None] * s)
+    assert y.dtype == dtype and _rel(y, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_a_decoding_layer_with_a_shared_expert_is_three_launches(gate, monkeypatch):
+    """A SPRI layer (routed experts + shared expert) or a Qwen2-MoE one (+ the shared expert's sigmoid gate) decodes
+    in the same 3 launches as one without (its own modules are 6 more device ops: three linears, SiLU, the product,
+    the sum; 9 with the gate's linear, sigmoid and product) and computes what the eager layer computes."""
+    fast = _layer(8, 2, 16, 32, seed=7, shared=(24, "silu", True, False), gate=gate)
+    slow = _layer(8, 2, 16, 32, seed=7, dispatch="eager", shared=(24, "silu", True, False), gate=gate)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad(), _DeviceOps(monkeypatch) as dev:
+        got = fast(x)
+    assert dev.ops == ["route_kernel", "decode_gate_up_kernel", "decode_down_kernel"]
+    with torch.no_grad():
+        assert _rel(got, slow(x)) <= 1e-5
+
+
+@pytest.mark.parametrize("shared", [(24, "gelu", True, False), (24, "silu", False, False), (24, "silu", True, True)])
+def test_a_shared_expert_the_kernels_cannot_compute_runs_on_its_own(shared, monkeypatch):
+    """Another activation, an ungated shared expert or one with biases: the routed experts still decode in their two
+    kernels and the shared expert runs its own modules, for the eager layer's output."""
+    fast = _layer(8, 2, 16, 32, seed=8, shared=shared)
+    slow = _layer(8, 2, 16, 32, seed=8, dispatch="eager", shared=shared)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad(), _DeviceOps(monkeypatch) as dev:
+        got = fast(x)
+    assert dev.ops[:3] == ["route_kernel", "decode_gate_up_kernel", "decode_down_kernel"] and len(dev.ops) > 3
+    with torch.no_grad():
+        assert _rel(got, slow(x)) <= 1e-5
 
 
 def test_a_router_above_the_fused_size_runs_eagerly(monkeypatch):

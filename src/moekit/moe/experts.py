@@ -321,14 +321,17 @@ class Experts(nn.Module):
             down_bias=None if self.down_bias is None else self.down_bias.detach(),
         )
 
-    def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """x (T, H), topk_ids (T, k), topk_weights (T, k) -> (T, H)."""
+    def forward(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                shared: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None) -> Tensor:
+        """x (T, H), topk_ids (T, k), topk_weights (T, k) -> (T, H). `shared`: a shared expert's weights that the
+        decode kernels add (triton_experts.decode_experts); only where `decoding` is true."""
         k = topk_ids.shape[1]
-        grad = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad
-                                            or any(p.requires_grad for p in self.parameters()))
+        grad = self._records_grad(x, topk_weights)
         triton = self._use_triton(x)
         if triton and not grad and triton_experts.decodes(topk_ids.numel(), self.num_experts):
-            return triton_experts.decode_experts(x, topk_ids, topk_weights, self.first, self.down)
+            return triton_experts.decode_experts(x, topk_ids, topk_weights, self.first, self.down, shared)
+        if shared is not None:
+            raise ValueError("a shared expert is added inside the experts only by the decode kernels (decoding())")
         order, counts, weight = self._sort(x, topk_ids, topk_weights, grad)  # (S,) slots by expert, S = T*k; (E,)
         if triton:
             return triton_experts.triton_experts(x, weight, self.first, self.down, order, counts, k)
@@ -340,6 +343,15 @@ class Experts(nn.Module):
                 return self._loop(x, weight, order // k, offs)
         offs = torch.cumsum(counts, 0).to(torch.int32)  # (E,)
         return self._grouped(x, weight, order, k, topk_ids.reshape(-1)[order], offs)
+
+    def decoding(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> bool:
+        """Whether `forward` runs the decode kernels on these inputs (Triton, no autograd, T·k ≤ E)."""
+        return (triton_experts.decodes(topk_ids.numel(), self.num_experts) and not self._records_grad(x, topk_weights)
+                and self._use_triton(x))
+
+    def _records_grad(self, x: Tensor, topk_weights: Tensor) -> bool:
+        return torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad
+                                            or any(p.requires_grad for p in self.parameters()))
 
     def _sort(self, x: Tensor, ids: Tensor, weights: Tensor, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         """order (S,) the slots by expert, counts (E,), the routing weights in that order (S, 1) in x's dtype.

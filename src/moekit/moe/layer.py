@@ -40,6 +40,18 @@ class SharedExpert(nn.Module):
                           gate=None if g is None else g.weight.detach(), up_bias=b(self.up_proj),
                           gate_bias=b(g), down_bias=b(self.down_proj))
 
+    def decode_weights(self, gate: nn.Linear | None, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+        """(gate (I, H), up (I, H), down (H, I), the gate row (H,) or None) for the experts' decode kernels
+        (triton_experts.decode_experts), where they compute what `forward` (and the layer's sigmoid gate) would:
+        gated SiLU without biases, in x's dtype, no autocast, nothing to record for autograd; else None."""
+        lins = [lin for lin in (self.gate_proj, self.up_proj, self.down_proj, gate) if lin is not None]
+        if (self.gate_proj is None or self.act != "silu" or any(lin.bias is not None for lin in lins)
+                or any(lin.weight.dtype != x.dtype for lin in lins) or torch.is_autocast_enabled(x.device.type)
+                or (torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in lins))):
+            return None
+        return (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                None if gate is None else gate.weight.reshape(-1))
+
     def forward(self, x: Tensor) -> Tensor:
         u = self.up_proj(x)
         h = self.act_fn(self.gate_proj(x)) * u if self.gate_proj is not None else self.act_fn(u)
@@ -72,14 +84,24 @@ class MoELayer(nn.Module):
         info = self.router(x)
         if self.reroute is not None:
             info = self.reroute(info)
-        y = self.experts(x, info.topk_ids, info.topk_weights)  # (T, H)
-        if self.shared is not None:
+        fused = self._decode_shared(x, info)  # the shared expert inside the decode kernels, or None
+        y = self.experts(x, info.topk_ids, info.topk_weights, *([fused] if fused else []))  # (T, H)
+        if self.shared is not None and fused is None:
             s = self.shared(x)  # (T, H)
             y = y + (s if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * s)  # gate (T, 1)
         if self.dropout is not None:
             y = self.dropout(y)
         self.last_routing = info
         return y.reshape(shape)
+
+
+    def _decode_shared(self, x: Tensor, info: RoutingInfo) -> tuple | None:
+        """The shared expert's weights where the experts' decode kernels add it: not where something replaced the
+        experts' forward (transformers' expert parallelism dispatches exactly 3 arguments across ranks)."""
+        if (self.shared is None or getattr(self.experts.forward, "__func__", None) is not Experts.forward
+                or not self.experts.decoding(x, info.topk_ids, info.topk_weights)):
+            return None
+        return self.shared.decode_weights(self.shared_gate, x)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:

@@ -3,7 +3,8 @@
 Five levels, all deterministic (no atomics) and free of host syncs:
 
 - `decode_experts`: for few tokens without autograd (T·k ≤ E), two matrix-vector kernels that read only the chosen
-  experts' rows: no sort, no padding, no routing metadata (the decode path of issue 38).
+  experts' rows: no sort, no padding, no routing metadata (the decode path of issue 38); a gated-SiLU shared expert
+  (SPRI's, Qwen2-MoE's with its sigmoid gate) is added in the same two launches.
 - `route_tokens`: the router at the same sizes in one kernel (logits, top-k, weights), so that a MoE layer's decode
   step is three kernel launches in all.
 
@@ -253,47 +254,75 @@ if triton is not None:  # module level: a jitted kernel calls another through th
 
 
     @triton.jit
-    def decode_gate_up_kernel(x, W, ids, w, a, I, K, k, s_x, s_we, s_wn, s_a, BN: tl.constexpr, BK: tl.constexpr):
-        """a[s] = silu(x[t] W_e,gᵀ) ⊙ (x[t] W_e,uᵀ) · w[s] for one slot s = t·k + j (e = ids[s]) and BN columns: a
-        matrix-vector product reading only expert e's rows, in float32."""
-        s = tl.program_id(0)
-        e = tl.load(ids + s).to(tl.int64)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        cmask = cols < I
+    def _gate_up_rows(xrow, gbase, ubase, s_n, n, K, cols, BN: tl.constexpr, BK: tl.constexpr):
+        """silu(x W_gᵀ) ⊙ (x W_uᵀ) for the BN columns `cols` (< n) in float32: x one row, W_g's rows at gbase and
+        W_u's at ubase (row stride s_n). Matrix-vector products reading only those rows."""
+        cmask = cols < n
         acc_g = tl.zeros((BN,), dtype=tl.float32)
         acc_u = tl.zeros((BN,), dtype=tl.float32)
-        wbase = W + e * s_we
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
             kmask = ks < K
-            xv = tl.load(x + (s // k) * s_x + ks, mask=kmask, other=0.0).to(tl.float32)  # (BK,)
+            xv = tl.load(xrow + ks, mask=kmask, other=0.0).to(tl.float32)  # (BK,)
             m = cmask[:, None] & kmask[None, :]
-            wg = tl.load(wbase + cols[:, None] * s_wn + ks[None, :], mask=m, other=0.0).to(tl.float32)  # (BN, BK)
-            wu = tl.load(wbase + (I + cols)[:, None] * s_wn + ks[None, :], mask=m, other=0.0).to(tl.float32)
+            wg = tl.load(gbase + cols[:, None] * s_n + ks[None, :], mask=m, other=0.0).to(tl.float32)  # (BN, BK)
+            wu = tl.load(ubase + cols[:, None] * s_n + ks[None, :], mask=m, other=0.0).to(tl.float32)
             acc_g += tl.sum(wg * xv[None, :], axis=1)
             acc_u += tl.sum(wu * xv[None, :], axis=1)
-        out = acc_g * tl.sigmoid(acc_g) * acc_u * tl.load(w + s).to(tl.float32)
-        tl.store(a + s * s_a + cols, out.to(a.dtype.element_ty), mask=cmask)
+        return acc_g * tl.sigmoid(acc_g) * acc_u
 
     @triton.jit
-    def decode_down_kernel(a, W, ids, y, N, K, k, s_a, s_we, s_wn, s_y, BN: tl.constexpr, BK: tl.constexpr):
-        """y[t] = Σ_j a[t·k + j] W_eᵀ (e = ids[t·k + j]) for BN columns, the k slots summed in float32."""
+    def decode_gate_up_kernel(x, W, ids, w, a, I, K, k, s_x, s_we, s_wn, s_a, S, SG, SU, SGATE, IS, s_sn,
+                              HAS_SHARED: tl.constexpr, HAS_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """a[s] = silu(x[t] W_e,gᵀ) ⊙ (x[t] W_e,uᵀ) · w[s] for one slot s = t·k + j (e = ids[s]) and BN columns,
+        reading only expert e's rows. With HAS_SHARED, slots S + t are token t's shared expert (gate SG, up SU,
+        IS columns), times sigmoid(x[t] · SGATE) with HAS_GATE."""
+        s = tl.program_id(0)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        if HAS_SHARED:
+            if s >= S:
+                t = s - S
+                out = _gate_up_rows(x + t * s_x, SG, SU, s_sn, IS, K, cols, BN, BK)
+                if HAS_GATE:
+                    acc = tl.zeros((BK,), dtype=tl.float32)
+                    for k0 in range(0, K, BK):
+                        ks = k0 + tl.arange(0, BK)
+                        acc += (tl.load(x + t * s_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+                                * tl.load(SGATE + ks, mask=ks < K, other=0.0).to(tl.float32))
+                    out = out * tl.sigmoid(tl.sum(acc, 0))
+                tl.store(a + s * s_a + cols, out.to(a.dtype.element_ty), mask=cols < IS)
+                return
+        wbase = W + tl.load(ids + s).to(tl.int64) * s_we
+        out = _gate_up_rows(x + (s // k) * s_x, wbase, wbase + I * s_wn, s_wn, I, K, cols, BN, BK)
+        tl.store(a + s * s_a + cols, (out * tl.load(w + s).to(tl.float32)).to(a.dtype.element_ty), mask=cols < I)
+
+    @triton.jit
+    def _down_row(acc, arow, wbase, s_n, cols, N, K, BK: tl.constexpr):
+        """acc + a Wᵀ for BN columns `cols` (< N): a one row of K, W's rows at wbase (row stride s_n); float32."""
+        cmask = cols < N
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < K
+            av = tl.load(arow + ks, mask=kmask, other=0.0).to(tl.float32)  # (BK,)
+            wd = tl.load(wbase + cols[:, None] * s_n + ks[None, :], mask=cmask[:, None] & kmask[None, :],
+                         other=0.0).to(tl.float32)  # (BN, BK)
+            acc += tl.sum(wd * av[None, :], axis=1)
+        return acc
+
+    @triton.jit
+    def decode_down_kernel(a, W, ids, y, N, K, k, s_a, s_we, s_wn, s_y, S, SD, IS, s_sn,
+                           HAS_SHARED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """y[t] = Σ_j a[t·k + j] W_eᵀ (e = ids[t·k + j]) for BN columns, the k slots (and with HAS_SHARED the
+        shared expert's a[S + t] SDᵀ) summed in float32."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        cmask = cols < N
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in range(0, k):
             s = t * k + j
-            wbase = W + tl.load(ids + s).to(tl.int64) * s_we
-            for k0 in range(0, K, BK):
-                ks = k0 + tl.arange(0, BK)
-                kmask = ks < K
-                av = tl.load(a + s * s_a + ks, mask=kmask, other=0.0).to(tl.float32)  # (BK,)
-                wd = tl.load(wbase + cols[:, None] * s_wn + ks[None, :], mask=cmask[:, None] & kmask[None, :],
-                             other=0.0).to(tl.float32)  # (BN, BK)
-                acc += tl.sum(wd * av[None, :], axis=1)
-        tl.store(y + t * s_y + cols, acc.to(y.dtype.element_ty), mask=cmask)
-
+            acc = _down_row(acc, a + s * s_a, W + tl.load(ids + s).to(tl.int64) * s_we, s_wn, cols, N, K, BK)
+        if HAS_SHARED:
+            acc = _down_row(acc, a + (S + t) * s_a, SD, s_sn, cols, N, IS, BK)
+        tl.store(y + t * s_y + cols, acc.to(y.dtype.element_ty), mask=cols < N)
 
     @triton.jit
     def route_kernel(x, W, logits, ids, weights, E, K, k, s_x, s_w, s_l, SOFTMAX_FIRST: tl.constexpr,
@@ -386,19 +415,29 @@ def decodes(slots: int, num_experts: int) -> bool:
     return 0 < slots <= num_experts
 
 
-def decode_experts(x: Tensor, ids: Tensor, w: Tensor, first: Tensor, down: Tensor) -> Tensor:
+def decode_experts(x: Tensor, ids: Tensor, w: Tensor, first: Tensor, down: Tensor,
+                   shared: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None) -> Tensor:
     """Gated-SiLU experts for few tokens without autograd, with no sort, no padding and no routing metadata: one
     matrix-vector kernel per projection reading only the chosen experts' rows (each slot its expert's gate_up,
     each token its k experts' down, summed in float32). Two kernel launches in all. x (T, H), ids (T, k) expert
-    ids, w (T, k) routing weights, first (E, 2I, H), down (E, H, I) -> (T, H)."""
+    ids, w (T, k) routing weights, first (E, 2I, H), down (E, H, I) -> (T, H).
+
+    `shared`: a gated-SiLU shared expert added to every token in the same two launches, as (gate (IS, H), up (IS, H),
+    down (H, IS), gate row (H,) or None): with a gate row its output is scaled by sigmoid(gate row · x) (SPRI's
+    shared expert has none; Qwen2-MoE's shared_expert_gate is one)."""
     (T, k), (E, H, I) = ids.shape, down.shape
+    S, IS = T * k, 0 if shared is None else shared[0].shape[0]
     x, flat, wf = x.contiguous(), ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
-    a, y = x.new_empty(T * k, I), x.new_empty(T, H)
+    sg, su, sd, gate = (t if t is None else t.contiguous() for t in shared) if shared else (first, first, down, None)
+    a, y = x.new_empty(S + (T if shared else 0), max(I, IS)), x.new_empty(T, H)
     bn, bk = (16, 16) if interpreting() else (32, 128)
-    decode_gate_up_kernel[(T * k, triton.cdiv(I, bn))](x, first, flat, wf, a, I, H, k, x.stride(0), first.stride(0),
-                                                        first.stride(1), a.stride(0), BN=bn, BK=bk)
+    decode_gate_up_kernel[(a.shape[0], triton.cdiv(a.shape[1], bn))](
+        x, first, flat, wf, a, I, H, k, x.stride(0), first.stride(0), first.stride(1), a.stride(0), S, sg, su,
+        x if gate is None else gate, IS, sg.stride(0), HAS_SHARED=shared is not None, HAS_GATE=gate is not None,
+        BN=bn, BK=bk)
     decode_down_kernel[(T, triton.cdiv(H, bn))](a, down, flat, y, H, I, k, a.stride(0), down.stride(0),
-                                                 down.stride(1), y.stride(0), BN=bn, BK=bk)
+                                                 down.stride(1), y.stride(0), S, sd, IS, sd.stride(0),
+                                                 HAS_SHARED=shared is not None, BN=bn, BK=bk)
     return y
 
 
