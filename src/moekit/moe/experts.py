@@ -325,13 +325,13 @@ class Experts(nn.Module):
                 shared: tuple[Tensor, Tensor, Tensor, Tensor | None] | None = None) -> Tensor:
         """x (T, H), topk_ids (T, k), topk_weights (T, k) -> (T, H). `shared`: a shared expert's weights that the
         decode kernels add (triton_experts.decode_experts); only where `decoding` is true."""
-        k = topk_ids.shape[1]
-        grad = self._records_grad(x, topk_weights)
-        triton = self._use_triton(x)
-        if triton and not grad and triton_experts.decodes(topk_ids.numel(), self.num_experts):
+        if self.decoding(x, topk_ids, topk_weights):
             return triton_experts.decode_experts(x, topk_ids, topk_weights, self.first, self.down, shared)
         if shared is not None:
             raise ValueError("a shared expert is added inside the experts only by the decode kernels (decoding())")
+        k = topk_ids.shape[1]
+        grad = self._records_grad(x, topk_weights)
+        triton = self._use_triton(x)
         order, counts, weight = self._sort(x, topk_ids, topk_weights, grad)  # (S,) slots by expert, S = T*k; (E,)
         if triton:
             return triton_experts.triton_experts(x, weight, self.first, self.down, order, counts, k)

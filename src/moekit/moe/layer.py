@@ -94,7 +94,6 @@ class MoELayer(nn.Module):
         self.last_routing = info
         return y.reshape(shape)
 
-
     def _decode_shared(self, x: Tensor, info: RoutingInfo) -> tuple | None:
         """The shared expert's weights where the experts' decode kernels add it: not where something replaced the
         experts' forward (transformers' expert parallelism dispatches exactly 3 arguments across ranks)."""
