@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from moekit.moe import Experts
 from moekit.moe import triton_experts as tx
 from moekit.moe.permute import Combine, Gather, combine, sort_by_expert
+from moekit.moe.router import route
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not tx.available(DEVICE), reason="needs triton (and TRITON_INTERPRET=1 on CPU)")
@@ -367,15 +368,6 @@ def _layer(E, k, H, I, seed, dispatch="triton", shared=None, gate=False):
     return layer
 
 
-def _route_ref(x, weight, k, scoring):
-    """Router.forward's eager ops on the same inputs."""
-    from moekit.moe.router import route
-
-    logits = F.linear(x, weight)
-    weights, ids = route(logits, k, scoring)
-    return logits, weights.to(x.dtype), ids
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scoring", ["topk_softmax", "softmax_topk"])
 @pytest.mark.parametrize("E, k, H, T", [
@@ -394,8 +386,6 @@ def test_route_tokens_computes_what_the_router_computes(dtype, scoring, E, k, H,
     want = F.linear(x.float(), weight.float())
     assert logits.dtype == weights.dtype == dtype and ids.dtype == torch.int64
     assert _rel(logits, want) <= TOL[dtype]
-    from moekit.moe.router import route
-
     want_w, want_ids = route(logits, k, scoring)  # from the kernel's own logits
     if dtype == torch.float32:
         assert torch.equal(ids, want_ids)
@@ -418,7 +408,7 @@ def test_route_tokens_ties_go_to_the_lower_expert_and_nan_comes_first(scoring, w
     logits, weights, ids = tx.route_tokens(x, w, 3, scoring == "softmax_topk")
     assert weights.isnan().all() and ((ids >= 0) & (ids < 7)).all()
     if scoring == "topk_softmax":
-        assert ids[:, 0].tolist() == [4, 4] and _route_ref(x, w, 3, scoring)[2][:, 0].tolist() == [4, 4]
+        assert ids[:, 0].tolist() == [4, 4] and route(F.linear(x, w), 3, scoring)[1][:, 0].tolist() == [4, 4]
 
 
 @pytest.mark.parametrize("T", [1, 3])
