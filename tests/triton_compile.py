@@ -1,0 +1,97 @@
+"""Compiles every Triton kernel of moekit.moe.triton_experts, at each configuration moekit launches it with, for a
+CUDA target with Triton's own compiler (source -> TTIR -> TTGIR -> LLVM IR -> PTX -> cubin by its ptxas), on a
+machine without a GPU. Run with TRITON_INTERPRET unset (the interpreter replaces the kernels when moekit is imported).
+Prints one JSON line per compile: {"kernel", "dtype", "config", "ok", "error", "seconds"}; fails where a kernel
+of the module is missing from POINTERS. Usage: triton_compile.py ARCH DTYPES, e.g. 90 bf16,fp32."""
+import itertools
+import json
+import sys
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moekit.moe import triton_experts as tx
+
+D = "D"  # the activation dtype
+INTS = {"counts": "*i32", "hist": "*i32", "prefix": "*i32", "order": "*i64", "ids": "*i64"}
+POINTERS = {
+    "swiglu_fwd": "h w a", "swiglu_bwd": "dy h w dh dw", "combine_k": "src idx out",
+    "gate_up_kernel": "x W order counts w a h", "down_kernel": "a W order counts y",
+    "expert_hist_kernel": "ids hist", "counting_sort_kernel": "ids prefix w order w_sorted counts",
+    "decode_gate_up_kernel": "x W ids w a SG SU SGATE", "decode_down_kernel": "a W ids y SD",
+    "route_kernel": "x W logits ids weights"}
+
+
+def variants(name, dtype):
+    """(constexprs, pointer dtype overrides, launch options) of each configuration moekit launches `name` with."""
+    b = lambda *flags: [dict(zip(flags, v)) for v in itertools.product((False, True), repeat=len(flags))]  # noqa
+    if name in ("swiglu_fwd", "swiglu_bwd"):
+        return [({**c, "BM": 32, "BN": 256}, {}, {}) for c in b("HAS_W")]
+    if name == "combine_k":
+        return [({**c, "BT": 16, "BH": 256}, {"idx": "*i64"} if c["HAS_IDX"] else {}, {}) for c in b("HAS_IDX")]
+    if name in ("gate_up_kernel", "down_kernel"):
+        out = []
+        for m, n, k, w, s in tx._CONFIGS if dtype != "fp32" else tx._CONFIGS[:1]:
+            for c in (b("SAVE_H") if name == "gate_up_kernel" else [{}]):
+                out.append(({**c, "IEEE": dtype == "fp32", "BM": m, "BN": n, "BK": k, "BE": 64}, {},
+                            {"num_warps": w, "num_stages": s}))
+        return out
+    if name == "expert_hist_kernel":
+        return [({"BS": 64, "BE": 64}, {}, {})]
+    if name == "counting_sort_kernel":
+        return [({**c, "BS": 64, "BE": 64}, {} if c["HAS_W"] else {"w": "*i64", "w_sorted": "*i64"}, {})
+                for c in b("HAS_W")]
+    if name == "decode_gate_up_kernel":
+        return [({"HAS_SHARED": s, "HAS_GATE": g, "BN": 32, "BK": 128}, {}, {})
+                for s, g in ((False, False), (True, False), (True, True))]
+    if name == "decode_down_kernel":
+        return [({**c, "BN": 32, "BK": 128}, {}, {}) for c in b("HAS_SHARED")]
+    if name == "route_kernel":
+        return [({**c, "BE": 64, "BK": 128, "BKK": 8}, {}, {}) for c in b("SOFTMAX_FIRST")]
+    raise KeyError(name)
+
+
+def signature(fn, dtype, const, overrides, pointers):
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name in pointers:
+            sig[p.name] = overrides.get(p.name) or INTS.get(p.name) or f"*{dtype}"
+        else:
+            sig[p.name] = "i32"
+    return sig
+
+
+def main(arch: int, dtypes: list[str]) -> int:
+    target, failed = GPUTarget("cuda", arch, 32), 0
+    kernels = {n for n, v in vars(tx).items() if isinstance(v, (triton.runtime.JITFunction, triton.runtime.Autotuner))
+               and not n.startswith("_")}
+    if kernels != set(POINTERS):  # a kernel added to moekit must be added here
+        print(json.dumps({"kernel": "(coverage)", "dtype": "", "config": {}, "ok": False, "seconds": 0,
+                          "error": f"kernels not checked: {sorted(kernels - set(POINTERS))}; "
+                                   f"checked but gone: {sorted(set(POINTERS) - kernels)}"}))
+        failed += 1
+    for dtype, (name, pointers) in itertools.product(dtypes, POINTERS.items()):
+        if dtype == "fp32" and name not in ("gate_up_kernel", "down_kernel"):
+            continue  # in float32 only the GEMMs differ (IEEE tl.dot); the rest load and store any dtype alike
+        kernel = getattr(tx, name)
+        fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel  # autotuned: wraps the JIT
+        for const, overrides, options in variants(name, dtype):
+            start = time.time()
+            try:
+                src = ASTSource(fn, signature(fn, dtype, const, overrides, pointers.split()), const)
+                triton.compile(src, target=target, options=options)
+                error = None
+            except Exception as e:  # noqa: BLE001  (reported, one line per configuration)
+                error = f"{type(e).__name__}: {e}"[:3000]
+                failed += 1
+            print(json.dumps({"kernel": name, "dtype": dtype, "config": {**const, **options}, "ok": error is None,
+                              "error": error, "seconds": round(time.time() - start, 2)}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), sys.argv[2].split(",")))
