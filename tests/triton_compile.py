@@ -1,4 +1,4 @@
-"""Compiles every Triton kernel of moekit.moe.triton_experts, at each configuration moekit launches it with, for a
+"""Compiles every Triton kernel of moekit.moe.triton_experts, at the configurations `variants` lists, for a
 CUDA target with Triton's own compiler (source -> TTIR -> TTGIR -> LLVM IR -> PTX -> cubin by its ptxas), on a
 machine without a GPU. Run with TRITON_INTERPRET unset (the interpreter replaces the kernels when moekit is imported).
 Prints one JSON line per compile: {"kernel", "dtype", "config", "ok", "error", "seconds"}; fails where a kernel
@@ -14,7 +14,6 @@ from triton.compiler import ASTSource
 
 from moekit.moe import triton_experts as tx
 
-D = "D"  # the activation dtype
 INTS = {"counts": "*i32", "hist": "*i32", "prefix": "*i32", "order": "*i64", "ids": "*i64"}
 POINTERS = {
     "swiglu_fwd": "h w a", "swiglu_bwd": "dy h w dh dw", "combine_k": "src idx out",
@@ -24,32 +23,39 @@ POINTERS = {
     "route_kernel": "x W logits ids weights"}
 
 
+def flags(*names):
+    """Every combination of the boolean constexprs `names`, as dicts."""
+    return [dict(zip(names, v)) for v in itertools.product((False, True), repeat=len(names))]
+
+
 def variants(name, dtype):
-    """(constexprs, pointer dtype overrides, launch options) of each configuration moekit launches `name` with."""
-    b = lambda *flags: [dict(zip(flags, v)) for v in itertools.product((False, True), repeat=len(flags))]  # noqa
+    """(constexprs, pointer dtype overrides, launch options) of the configurations checked for `name`: every flag
+    combination; the GEMMs at each autotuning config; the router and the counting sort at the blocks moekit picks for
+    E = 8, 64 and 256; the element-wise kernels at their widest and a narrow block."""
     if name in ("swiglu_fwd", "swiglu_bwd"):
-        return [({**c, "BM": 32, "BN": 256}, {}, {}) for c in b("HAS_W")]
+        return [({**c, "BM": 32, "BN": bn}, {}, {}) for c in flags("HAS_W") for bn in (32, 256)]
     if name == "combine_k":
-        return [({**c, "BT": 16, "BH": 256}, {"idx": "*i64"} if c["HAS_IDX"] else {}, {}) for c in b("HAS_IDX")]
+        return [({**c, "BT": 16, "BH": bh}, {"idx": "*i64"} if c["HAS_IDX"] else {}, {})
+                for c in flags("HAS_IDX") for bh in (32, 256)]
     if name in ("gate_up_kernel", "down_kernel"):
-        out = []
-        for m, n, k, w, s in tx._CONFIGS if dtype != "fp32" else tx._CONFIGS[:1]:
-            for c in (b("SAVE_H") if name == "gate_up_kernel" else [{}]):
-                out.append(({**c, "IEEE": dtype == "fp32", "BM": m, "BN": n, "BK": k, "BE": 64}, {},
-                            {"num_warps": w, "num_stages": s}))
-        return out
+        return [({**c, "IEEE": dtype == "fp32", "BM": m, "BN": n, "BK": k, "BE": 64}, {},
+                 {"num_warps": w, "num_stages": s})
+                for m, n, k, w, s in (tx._CONFIGS if dtype != "fp32" else tx._CONFIGS[:1])
+                for c in (flags("SAVE_H") if name == "gate_up_kernel" else [{}])]
+    blocks = [(E, tx.SORT_TILE // E) for E in (8, 64, 256)]  # (BE, BS) as sort_by_expert picks them
     if name == "expert_hist_kernel":
-        return [({"BS": 64, "BE": 64}, {}, {})]
+        return [({"BS": bs, "BE": be}, {}, {}) for be, bs in blocks]
     if name == "counting_sort_kernel":
-        return [({**c, "BS": 64, "BE": 64}, {} if c["HAS_W"] else {"w": "*i64", "w_sorted": "*i64"}, {})
-                for c in b("HAS_W")]
+        return [({**c, "BS": bs, "BE": be}, {} if c["HAS_W"] else {"w": "*i64", "w_sorted": "*i64"}, {})
+                for c in flags("HAS_W") for be, bs in blocks]
     if name == "decode_gate_up_kernel":
         return [({"HAS_SHARED": s, "HAS_GATE": g, "BN": 32, "BK": 128}, {}, {})
                 for s, g in ((False, False), (True, False), (True, True))]
     if name == "decode_down_kernel":
-        return [({**c, "BN": 32, "BK": 128}, {}, {}) for c in b("HAS_SHARED")]
+        return [({**c, "BN": 32, "BK": 128}, {}, {}) for c in flags("HAS_SHARED")]
     if name == "route_kernel":
-        return [({**c, "BE": 64, "BK": 128, "BKK": 8}, {}, {}) for c in b("SOFTMAX_FIRST")]
+        return [({**c, "BE": be, "BK": max(16, min(128, 8192 // be)), "BKK": 8}, {}, {})
+                for c in flags("SOFTMAX_FIRST") for be in (8, 64, 256)]
     raise KeyError(name)
 
 
