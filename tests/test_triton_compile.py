@@ -16,6 +16,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 HERE = Path(__file__).resolve().parent
+SM90_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90
 KERNELS = ("swiglu_fwd", "swiglu_bwd", "combine_k", "gate_up_kernel", "down_kernel", "expert_hist_kernel",
            "counting_sort_kernel", "decode_gate_up_kernel", "decode_down_kernel", "route_kernel")
 
@@ -39,3 +40,4 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert proc.returncode == 0 and not failed, "\n".join(failed) or proc.stderr[-3000:]
 
     assert {r["kernel"] for r in rows} == set(KERNELS), rows  # and the script checked that it covers the module
+    assert max(r["shared"] for r in rows) <= SM90_SHARED  # every block fits an H100/H200 SM's shared memory

@@ -1,7 +1,8 @@
 """Compiles every Triton kernel of moekit.moe.triton_experts, at the configurations `variants` lists, for a
 CUDA target with Triton's own compiler (source -> TTIR -> TTGIR -> LLVM IR -> PTX -> cubin by its ptxas), on a
 machine without a GPU. Run with TRITON_INTERPRET unset (the interpreter replaces the kernels when moekit is imported).
-Prints one JSON line per compile: {"kernel", "dtype", "config", "ok", "error", "seconds"}; fails where a kernel
+Prints one JSON line per compile: {"kernel", "dtype", "config", "ok", "error", "shared" (bytes of shared memory a
+block needs), "seconds"}; fails where a kernel
 of the module is missing from POINTERS. Usage: triton_compile.py ARCH DTYPES, e.g. 90 bf16,fp32."""
 import itertools
 import json
@@ -76,7 +77,7 @@ def main(arch: int, dtypes: list[str]) -> int:
     kernels = {n for n, v in vars(tx).items() if isinstance(v, (triton.runtime.JITFunction, triton.runtime.Autotuner))
                and not n.startswith("_")}
     if kernels != set(POINTERS):  # a kernel added to moekit must be added here
-        print(json.dumps({"kernel": "(coverage)", "dtype": "", "config": {}, "ok": False, "seconds": 0,
+        print(json.dumps({"kernel": "(coverage)", "dtype": "", "config": {}, "ok": False, "shared": 0, "seconds": 0,
                           "error": f"kernels not checked: {sorted(kernels - set(POINTERS))}; "
                                    f"checked but gone: {sorted(set(POINTERS) - kernels)}"}))
         failed += 1
@@ -89,13 +90,13 @@ def main(arch: int, dtypes: list[str]) -> int:
             start = time.time()
             try:
                 src = ASTSource(fn, signature(fn, dtype, const, overrides, pointers.split()), const)
-                triton.compile(src, target=target, options=options)
-                error = None
+                shared, error = triton.compile(src, target=target, options=options).metadata.shared, None
             except Exception as e:  # noqa: BLE001  (reported, one line per configuration)
-                error = f"{type(e).__name__}: {e}"[:3000]
+                shared, error = None, f"{type(e).__name__}: {e}"[:3000]
                 failed += 1
             print(json.dumps({"kernel": name, "dtype": dtype, "config": {**const, **options}, "ok": error is None,
-                              "error": error, "seconds": round(time.time() - start, 2)}), flush=True)
+                              "error": error, "shared": shared, "seconds": round(time.time() - start, 2)}),
+                  flush=True)
     return 1 if failed else 0
 
 
