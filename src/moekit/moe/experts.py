@@ -373,15 +373,15 @@ class Experts(nn.Module):
     def _use_triton(self, x: Tensor) -> bool:
         """moekit's Triton kernels (moe/triton_experts.py): on CUDA where triton imports, for gated SiLU
         experts without biases in x's dtype and grouped_mm for the backward; or forced by `dispatch`."""
-        if self.dispatch not in ("auto", "triton"):
-            return False
+        if self.dispatch not in ("auto", "triton") or (self.dispatch == "auto" and x.device.type != "cuda"):
+            return False  # first: asked up to 3 times per layer forward (decoding, forward, MoELayer._decode_shared)
         fits = (self._loop_trainable() and x.dtype == self.first.dtype and triton_experts.available(x.device)
                 and _groupable(x, self.first) and self.intermediate_size % (16 // x.element_size()) == 0
                 and grouped_mm_runs(x.device, x.dtype))
         if self.dispatch == "triton" and not fits:
             raise ValueError("dispatch='triton' needs gated SiLU experts without biases, triton on a CUDA device "
                              "(or TRITON_INTERPRET=1), x in the experts' dtype and 16-byte aligned rows")
-        return fits and (self.dispatch == "triton" or x.device.type == "cuda")
+        return fits
 
     def _use_loop(self, x: Tensor, counts: Tensor, grad: bool) -> bool:
         """The per-expert loop: on CPU, when each hit expert has ≥ LOOP_WORK multiply-adds (or forced by

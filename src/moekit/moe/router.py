@@ -77,13 +77,14 @@ class Router(nn.Module):
         return RoutingInfo(logits=logits, topk_ids=ids, topk_weights=weights)
 
     def _fused(self, x: Tensor) -> bool:
-        if (self.dispatch == "eager" or x.dtype != self.weight.dtype or not triton_experts.available(x.device)
+        if self.dispatch == "eager" or (self.dispatch == "auto" and x.device.type != "cuda"):
+            return False  # first: every forward of every router asks
+        if (x.dtype != self.weight.dtype or not triton_experts.available(x.device)
                 or torch.is_autocast_enabled(x.device.type)):  # autocast: F.linear's dtype, as eager computes it
             return False
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return False
-        return (triton_experts.routes(x.shape[0] * self.top_k, self.num_experts, x.shape[1])
-                and (self.dispatch == "triton" or x.device.type == "cuda"))
+        return triton_experts.routes(x.shape[0] * self.top_k, self.num_experts, x.shape[1])
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}, jitter={self.jitter}"
