@@ -338,3 +338,26 @@ def test_diversity_is_exact_for_any_chunk():
     v = torch.nn.functional.normalize(down.reshape(5, -1), dim=-1)
     want = float(1 - (v @ v.T)[~torch.eye(5, dtype=torch.bool)].mean())
     assert all(expert_diversity(down, chunk) == pytest.approx(want, abs=1e-12) for chunk in (1, 1000, 1 << 30))
+
+
+def test_a_checkpoint_under_the_names_transformers_renames_streams_and_a_clash_is_refused(tmp_path):
+    """GPT-NeoX stores its head as embed_out (transformers 5 loads it as lm_head): the streaming upcycle reads it
+    under the model's name, for every method's copy; a checkpoint holding both names is refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from moekit.errors import CheckpointError
+    from moekit.testing.families import tiny_family_model
+
+    dense = tiny_family_model("gpt_neox")
+    dense.save_pretrained(tmp_path / "dense")
+    stored = load_file(tmp_path / "dense" / "model.safetensors")
+    assert "embed_out.weight" in stored and "lm_head.weight" not in stored
+    spec = make_spec(init="drop")
+    upcycle_checkpoint(tmp_path / "dense", tmp_path / "moe", spec)
+    assert_same_state(load(tmp_path / "moe").state_dict(), in_memory(tmp_path / "dense", spec, torch.float32).state_dict())
+
+    save_file({**stored, "lm_head.weight": stored["embed_out.weight"].clone()}, tmp_path / "dense" / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="holds both embed_out.weight and lm_head.weight") as e:
+        upcycle_checkpoint(tmp_path / "dense", tmp_path / "clash", spec)
+    assert "\n" not in str(e.value) and not (tmp_path / "clash").exists()

@@ -157,3 +157,39 @@ def test_spec_selecting_nothing(sel):
 def test_invalid_target_regex_is_a_config_error():
     with pytest.raises(ConfigError, match="regular expression"):
         validate(MoESpec, {"target": "layers.(0"})
+
+
+class _ScaledMLP(nn.Module):
+    """Llama's MLP names with something more inside: a scale on the intermediate (as Falcon-H1's multipliers)."""
+
+    def __init__(self, mlp: nn.Module, scale: float):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+        self.scale = scale
+
+    def forward(self, x):
+        return self.down_proj(self.scale * self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("scale", [1.5, 1.001])
+def test_an_ffn_that_computes_more_than_its_weights_is_refused_before_any_change(scale):
+    model = tiny_llama(num_hidden_layers=3)
+    model.model.layers[2].mlp = _ScaledMLP(model.model.layers[2].mlp, scale)  # the last layer: checked up front
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.2\.mlp: .* does not compute what moekit reads") as e:
+        upcycle(model, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
+    assert "\n" not in str(e.value)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert not moe_layers(model) and all(m.training for m in model.modules())  # modes restored after the probe
+
+
+def test_the_probe_allows_16_bit_rounding_and_checks_16_bit_models():
+    """A bf16 model's FFN is read as it is (no false refusal from bf16 rounding); a wrong one is still refused."""
+    spec = validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"})
+    assert moe_layers(upcycle(tiny_llama().to(torch.bfloat16), spec))
+    model = tiny_llama().to(torch.bfloat16)
+    model.model.layers[0].mlp = _ScaledMLP(model.model.layers[0].mlp, 1.5)
+    with pytest.raises(UnsupportedModelError, match="does not compute what moekit reads"):
+        upcycle(model, spec)

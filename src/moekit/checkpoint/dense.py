@@ -118,10 +118,15 @@ def check_layer_limit(data: dict, source: str, at: str = "") -> None:
 LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
 
 
+SUB_CONFIG_LAYERS = 512  # a count a sub-config may claim beyond the weights: built in seconds on the meta device
+
+
 def check_layer_counts(folder: Path, data: dict) -> None:
     """Refuse a config.json claiming more layers than its safetensors weights hold (a count above 1 + the largest
     layer index, the first number in a tensor's name) before transformers builds them: building 200,000 layers,
-    even on the meta device, takes minutes. Counts are read at the top level and in sub-configs (text_config)."""
+    even on the meta device, takes minutes. Counts are read at the top level and in sub-configs (text_config); a
+    sub-config may describe a part whose weights another checkpoint holds (MoshiForCausalLM's audio_encoder_config:
+    the Mimi codec is not in its weights), so its count is refused only above SUB_CONFIG_LAYERS."""
     claims = [(f"{k}.{c}" if k else c, v) for k, d in [("", data), *data.items()] if isinstance(d, dict)
               for c in LAYER_COUNTS if isinstance(v := d.get(c), int) and not isinstance(v, bool)]
     if not claims or not has_safetensors(folder, allow_pickle=True):
@@ -130,7 +135,7 @@ def check_layer_counts(folder: Path, data: dict) -> None:
               for name in read_headers(folder)]
     top = max((i for i in firsts if i is not None), default=None)
     for key, count in claims:
-        if top is not None and count > top + 1:
+        if top is not None and count > top + 1 and ("." not in key or count > SUB_CONFIG_LAYERS):
             raise CheckpointError(f"{folder}/config.json: {key} is {count}, but no tensor of its weights has a layer "
                                   f"index above {top}")
 

@@ -270,6 +270,7 @@ class ShardReader:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
+        self.built: dict[str, list[str]] = {}  # {a model's tensor: the stored tensors it is built from} (rename)
         self._fds: dict[Path, int] = {}
         try:
             self.headers = read_headers(self.folder, self._fds)
@@ -279,6 +280,18 @@ class ShardReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self.headers
+
+    def rename(self, names: dict[str, str], built: dict[str, list[str]]) -> None:
+        """Serve stored tensor k as names[k] from now on (one to one; two stored tensors that would get one name are
+        refused); `built` records the model tensors that are made of several stored ones, for messages."""
+        renamed: dict[str, str] = {}
+        for k in self.headers:
+            other = renamed.setdefault(names.get(k, k), k)
+            if other != k:
+                raise CheckpointError(f"{self.folder} holds both {other} and {k}, which load as one tensor "
+                                      f"{names.get(k, k)}")
+        self.headers = {names.get(k, k): v for k, v in self.headers.items()}
+        self.built = built
 
     def keys(self) -> list[str]:
         return list(self.headers)

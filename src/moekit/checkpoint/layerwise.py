@@ -89,6 +89,26 @@ def _no_load_bars() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+def model_names(model: nn.Module, keys: list[str]) -> dict[str, tuple[str, bool]]:
+    """{checkpoint key: (the model's name for it, whether a WeightConverter builds that tensor from several keys)}, by
+    transformers' own renaming for the family on load (NemotronH's backbone.* -> model.*, GPT-NeoX's embed_out ->
+    lm_head, a vision-language model's language_model.model.* -> model.language_model.*; OLMo-Hybrid's q/k/v
+    convolutions concatenated into one)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    out = {}
+    for k in keys:
+        name, converted = rename_source_key(k, renamings, converters, prefix, meta)
+        out[k] = (name, converted is not None)
+    return out
+
+
 class LayerStream:
     """The model of a checkpoint directory with its weights left in the checkpoint until `load`ed (module docstring).
     `dtype`: the weights' dtype once loaded (default: the checkpoint config's)."""
@@ -100,17 +120,9 @@ class LayerStream:
         self._names = self._model_names()
 
     def _model_names(self) -> dict[str, str]:
-        """{checkpoint key: the model parameter it loads into}, by transformers' own renaming for the family (e.g.
-        NemotronH's backbone.* -> model.*), so a part's tensors are found under the model's names."""
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-
-        mapping = get_model_conversion_mapping(self.model)
-        converters = [m for m in mapping if isinstance(m, WeightConverter)]
-        renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
-        meta = self.model.state_dict()
-        prefix = getattr(self.model, "base_model_prefix", None)
-        return {k: rename_source_key(k, renamings, converters, prefix, meta)[0] for k in self.reader.keys()}
+        """{checkpoint key: the model parameter it loads into}, so a part's tensors are found under the model's
+        names."""
+        return {k: name for k, (name, _) in model_names(self.model, self.reader.keys()).items()}
 
     def load(self, path: str, device: str | torch.device = "cpu") -> nn.Module:
         """Load the parameters and persistent buffers of submodule `path` (a model name: "model.layers.3") from the

@@ -32,6 +32,7 @@ from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
 from moekit.progress import report
 from moekit.surgery import Slot, slot_at
+from moekit.surgery.locate import read_checked
 from moekit.checkpoint.upcycle_model import release_freed_memory
 from moekit.moe.state import model_state
 
@@ -309,7 +310,7 @@ def read_ffn(slot: Slot, reader: ShardReader, finite: bool) -> FFNWeights:
         if finite:
             check_finite(tensors[key], f"{reader.folder}: {base + key}")
     block.load_state_dict(tensors, strict=False, assign=True)
-    return slot.adapter.read(block, slot.act)
+    return read_checked(slot.adapter, block, slot.act, f"{reader.folder}: {slot.path}")
 
 
 def layout_for(ffn: FFNWeights, spec: MoESpec, dropout: float, dtype: torch.dtype) -> dict:

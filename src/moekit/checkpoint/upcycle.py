@@ -18,7 +18,7 @@ from moekit.checkpoint.dense import check_dense_dir, declared_architecture, load
 from moekit.checkpoint.export.write import native_units
 from moekit.checkpoint.files import ShardReader, copy_file, read_headers
 from moekit.checkpoint.format import moekit_meta, unique_tensors
-from moekit.checkpoint.layerwise import streamed_prompt_rows
+from moekit.checkpoint.layerwise import model_names, streamed_prompt_rows
 from moekit.checkpoint.stream import (Copy, StoredParts, UpcycledParts, draw_router, ffn_keys, meta_moe_model,
                                       moe_units, moekit_naming, ordered_units, planned_bytes, read_ffn, write_units)
 from moekit.checkpoint.wrapped import save_config
@@ -133,13 +133,30 @@ def choose_format(name: str, model: nn.Module, layout: str | None = None, dtype:
     return None, None, "no native format represents this MoE exactly, so moekit's: " + "; ".join(reasons)
 
 
+def model_named(reader: ShardReader, model: nn.Module) -> ShardReader:
+    """`reader` serving its tensors under `model`'s names, renamed as transformers renames them when it loads the
+    model (moekit.checkpoint.layerwise.model_names); a tensor transformers builds from several stored ones is not
+    renamed (a streaming upcycle copies tensors as they are stored) but recorded, so that asking for it says why."""
+    names, built = {}, {}
+    for k, (name, converted) in model_names(model, reader.keys()).items():
+        if converted:
+            built.setdefault(name, []).append(k)
+        else:
+            names[k] = name
+    reader.rename(names, built)
+    return reader
+
+
 def source_key(key: str, aliases: dict[str, str], reader: ShardReader) -> str:
     """The checkpoint's name for output tensor `key`: itself, or a tied alias the checkpoint stored instead."""
     for name in (key, *(a for a, k in aliases.items() if k == key)):
         if name in reader:
             return name
-    raise ConfigError(f"{reader.folder} has no tensor {key}; a checkpoint whose names transformers rewrites on "
-                      "load must be loaded and saved with transformers (save_pretrained) first")
+    if key in reader.built:
+        raise ConfigError(f"{reader.folder}: transformers builds {key} from {', '.join(reader.built[key])} when it "
+                          "loads the model, and a streaming upcycle copies tensors as they are stored: load the model "
+                          "and upcycle it in memory (moekit.upcycle)")
+    raise ConfigError(f"{reader.folder} has no tensor {key}, nor one that transformers loads as {key}")
 
 
 def copy_files(src: Path, dst: Path) -> None:
@@ -171,7 +188,7 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     branch_dirs = [check_dense_dir(b) for b in spec.init.source_models()]
     names = public_names([src, *branch_dirs])  # what the outputs publish: no path of this machine
     public = spec.model_copy(update={"init": spec.init.with_source_models(names[1:])}) if branch_dirs else spec
-    reader, branches = ShardReader(src), [ShardReader(b) for b in branch_dirs]
+    reader, branches = model_named(ShardReader(src), dense), [model_named(ShardReader(b), dense) for b in branch_dirs]
     dt = output_dtype(dtype, reader)
     slots = selected_slots(dense, spec)
     check_shapes(dense, reader, src)
@@ -194,6 +211,8 @@ def upcycle_checkpoint(src: str | Path, out: str | Path, spec: MoESpec, *, forma
     need = planned_bytes(units, dt)
     check_space(out, need)
     check_memory(dense, slots, spec, force)
+    for r in (reader, *branches):  # the first FFN computes what is read from it (each one is checked as it is read)
+        read_ffn(slots[0], r, not allow_nonfinite)
     if spec.router_init in PROMPT_INITS:
         prompt_model = meta_model(src, trust_remote_code, buffers=True)
         rows.update(streamed_prompt_rows(prompt_model, reader, selected_slots(prompt_model, spec), spec, tokenizer))

@@ -170,9 +170,11 @@ def upcycle(model: nn.Module, spec: MoESpec, branches: list[nn.Module] | None = 
             raise ConfigError(f"{spec.init.method} needs {need} branch models, got {len(branches or [])}")
         check_branches(model, branches, spec.init.method)
         branch_slots = [{s.path: s for s in find_slots(b)} for b in branches]
-        if spec.init.averages_non_ffn:
-            average_branches(model, branches, [s.path for s in slots], spec.init.include_seed)
+    for slot in [*slots, *(bs[s.path] for bs in branch_slots for s in slots)]:
+        slot.checked_read()  # each FFN computes what is read from it: checked before the model changes
     groups = router_groups(slots, spec)  # checked before any layer changes
+    if branch_slots and spec.init.averages_non_ffn:
+        average_branches(model, branches, [s.path for s in slots], spec.init.include_seed)
     rows = prompt_rows(model, slots, spec, tokenizer) if spec.router_init in PROMPT_INITS else {}
     routers: dict[str, Router] = {}  # router-sharing group -> its router (Omni-router)
     for done, slot in enumerate(slots, 1):

@@ -5,7 +5,7 @@ embedded in a larger model (speech-LLMs, vision-language models) is found too.
 """
 from __future__ import annotations
 
-from torch import nn
+from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from moekit.moe.ffn import FFNWeights
@@ -34,6 +34,10 @@ class Adapter:
     def install(self, block: nn.Module, moe: MoELayer) -> None:
         raise NotImplementedError
 
+    def forward(self, block: nn.Module, x: Tensor) -> Tensor:
+        """The block's own FFN on x: what the modules `install` replaces compute (surgery.locate.read_checked)."""
+        raise NotImplementedError
+
     def dropout(self, block: nn.Module) -> float:
         return 0.0
 
@@ -57,6 +61,25 @@ class _ChildAdapter(Adapter):
     def install(self, block, moe):
         setattr(block, self.child(block)[0], moe)
 
+    def forward(self, block, x):
+        return self.child(block)[1](x)
+
+    def dropout(self, block):  # on the FFN's output (GPT-2's MLP.dropout)
+        d = getattr(self.child(block)[1], "dropout", None)
+        return d.p if isinstance(d, nn.Dropout) else 0.0
+
+
+class _PairAdapter(_ChildAdapter):
+    """The FFN child holds one of PAIRS: (first, second) nn.Linear attribute names."""
+
+    PAIRS: tuple[tuple[str, str], ...]
+
+    def pair(self, m: nn.Module) -> tuple[nn.Linear, nn.Linear] | None:
+        return next(((getattr(m, a), getattr(m, b)) for a, b in self.PAIRS if _linears(m, a, b)), None)
+
+    def is_ffn(self, m):
+        return self.pair(m) is not None
+
 
 class GatedMLP(_ChildAdapter):
     name = "gated_mlp"
@@ -72,6 +95,38 @@ class GatedMLP(_ChildAdapter):
                           gate_bias=_bias(m.gate_proj), down_bias=_bias(m.down_proj))
 
 
+class FusedGatedMLP(_PairAdapter):
+    """One projection to [gate; up] (2I rows, the activation on the first half), then down: Phi-3's and GLM's
+    gate_up_proj/down_proj, ModernBERT's Wi/Wo."""
+
+    name = "fused_gated_mlp"
+    families = "fused gated MLP with gate_up_proj/down_proj or Wi/Wo (Phi-3, GLM, GLM-4, ModernBERT)"
+    PAIRS = (("gate_up_proj", "down_proj"), ("Wi", "Wo"))
+
+    def read(self, block, act):
+        fused, down = self.pair(self.child(block)[1])
+        w, b = fused.weight.detach(), _bias(fused)
+        n = w.shape[0] // 2
+        return FFNWeights(up=w[n:], down=down.weight.detach(), act=act, gate=w[:n],
+                          up_bias=None if b is None else b[n:], gate_bias=None if b is None else b[:n],
+                          down_bias=_bias(down))
+
+
+class LinearMLP(_PairAdapter):
+    """A non-gated MLP of two nn.Linear: up (H -> I), the activation, down (I -> H)."""
+
+    name = "linear_mlp"
+    families = ("non-gated MLP with c_fc/c_proj, dense_h_to_4h/dense_4h_to_h, fc_in/fc_out or up_proj/down_proj "
+                "linears (StarCoder2, GPT-BigCode, GPT-Neo, GPT-NeoX/Pythia, Falcon, GPT-J, CodeGen, Persimmon, "
+                "Nemotron, Arcee, Jais2)")
+    PAIRS = (("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc_in", "fc_out"), ("up_proj", "down_proj"))
+
+    def read(self, block, act):
+        up, down = self.pair(self.child(block)[1])
+        return FFNWeights(up=up.weight.detach(), down=down.weight.detach(), act=act, up_bias=_bias(up),
+                          down_bias=_bias(down))
+
+
 class Conv1DMLP(_ChildAdapter):
     name = "conv1d_mlp"
     families = "GPT-2 style c_fc/c_proj Conv1D MLP"
@@ -84,22 +139,11 @@ class Conv1DMLP(_ChildAdapter):
         return FFNWeights(up=m.c_fc.weight.detach().T, down=m.c_proj.weight.detach().T, act=act,
                           up_bias=_bias(m.c_fc), down_bias=_bias(m.c_proj))
 
-    def dropout(self, block):
-        d = getattr(self.child(block)[1], "dropout", None)
-        return d.p if isinstance(d, nn.Dropout) else 0.0
 
-
-class FCMLP(_ChildAdapter):
+class FCMLP(LinearMLP):
     name = "fc_mlp"
     families = "fc1/fc2 MLP module (CLIP, Phi, ...)"
-
-    def is_ffn(self, m):
-        return _linears(m, "fc1", "fc2")
-
-    def read(self, block, act):
-        m = self.child(block)[1]
-        return FFNWeights(up=m.fc1.weight.detach(), down=m.fc2.weight.detach(), act=act,
-                          up_bias=_bias(m.fc1), down_bias=_bias(m.fc2))
+    PAIRS = (("fc1", "fc2"),)
 
 
 class InlineFC(Adapter):
@@ -120,6 +164,9 @@ class InlineFC(Adapter):
 
     def install(self, block, moe):
         block.fc1, block.fc2, block.activation_fn = moe, nn.Identity(), nn.Identity()
+
+    def forward(self, block, x):
+        return block.fc2(block.activation_fn(block.fc1(x)))
 
 
 class BertFFN(Adapter):
@@ -144,8 +191,12 @@ class BertFFN(Adapter):
     def install(self, block, moe):
         block.intermediate, block.output.dense = moe, nn.Identity()
 
+    def forward(self, block, x):
+        return block.output.dense(block.intermediate(x))
 
-ADAPTERS: list[Adapter] = [GatedMLP(), Conv1DMLP(), BertFFN(), InlineFC(), FCMLP()]
+
+# in order of precedence: a gated MLP's up_proj/down_proj must not be read as a non-gated one
+ADAPTERS: list[Adapter] = [GatedMLP(), FusedGatedMLP(), Conv1DMLP(), LinearMLP(), BertFFN(), InlineFC(), FCMLP()]
 ADAPTERS_BY_NAME = {a.name: a for a in ADAPTERS}
 
 

@@ -1,7 +1,8 @@
-"""Every MoE family of the installed transformers, as a tiny random model: for the routing-capture family test.
+"""Every family of the installed transformers, as a tiny random model: for the family tests (routing capture on the
+MoE families, tests/test_families.py; upcycling the dense ones, tests/test_dense_families.py).
 
-The families are discovered from transformers itself (every causal-LM config whose fields name experts), so a family
-added by a new transformers release shows up in tests/test_families.py without a hand-written list. A tiny instance
+The families are discovered from transformers itself (every causal-LM config whose fields name experts, or none), so
+a family added by a new transformers release shows up in the tests without a hand-written list. A tiny instance
 is the family's default config with its sizes shrunk by name (hidden and FFN sizes, heads, layers, experts, MLA
 ranks, vocabulary); where a family's layer pattern mixes layer kinds (linear attention, Mamba, dense), the first
 layers that hold every kind are kept.
@@ -26,9 +27,9 @@ MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config i
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1}}  # its config validation (on reload) allows top-1 only
 
 
-def moe_model_types() -> dict[str, str]:
-    """{model_type: causal-LM class name} of every transformers family whose config names experts (one model type per
-    class: the text-only variant where a multimodal one shares its class)."""
+def _causal_lm_types(moe: bool) -> dict[str, str]:
+    """{model_type: causal-LM class name} of every transformers family whose config names experts (`moe`) or names
+    none (one model type per class: the text-only variant where a multimodal one shares its class)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -40,14 +41,24 @@ def moe_model_types() -> dict[str, str]:
                 continue  # a multimodal family's causal LM: its text-only config is the one to shrink
             try:
                 cfg = AutoConfig.for_model(model_type)
-            except Exception:  # noqa: BLE001 - a config that needs arguments is no MoE we can build by name
+            except Exception:  # noqa: BLE001 - a config that needs arguments is no family we can build by name
                 continue
             text = str(cfg.to_dict())
-            moe = re.search(r"['\"][a-z_]*expert[a-z_]*['\"]\s*:\s*\d", text) or any(
+            experts = re.search(r"['\"][a-z_]*expert[a-z_]*['\"]\s*:\s*\d", text) or any(
                 re.search(rf"['\"]{key}['\"]\s*:", text) for key in MOE_SWITCHES)
-            if moe and cls not in out.values():
+            if bool(experts) == moe and cls not in out.values():
                 out[model_type] = cls
     return out
+
+
+def moe_model_types() -> dict[str, str]:
+    """Every MoE family of the installed transformers: {model_type: causal-LM class name}."""
+    return _causal_lm_types(moe=True)
+
+
+def dense_model_types() -> dict[str, str]:
+    """Every family of the installed transformers with a causal LM and no experts: what upcycling starts from."""
+    return _causal_lm_types(moe=False)
 
 
 def _set(cfg, key: str, value) -> None:
@@ -101,9 +112,10 @@ def tiny_config(model_type: str, cut_lists: bool = True):
     return cfg
 
 
-def tiny_family_model(model_type: str, seed: int = 0):
+def tiny_family_model(model_type: str, seed: int = 0, edit=None):
     """A tiny random instance of the family's causal LM in float32, eval mode; raises what transformers raises when
-    the shrunk config does not build or run (tests/test_families.py names those families)."""
+    the shrunk config does not build or run (tests/test_families.py names those families). `edit(config)` changes
+    the shrunk config before the model is built."""
     from transformers import AutoModelForCausalLM
 
     error = None
@@ -112,7 +124,10 @@ def tiny_family_model(model_type: str, seed: int = 0):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model = AutoModelForCausalLM.from_config(tiny_config(model_type, cut_lists)).float().eval()
+                cfg = tiny_config(model_type, cut_lists)
+                if edit is not None:
+                    edit(cfg)
+                model = AutoModelForCausalLM.from_config(cfg).float().eval()
                 with torch.no_grad():
                     model(input_ids=torch.randint(3, 100, (2, 5)))
             return model

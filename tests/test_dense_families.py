@@ -1,0 +1,145 @@
+"""Upcycling on every dense family of the installed transformers (discovered from transformers itself:
+moekit.testing.families), in memory and streamed from a checkpoint: UME's MoE (copies, renormalized top-k) must
+compute what the dense model computes, or the family is refused in one line that says why. Each tiny model is made
+adversarial for the FFN reader: every weight is perturbed (norms and learned activations away from their init) and
+every config multiplier moved away from 1, so a norm, a scale or a learned activation inside an MLP that moekit
+would drop changes the output. The families the harness cannot build and those moekit refuses are listed here with
+the reason (docs/guides/upcycle.md, "Families"), so a family that a new transformers adds or fixes shows up as a
+failure to update these lists."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit import upcycle, upcycle_checkpoint
+from moekit.checkpoint.format import load
+from moekit.config import validate
+from moekit.errors import MoekitError, UnsupportedModelError
+from moekit.moe import MoELayer, MoESpec
+from moekit.testing.families import dense_model_types, tiny_family_model
+
+FAMILIES = sorted(dense_model_types())
+SPEC = {"num_experts": 4, "top_k": 2, "init": "ume"}
+# not built: too costly for the suite (what building them takes)
+NOT_BUILT = {"blt": "its default sub-configs are not shrunk by name: gigabytes of weights",
+             "phi4_multimodal": "its default vision and audio encoders are not shrunk by name: 35 s a build"}
+# the shrunk default config does not build or run in transformers 5.23 (why)
+HARNESS_CANNOT_BUILD = {
+    "bamba": "no attention layer among the first layers of the shrunk pattern",
+    "cohere_compass_text": "its layer-type table has no entry for full_attention",
+    "dots1": "an MoE family whose default config leaves its expert sizes unset",
+    "gemma3n_text": "its KV-sharing layers need a cache-producing layer of each type",
+    "gemma4_unified_assistant": "head_dim is a per-layer attribute",
+    "hrm_text": "its layer lists do not shrink",
+    "mamba2": "its SSM heads and sizes do not shrink together",
+    "musicgen": "its decoder config has no dropout",
+    "musicgen_melody": "its decoder config has no dropout",
+    "prophetnet": "it takes encoder and decoder layer counts, not num_hidden_layers",
+    "recurrent_gemma": "no attention layer among the first layers of the shrunk pattern",
+    "reformer": "its LM head needs is_decoder=True",
+    "rwkv": "its attention sizes are not shrunk by name",
+    "xlnet": "it has no sequence length limit",
+    "xlstm": "its sizes are not shrunk by name",
+    "xmod": "it needs a default language set",
+    "zamba": "its tied shared-transformer keys do not match the shrunk layers",
+    "zamba2": "its SSM heads and sizes do not shrink together",
+}
+# moekit refuses these families, with the words of its one-line refusal
+NO_FFN, NO_ACT, NOT_FAITHFUL = "no supported FFN", "cannot tell the FFN activation", "does not compute what moekit"
+REFUSED = {
+    "apertus": NOT_FAITHFUL,  # xIELU: an activation with learned parameters
+    "bitnet": NOT_FAITHFUL,  # ffn_sub_norm between the activation and down_proj
+    "falcon_h1": NOT_FAITHFUL,  # mlp_multipliers on the gate and down projections
+    "moshi": NOT_FAITHFUL,  # a gated MLP in fc1/fc2 (fc1 holds gate and up)
+    "roberta-prelayernorm": NOT_FAITHFUL,  # a LayerNorm inside its intermediate module
+    "bloom": NO_ACT, "mpt": NO_ACT, "openai-gpt": NO_ACT,  # activation fixed in code, none in the config
+    "cpmant": NO_FFN, "ctrl": NO_FFN, "falcon_mamba": NO_FFN, "lfm2": NO_FFN, "lfm3": NO_FFN, "mamba": NO_FFN,
+    "xlm": NO_FFN,
+}
+
+
+MORE_SMALL = {"encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_layers": 2, "decoder_layers": 2,
+              "encoder_ffn_dim": 48, "decoder_ffn_dim": 48, "rotary_dim": 4, "n_head": 4, "n_inner": 48, "decoder_vocab_size": 128}
+
+
+def _adversarial(cfg) -> None:
+    """The shrunk config made buildable for more dense families (encoder-decoder and partial-rotary sizes, a missing
+    head count, head size or rope theta) and every multiplier away from 1 (Granite's, Falcon-H1's ...)."""
+    for key, value in MORE_SMALL.items():
+        if isinstance(getattr(cfg, key, None), int):
+            setattr(cfg, key, value)
+    if getattr(cfg, "num_key_value_heads", 0) is None:
+        cfg.num_key_value_heads = cfg.num_attention_heads
+    if getattr(cfg, "head_dim", 0) is None:
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None)
+    if isinstance(rope, dict) and rope.get("rope_theta", 0) is None:
+        rope["rope_theta"] = 10000.0
+    for key, value in vars(cfg).items():
+        if "multiplier" not in key:
+            continue
+        if isinstance(value, float):
+            setattr(cfg, key, value * 1.5)
+        elif isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+            setattr(cfg, key, [v * (1.5 - 0.7 * (i % 2)) for i, v in enumerate(value)])
+
+
+def _dense(family: str):
+    model = tiny_family_model(family, edit=_adversarial)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _logits(model) -> torch.Tensor:
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+# the streaming upcycle refuses these (in one line with these words); in memory they upcycle exactly
+STREAM_REFUSED = {"olmo_hybrid": "transformers builds"}  # its q/k/v convolutions are concatenated on load
+BUILT = [f for f in FAMILIES if f not in HARNESS_CANNOT_BUILD and f not in NOT_BUILT]
+
+
+def test_every_discovered_family_is_built_or_listed():
+    listed = [NOT_BUILT, HARNESS_CANNOT_BUILD, REFUSED, STREAM_REFUSED]
+    assert all(set(d) <= set(FAMILIES) for d in listed) and not set(NOT_BUILT) & set(HARNESS_CANNOT_BUILD)
+    for family in HARNESS_CANNOT_BUILD:
+        with pytest.raises(Exception):  # noqa: B017 - the day it builds, it must join the tests below
+            _dense(family)
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_ume_in_memory_equals_the_dense_family_or_refuses_in_one_line(family):
+    dense = _dense(family)
+    want = _logits(dense)
+    before = {k: v.clone() for k, v in dense.state_dict().items()}
+    if family in REFUSED:
+        with pytest.raises(UnsupportedModelError, match=REFUSED[family]) as e:
+            upcycle(dense, validate(MoESpec, SPEC))
+        assert "\n" not in str(e.value)
+        after = dense.state_dict()  # refused before any layer changed
+        assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+        return
+    moe = upcycle(dense, validate(MoESpec, SPEC))
+    assert any(isinstance(m, MoELayer) for m in moe.modules())
+    torch.testing.assert_close(_logits(moe), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", BUILT)
+def test_ume_streamed_equals_the_dense_family_or_refuses_in_one_line(family, tmp_path):
+    dense = _dense(family)
+    want = _logits(dense)
+    dense.save_pretrained(tmp_path / "dense")
+    out = tmp_path / "moe"
+    if family in REFUSED or family in STREAM_REFUSED:
+        with pytest.raises(MoekitError, match={**REFUSED, **STREAM_REFUSED}[family]) as e:
+            upcycle_checkpoint(tmp_path / "dense", out, validate(MoESpec, SPEC))
+        assert "\n" not in str(e.value) and not out.exists()
+        return
+    upcycle_checkpoint(tmp_path / "dense", out, validate(MoESpec, SPEC))
+    torch.testing.assert_close(_logits(load(out)), want, rtol=1e-5, atol=1e-5)
