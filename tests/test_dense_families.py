@@ -143,3 +143,28 @@ def test_ume_streamed_equals_the_dense_family_or_refuses_in_one_line(family, tmp
         return
     upcycle_checkpoint(tmp_path / "dense", out, validate(MoESpec, SPEC))
     torch.testing.assert_close(_logits(load(out)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_guides_family_table_is_this_tests_outcome():
+    """docs/guides/upcycle.md's "Families" table names each family where this test puts it."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "guides" / "upcycle.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith(("upcycled", "refused", "not tested")):
+            rows[cells[0]] = {n.strip() for n in re.sub(r"\([^)]*\)", "", cells[1]).split(",")}
+
+    def row(start: str) -> set[str]:
+        return next(v for k, v in rows.items() if k.startswith(start))
+
+    exact = {f for f in BUILT if f not in REFUSED and f not in STREAM_REFUSED}
+    assert row("upcycled exactly, in memory and streamed") == exact
+    assert row("upcycled exactly in memory") == set(STREAM_REFUSED)
+    for start, words in [("refused: the FFN computes", NOT_FAITHFUL), ("refused: the activation", NO_ACT),
+                         ("refused: no FFN", NO_FFN)]:
+        assert row(start) == {f for f, w in REFUSED.items() if w == words}
+    assert row("not tested: the tiny-model harness") == set(HARNESS_CANNOT_BUILD)
+    assert row("not tested: not built") == set(NOT_BUILT)
