@@ -8,14 +8,17 @@ the reason (docs/guides/upcycle.md, "Families"), so a family that a new transfor
 failure to update these lists."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from transformers import PretrainedConfig
 
 from moekit import upcycle, upcycle_checkpoint
 from moekit.checkpoint.format import load
 from moekit.config import validate
 from moekit.errors import MoekitError, UnsupportedModelError
-from moekit.moe import MoELayer, MoESpec
+from moekit.moe import MoELayer, MoESpec, moe_layers
 from moekit.testing.families import dense_model_types, tiny_family_model
 
 FAMILIES = sorted(dense_model_types())
@@ -75,7 +78,9 @@ def _adversarial(cfg) -> None:
     rope = getattr(cfg, "rope_parameters", None)
     if isinstance(rope, dict) and rope.get("rope_theta", 0) is None:
         rope["rope_theta"] = 10000.0
-    for key, value in vars(cfg).items():
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, PretrainedConfig):  # text_config, vision_config ...
+            _adversarial(value)
         if "multiplier" not in key:
             continue
         if isinstance(value, float):
@@ -84,8 +89,8 @@ def _adversarial(cfg) -> None:
             setattr(cfg, key, [v * (1.5 - 0.7 * (i % 2)) for i, v in enumerate(value)])
 
 
-def _dense(family: str):
-    model = tiny_family_model(family, edit=_adversarial)
+def _dense(family: str, image_text: bool = False):
+    model = tiny_family_model(family, edit=_adversarial, image_text=image_text)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -145,9 +150,31 @@ def test_ume_streamed_equals_the_dense_family_or_refuses_in_one_line(family, tmp
     torch.testing.assert_close(_logits(load(out)), want, rtol=1e-5, atol=1e-5)
 
 
+# vision-language models (image-text-to-text classes): not swept, a sample of widely used families; True where
+# transformers 5.23 saves the checkpoint under other names than the model's (language_model.model.* ...)
+VLM_SAMPLE = {"gemma3": True, "idefics3": False, "internvl": True, "llava": True, "llava_next": True, "mistral3": True,
+              "mllama": True, "paligemma": True, "qwen3_vl": False, "smolvlm": False}
+
+
+@pytest.mark.parametrize("family", VLM_SAMPLE)
+def test_vision_language_models_upcycle_exactly_in_memory_and_streamed(family, tmp_path):
+    from safetensors import safe_open
+
+    dense = _dense(family, image_text=True)
+    want = _logits(dense)
+    dense.save_pretrained(tmp_path / "dense")
+    with safe_open(tmp_path / "dense" / "model.safetensors", "pt") as f:
+        assert (set(f.keys()) != set(dense.state_dict())) == VLM_SAMPLE[family]  # renamed as transformers loads
+    upcycle_checkpoint(tmp_path / "dense", tmp_path / "moe", validate(MoESpec, SPEC))
+    moe = upcycle(dense, validate(MoESpec, SPEC))
+    assert {p for p, _ in moe_layers(moe)} == {p for p, _ in moe_layers(load(tmp_path / "moe"))}
+    assert all(re.search(r"\.(language|text)_model\.", p) for p, _ in moe_layers(moe))  # the vision encoder's FFNs stay
+    torch.testing.assert_close(_logits(moe), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_logits(load(tmp_path / "moe")), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_guides_family_table_is_this_tests_outcome():
     """docs/guides/upcycle.md's "Families" table names each family where this test puts it."""
-    import re
     from pathlib import Path
 
     text = (Path(__file__).parents[1] / "docs" / "guides" / "upcycle.md").read_text()

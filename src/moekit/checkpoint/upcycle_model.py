@@ -32,8 +32,10 @@ def layer_generator(seed: int, path: str) -> torch.Generator:
 
 def language_model_path(model: nn.Module) -> str | None:
     """The path of the language model of a multimodal model (transformers' `language_model` submodule beside its
-    audio or vision encoder: Qwen2-Audio, Qwen3-ASR, LLaVA, ...), None for any other model."""
-    return next((name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "language_model"), None)
+    audio or vision encoder: Qwen2-Audio, Qwen3-ASR, LLaVA, ...; else its `text_model`: Idefics3, SmolVLM), None for
+    any other model."""
+    names = [name for name, _ in model.named_modules()]
+    return next((n for lm in ("language_model", "text_model") for n in names if n.rsplit(".", 1)[-1] == lm), None)
 
 
 def selected_slots(model: nn.Module, spec: MoESpec) -> list[Slot]:

@@ -27,17 +27,20 @@ MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config i
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1}}  # its config validation (on reload) allows top-1 only
 
 
-def _causal_lm_types(moe: bool) -> dict[str, str]:
-    """{model_type: causal-LM class name} of every transformers family whose config names experts (`moe`) or names
-    none (one model type per class: the text-only variant where a multimodal one shares its class)."""
+def _model_types(moe: bool, image_text: bool = False) -> dict[str, str]:
+    """{model_type: class name} of every transformers family with a causal LM (or, `image_text`, an image-text-to-text
+    model whose class is not a causal LM's too) whose config names experts (`moe`) or names none (one model type per
+    class: the text-only variant where a multimodal one shares its class)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
+    mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if image_text else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     out: dict[str, str] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
-            if f"{model_type}_text" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        for model_type, cls in mapping.items():
+            if f"{model_type}_text" in mapping or (image_text and cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
                 continue  # a multimodal family's causal LM: its text-only config is the one to shrink
             try:
                 cfg = AutoConfig.for_model(model_type)
@@ -53,12 +56,13 @@ def _causal_lm_types(moe: bool) -> dict[str, str]:
 
 def moe_model_types() -> dict[str, str]:
     """Every MoE family of the installed transformers: {model_type: causal-LM class name}."""
-    return _causal_lm_types(moe=True)
+    return _model_types(moe=True)
 
 
 def dense_model_types() -> dict[str, str]:
     """Every family of the installed transformers with a causal LM and no experts: what upcycling starts from."""
-    return _causal_lm_types(moe=False)
+    return _model_types(moe=False)
+
 
 
 def _set(cfg, key: str, value) -> None:
@@ -112,11 +116,12 @@ def tiny_config(model_type: str, cut_lists: bool = True):
     return cfg
 
 
-def tiny_family_model(model_type: str, seed: int = 0, edit=None):
+def tiny_family_model(model_type: str, seed: int = 0, edit=None, image_text: bool = False):
     """A tiny random instance of the family's causal LM in float32, eval mode; raises what transformers raises when
     the shrunk config does not build or run (tests/test_families.py names those families). `edit(config)` changes
-    the shrunk config before the model is built."""
-    from transformers import AutoModelForCausalLM
+    the shrunk config before the model is built. `image_text`: the family's image-text-to-text model, its vision and
+    audio encoders shrunk too."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     error = None
     for cut_lists in (True, False):
@@ -125,9 +130,13 @@ def tiny_family_model(model_type: str, seed: int = 0, edit=None):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 cfg = tiny_config(model_type, cut_lists)
+                for sub in ("vision_config", "audio_config") if image_text else ():
+                    if getattr(cfg, sub, None) is not None and not isinstance(getattr(cfg, sub), dict):
+                        _shrink(getattr(cfg, sub), cut_lists)
                 if edit is not None:
                     edit(cfg)
-                model = AutoModelForCausalLM.from_config(cfg).float().eval()
+                auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+                model = auto.from_config(cfg).float().eval()
                 with torch.no_grad():
                     model(input_ids=torch.randint(3, 100, (2, 5)))
             return model
