@@ -117,12 +117,8 @@ class LayerStream:
         self.folder = Path(folder)
         self.model = _meta_model(self.folder, dtype, trust_remote_code)
         self.reader = ShardReader(self.folder)
-        self._names = self._model_names()
-
-    def _model_names(self) -> dict[str, str]:
-        """{checkpoint key: the model parameter it loads into}, so a part's tensors are found under the model's
-        names."""
-        return {k: name for k, (name, _) in model_names(self.model, self.reader.keys()).items()}
+        # {checkpoint key: the model parameter it loads into}: a part's tensors are found under the model's names
+        self._names = {k: name for k, (name, _) in model_names(self.model, self.reader.keys()).items()}
 
     def load(self, path: str, device: str | torch.device = "cpu") -> nn.Module:
         """Load the parameters and persistent buffers of submodule `path` (a model name: "model.layers.3") from the
