@@ -1,7 +1,9 @@
 """Streaming upcycle and export (moekit.checkpoint): the same tensors, bit for bit, as the in-memory path, for
 every init method and format; native outputs load in plain transformers with the moekit model's logits;
 memory does not grow with the number of layers."""
+import gc
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -358,6 +360,10 @@ def test_a_checkpoint_under_the_names_transformers_renames_streams_and_a_clash_i
 
     save_file({**stored, "lm_head.weight": stored["embed_out.weight"].clone()}, tmp_path / "dense" / "model.safetensors",
               metadata={"format": "pt"})
+    fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(CheckpointError, match="holds both embed_out.weight and lm_head.weight") as e:
         upcycle_checkpoint(tmp_path / "dense", tmp_path / "clash", spec)
     assert "\n" not in str(e.value) and not (tmp_path / "clash").exists()
+    del e
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds  # the refused run's shard files are closed

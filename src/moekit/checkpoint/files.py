@@ -322,6 +322,9 @@ class ShardReader:
             os.close(fd)
         self._fds.clear()
 
+    def __del__(self) -> None:  # a reader dropped on an error path (a refused upcycle) closes its files too
+        self.close()
+
     def __enter__(self) -> ShardReader:
         return self
 
