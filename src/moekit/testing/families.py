@@ -27,20 +27,17 @@ MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config i
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1}}  # its config validation (on reload) allows top-1 only
 
 
-def _model_types(moe: bool, image_text: bool = False) -> dict[str, str]:
-    """{model_type: class name} of every transformers family with a causal LM (or, `image_text`, an image-text-to-text
-    model whose class is not a causal LM's too) whose config names experts (`moe`) or names none (one model type per
-    class: the text-only variant where a multimodal one shares its class)."""
+def _model_types(moe: bool) -> dict[str, str]:
+    """{model_type: causal-LM class name} of every transformers family whose config names experts (`moe`) or names
+    none (one model type per class: the text-only variant where a multimodal one shares its class)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if image_text else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     out: dict[str, str] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for model_type, cls in mapping.items():
-            if f"{model_type}_text" in mapping or (image_text and cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+            if f"{model_type}_text" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
                 continue  # a multimodal family's causal LM: its text-only config is the one to shrink
             try:
                 cfg = AutoConfig.for_model(model_type)
@@ -62,7 +59,6 @@ def moe_model_types() -> dict[str, str]:
 def dense_model_types() -> dict[str, str]:
     """Every family of the installed transformers with a causal LM and no experts: what upcycling starts from."""
     return _model_types(moe=False)
-
 
 
 def _set(cfg, key: str, value) -> None:
