@@ -185,16 +185,14 @@ RESULT = {"kept": {s.name: sorted(map(int, order[i])) for i, s in enumerate(site
 '''
 
 IO_LIMIT = '''
-import json, sys, time, torch
+import json, re, sys, time, torch
 from moekit.checkpoint.files import ShardReader
-from moekit.checkpoint.remove import _expert_layer
 src, out, kept = sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read())["experts"]
-keep = {int(k.split(".")[2]): set(v) for k, v in kept.items()}
 start, n = time.perf_counter(), 0
 with ShardReader(src) as r, open(out, "wb") as f:
     for name in r.keys():
-        layer = _expert_layer(name)
-        if layer is not None and ".experts." in name and int(name.split(".")[5]) not in keep[layer]:
+        m = re.fullmatch(r"(.+)\.experts\.(\d+)\..+", name)  # the Hub's per-expert tensors
+        if m and int(m.group(2)) not in kept[m.group(1)]:
             continue
         t = r.get(name)
         f.write(t.view(torch.uint8).numpy().tobytes())

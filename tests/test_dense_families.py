@@ -90,13 +90,7 @@ def _adversarial(cfg) -> None:
 
 
 def _dense(family: str, image_text: bool = False):
-    model = tiny_family_model(family, edit=_adversarial, image_text=image_text)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model
+    return tiny_family_model(family, edit=_adversarial, image_text=image_text, perturb=0.05)
 
 
 def _logits(model) -> torch.Tensor:

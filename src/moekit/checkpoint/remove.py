@@ -1,43 +1,50 @@
 """Removing experts from a native transformers MoE checkpoint, one tensor at a time (REAP-style one-shot pruning;
 moekit.selection.prune only disables them).
 
-Every tensor of the checkpoint is read, cut and written in its own dtype, so memory holds one tensor. Under a
-decoder layer's MoE block (`model.layers.N.{mlp, block_sparse_moe, feed_forward}`):
-  experts    the Hub's per-expert tensors `experts.E.*` (Mixtral's w1/w2/w3, Qwen and OLMoE's gate/up/down_proj,
-             DeepSeek's, ...) are kept and renumbered 0..E'-1 in order; transformers 5's fused tensors
-             `experts.*` (E, ...) (with GPT-OSS's biases and quantized blocks) keep their kept rows;
-  router     `gate.*` / `router.*` tensors of E rows (weights, biases, DeepSeek's e_score_correction_bias) keep
-             the kept rows; a shared expert is untouched.
-config.json gets the new expert count (num_local_experts, num_experts or n_routed_experts); top-k is left as it is
-(a selection that leaves fewer experts than top-k is refused). Every MoE layer must keep the same number of experts,
-since these configs hold one number; group-limited routing (DeepSeek's n_group) must keep as many per group. The
-output is the same family, loaded by plain transformers; its logits equal the model with the removed experts
-disabled (tested per family).
+What changes is read off the family's own model, built on the meta device twice: from config.json as it is (E
+experts per MoE layer) and with its expert count set to E' (every config entry that names experts and holds E:
+num_local_experts, num_experts, n_routed_experts, moe_num_experts, ..., in a nested text config too). Every tensor
+of the checkpoint is then read, cut and written in its own dtype, so memory holds one tensor:
+  per expert   the Hub's per-expert tensors `<block>.experts.N.*` (Mixtral's w1/w2/w3, Qwen and OLMoE's
+               gate/up/down_proj, ...) are kept and renumbered 0..E'-1 in order;
+  cut          a tensor under an MoE block whose stored shape differs between the two models (transformers 5's fused
+               experts, GPT-OSS's biases, routers, selection biases such as e_score_correction_bias, expert_bias,
+               Ernie's (1, E) moe_statics) differs along one axis, by E - E' entries: it keeps the kept experts'
+               entries in order, then the entries after the E experts that some routers have (Inkling's shared
+               experts, Zaya's skip class);
+  copied       everything else, a shared expert included.
+config.json gets the new expert count; top-k is left as it is (a selection that leaves fewer experts than top-k is
+refused). Every MoE layer must keep the same number of experts, since these configs hold one number; group-limited
+routing (DeepSeek's n_group) must keep as many per group; hash routing by token id (DeepSeek-V4) is refused, as is a
+tensor that changes otherwise (it could not be cut without knowing its layout). All of it is checked before anything is
+written. The output is the same family, loaded by plain transformers; its logits equal the model with the removed
+experts disabled (tested on every family whose routing moekit reads: tests/test_selection_families.py).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from torch import nn
 
 from moekit._fs import output
 from moekit.checkpoint.card import hub_id, write_card
-from moekit.checkpoint.dense import check_dense_dir, check_stored_shapes, meta_model
+from moekit.checkpoint.dense import check_dense_dir, check_stored_shapes, meta_model, stored_shapes
 from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, read_headers, read_text
+from moekit.checkpoint.layerwise import model_names
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
-from moekit.errors import ConfigError
+from moekit.errors import ConfigError, UnsupportedModelError
 from moekit.progress import report
+from moekit.routing.sites import RouterSite, find_sites, hash_routed
 
-COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # the config's expert count, by family
-MOE_BLOCK = r"(model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward))"  # a decoder layer's MoE block
-_MOE = MOE_BLOCK + r"\."
-_PER_EXPERT = re.compile(_MOE + r"experts\.(\d+)\.(.+)")  # classic: prefix, layer, expert, rest
-_STACKED = re.compile(_MOE + r"(experts|gate|router)\.([^.]+(?:\.[^.]+)*)")  # fused experts, router tensors
+_PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(.+)")  # the Hub's per-expert names: prefix, expert, rest
 OTHER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
                "chat_template.jinja", "chat_template.json")
@@ -45,16 +52,20 @@ OTHER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.jso
 
 @dataclass
 class Cut:
-    """What becomes of one tensor: copied whole (`rows` None), or these rows of dim 0 kept; `name` in the output."""
+    """What becomes of one tensor: copied whole (`rows` None), or these entries of axis `axis` kept; `name` in the
+    output."""
 
     source: str
     name: str
     info: TensorInfo
     rows: list[int] | None = None
+    axis: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.info.shape if self.rows is None else (len(self.rows), *self.info.shape[1:])
+        if self.rows is None:
+            return self.info.shape
+        return tuple(len(self.rows) if i == self.axis else n for i, n in enumerate(self.info.shape))
 
 
 class NativeConfig(BaseModel):
@@ -74,46 +85,65 @@ def native_config(config) -> dict:
     return config
 
 
-def expert_count(config: dict) -> tuple[str, int]:
-    """(key, E) of the config's expert count. Several keys holding one number (moekit's Qwen3-MoE export writes
-    both num_experts and num_local_experts) are one count; the first key is the one updated."""
-    found = [(k, config[k]) for k in COUNT_KEYS if config.get(k) is not None]
-    if not found or len({n for _, n in found}) != 1:
-        raise ConfigError("not a transformers MoE config with one expert count (num_local_experts, num_experts or "
-                          f"n_routed_experts): found {dict(found) or 'none'}")
-    return found[0]
+def moe_blocks(model: nn.Module) -> dict[str, RouterSite]:
+    """{MoE block name: site} of a native model (built on the meta device), every layer with one expert count;
+    refused in one line: hash routing, or layers with different counts (one config number could not describe them)."""
+    sites = {s.name: s for s in find_sites(model)}
+    hashed = [n for n, s in sites.items() if hash_routed(s)]
+    if hashed:
+        raise UnsupportedModelError(f"{hashed[0]} picks experts by token id (hash routing, a table of expert ids): "
+                                    "removing experts would change which experts its tokens reach; disable them "
+                                    "instead (moekit prune without keep or drop) in the other layers")
+    counts = sorted({s.num_experts for s in sites.values()})
+    if len(counts) != 1:
+        raise UnsupportedModelError(f"its MoE layers hold different numbers of experts ({counts}): removing experts "
+                                    "needs one count for every layer")
+    return sites
 
 
-def plan_cuts(headers: dict[str, TensorInfo], experts: int, keep: dict[int, list[int]]) -> list[Cut]:
-    """Every output tensor in the source's order, for the kept experts {decoder layer: ids} of each MoE layer."""
-    cuts, seen = [], set()
-    for name, info in headers.items():
-        m = _PER_EXPERT.fullmatch(name)
-        if m and int(m.group(2)) in keep:
-            layer, e = int(m.group(2)), int(m.group(3))
-            if e < experts and e in keep[layer]:
-                cuts.append(Cut(name, f"{m.group(1)}.experts.{keep[layer].index(e)}.{m.group(4)}", info))
-            seen.add(layer)
-            continue
-        m = _STACKED.fullmatch(name)
-        if m and int(m.group(2)) in keep and info.shape and info.shape[0] == experts:
-            cuts.append(Cut(name, name, info, keep[int(m.group(2))]))
-            seen.add(int(m.group(2)))
-            continue
-        cuts.append(Cut(name, name, info))
-    missing = sorted(set(keep) - seen)
-    if missing:
-        raise ConfigError(f"decoder layers {missing[:5]} have no expert tensors of {experts} experts in the checkpoint")
-    return cuts
+def _count_keys(config: dict, experts: int, path: tuple = ()) -> list[tuple]:
+    """Paths of the config entries that name experts and hold their count (in nested configs too)."""
+    out = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out += _count_keys(value, experts, (*path, key))
+        elif (type(value) is int and value == experts and "expert" in key
+              and not any(w in key for w in ("per_tok", "shared", "top", "group", "activ"))):
+            out.append((*path, key))
+    return out
 
 
-def check_keep(keep: dict[int, list[int]], moe_layers: list[int], experts: int, top_k: int | None,
-               groups: int | None) -> int:
-    """The experts every MoE layer keeps (E'), or ConfigError: one count for all, at least top-k, per group equal."""
-    if sorted(keep) != sorted(moe_layers):
-        other = sorted(set(moe_layers) ^ set(keep))
-        raise ConfigError(f"the selection must cover every MoE layer of the checkpoint (decoder layers {moe_layers}); "
-                          f"it differs at {other[:5]}")
+def _set_count(config, keys: list[tuple], count: int):
+    """A copy of `config` (config.json's content, or the model's config object) with `count` at every path of keys."""
+    out = copy.deepcopy(config)
+    for path in keys:
+        node = out
+        for k in path[:-1]:
+            node = node[k] if isinstance(node, dict) else getattr(node, k)
+        if isinstance(node, dict):
+            node[path[-1]] = count
+        else:
+            setattr(node, path[-1], count)
+    return out
+
+
+def _rebuilt(model: nn.Module, keys: list[tuple], count: int) -> nn.Module:
+    """`model`'s class built on the meta device with `count` experts at every path of keys in its config."""
+    from transformers.initialization import no_init_weights
+
+    with torch.device("meta"), no_init_weights():
+        out = type(model)._from_config(_set_count(model.config, keys, count))
+    out.tie_weights()
+    return out
+
+
+def check_keep(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> int:
+    """The experts every MoE layer keeps (E'), or ConfigError: every layer named, one count for all, at least top-k,
+    per group equal."""
+    if sorted(keep) != sorted(sites):
+        other = sorted(set(sites) ^ set(keep))
+        raise ConfigError(f"the selection must cover every MoE layer of the checkpoint ({len(sites)}: "
+                          f"{list(sites)[:3]}{' ...' if len(sites) > 3 else ''}); it differs at {other[:5]}")
     counts = {len(ids) for ids in keep.values()}
     if len(counts) != 1:
         raise ConfigError(f"the layers would keep different numbers of experts ({sorted(counts)}), but the config "
@@ -121,13 +151,16 @@ def check_keep(keep: dict[int, list[int]], moe_layers: list[int], experts: int, 
                           "usage, reap or ean with top=N), or disable experts instead (moekit prune without keep or "
                           "drop)")
     kept = counts.pop()
+    site = next(iter(sites.values()))
+    experts = site.num_experts
     bad = [i for ids in keep.values() for i in ids if not 0 <= i < experts]
     if bad or any(len(set(ids)) != len(ids) for ids in keep.values()):
         raise ConfigError(f"expert ids must be distinct and in [0, {experts})")
-    if top_k is not None and kept < top_k:
-        raise ConfigError(f"keeping {kept} experts per layer leaves fewer than the {top_k} each token is routed to "
-                          "(num_experts_per_tok); keep at least that many")
-    if groups:
+    if kept < site.top_k:
+        raise ConfigError(f"keeping {kept} experts per layer leaves fewer than the {site.top_k} each token is routed "
+                          "to (num_experts_per_tok); keep at least that many")
+    groups = getattr(site.router, "num_group", None) or getattr(site.router, "n_group", None)
+    if isinstance(groups, int) and groups > 1:
         size = experts // groups
         per = {tuple(sum(1 for i in ids if i // size == g) for g in range(groups)) for ids in keep.values()}
         if len(per) != 1 or len(set(next(iter(per)))) != 1:
@@ -136,53 +169,104 @@ def check_keep(keep: dict[int, list[int]], moe_layers: list[int], experts: int, 
     return kept
 
 
-def remove_experts(src: str | Path, out: str | Path, keep: dict[int, list[int]], overwrite: bool = False,
+def _block_of(name: str, blocks: list[str]) -> str | None:
+    return next((b for b in blocks if name.startswith(b + ".")), None)
+
+
+def _cut(name: str, info: TensorInfo, want: tuple[int, ...], experts: int, ids: list[int]) -> Cut:
+    """The cut of a tensor stored as `info` that the output model holds as `want`: along the one axis that differs by
+    the removed experts' count (module docstring), else ConfigError."""
+    have = tuple(info.shape)
+    axes = [i for i, (a, b) in enumerate(zip(have, want)) if a != b]
+    if len(have) != len(want) or len(axes) != 1 or have[axes[0]] - want[axes[0]] != experts - len(ids) \
+            or have[axes[0]] < experts:
+        raise ConfigError(f"{name} is {list(have)} and would be {list(want)} with {len(ids)} experts: not one axis "
+                          f"of the {experts} experts (and entries after them) that moekit can cut")
+    axis = axes[0]
+    return Cut(name, name, info, [*ids, *range(experts, have[axis])], axis)
+
+
+def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo], sites: dict[str, RouterSite],
+              keep: dict[str, list[int]]) -> list[Cut]:
+    """Every output tensor in the source's order, for the kept experts {MoE block: sorted ids} (module docstring)."""
+    want = stored_shapes(target)
+    names = model_names(model, list(headers))
+    blocks = sorted(sites, key=len, reverse=True)
+    experts = next(iter(sites.values())).num_experts
+    cuts = []
+    for name, info in headers.items():
+        block = _block_of(names[name][0], blocks) or _block_of(name, blocks)
+        per = _PER_EXPERT.fullmatch(name) if block else None
+        if per and int(per.group(2)) < experts:
+            e = int(per.group(2))
+            if e in keep[block]:
+                cuts.append(Cut(name, f"{per.group(1)}.{keep[block].index(e)}.{per.group(3)}", info))
+        elif block and name in want and tuple(info.shape) != want[name]:
+            cuts.append(_cut(name, info, want[name], experts, keep[block]))
+        else:
+            cuts.append(Cut(name, name, info))
+    return cuts
+
+
+@dataclass
+class Removal:
+    """What remove_experts will write: the cuts, the output's config.json content, and E' of E."""
+
+    cuts: list[Cut]
+    config: dict
+    kept: int
+    experts: int
+
+
+def plan_removal(src: Path, keep: dict[str, list[int]], trust_remote_code: bool = False) -> Removal:
+    """Check everything (module docstring) and plan every tensor, reading headers only."""
+    config = native_config(json.loads(read_text(src, "config.json", "config")))
+    model = meta_model(src, trust_remote_code)
+    check_stored_shapes(src, model)  # else a misshapen tensor is copied on as it is
+    sites = moe_blocks(model)
+    kept = check_keep(keep, sites)
+    experts = next(iter(sites.values())).num_experts
+    keys = _count_keys(config, experts)
+    target = _rebuilt(model, keys, kept) if keys else None
+    if target is None or any(s.num_experts != kept for s in find_sites(target)):
+        raise ConfigError(f"{src}/config.json: no entry that names experts and holds {experts} sets the expert count "
+                          f"(tried {['.'.join(k) for k in keys] or 'none'})")
+    cuts = plan_cuts(model, target, read_headers(src), sites, {b: sorted(ids) for b, ids in keep.items()})
+    return Removal(cuts, _set_count(config, keys, kept), kept, experts)
+
+
+def remove_experts(src: str | Path, out: str | Path, keep: dict[str, list[int]], overwrite: bool = False,
                    inputs=(), max_shard_size: int = DEFAULT_SHARD, trust_remote_code: bool = False) -> int:
-    """Write `src` with only the experts `keep` {decoder layer index: expert ids} to `out` (atomically; module
-    docstring); returns the bytes written. Every tensor's shape is checked against the config's model first
+    """Write `src` with only the experts `keep` {MoE block name: expert ids} to `out` (atomically; module
+    docstring); returns the bytes written. Everything is checked against the config's model first
     (`trust_remote_code`: a family with its own code builds it). Progress: "pruning" per tensor."""
     src = check_dense_dir(src)
     if Path(os.path.realpath(src)) in Path(os.path.realpath(out)).parents:
         raise ConfigError(f"the output {out} is inside the checkpoint {src}: write it elsewhere (a checkpoint "
                           "directory holds only its own files)")
-    config = native_config(json.loads(read_text(src, "config.json", "config")))
-    key, experts = expert_count(config)
-    headers = read_headers(src)
-    moe_layers = sorted({i for n in headers if (i := _expert_layer(n)) is not None})
-    kept = check_keep(keep, moe_layers, experts, config.get("num_experts_per_tok"), config.get("n_group"))
-    check_stored_shapes(src, meta_model(src, trust_remote_code))  # else a misshapen tensor is copied on as it is
-    cuts = plan_cuts(headers, experts, {i: sorted(ids) for i, ids in keep.items()})
-    plan = [Planned(c.name, c.shape, c.info.torch_dtype) for c in cuts]
-    with output(out, [src, *inputs], overwrite, sum(p.nbytes for p in plan)) as tmp, ShardReader(src) as reader:
-        writer = ShardWriter(tmp, plan, max_shard_size)
+    plan = plan_removal(src, keep, trust_remote_code)
+    cuts = plan.cuts
+    planned = [Planned(c.name, c.shape, c.info.torch_dtype) for c in cuts]
+    with output(out, [src, *inputs], overwrite, sum(p.nbytes for p in planned)) as tmp, ShardReader(src) as reader:
+        writer = ShardWriter(tmp, planned, max_shard_size)
         try:
             for n, c in enumerate(cuts, 1):
                 t = reader.get(c.source)
-                writer.write(c.name, t if c.rows is None else t[c.rows])
+                writer.write(c.name, t if c.rows is None else t.index_select(c.axis, torch.tensor(c.rows)))
                 report("pruning", n, len(cuts), c.name)
         except BaseException:
             writer.abort()
             raise
         writer.close()
-        counts = {k: kept for k in COUNT_KEYS if config.get(k) is not None}  # every key that held the count
-        (tmp / "config.json").write_text(json.dumps({**config, **counts}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2))
         for name in OTHER_FILES:
             if (src / name).is_file():
                 copy_file(src, name, tmp / name)
-        dtype = next(p.dtype for p, c in zip(plan, cuts) if c.rows is not None or ".experts." in c.name)
-        write_card(tmp, title=f"{src.name} with {kept} of {experts} experts per MoE layer", base_model=hub_id(src),
-                   method=None, fmt="native, experts removed", dtype=str(dtype).removeprefix("torch."),
-                   architecture=(config.get("architectures") or [None])[0],
-                   extra={"experts kept": json.dumps({str(i): ids for i, ids in sorted(keep.items())})})
+        dtype = next(p.dtype for p, c in zip(planned, cuts) if c.rows is not None or ".experts." in c.name)
+        write_card(tmp, title=f"{src.name} with {plan.kept} of {plan.experts} experts per MoE layer",
+                   base_model=hub_id(src), method=None, fmt="native, experts removed",
+                   dtype=str(dtype).removeprefix("torch."),
+                   architecture=(plan.config.get("architectures") or [None])[0],
+                   extra={"experts kept": json.dumps({b: ids for b, ids in sorted(keep.items())})})
         read_headers(tmp)  # the written shards parse and cover their files exactly
-    return sum(p.nbytes for p in plan)
-
-
-def _expert_layer(name: str) -> int | None:
-    """The decoder layer whose experts tensor `name` is (classic per-expert or fused), else None."""
-    m = _PER_EXPERT.fullmatch(name)
-    if m is None:
-        m = _STACKED.fullmatch(name)
-        if m is None or m.group(3) != "experts":
-            return None
-    return int(m.group(2))
+    return sum(p.nbytes for p in planned)

@@ -125,6 +125,11 @@ class RouterSite:
         return norms.t().gather(1, ids)  # (T, k)
 
 
+def hash_routed(site: RouterSite) -> bool:
+    """Whether the layer picks experts by token id (DeepSeek-V4's hash layers: a table of expert ids), not by logits."""
+    return not site.is_moekit and "input_ids" in inspect.signature(site.router.forward).parameters
+
+
 def _top_k(router: nn.Module) -> int | None:
     """The router's k: its own `top_k`, or (Gemma 4) its config's."""
     for obj, keys in ((router, ("top_k",)), (getattr(router, "config", None), ("top_k_experts", "num_experts_per_tok"))):

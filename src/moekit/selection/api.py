@@ -62,13 +62,13 @@ def select(trace: str | Path | RoutingTrace, method: str, target: str | None = N
 class Pruned:
     """What `prune` wrote. `mode` "disable": the model with its selected experts disabled (`params`: its
     parameter count, weights unchanged); "keep"/"drop": a native checkpoint with fewer experts (`kept`: expert ids
-    kept per decoder layer, `bytes` written)."""
+    kept per MoE block, `bytes` written)."""
 
     path: Path
     mode: Literal["disable", "keep", "drop"]
     selection: Selection
     params: int | None = None
-    kept: dict[int, list[int]] | None = None
+    kept: dict[str, list[int]] | None = None
     bytes: int | None = None
 
 

@@ -112,11 +112,12 @@ def tiny_config(model_type: str, cut_lists: bool = True):
     return cfg
 
 
-def tiny_family_model(model_type: str, seed: int = 0, edit=None, image_text: bool = False):
+def tiny_family_model(model_type: str, seed: int = 0, edit=None, image_text: bool = False, perturb: float = 0.0):
     """A tiny random instance of the family's causal LM in float32, eval mode; raises what transformers raises when
     the shrunk config does not build or run (tests/test_families.py names those families). `edit(config)` changes
     the shrunk config before the model is built. `image_text`: the family's image-text-to-text model, its vision and
-    audio encoders shrunk too."""
+    audio encoders shrunk too. `perturb`: every floating-point parameter gets that much standard normal noise added
+    (seeded), so no weight sits at its init (zero routers, unit norms)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     error = None
@@ -135,6 +136,10 @@ def tiny_family_model(model_type: str, seed: int = 0, edit=None, image_text: boo
                 model = auto.from_config(cfg).float().eval()
                 with torch.no_grad():
                     model(input_ids=torch.randint(3, 100, (2, 5)))
+                    g = torch.Generator().manual_seed(seed + 1)
+                    for p in model.parameters() if perturb else ():
+                        if p.is_floating_point():
+                            p.add_(perturb * torch.randn(p.shape, generator=g))
             return model
         except Exception as e:  # noqa: BLE001 - the other variant may build; the first error is raised
             error = error or e

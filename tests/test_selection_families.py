@@ -1,0 +1,149 @@
+"""The RISE workflow after routing capture (disable, remove and fine-tune selected experts) on every MoE family whose
+routing moekit reads (tests/test_families.py), each built tiny from its own config with every weight perturbed (some
+families initialize their routers to zero, which makes every routing decision a tie).
+
+The defining property of pruning: a model with experts disabled (moekit.selection.prune) computes what the same
+family computes with those experts removed from its checkpoint (moekit.checkpoint.remove), loaded by plain
+transformers with the smaller expert count. Either side is refused in one line, changing nothing, where the family's
+routing cannot be pruned: DeepSeek-V4's hash layers pick experts by token id."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from moekit.checkpoint.remove import remove_experts
+from moekit.errors import MoekitError, UnsupportedModelError
+from moekit.moe.state import model_state
+from moekit.routing.sites import find_sites, hash_routed
+from moekit.selection.finetune import attach
+from moekit.selection.prune import kept_experts, load_pruned, prune, save_pruned
+from moekit.selection.selection import Selection
+from moekit.testing.families import moe_model_types, tiny_family_model
+from test_families import HARNESS_CANNOT_BUILD, REFUSED  # tests/test_families.py: what capture cannot read
+
+FAMILIES = sorted(f for f in moe_model_types() if f not in HARNESS_CANNOT_BUILD and f not in REFUSED)
+HASH_ROUTED = {"deepseek_v4"}  # its first layers route by token id: those layers are refused, the others pruned
+IDS = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def perturbed(family: str):
+    return tiny_family_model(family, perturb=0.05)
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def routed(model) -> dict[str, set[int]]:
+    """The experts each MoE layer picks with a non-zero weight on IDS."""
+    seen, sites = {}, find_sites(model)
+    hooks = [s.on_decision(lambda i, w, n=s.name: seen.setdefault(n, set()).update(i[w != 0].tolist()))
+             for s in sites]
+    logits(model)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_every_family_of_the_capture_sweep_is_here():
+    assert len(FAMILIES) >= 40 and HASH_ROUTED <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_disabled_equals_removed_in_transformers(family, tmp_path):
+    """In every MoE layer, one of its 4 experts that it picks is disabled: the logits change, and equal the removed
+    checkpoint's (the other 3 kept) as plain transformers computes them (1e-5, float32); the expert is never picked;
+    the pruned model saved and loaded again computes the same."""
+    model = perturbed(family)
+    model.save_pretrained(tmp_path / "src")
+    sites = find_sites(model)
+    assert all(s.num_experts == 4 for s in sites)
+    before, used = logits(model), routed(model)
+    if family in HASH_ROUTED:
+        hashed = [s for s in sites if hash_routed(s)]
+        assert hashed and len(hashed) < len(sites)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(UnsupportedModelError, match="hash routing") as e:
+            prune(model, {s.name: [1] for s in sites})
+        assert "\n" not in str(e.value) and not model_state(model).pruned
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        with pytest.raises(UnsupportedModelError, match="hash routing"):
+            kept_experts(tmp_path / "src", Selection(method="m", budget=1, experts={}), "keep")
+        sites = [s for s in sites if not hash_routed(s)]
+    off = {s.name: [min(used[s.name])] for s in sites}
+    prune(model, off)
+    after = routed(model)
+    assert all(off[s.name][0] not in after[s.name] for s in sites)
+    pruned = logits(model)
+    assert not torch.equal(pruned, before)
+    save_pruned(model, tmp_path / "pruned")
+    torch.testing.assert_close(logits(load_pruned(tmp_path / "pruned")), pruned, rtol=1e-6, atol=1e-6)
+    if family in HASH_ROUTED:
+        return
+    keep = kept_experts(tmp_path / "src", Selection(method="m", budget=1, experts=off), "drop")
+    assert keep == {n: [e for e in range(4) if e not in ids] for n, ids in off.items()}
+    remove_experts(tmp_path / "src", tmp_path / "out", keep)
+    removed, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
+                                                            output_loading_info=True)
+    assert not any(info.values()), info
+    assert all(s.num_experts == 3 for s in find_sites(removed))
+    torch.testing.assert_close(logits(removed.eval()), pruned, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nothing_disabled_is_bit_identical(family):
+    model = perturbed(family)
+    before = logits(model)
+    sites = [s for s in find_sites(model) if not hash_routed(s)]
+    handle = prune(model, {s.name: [] for s in sites})  # every layer routes under the pruning hooks
+    assert torch.equal(logits(model), before)
+    handle.remove()
+    assert not model_state(model).pruned and torch.equal(logits(model), before)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_only_the_selected_experts_train(family):
+    """attach -> two AdamW steps with weight decay -> merge: the selected experts' rows changed, every other tensor
+    and row of the model is bit-identical."""
+    model = perturbed(family)
+    sites = find_sites(model)
+    sel = {sites[0].name: [1, 2], sites[-1].name: [0]}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = attach(model, sel)
+    opt = torch.optim.AdamW(handle.trainable, lr=1e-2, weight_decay=0.1)
+    model.train()
+    for _ in range(2):
+        model(input_ids=IDS, labels=IDS).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    handle.merge()
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    rows = {}
+    for s in sites:
+        for n, p in s.experts.named_parameters(recurse=False):
+            if s.name in sel and p.shape[0] == s.num_experts:
+                rows[f"{s.name}.experts.{n}"] = sel[s.name]
+    assert rows
+    for key, old in before.items():
+        if key not in rows:
+            assert torch.equal(after[key], old), key
+            continue
+        other = [i for i in range(old.shape[0]) if i not in rows[key]]
+        assert torch.equal(after[key][other], old[other]), key
+        assert all(not torch.equal(after[key][i], old[i]) for i in rows[key]), key
+
+
+def test_a_router_that_still_picks_a_disabled_expert_is_refused():
+    """The check at every forward: a router whose choice does not come from its logits (here a fixed choice) is
+    refused in one line the first time it picks a disabled expert."""
+    model = perturbed("mixtral")
+    site = find_sites(model)[0]
+    fixed = lambda m, args, out: (out[0], out[1], torch.ones_like(out[2]))  # noqa: E731 - expert 1 for every token
+    site.router.register_forward_hook(fixed)
+    prune(model, {site.name: [1]})
+    with pytest.raises(MoekitError, match="still picked a disabled expert") as e:
+        logits(model)
+    assert "\n" not in str(e.value)
