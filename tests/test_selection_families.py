@@ -47,8 +47,14 @@ def routed(model) -> dict[str, set[int]]:
     return seen
 
 
-def test_every_family_of_the_capture_sweep_is_here():
+def test_every_family_of_the_capture_sweep_is_here_and_in_the_guide():
+    from pathlib import Path
+
     assert len(FAMILIES) >= 40 and HASH_ROUTED <= set(FAMILIES)
+    guide = Path(__file__).parents[1] / "docs" / "guides" / "selection.md"
+    rows = [line.split("|")[2].strip() for line in guide.read_text().splitlines()
+            if line.startswith("| disabled equals removed") or line.startswith("| the same, except")]
+    assert [r.split(", ") for r in rows] == [[f for f in FAMILIES if f not in HASH_ROUTED], sorted(HASH_ROUTED)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
