@@ -8,6 +8,8 @@ transformers with the smaller expert count. Either side is refused in one line, 
 routing cannot be pruned: DeepSeek-V4's hash layers pick experts by token id."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers as tf
@@ -58,11 +60,24 @@ def test_every_family_of_the_capture_sweep_is_here_and_in_the_guide():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_disabled_equals_removed_in_transformers(family, tmp_path):
+def test_disabled_equals_removed_and_only_the_selected_experts_train(family, tmp_path):
+    """Each family built once for: disabled == removed (_check_disabled_equals_removed), nothing disabled is
+    bit-identical, and selective fine-tuning (_check_only_the_selected_experts_train)."""
+    model = perturbed(family)
+    fresh = copy.deepcopy(model)
+    before = logits(model)
+    handle = prune(model, {s.name: [] for s in find_sites(model) if not hash_routed(s)})  # every layer under the hooks
+    assert torch.equal(logits(model), before)
+    handle.remove()
+    assert not model_state(model).pruned and torch.equal(logits(model), before)
+    _check_disabled_equals_removed(family, model, tmp_path)
+    _check_only_the_selected_experts_train(fresh)
+
+
+def _check_disabled_equals_removed(family, model, tmp_path):
     """In every MoE layer, one of its 4 experts that it picks is disabled: the logits change, and equal the removed
     checkpoint's (the other 3 kept) as plain transformers computes them (1e-5, float32); the expert is never picked;
     the pruned model saved and loaded again computes the same."""
-    model = perturbed(family)
     model.save_pretrained(tmp_path / "src")
     sites = find_sites(model)
     assert all(s.num_experts == 4 for s in sites)
@@ -98,22 +113,9 @@ def test_disabled_equals_removed_in_transformers(family, tmp_path):
     torch.testing.assert_close(logits(removed.eval()), pruned, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_nothing_disabled_is_bit_identical(family):
-    model = perturbed(family)
-    before = logits(model)
-    sites = [s for s in find_sites(model) if not hash_routed(s)]
-    handle = prune(model, {s.name: [] for s in sites})  # every layer routes under the pruning hooks
-    assert torch.equal(logits(model), before)
-    handle.remove()
-    assert not model_state(model).pruned and torch.equal(logits(model), before)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_only_the_selected_experts_train(family):
+def _check_only_the_selected_experts_train(model):
     """attach -> two AdamW steps with weight decay -> merge: the selected experts' rows changed, every other tensor
     and row of the model is bit-identical."""
-    model = perturbed(family)
     sites = find_sites(model)
     sel = {sites[0].name: [1, 2], sites[-1].name: [0]}
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -94,6 +94,7 @@ class SIMoEMeta(Strict):
     config: dict  # a SIMoEConfig, validated by moekit.simoe.export.load
     kept: dict[str, int]  # pruned SI linear -> δ columns kept
     aliases: dict[str, str]
+    skipped: list[str] = []  # targets the family computes with directly, never called (moekit.simoe.model._probe)
 
     @field_validator("kept")
     @classmethod

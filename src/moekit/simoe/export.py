@@ -19,6 +19,7 @@ from moekit._fs import output
 from moekit.checkpoint.card import write_model_card
 from moekit.checkpoint.codecs import StateCodec
 from moekit.checkpoint.dense import architecture, load_config, load_generation_config, model_class
+from moekit.checkpoint.files import read_headers
 from moekit.checkpoint.format import adopt, check_headers, load_state, save_configs, save_weights, unique_tensors
 from moekit.checkpoint.format import read_meta as io_read_meta
 from moekit.checkpoint.meta import SIMoEMeta
@@ -29,6 +30,9 @@ from moekit.simoe.layer import SILinear
 from moekit.simoe.model import SIMoEConfig, install, si_modules
 from moekit.moe.state import model_state
 
+ROUTER_IN = "simoe.router.0.weight"  # (router_hidden, H): H, the backbone's last hidden size
+
+
 def is_simoe(model: nn.Module) -> bool:
     return model_state(model).simoe is not None
 
@@ -37,7 +41,7 @@ def write_checkpoint(model: nn.Module, folder: Path, full: dict | None = None) -
     """config.json, weights and simoe.json into an existing folder (`full`: see moekit.checkpoint.format.unique_tensors)."""
     kept = {p: m.delta.shape[1] for p, m in si_modules(model) if isinstance(m, SILinear) and m.keep is not None}
     meta = {"format": SIMoEMeta.FORMATS[0], "architecture": architecture(model),
-            "config": model.simoe.cfg.model_dump(mode="json"), "kept": kept}
+            "config": model.simoe.cfg.model_dump(mode="json"), "kept": kept, "skipped": model.simoe.skipped}
     save_configs(model, folder)
     tensors, aliases = unique_tensors(model, full)  # tied embeddings once
     meta["aliases"] = aliases
@@ -60,10 +64,13 @@ def read_meta(folder: str | Path) -> dict:
 
 
 def _build(meta: dict, config, cfg: SIMoEConfig, folder: Path) -> nn.Module:
+    router = read_headers(folder).get(ROUTER_IN)
+    if router is None or len(router.shape) != 2:
+        raise CheckpointError(f"{folder} has no SIMoE router ({ROUTER_IN}, 2-D)")
     with no_init_weights():
         model = model_class(meta["architecture"], folder)._from_config(config)
     try:
-        install(model, cfg, meta["kept"])
+        install(model, cfg, meta["kept"], hidden=router.shape[1], skipped=meta["skipped"])
     except (ValueError, KeyError, IndexError) as e:
         raise CheckpointError(f"{folder}/simoe.json does not fit the model: {e}") from None
     return model

@@ -82,6 +82,14 @@ class SparseInterpolated(nn.Module):
     def num_experts(self) -> int:
         return self.log_alpha.shape[0]
 
+    def __getattr__(self, name: str):
+        """What the wrapped module has (its weight, bias, sizes), for code that reads them from it (Mamba reads its
+        norm's weight dtype and its projections' biases)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base"), name)
+
     def gate_values(self) -> torch.Tensor:
         """The deterministic gates: median gates z̄ (eqs. 6-7), or the real-valued masks themselves (c), as a
         view (a plain tensor: kept as last_z it must not become a second registered parameter)."""
@@ -97,10 +105,14 @@ class SparseInterpolated(nn.Module):
 
     def mixture(self, x: torch.Tensor) -> torch.Tensor:
         """m = Σ_i α_i z_i shaped to broadcast against x: (B, 1.., d_in) per instance, (B, T, 1.., d_in)
-        per token (inner dims such as Gemma's per-head q/k norms are shared)."""
+        per token (inner dims such as Gemma's per-head q/k norms are shared); for an x of rows (N, d_in), each
+        instance's (or token's) m repeated over its N / B (or N / BT) consecutive rows."""
         w = self.routing.weights
         m = w.to(self.log_alpha.dtype) @ self.gates()  # (B, d_in) or (B, T, d_in)
         lead = m.shape[:-1]
+        if x.dim() == 2 and x.shape[0] != lead[0] and x.shape[0] % lead.numel() == 0:
+            # rows flattened from (B, [T,] ..., d_in) in batch-major order (OPT's MLP, Qwen3.5's gated norm)
+            m, lead = m.reshape(-1, m.shape[-1]).repeat_interleave(x.shape[0] // lead.numel(), dim=0), x.shape[:1]
         if x.dim() < len(lead) + 1 or tuple(x.shape[:len(lead)]) != tuple(lead):
             raise ValueError(f"SIMoE routing weights {tuple(w.shape)} do not match an input of shape {tuple(x.shape)}")
         return m.reshape(*lead, *[1] * (x.dim() - len(lead) - 1), m.shape[-1]).to(x.dtype)
@@ -169,13 +181,13 @@ class SINorm(SparseInterpolated):
         d = base.weight.shape[0]
         super().__init__(base, d, (d,), num_experts, masks, routing)
 
-    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+    def normalized(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         w = self.base.weight
-        return functional_call(self.base, {"weight": torch.ones_like(w)}, (x,)) - \
-            functional_call(self.base, {"weight": torch.zeros_like(w)}, (x,))
+        return functional_call(self.base, {"weight": torch.ones_like(w)}, (x, *args), kwargs) - \
+            functional_call(self.base, {"weight": torch.zeros_like(w)}, (x, *args), kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # args: a gated norm's gate (Qwen3.5)
+        y = self.base(x, *args, **kwargs)
         if self.routing.weights is None:
             return y
-        return y + self.normalized(x) * (self.mixture(x) * self.delta)
+        return y + self.normalized(x, *args, **kwargs) * (self.mixture(x) * self.delta)

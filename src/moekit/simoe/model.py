@@ -1,8 +1,8 @@
 """SIMoE upcycling of a dense HF model (Chen, Wei & Schwarz 2025, "Automatic Expert Discovery in LLM
 Upcycling via Sparse Interpolated Mixture-of-Experts", §3).
 
-`simoe_upcycle` freezes the model, wraps the chosen linear layers (and norms) in sparse interpolated
-modules sharing one `Routing`, and attaches `model.simoe`: the instance router (§3.1.3: the pretrained
+`simoe_upcycle` freezes the model, wraps its linear layers (and norms) in sparse interpolated modules sharing one
+`Routing`, and attaches `model.simoe`: the instance router (§3.1.3: the pretrained
 model's last-token embedding of the prompt → MLP → softmax over M experts) and the Lagrange multiplier
 of the sparsity constraint. A forward pre-hook routes every call before the model runs."""
 from __future__ import annotations
@@ -21,14 +21,12 @@ from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import MaskInit, Routing, SILinear, SINorm, SparseInterpolated
 from moekit.moe.state import model_state
 
-LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc1", "fc2", "out_proj"]
-
-
 class SIMoEConfig(Config):
     """Architecture (experts, targets, router) and objective (eqs. 10-13) of a SIMoE model."""
 
     num_experts: int = Field(8, ge=1)  # M
-    modules: list[str] = Field(default_factory=lambda: list(LINEARS))  # linear layer names to upcycle
+    modules: Literal["all"] | list[str] = "all"  # "all": every nn.Linear of the model's layer stacks (§4: "every
+    #                                             linear layer in the pre-trained LLM"); or the linear layers by name
     norms: bool = True  # norm weights get experts too
     routing: Literal["instance", "token"] = "instance"  # token: the paper's ablation (d)
     router_hidden: int = Field(256, ge=1)
@@ -52,7 +50,7 @@ class SIMoEConfig(Config):
 class SIMoE(nn.Module):
     """The router MLP, the multiplier λ and the shared routing state of one SIMoE model."""
 
-    def __init__(self, cfg: SIMoEConfig, hidden_size: int):
+    def __init__(self, cfg: SIMoEConfig, hidden_size: int):  # hidden_size: the backbone's last hidden states
         super().__init__()
         self.cfg = cfg
         self.router = nn.Sequential(nn.Linear(hidden_size, cfg.router_hidden), nn.GELU(),
@@ -62,6 +60,7 @@ class SIMoE(nn.Module):
         self.register_buffer("lam", torch.zeros(()))  # λ ≥ 0
         self.register_buffer("violation", torch.zeros(()))  # τ − (1 − L0) at the last training step
         self.routing = Routing()
+        self.skipped: list[str] = []  # targets left unwrapped: the family never calls them (_probe)
         self.fixed: torch.Tensor | None = None  # (M,) or (B, M) routing weights imposed on the next calls
 
     def param_counts(self, model: nn.Module) -> tuple[int, int]:
@@ -85,7 +84,7 @@ class SIMoE(nn.Module):
         kwargs = {} if position_ids is None else {"position_ids": position_ids[:, :n]}
         with self.pretrained(), torch.no_grad():
             mask = None if attention_mask is None else attention_mask[:, :n]
-            h = model.base_model(input_ids=input_ids[:, :n], attention_mask=mask, **kwargs).last_hidden_state
+            h = _backbone(model)(input_ids=input_ids[:, :n], attention_mask=mask, **kwargs).last_hidden_state
         feats = h if self.cfg.routing == "token" else h[torch.arange(B, device=h.device), last]  # (B,[T,] H)
         return torch.softmax(self.router(feats.to(self.router[0].weight.dtype)), dim=-1)  # (B, [T,] M)
 
@@ -126,37 +125,90 @@ def _generate(model: nn.Module, *args, **kwargs):
         return type(model).generate(model, *args, **kwargs)
 
 
+def _backbone(model: nn.Module) -> nn.Module:
+    """The model without its head, whose last_hidden_state the router reads (Mllama's text model names its
+    base_model_prefix after another attribute: base_model is the model itself there)."""
+    base = model.base_model
+    if base is model:
+        base = getattr(model, "model", None)
+        if not isinstance(base, nn.Module):
+            raise ConfigError(f"{type(model).__name__} has no backbone (base_model or .model) for the SIMoE router")
+    return base
+
+
+def _stacked(model: nn.Module) -> set[str]:
+    """Paths of the modules inside the model's layer stacks (the entries of its nn.ModuleLists)."""
+    out = set()
+    for path, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList):
+            out |= {f"{path}.{sub}" for sub, _ in mod.named_modules() if sub}
+    return out
+
+
 def _targets(model: nn.Module, cfg: SIMoEConfig) -> list[tuple[str, nn.Module]]:
     found = []
+    stacked = _stacked(model) if cfg.modules == "all" else set()
     for path, mod in model.named_modules():
         leaf = path.rsplit(".", 1)[-1]
-        if leaf in cfg.modules and isinstance(mod, nn.Linear):
+        if isinstance(mod, nn.Linear) and (path in stacked if cfg.modules == "all" else leaf in cfg.modules):
             found.append((path, mod))
         elif cfg.norms and "norm" in type(mod).__name__.lower() and getattr(mod, "weight", None) is not None:
             found.append((path, mod))
     return found
 
 
-def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = None) -> nn.Module:
-    """Wrap the targets in SI modules (in place), attach `model.simoe` and its routing hook. `kept`: the
-    δ column counts of a pruned checkpoint being loaded."""
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _probe(model: nn.Module) -> tuple[int, list[str]]:
+    """Two tokens through the backbone: the size of its last hidden states (the router's input: OPT projects them to
+    word_embed_proj_dim, ELECTRA's and RemBERT's heads take another size) and the SI modules it never calls though it
+    calls the module holding them, which are unwrapped again: the family computes with their weights directly (Mamba's
+    dt_proj), so no δ could act there. (A module whose holder is not called either, such as cross-attention without
+    encoder states or a vision tower, stays wrapped.)"""
+    called, mods = set(), si_modules(model)
+    holder = {p: model.get_submodule(p.rpartition(".")[0]) for p, _ in mods}
+    watched = {id(m): m for m in (*holder.values(), *(m for _, m in mods))}.values()
+    hooks = [m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for m in watched]
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            hidden = _backbone(model)(input_ids=ids).last_hidden_state.shape[-1]
+    finally:
+        for h in hooks:
+            h.remove()
+    skipped = [p for p, m in mods if id(m) not in called and id(holder[p]) in called]
+    for path in skipped:
+        _replace(model, path, model.get_submodule(path).base)
+    return hidden, skipped
+
+
+def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = None,
+            hidden: int | None = None, skipped: list[str] | None = None) -> nn.Module:
+    """Wrap the targets in SI modules (in place), attach `model.simoe` and its routing hook. A checkpoint being
+    loaded gives `kept` (its pruned δ column counts), `hidden` (its router's input size) and `skipped` (the targets
+    its family never calls); else those two are measured (_probe)."""
     if model_state(model).simoe is not None:
         raise ConfigError("the model is already a SIMoE model")
-    targets = _targets(model, cfg)
+    targets = [(p, m) for p, m in _targets(model, cfg) if p not in (skipped or ())]
     if not targets:
         raise ConfigError(f"no SIMoE targets: no nn.Linear named {cfg.modules}" + (" and no norm" if cfg.norms else ""))
     model.requires_grad_(False)
-    s = SIMoE(cfg, model.config.get_text_config().hidden_size).to(next(model.parameters()).device)
     gen = torch.Generator().manual_seed(cfg.seed)
     masks = MaskInit(cfg.p_zero, cfg.init_std, gen, sampled=cfg.gates == "sampled", kind=cfg.masks,
                      granularity=cfg.mask_granularity)
+    routing = Routing()
     for path, mod in targets:
-        parent, _, leaf = path.rpartition(".")
         if isinstance(mod, nn.Linear):
-            si = SILinear(mod, cfg.num_experts, masks, s.routing, (kept or {}).get(path))
+            _replace(model, path, SILinear(mod, cfg.num_experts, masks, routing, (kept or {}).get(path)))
         else:
-            si = SINorm(mod, cfg.num_experts, masks, s.routing)
-        setattr(model.get_submodule(parent) if parent else model, leaf, si)
+            _replace(model, path, SINorm(mod, cfg.num_experts, masks, routing))
+    if hidden is None:
+        hidden, skipped = _probe(model)
+    s = SIMoE(cfg, hidden).to(next(model.parameters()).device)
+    s.routing, s.skipped = routing, list(skipped or [])
     model.simoe = model_state(model).simoe = s
     s.hook = model.register_forward_pre_hook(_pre_hook, with_kwargs=True)
     model.generate = types.MethodType(_generate, model)
