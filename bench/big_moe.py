@@ -188,11 +188,12 @@ IO_LIMIT = '''
 import json, re, sys, time, torch
 from moekit.checkpoint.files import ShardReader
 src, out, kept = sys.argv[1], sys.argv[2], json.loads(open(sys.argv[3]).read())["experts"]
+keep = {int(k.split(".")[2]): set(v) for k, v in kept.items()}  # decoder layer -> kept experts
 start, n = time.perf_counter(), 0
 with ShardReader(src) as r, open(out, "wb") as f:
     for name in r.keys():
-        m = re.fullmatch(r"(.+)\.experts\.(\d+)\..+", name)  # the Hub's per-expert tensors
-        if m and int(m.group(2)) not in kept[m.group(1)]:
+        m = re.fullmatch(r"model\.layers\.(\d+)\..*\.experts\.(\d+)\..+", name)  # the Hub's per-expert tensors
+        if m and int(m.group(2)) not in keep[int(m.group(1))]:
             continue
         t = r.get(name)
         f.write(t.view(torch.uint8).numpy().tobytes())
