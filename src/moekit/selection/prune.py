@@ -13,8 +13,8 @@ those experts would (tested per family against the checkpoint with them removed,
                         weights too.
 Refused in one line before anything changes: fewer than top_k experts left (or, with group-limited routing, in the
 groups it may search), a router whose choice does not come from its logits (DeepSeek-V4's hash routing by token id),
-and a router without a weight of E rows. Checked at every forward: exactly one product of the expert-row weight,
-and no disabled expert picked with a non-zero weight.
+and a router without a weight of E rows. Checked at every forward: exactly one product of the expert-row weight;
+at the first: no disabled expert picked with a non-zero weight.
 A routing hook is not saved with the weights, so `save_pruned` writes pruned_experts.json beside them (its state
 codec, moekit.checkpoint.codecs) and moekit's loaders disable the same experts again when they find it.
 """
@@ -117,8 +117,10 @@ def _moekit_rule(site: RouterSite, mask: Tensor):
 
 
 def _absent(site: RouterSite, mask: Tensor, weight: Tensor) -> list:
-    """Hooks that run the router's forward under _AbsentExperts and check what it decided."""
-    modes = []
+    """Hooks that run the router's forward under _AbsentExperts and check it: one product at every forward, and at
+    the first one that no disabled expert was picked (reading the decision back would be a host sync per layer on
+    an accelerator)."""
+    modes, checked = [], []
 
     def enter(module, args):
         modes.append(_AbsentExperts(weight, mask))
@@ -131,6 +133,9 @@ def _absent(site: RouterSite, mask: Tensor, weight: Tensor) -> list:
             raise UnsupportedModelError(f"{site.name}: its router ({type(site.router).__name__}) computed "
                                         f"{mode.products} products of its expert-row weight, not one: moekit cannot "
                                         "tell which are the expert logits to prune")
+        if checked:
+            return
+        checked.append(True)
         _, ids, w = site.decision(out)  # (T, k), (T, k)
         if bool((mask[ids] & (w != 0)).any()):
             raise UnsupportedModelError(f"{site.name}: its router ({type(site.router).__name__}) still picked a "
