@@ -155,3 +155,34 @@ def test_a_router_that_still_picks_a_disabled_expert_is_refused():
     with pytest.raises(MoekitError, match="still picked a disabled expert") as e:
         logits(model)
     assert "\n" not in str(e.value)
+
+
+# vision-language MoE families: their language model's MoE layers, named under model.language_model (or, Llama 4,
+# language_model.model), and saved under the names transformers renames on load
+VLM_SAMPLE = ["aria", "llama4", "qwen3_vl_moe"]
+
+
+@pytest.mark.parametrize("family", VLM_SAMPLE)
+def test_vision_language_moe_streams_prunes_and_removes(family, tmp_path):
+    """Streamed capture (one decoder layer at a time) equals the in-memory one; one expert disabled per MoE layer
+    equals it removed from the checkpoint, as transformers loads it (1e-5)."""
+    import numpy as np
+
+    from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
+
+    model = tiny_family_model(family, image_text=True, perturb=0.05)
+    model.save_pretrained(tmp_path / "src")
+    batches = [Batch("en", IDS, torch.ones_like(IDS))]
+    want = collect_in_memory(model, batches)
+    got = collect_streamed(tmp_path / "src", batches, dtype=torch.float32)
+    assert got.layers == want.layers and np.array_equal(got.ids, want.ids)
+    np.testing.assert_allclose(got.weights, want.weights, rtol=1e-5, atol=1e-6)
+    sites = find_sites(model)
+    off = {s.name: [min(routed(model)[s.name])] for s in sites}
+    prune(model, off)
+    pruned = logits(model)
+    keep = kept_experts(tmp_path / "src", Selection(method="m", budget=1, experts=off), "drop")
+    remove_experts(tmp_path / "src", tmp_path / "out", keep)
+    removed, info = type(model).from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    torch.testing.assert_close(logits(removed.eval()), pruned, rtol=1e-5, atol=1e-5)

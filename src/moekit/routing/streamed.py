@@ -68,15 +68,19 @@ class HiddenStates:
             remove(self._folder)
 
 
-def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """(path, layers) of the model's decoder layers: the ModuleList named `layers` with num_hidden_layers entries."""
-    n = getattr(model.config, "num_hidden_layers", None)
+def decoder_stack(model: nn.Module, sites: list | None = None) -> tuple[str, nn.ModuleList]:
+    """(path, layers) of the model's decoder layers: the ModuleList named `layers` with the text config's
+    num_hidden_layers entries (a vision-language model's language model too), the one holding the MoE `sites` where
+    another stack has as many (a vision tower)."""
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model: only decoder-only models "
                                     "stream layer by layer; capture it with the whole model loaded")
-    for name, module in model.named_modules():
-        if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) == n:
-            return name, module
+    stacks = [(name, module) for name, module in model.named_modules()
+              if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) == n]
+    holding = [(name, m) for name, m in stacks if any(s.name.startswith(name + ".") for s in sites or [])]
+    if holding or stacks:
+        return (holding or stacks)[0]
     raise UnsupportedModelError(f"{type(model).__name__}: no decoder layer stack ({n} layers named `layers`) to "
                                 "stream layer by layer; capture it with the whole model loaded")
 
@@ -152,10 +156,11 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
     "recording" per decoder layer."""
     with LayerStream(folder, dtype, trust_remote_code) as stream:
         model = stream.model
-        find_sites(model, layers)  # a model without an MoE layer moekit reads is refused before anything runs
-        path, stack = decoder_stack(model)
+        sites = find_sites(model, layers)  # a model without an MoE layer moekit reads is refused before anything runs
+        path, stack = decoder_stack(model, sites)
         inputs, calls = first_pass(stream, batches, stack, device)
-        store = HiddenStates(needs_spill(batches, model.config.hidden_size, stream.dtype) if spill is None else spill)
+        hidden = model.config.get_text_config().hidden_size
+        store = HiddenStates(needs_spill(batches, hidden, stream.dtype) if spill is None else spill)
         try:
             for b, h in enumerate(inputs):
                 store.put(b, h)
