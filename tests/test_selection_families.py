@@ -186,3 +186,24 @@ def test_vision_language_moe_streams_prunes_and_removes(family, tmp_path):
     removed, info = type(model).from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
     assert not any(info.values()), info
     torch.testing.assert_close(logits(removed.eval()), pruned, rtol=1e-5, atol=1e-5)
+
+
+def test_removal_cuts_one_axis_of_the_experts_or_refuses():
+    """What removal does with a tensor whose shape changes (E = 8 experts, 0, 2, 5, 7 kept): the experts' axis, first
+    or not, keeping the entries after the experts (Inkling's shared rows); refused in one line when the change is not
+    that (a layout of 16 rows per expert, two axes)."""
+    from pathlib import Path
+
+    from moekit.checkpoint.files import TensorInfo
+    from moekit.checkpoint.remove import _cut
+    from moekit.errors import ConfigError
+
+    ids = [0, 2, 5, 7]
+    cut = lambda have, want: _cut("t", TensorInfo("F32", have, Path("x")), want, 8, ids)  # noqa: E731
+    assert (cut((8, 32), (4, 32)).rows, cut((8, 32), (4, 32)).axis) == (ids, 0)
+    assert (cut((1, 8), (1, 4)).rows, cut((1, 8), (1, 4)).axis) == (ids, 1)
+    assert cut((10, 32), (6, 32)).rows == [*ids, 8, 9] and cut((10, 32), (6, 32)).shape == (6, 32)
+    for have, want in (((128, 32), (64, 32)), ((8, 32), (4, 16)), ((8, 32), (4, 32, 1))):
+        with pytest.raises(ConfigError, match="not one axis of the 8 experts") as e:
+            cut(have, want)
+        assert "\n" not in str(e.value)

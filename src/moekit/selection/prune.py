@@ -109,7 +109,7 @@ def _check_groups(site: RouterSite, mask: Tensor) -> None:
                           f"can hold only {sum(chosen)} experts, fewer than top_k={site.top_k}")
 
 
-def _moekit_rule(site: RouterSite, mask: Tensor):
+def _moekit_reroute(site: RouterSite, mask: Tensor):
     def fn(logits: Tensor, ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
         w, i = route(logits.masked_fill(mask, float("-inf")), site.router.top_k, site.router.scoring)  # (T, k)
         return i, w.to(weights.dtype)
@@ -194,7 +194,7 @@ def prune(model: nn.Module, selection: Selection | dict[str, list[int]]) -> Prun
     handles, biases = [], []
     for site, ids, mask, weight in plans:
         if weight is None:
-            handles.append(_moekit_rule(site, mask))
+            handles.append(_moekit_reroute(site, mask))
             continue
         handles += _absent(site, mask, weight)
         for bias in _selection_biases(site, weight):
