@@ -9,15 +9,19 @@ routing cannot be pruned: DeepSeek-V4's hash layers pick experts by token id."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers as tf
 
-from moekit.checkpoint.remove import remove_experts
-from moekit.errors import MoekitError, UnsupportedModelError
+from moekit.checkpoint.files import TensorInfo
+from moekit.checkpoint.remove import _cut, remove_experts
+from moekit.errors import ConfigError, MoekitError, UnsupportedModelError
 from moekit.moe.state import model_state
 from moekit.routing.sites import find_sites, hash_routed
+from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
 from moekit.selection.finetune import attach
 from moekit.selection.prune import kept_experts, load_pruned, prune, save_pruned
 from moekit.selection.selection import Selection
@@ -50,8 +54,6 @@ def routed(model) -> dict[str, set[int]]:
 
 
 def test_every_family_of_the_capture_sweep_is_here_and_in_the_guide():
-    from pathlib import Path
-
     assert len(FAMILIES) >= 40 and HASH_ROUTED <= set(FAMILIES)
     guide = Path(__file__).parents[1] / "docs" / "guides" / "selection.md"
     rows = [line.split("|")[2].strip() for line in guide.read_text().splitlines()
@@ -166,10 +168,6 @@ VLM_SAMPLE = ["aria", "llama4", "qwen3_vl_moe"]
 def test_vision_language_moe_streams_prunes_and_removes(family, tmp_path):
     """Streamed capture (one decoder layer at a time) equals the in-memory one; one expert disabled per MoE layer
     equals it removed from the checkpoint, as transformers loads it (1e-5)."""
-    import numpy as np
-
-    from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
-
     model = tiny_family_model(family, image_text=True, perturb=0.05)
     model.save_pretrained(tmp_path / "src")
     batches = [Batch("en", IDS, torch.ones_like(IDS))]
@@ -192,12 +190,6 @@ def test_removal_cuts_one_axis_of_the_experts_or_refuses():
     """What removal does with a tensor whose shape changes (E = 8 experts, 0, 2, 5, 7 kept): the experts' axis, first
     or not, keeping the entries after the experts (Inkling's shared rows); refused in one line when the change is not
     that (a layout of 16 rows per expert, two axes)."""
-    from pathlib import Path
-
-    from moekit.checkpoint.files import TensorInfo
-    from moekit.checkpoint.remove import _cut
-    from moekit.errors import ConfigError
-
     ids = [0, 2, 5, 7]
     cut = lambda have, want: _cut("t", TensorInfo("F32", have, Path("x")), want, 8, ids)  # noqa: E731
     assert (cut((8, 32), (4, 32)).rows, cut((8, 32), (4, 32)).axis) == (ids, 0)
