@@ -42,7 +42,7 @@ from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
 from moekit.errors import ConfigError, UnsupportedModelError
 from moekit.progress import report
-from moekit.routing.sites import RouterSite, find_sites, hash_routed
+from moekit.routing.sites import RouterSite, expert_groups, find_sites, hash_routed
 
 _PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(.+)")  # the Hub's per-expert names: prefix, expert, rest
 OTHER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -159,8 +159,8 @@ def check_keep(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> int:
     if kept < site.top_k:
         raise ConfigError(f"keeping {kept} experts per layer leaves fewer than the {site.top_k} each token is routed "
                           "to (num_experts_per_tok); keep at least that many")
-    groups = getattr(site.router, "num_group", None) or getattr(site.router, "n_group", None)
-    if isinstance(groups, int) and groups > 1:
+    groups = expert_groups(site)
+    if groups is not None:
         size = experts // groups
         per = {tuple(sum(1 for i in ids if i // size == g) for g in range(groups)) for ids in keep.values()}
         if len(per) != 1 or len(set(next(iter(per)))) != 1:

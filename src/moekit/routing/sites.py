@@ -130,6 +130,13 @@ def hash_routed(site: RouterSite) -> bool:
     return not site.is_moekit and "input_ids" in inspect.signature(site.router.forward).parameters
 
 
+def expert_groups(site: RouterSite) -> int | None:
+    """The number of expert groups of group-limited routing (DeepSeek's n_group: `num_group` or `n_group` on the
+    router), None where the router has none or one."""
+    groups = getattr(site.router, "num_group", None) or getattr(site.router, "n_group", None)
+    return groups if isinstance(groups, int) and groups > 1 else None
+
+
 def _top_k(router: nn.Module) -> int | None:
     """The router's k: its own `top_k`, or (Gemma 4) its config's."""
     for obj, keys in ((router, ("top_k",)), (getattr(router, "config", None), ("top_k_experts", "num_experts_per_tok"))):

@@ -78,9 +78,9 @@ def decoder_stack(model: nn.Module, sites: list | None = None) -> tuple[str, nn.
                                     "stream layer by layer; capture it with the whole model loaded")
     stacks = [(name, module) for name, module in model.named_modules()
               if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) == n]
-    holding = [(name, m) for name, m in stacks if any(s.name.startswith(name + ".") for s in sites or [])]
-    if holding or stacks:
-        return (holding or stacks)[0]
+    stacks.sort(key=lambda stack: not any(s.name.startswith(stack[0] + ".") for s in sites or []))  # stable
+    if stacks:
+        return stacks[0]
     raise UnsupportedModelError(f"{type(model).__name__}: no decoder layer stack ({n} layers named `layers`) to "
                                 "stream layer by layer; capture it with the whole model loaded")
 

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..moe.router import route
-from ..routing.sites import RouterSite, hash_routed
+from ..routing.sites import RouterSite, expert_groups, hash_routed
 from ..checkpoint.codecs import StateCodec
 from .common import PRUNED_FILE, check_source, resolve, save_model, write_pruned
 from .selection import Selection
@@ -95,10 +95,8 @@ def _check_groups(site: RouterSite, mask: Tensor) -> None:
     """Group-limited routing (DeepSeek-V2/V3 and their kin): a group scores by its best (the sum of its top 2; a group
     with fewer than 2 experts left scores -inf) and only topk_group groups are searched, so even the worst admissible
     choice of groups must leave top_k experts."""
-    r = site.router
-    groups, searched = getattr(r, "num_group", None) or getattr(r, "n_group", None), getattr(r, "topk_group", None)
-    if not isinstance(groups, int) or groups <= 1 or not isinstance(searched, int) or \
-            getattr(r, "topk_method", None) == "greedy":
+    groups, searched = expert_groups(site), getattr(site.router, "topk_group", None)
+    if groups is None or not isinstance(searched, int) or getattr(site.router, "topk_method", None) == "greedy":
         return
     left = (~mask).view(groups, -1).sum(-1).tolist()  # (G,) experts left per group
     finite = sorted(c for c in left if c >= 2)

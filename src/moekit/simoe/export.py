@@ -63,14 +63,19 @@ def read_meta(folder: str | Path) -> dict:
     return io_read_meta(folder, "simoe.json", SIMoEMeta, "SIMoE")
 
 
-def _build(meta: dict, config, cfg: SIMoEConfig, folder: Path) -> nn.Module:
+def _router_in(folder: Path) -> int:
+    """The stored router's input size (the backbone's last hidden size)."""
     router = read_headers(folder).get(ROUTER_IN)
     if router is None or len(router.shape) != 2:
         raise CheckpointError(f"{folder} has no SIMoE router ({ROUTER_IN}, 2-D)")
+    return router.shape[1]
+
+
+def _build(meta: dict, config, cfg: SIMoEConfig, folder: Path, hidden: int) -> nn.Module:
     with no_init_weights():
         model = model_class(meta["architecture"], folder)._from_config(config)
     try:
-        install(model, cfg, meta["kept"], hidden=router.shape[1], skipped=meta["skipped"])
+        install(model, cfg, meta["kept"], hidden=hidden, skipped=meta["skipped"])
     except (ValueError, KeyError, IndexError) as e:
         raise CheckpointError(f"{folder}/simoe.json does not fit the model: {e}") from None
     return model
@@ -83,9 +88,10 @@ def load(folder: str | Path) -> nn.Module:
     meta = read_meta(folder)
     config = load_config(folder)
     cfg = validate(SIMoEConfig, meta["config"], source=f"SIMoE config in {folder}/simoe.json")
+    hidden = _router_in(folder)
     with torch.device("meta"):
-        check_headers(_build(meta, config, cfg, folder), folder, meta["aliases"])
-    model = _build(meta, config, cfg, folder)
+        check_headers(_build(meta, config, cfg, folder, hidden), folder, meta["aliases"])
+    model = _build(meta, config, cfg, folder, hidden)
     load_state(model, folder, meta)
     model.tie_weights()
     load_generation_config(model, folder)

@@ -136,10 +136,11 @@ def tiny_family_model(model_type: str, seed: int = 0, edit=None, image_text: boo
                 model = auto.from_config(cfg).float().eval()
                 with torch.no_grad():
                     model(input_ids=torch.randint(3, 100, (2, 5)))
-                    g = torch.Generator().manual_seed(seed + 1)
-                    for p in model.parameters() if perturb else ():
-                        if p.is_floating_point():
-                            p.add_(perturb * torch.randn(p.shape, generator=g))
+                    if perturb:
+                        g = torch.Generator().manual_seed(seed + 1)
+                        for p in model.parameters():
+                            if p.is_floating_point():
+                                p.add_(perturb * torch.randn(p.shape, generator=g))
             return model
         except Exception as e:  # noqa: BLE001 - the other variant may build; the first error is raised
             error = error or e
