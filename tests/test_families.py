@@ -113,3 +113,27 @@ def test_capture_streamed_equals_in_memory_or_refuses_in_one_line(family, tmp_pa
 STREAM_REFUSED = {"glm_moe_dsa": "state passed from layer to layer",  # each layer hands its top-k indices on
                   "hy_v4": "state passed from layer to layer",
                   "zaya": "state passed from layer to layer"}  # its router state
+
+
+
+def test_a_family_whose_own_forward_fails_in_transformers_is_refused_in_one_line(tmp_path):
+    """Qwen3-Omni-MoE's thinker, as transformers 5.23 ships it, fails in its own forward once it is given an attention
+    mask (it reads config.vision_start_token_id, which its config class does not have): routing capture, in memory
+    and streamed, says so in one line. The day transformers runs it, both must equal its own decisions instead."""
+    model = tiny_family_model("qwen3_omni_moe_thinker", image_text=True)
+    model.save_pretrained(tmp_path)
+    batches = _batches()
+    try:
+        with torch.no_grad():
+            model(input_ids=batches[0].input_ids, attention_mask=batches[0].attention_mask)
+    except AttributeError:
+        for capture in (lambda: collect_in_memory(model, batches),
+                        lambda: collect_streamed(tmp_path, batches, dtype=torch.float32)):
+            with pytest.raises(UnsupportedModelError, match=r"own forward fails in transformers \(AttributeError: "
+                               r".*vision_start_token_id") as e:
+                capture()
+            assert "\n" not in str(e.value)
+        return
+    want = _reference(model, batches)
+    for trace in (collect_in_memory(model, batches), collect_streamed(tmp_path, batches, dtype=torch.float32)):
+        assert all(np.array_equal(trace.ids[i, :, :ids.shape[1]], ids.numpy()) for i, (ids, _) in enumerate(want))

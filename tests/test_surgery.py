@@ -193,3 +193,78 @@ def test_the_probe_allows_16_bit_rounding_and_checks_16_bit_models():
     model.model.layers[0].mlp = _ScaledMLP(model.model.layers[0].mlp, 1.5)
     with pytest.raises(UnsupportedModelError, match="does not compute what moekit reads"):
         upcycle(model, spec)
+
+
+class _GatedFC(nn.Module):
+    """fc1 to [gate; up] (Moshi) or [up; gate] (Moonshine's decoder), then fc2."""
+
+    def __init__(self, gate_first: bool):
+        super().__init__()
+        self.fc1, self.fc2, self.activation_fn, self.gate_first = nn.Linear(8, 24), nn.Linear(12, 8), nn.SiLU(), gate_first
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, dim=-1)
+        gate, up = (a, b) if self.gate_first else (b, a)
+        return self.fc2(self.activation_fn(gate) * up)
+
+
+class _Blocks(nn.Module):
+    def __init__(self, *mlps: nn.Module):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for mlp in mlps:
+            block = nn.Module()
+            block.mlp = mlp
+            self.layers.append(block)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = x + block.mlp(x)
+        return x
+
+
+def test_which_half_of_a_fused_fc1_is_the_gate_is_told_by_what_it_computes():
+    torch.manual_seed(0)
+    model = _Blocks(_GatedFC(gate_first=True), _GatedFC(gate_first=False))
+    slots = find_slots(model)  # no config: the activation is the one the MLP holds
+    assert [s.adapter.name for s in slots] == ["fused_gated_fc"] * 2
+    assert all(s.act in ("silu", "swish") for s in slots)  # ACT2FN's two names of nn.SiLU
+    for s, gate_rows in zip(slots, (slice(0, 12), slice(12, 24))):
+        ffn = s.checked_read()
+        assert torch.equal(ffn.gate, s.block.mlp.fc1.weight[gate_rows].detach())
+    x = torch.randn(2, 5, 8)
+    want = model(x).detach()
+    upcycle(model, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_activation_is_the_one_the_ffn_holds_where_its_config_names_another():
+    """Layer 0's MLP runs GELU though the config says silu: its slot reads gelu, the others keep the config's; where
+    the MLP holds the config's activation under another key's class (gemma3's gelu_pytorch_tanh), the config's name
+    is kept (EXPECTED above)."""
+    model = tiny_llama()
+    model.model.layers[0].mlp.act_fn = nn.GELU()
+    assert [s.act for s in find_slots(model)] == ["gelu", "silu", "silu", "silu"]
+    x = tiny_inputs(model)
+    want = logits(model, x)
+    upcycle(model, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
+    assert (logits(model, x) - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("name,ffn", [("T5", "gated-gelu"), ("T5", "relu"), ("MT5", "gated-gelu"), ("UMT5", "gated-gelu")])
+def test_t5_family_ffns_upcycle_exactly(name, ffn):
+    """T5's DenseReluDense (wi/wo) and T5 v1.1's gated one (wi_0/wi_1/wo), its activation its `dense_act_fn`."""
+    import transformers as tf
+
+    cfg = getattr(tf, f"{name}Config")(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_heads=4,
+                                       feed_forward_proj=ffn, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = getattr(tf, f"{name}ForConditionalGeneration")(cfg).eval()
+    slots = find_slots(model)
+    assert len(slots) == 4 and {s.adapter.name for s in slots} == {"gated_mlp" if "gated" in ffn else "linear_mlp"}
+    assert {s.act for s in slots} == {"gelu_new" if "gated" in ffn else "relu"}
+    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids, decoder_input_ids=ids).logits
+        upcycle(model, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
+        torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)

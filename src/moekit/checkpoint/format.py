@@ -196,7 +196,7 @@ def _build(meta: dict, config, folder: Path) -> nn.Module:
         moe.slot = {k: e[k] for k in ("stack", "index", "adapter")}
         moe.init_diversity = e.get("init_diversity")
         try:
-            slot = slot_at(model, e["stack"], e["index"], e["adapter"])
+            slot = slot_at(model, e["stack"], e["index"], e["adapter"], e["path"])
         except (MoekitError, IndexError, KeyError, AttributeError) as err:
             raise CheckpointError(f"{folder}/moekit.json: layer {e['path']} does not exist in the model ({err})") from None
         slot.install(moe)

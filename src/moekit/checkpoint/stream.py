@@ -32,7 +32,6 @@ from moekit.moe.router import Router
 from moekit.moe.spec import MoESpec
 from moekit.progress import report
 from moekit.surgery import Slot, slot_at
-from moekit.surgery.locate import read_checked
 from moekit.checkpoint.upcycle_model import release_freed_memory
 from moekit.moe.state import model_state
 
@@ -294,7 +293,7 @@ def ffn_keys(slot: Slot) -> list[str]:
     layer removes."""
     block = copy.deepcopy(slot.block)
     before = set(block.state_dict())
-    slot.adapter.install(block, nn.Identity())
+    slot.install(nn.Identity(), block)
     return sorted(before - set(block.state_dict()))
 
 
@@ -310,7 +309,7 @@ def read_ffn(slot: Slot, reader: ShardReader, finite: bool) -> FFNWeights:
         if finite:
             check_finite(tensors[key], f"{reader.folder}: {base + key}")
     block.load_state_dict(tensors, strict=False, assign=True)
-    return read_checked(slot.adapter, block, slot.act, f"{reader.folder}: {slot.path}")
+    return slot.checked_read(block, f"{reader.folder}: {slot.path}")
 
 
 def layout_for(ffn: FFNWeights, spec: MoESpec, dropout: float, dtype: torch.dtype) -> dict:
@@ -335,12 +334,12 @@ def meta_moe_model(dense: nn.Module, slots: list[Slot], groups: dict[str, str | 
     with torch.device("meta"):
         for s in slots:
             ffn = s.read()
-            lay = layouts[s.path] = layout_for(ffn, spec, s.adapter.dropout(s.block), dtype)
+            lay = layouts[s.path] = layout_for(ffn, spec, s.dropout(), dtype)
             moe = from_layout(lay, router=routers.get(groups[s.path]))
             if groups[s.path] is not None:
                 routers.setdefault(groups[s.path], moe.router)
             moe.slot = s.describe()
-            slot_at(model, s.stack, s.index, s.adapter.name).install(moe)
+            slot_at(model, s.stack, s.index, s.adapter.name, s.path).install(moe)
     model_state(model).spec = spec
     return model, layouts
 

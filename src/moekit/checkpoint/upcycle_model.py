@@ -116,7 +116,7 @@ def upcycle_slot(slot: Slot, spec: MoESpec, branch_slots: list[Slot], router: Ro
             with torch.no_grad():
                 router.weight.copy_(w.router)
     gate = shared_gate_weight(spec, w.up.shape[2], gen, rows)  # drawn after the router, as the streaming path does
-    moe = build_moe(w, router, slot.adapter.dropout(slot.block), None if gate is None else gate.to(w.up.dtype))
+    moe = build_moe(w, router, slot.dropout(), None if gate is None else gate.to(w.up.dtype))
     moe.slot = slot.describe()
     moe.init_diversity = expert_diversity(moe.experts.down)  # SPRI A.1, recorded in moekit.json
     slot.install(moe.train(slot.block.training))

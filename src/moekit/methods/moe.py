@@ -79,10 +79,11 @@ class MoE(TrainingMethod):
         """λ_lb·LB + λ_z·Z, each summed or averaged over the MoE layers (aux.layer_reduction), padding
         excluded; logged per layer with usage entropy and max load fraction, as device tensors (no host sync in
         the step: the Trainer's log reads them back, `moekit.training.trainer.means`). All layers' statistics come
-        from one `layer_stats` call: a fixed number of device ops per step, not a number per layer."""
+        from one `layer_stats` call: a fixed number of device ops per step, not a number per layer. Only the layers
+        that ran in this forward count (ran_in_last_forward: LayerDrop skips some)."""
         from moekit.moe.losses import layer_stats
 
-        layers, aux, logs = moe_layers(model), trainer.aux, trainer.aux_logs
+        layers, aux, logs = ran_in_last_forward(model), trainer.aux, trainer.aux_logs
         if not layers:
             return None
         stats = layer_stats([moe.last_routing for _, moe in layers], mask, aux.balance_variant)  # each (L,)
@@ -112,3 +113,19 @@ def first_difference(ours: dict, theirs: dict, prefix: str = "") -> tuple[str, o
         elif a != b:
             return f"{prefix}{key}", a, b
     return None
+
+
+def _clear_routing(model: nn.Module, args) -> None:
+    for _, moe in moe_layers(model):
+        moe.last_routing = None
+
+
+def ran_in_last_forward(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MoE layers (path, layer) that ran in the model's last forward. A layer that LayerDrop skipped in training
+    (wav2vec 2.0's and HuBERT's `layerdrop`, Whisper's `encoder_layerdrop`) must not add the routing of an earlier
+    forward, whose graph is gone: a forward pre-hook on the model, registered at the first call, clears every layer's
+    routing as each forward begins."""
+    if not getattr(model, "_moekit_clears_routing", False):
+        model.register_forward_pre_hook(_clear_routing)
+        model._moekit_clears_routing = True
+    return [(path, moe) for path, moe in moe_layers(model) if moe.last_routing is not None]

@@ -12,6 +12,7 @@ trace equals the in-memory capture's: the same layers run the same arithmetic on
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from moekit._fs import available_memory, remove, scratch
 from moekit.checkpoint.layerwise import LayerStream
-from moekit.errors import UnsupportedModelError
+from moekit.errors import MoekitError, UnsupportedModelError
 from moekit.progress import report
 from moekit.routing.capture import RoutingCapture
 from moekit.routing.sites import find_sites
@@ -105,6 +106,27 @@ def _stubbed(layers: nn.ModuleList, calls: list[tuple[tuple, dict]]) -> Iterator
             del layer.forward
 
 
+@contextlib.contextmanager
+def _transformers_forward(model: nn.Module) -> Iterator[None]:
+    """An error raised in transformers' own code (the innermost frame of its traceback there, not in moekit or torch)
+    while the family's forward runs becomes one line: a family whose forward fails as transformers ships it (in 5.23,
+    Qwen3-Omni-MoE's thinker reads a config field its config does not have once it is given an attention mask)."""
+    try:
+        yield
+    except MoekitError:
+        raise
+    except Exception as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None or f"{os.sep}transformers{os.sep}" not in tb.tb_frame.f_code.co_filename:
+            raise
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s own forward fails in transformers ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:300]}); moekit cannot record the routing of a model transformers cannot "
+            "run") from e
+
+
 def first_pass(stream: LayerStream, batches: list[Batch], layers: nn.ModuleList, device) -> tuple[list, list]:
     """([first layer input (B, S, H) per batch], [[(args, kwargs) per layer] per batch]) with only the weights
     outside the decoder stack and the output head loaded (the embeddings, and what some families use before their
@@ -117,7 +139,7 @@ def first_pass(stream: LayerStream, batches: list[Batch], layers: nn.ModuleList,
     try:
         for batch in batches:
             recorded: list[tuple[tuple, dict]] = []
-            with _stubbed(layers, recorded), torch.no_grad():
+            with _stubbed(layers, recorded), torch.no_grad(), _transformers_forward(model):
                 try:
                     model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                           use_cache=False)
@@ -213,7 +235,7 @@ def collect_in_memory(model: nn.Module, batches: list[Batch], layers: str | None
     with RoutingCapture(model, layers, saliency=saliency) as cap:
         for b, batch in enumerate(batches):
             cap.begin(b, batch.attention_mask, batch.language)
-            with torch.no_grad():
+            with torch.no_grad(), _transformers_forward(model):
                 model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
             cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
             report("recording", b + 1, len(batches), batch.language)

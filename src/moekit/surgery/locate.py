@@ -6,11 +6,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.activations import ACT2CLS, ACT2FN
 
 from moekit.errors import UnsupportedModelError
 from moekit.moe.ffn import FFNWeights
 from moekit.moe.layer import MoELayer
-from moekit.surgery.adapters import ADAPTERS, ADAPTERS_BY_NAME, Adapter, supported_families
+from moekit.surgery.adapters import ADAPTERS, ADAPTERS_BY_NAME, Adapter, probe, supported_families
 
 _ACT_KEYS = ("hidden_activation", "hidden_act", "activation_function", "activation")  # "activation": Falcon
 
@@ -29,42 +30,45 @@ class Slot:
         return f"{self.stack}.{self.index}.{self.rel}"
 
     def read(self) -> FFNWeights:
-        return self.adapter.read(self.block, self.act)
+        return self.adapter.read(self.block, self.rel, self.act)
 
-    def checked_read(self) -> FFNWeights:
-        """read(), refused where the weights read do not compute what the block's FFN computes (read_checked)."""
-        return read_checked(self.adapter, self.block, self.act, self.path)
+    def checked_read(self, block: nn.Module | None = None, where: str = "") -> FFNWeights:
+        """read(), refused where the weights read do not compute what the block's FFN computes (read_checked);
+        `block`: a copy of the slot's block holding the weights to read instead."""
+        return read_checked(self, self.block if block is None else block, where or self.path)
 
-    def install(self, moe: MoELayer) -> None:
-        self.adapter.install(self.block, moe)
+    def install(self, moe: nn.Module, block: nn.Module | None = None) -> None:
+        self.adapter.install(self.block if block is None else block, self.rel, moe)
+
+    def dropout(self) -> float:
+        return self.adapter.dropout(self.block, self.rel)
 
     def describe(self) -> dict:
         return {"stack": self.stack, "index": self.index, "adapter": self.adapter.name}
 
 
-PROBE_TOKENS = 4
 PROBE_TOL = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative norm; 3e-2 for 16-bit weights
 
 
-def read_checked(adapter: Adapter, block: nn.Module, act: str, where: str) -> FFNWeights:
-    """The FFN weights `adapter` reads from `block`, after checking that they compute what the block's own FFN
-    modules compute, on PROBE_TOKENS fixed random tokens in the weights' dtype (eval mode; a forward of those
-    modules, no gradient). Adapters match modules by attribute names, and a family can keep the names and compute
+def read_checked(slot: Slot, block: nn.Module, where: str) -> FFNWeights:
+    """The FFN weights the slot's adapter reads from `block` (the slot's, or a copy of it), after checking that they
+    compute what the block's own FFN modules compute, on a probe of fixed random tokens (adapters.probe) in the
+    weights' dtype (eval mode; a forward of those modules, no gradient). Adapters match modules by attribute names, and a family can keep the names and compute
     something else: a norm inside the MLP (BitNet's ffn_sub_norm, RoBERTa-PreLayerNorm's LayerNorm before its
     intermediate), scales on the gate or down projection (Falcon-H1's mlp_multipliers), an activation with learned
-    parameters or activation sparsity, a gated layout read as a plain one (Moshi's fc1/fc2). Each would be
+    parameters or activation sparsity, a residual added inside the MLP (BLOOM's, MPT's). Each would be
     upcycled silently wrong; this makes it one UnsupportedModelError naming the layer. Weights on the meta device
     (a plan) are not checked; a non-finite reference is left to the init methods' finite checks."""
-    ffn = adapter.read(block, act)
+    adapter, act = slot.adapter, slot.act
+    ffn = adapter.read(block, slot.rel, act)
     if ffn.up.is_meta:
         return ffn
-    x = torch.randn(PROBE_TOKENS, ffn.hidden_size, generator=torch.Generator().manual_seed(0))
-    x = x.to(device=ffn.up.device, dtype=ffn.up.dtype)
+    x = probe(ffn.hidden_size, ffn.up)
     modes = {m: m.training for m in block.modules()}
     block.eval()
     try:
         with torch.no_grad():
-            want, got = ffn(x), adapter.forward(block, x)
+            want, got = ffn(x), adapter.forward(block, slot.rel, x[None])[0]  # (1, T, H): Moshi's view needs 3-D
         if not torch.isfinite(want).all():
             return ffn
         err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
@@ -90,19 +94,54 @@ def _config_of(block: nn.Module, model: nn.Module) -> PretrainedConfig | None:
     return getattr(model, "config", None)
 
 
-def activation_of(block: nn.Module, model: nn.Module) -> str:
+def _config_activation(block: nn.Module, model: nn.Module) -> str | None:
     cfg = _config_of(block, model)
     for c in (cfg, getattr(cfg, "get_text_config", lambda: None)()):
         for key in _ACT_KEYS:
             act = getattr(c, key, None)
             if isinstance(act, str):
                 return act
-    raise UnsupportedModelError(f"cannot tell the FFN activation of {type(block).__name__}: its config has none of "
-                                f"{', '.join(_ACT_KEYS)}")
+    return None
+
+
+_ACT_PROBE = torch.linspace(-12, 12, 97)  # past gelu_10's clip
+_NOT_NAMED = ("linear", "prelu", "xielu")  # identity (any placeholder matches it) and activations with parameters
+
+
+def _named(fn, first: str | None) -> str | None:
+    """The ACT2FN key whose activation computes what `fn` computes on a probe (`first` tried first, then the keys of
+    `fn`'s own class), or None."""
+    try:
+        with torch.no_grad():
+            got = fn(_ACT_PROBE.clone())
+    except Exception:  # noqa: BLE001 - not an activation of one tensor
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != _ACT_PROBE.shape:
+        return None
+    same = [k for k in ACT2CLS if type(ACT2FN[k]) is type(fn)]  # its own class first: gelu_new, not gelu_fast
+    keys = [k for k in ([first] if first in ACT2CLS else []) + same + list(ACT2CLS) if k not in _NOT_NAMED]
+    with torch.no_grad():
+        return next((k for k in keys if torch.allclose(ACT2FN[k](_ACT_PROBE.clone()), got, rtol=1e-6, atol=1e-6)),
+                    None)
+
+
+def activation_of(block: nn.Module, model: nn.Module, adapter: Adapter, rel: str) -> str:
+    """The ACT2FN key of the FFN's activation: the config's (hidden_act, ...) where the FFN holds that activation or
+    none that moekit can name; else the key of the one it holds, named by what it computes (Moonshine's encoder MLP
+    runs its config's encoder_hidden_act, OpenAI GPT's its `afn`, MPT's an nn.GELU). read_checked checks the choice
+    against the FFN's own forward."""
+    config = _config_activation(block, model)
+    held = {k for fn in adapter.activation(block, rel) if (k := _named(fn, config)) is not None}
+    if len(held) == 1 and config not in held:
+        return held.pop()
+    if config is None:
+        raise UnsupportedModelError(f"cannot tell the FFN activation of {type(block).__name__}: its config has none "
+                                    f"of {', '.join(_ACT_KEYS)} and its FFN holds no activation moekit can name")
+    return config
 
 
 def _adapter_for(block: nn.Module) -> Adapter | None:
-    return next((a for a in ADAPTERS if a.locate(block) is not None), None)
+    return next((a for a in ADAPTERS if a.locate(block)), None)
 
 
 def find_slots(model: nn.Module) -> list[Slot]:
@@ -113,22 +152,24 @@ def find_slots(model: nn.Module) -> list[Slot]:
             continue
         for i, block in enumerate(ml):
             adapter = _adapter_for(block)
-            if adapter is not None:
-                slots.append(Slot(stack, i, block, adapter, activation_of(block, model), adapter.locate(block)))
+            for rel in [] if adapter is None else adapter.locate(block):
+                slots.append(Slot(stack, i, block, adapter, activation_of(block, model, adapter, rel), rel))
     if not slots and not any(isinstance(m, MoELayer) for m in model.modules()):
         raise UnsupportedModelError(
             f"no supported FFN found in {type(model).__name__}. Supported families: {supported_families()}")
     return slots
 
 
-def slot_at(model: nn.Module, stack: str, index: int, adapter: str) -> Slot:
-    """The slot recorded in a saved moekit model (block located by path, adapter by name)."""
+def slot_at(model: nn.Module, stack: str, index: int, adapter: str, path: str | None = None) -> Slot:
+    """The slot recorded in a saved moekit model (block located by path, adapter by name); `path`: the FFN's
+    (`<stack>.<index>.<rel>`), for a block with more than one FFN (else its first)."""
     blocks = model.get_submodule(stack)
     if not isinstance(blocks, nn.ModuleList) or not 0 <= index < len(blocks):
         raise UnsupportedModelError(f"{stack} is not a list of blocks with a block {index}")
     block = blocks[index]
     ad = ADAPTERS_BY_NAME[adapter]
-    rel = ad.locate(block)
-    if rel is None:
-        raise UnsupportedModelError(f"{stack}.{index} has no {adapter} FFN to replace")
-    return Slot(stack, index, block, ad, activation_of(block, model), rel)
+    found = ad.locate(block)
+    rel = found[0] if found and path is None else (path or "").removeprefix(f"{stack}.{index}.")
+    if rel not in found:
+        raise UnsupportedModelError(f"{stack}.{index} has no {adapter} FFN {rel!r} to replace")
+    return Slot(stack, index, block, ad, activation_of(block, model, ad, rel), rel)

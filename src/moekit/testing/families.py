@@ -1,5 +1,6 @@
 """Every family of the installed transformers, as a tiny random model: for the family tests (routing capture on the
-MoE families, tests/test_families.py; upcycling the dense ones, tests/test_dense_families.py).
+MoE families, tests/test_families.py; upcycling the dense ones, tests/test_dense_families.py; upcycling the speech
+ones, tests/test_speech_families.py).
 
 The families are discovered from transformers itself (every causal-LM config whose fields name experts, or none), so
 a family added by a new transformers release shows up in the tests without a hand-written list. A tiny instance
@@ -145,3 +146,89 @@ def tiny_family_model(model_type: str, seed: int = 0, edit=None, image_text: boo
         except Exception as e:  # noqa: BLE001 - the other variant may build; the first error is raised
             error = error or e
     raise error
+
+
+SPEECH_SMALL = {"encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_layers": 2, "decoder_layers": 2,
+                "encoder_ffn_dim": 48, "decoder_ffn_dim": 48, "d_model": 32, "num_mel_bins": 16,
+                "max_source_positions": 64, "max_target_positions": 64, "encoder_hidden_size": 32,
+                "decoder_hidden_size": 32, "speech_encoder_layers": 2}
+_FEATURE_KEYS = ("num_mel_bins", "feature_size", "input_feat_per_channel", "n_mels", "feature_projection_input_dim")
+
+
+def speech_model_types() -> dict[str, str]:
+    """Every speech recognition family of the installed transformers: {model_type: class name} of its CTC and its
+    speech-to-text (sequence-to-sequence or speech-LLM) classes."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CTC_MAPPING_NAMES,
+                                                        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
+
+    return {**MODEL_FOR_CTC_MAPPING_NAMES, **MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES}
+
+
+def _shrink_speech(cfg) -> None:
+    from transformers import PretrainedConfig
+
+    _shrink(cfg)
+    for key, value in SPEECH_SMALL.items():
+        if isinstance(getattr(cfg, key, None), int):
+            _set(cfg, key, value)
+    if getattr(cfg, "vocab_size", 0) is None:  # CTC heads whose default config leaves the vocabulary to the user
+        _set(cfg, "vocab_size", 128)
+    for value in list(vars(cfg).values()):
+        if isinstance(value, PretrainedConfig):  # audio and text sub-configs
+            _shrink_speech(value)
+
+
+def _speech_inputs(model, generator: torch.Generator):
+    """Input candidates for a speech model: raw audio (B, samples), features as (B, bins, frames) or (B, frames,
+    bins) for each feature size its configs name (and twice it, for stacked frames), or token ids (a speech-LLM's
+    text path); a decoder's first tokens for an encoder-decoder."""
+    from transformers import PretrainedConfig
+
+    name = model.main_input_name
+    dec = {"decoder_input_ids": torch.randint(3, 100, (2, 5), generator=generator)} \
+        if model.config.is_encoder_decoder else {}
+    if name == "input_values":
+        yield {name: torch.randn(2, 4000, generator=generator), **dec}
+    elif name == "input_ids":
+        yield {name: torch.randint(3, 100, (2, 6), generator=generator), **dec}
+    else:
+        configs = [model.config, *(v for v in vars(model.config).values() if isinstance(v, PretrainedConfig))]
+        sizes = sorted({n * f for c in configs for k in _FEATURE_KEYS
+                        if isinstance(n := getattr(c, k, None), int) for f in (1, 2, 4)})
+        for shape in [s for n in sizes for s in ((2, n, 128), (2, 128, n))] + [(2, n, 3000) for n in sizes]:
+            yield {name: torch.randn(*shape, generator=generator), **dec}
+
+
+def tiny_speech_model(model_type: str, seed: int = 0, perturb: float = 0.0):
+    """(a tiny random instance of the family's speech recognition class in float32, eval mode; inputs it runs on):
+    its default config shrunk by name, the first of _speech_inputs' candidates that runs. Raises what transformers
+    raises when none builds and runs (tests/test_speech_families.py names those families). `perturb`: as
+    tiny_family_model's."""
+    from transformers import AutoConfig, AutoModelForCTC, AutoModelForSpeechSeq2Seq
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CTC_MAPPING_NAMES
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = AutoConfig.for_model(model_type)
+        _shrink_speech(cfg)
+        auto = AutoModelForCTC if model_type in MODEL_FOR_CTC_MAPPING_NAMES else AutoModelForSpeechSeq2Seq
+        model = auto.from_config(cfg).float().eval()
+        model.config.validate()  # what save_pretrained checks (transformers 5's config validators)
+        error = None
+        for inputs in _speech_inputs(model, torch.Generator().manual_seed(seed)):
+            try:
+                with torch.no_grad():
+                    model(**inputs)
+                break
+            except Exception as e:  # noqa: BLE001 - the next candidate may fit; the first error is raised
+                error = error or e
+        else:
+            raise error or ValueError(f"no input for {type(model).__name__} (its main input {model.main_input_name})")
+        if perturb:
+            g = torch.Generator().manual_seed(seed + 1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.is_floating_point():
+                        p.add_(perturb * torch.randn(p.shape, generator=g))
+    return model, inputs
