@@ -33,14 +33,15 @@ def tiny_overrides(recipe_path: Path, speech: dict, out: Path, **extra) -> list[
     keys = {"out": str(out), "data.corpus": str(speech["corpus"]), "data.langs": ["en", "fr"],
             "train.steps": 2, "train.batch_size": 2, "train.logging_steps": 1, "train.eval_every": 1,
             "train.save_every": 0, "eval.batch_size": 2, "eval.max_new_tokens": 4, "eval.loss_per_lang": 2,
-            "eval.routing_batches": 1, **({"model.path": str(speech["whisper"])} if kind == "whisper" else CTC_TINY),
+            "eval.routing_batches": 1, **({"model.path": str(speech["whisper"])} if kind == "whisper" else
+                                          {"model.path": str(speech["wav2vec2"])} if kind == "pretrained_ctc" else CTC_TINY),
             **extra}
     return [f"{k}={json.dumps(v)}" for k, v in keys.items()]
 
 
 def test_asr_recipes_exist():
     assert {"ume_whisper_tiny", "ume_whisper_tiny_nofreeze", "ume_whisper_tiny_nobalance", "fmft_whisper_tiny",
-            "omni_ctc", "switch_ctc", "dense_ctc"} <= set(ids)
+            "omni_ctc", "switch_ctc", "dense_ctc", "ume_wav2vec2"} <= set(ids)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=ids)
@@ -163,9 +164,13 @@ def test_recipe_errors():
         validate(ASRRecipe, {"model": {"kind": "ctc", "path": "x"}, "method": "dense"})
     with pytest.raises(ConfigError, match="method=moe needs a `moe` section"):
         validate(ASRRecipe, {"model": {"kind": "ctc", "ctc": {}}, "method": "moe"})
+    with pytest.raises(ConfigError, match="model.kind=pretrained_ctc needs model.path"):
+        validate(ASRRecipe, {"model": {"kind": "pretrained_ctc"}, "method": "dense"})
+    with pytest.raises(ConfigError, match="set data.spec_augment: null"):  # the default masks log-mel features
+        validate(ASRRecipe, {"model": {"kind": "pretrained_ctc", "path": "x"}, "method": "dense"})
 
 
-@pytest.mark.parametrize("name", ["omni_ctc", "ume_whisper_tiny"])
+@pytest.mark.parametrize("name", ["omni_ctc", "ume_whisper_tiny", "ume_wav2vec2"])
 def test_evaluate_reproduces_a_finished_run(name, tiny_speech, tmp_path, run):
     path = next(p for p in RECIPES if p.stem == name)
     out = tmp_path / "run"
@@ -242,3 +247,50 @@ def test_whisper_recipe_trains_its_upcycled_checkpoint_as_it_is(tiny_speech, tmp
         f"moekit: error: {tmp_path / 'up'} was upcycled with moe.top_k=2 (its moekit.json), the recipe has "
         "moe.top_k=1: give the recipe the checkpoint's spec, or start from the dense model")
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("upper", [False, True])
+def test_a_pretrained_ctc_checkpoints_processor_makes_the_batches(upper, tiny_speech, tmp_path):
+    """model.kind=pretrained_ctc: inputs are what the checkpoint's own feature extractor makes of the audio; labels
+    are the spoken transcript in the vocabulary's case (upper-case vocabularies: facebook/wav2vec2-base-960h's), words
+    joined by its delimiter; the frame mask counts each utterance's encoder frames by the model's length rule."""
+    import transformers as tf
+
+    from moekit.eval.asr import ProcessorCTCTranscriber
+    from moekit.speech.data import ProcessorCTCCollator
+    from moekit.testing import save_tiny_wav2vec2_ctc
+
+    folder = save_tiny_wav2vec2_ctc(tmp_path / "w2v", [t for lines in tiny_speech["texts"].values() for t in lines],
+                                    upper=upper)
+    processor, model = tf.AutoProcessor.from_pretrained(folder), tf.Wav2Vec2ForCTC.from_pretrained(folder)
+    utts = [u for u in read_manifest(tiny_speech["corpus"]) if u.split == "train"][:3]
+    batch = ProcessorCTCCollator(processor)(utts)
+    audio = [load_audio(u.audio) for u in utts]
+    own = processor.feature_extractor(audio, sampling_rate=16000, padding=True, return_tensors="pt")
+    assert torch.equal(batch["input_values"], own["input_values"]) and torch.equal(batch["attention_mask"],
+                                                                                 own["attention_mask"])
+    for row, u in zip(batch["labels"], utts):
+        text = spoken_text(u.text)
+        ids = row[row >= 0].tolist()
+        assert processor.tokenizer.decode(ids, group_tokens=False) == (text.upper() if upper else text)
+        assert processor.tokenizer.unk_token_id not in ids
+    frames = ProcessorCTCTranscriber(processor).frame_mask(batch, model).sum(-1)
+    assert frames.tolist() == [int(model._get_feat_extract_output_lengths(len(a))) for a in audio]
+
+
+def test_a_ctc_vocabulary_lacking_the_corpus_characters_is_refused_before_anything_is_written(tiny_speech, tmp_path,
+                                                                                            run):
+    """A checkpoint whose vocabulary lacks characters of the transcripts (French's in an English vocabulary) would
+    train them as its unknown token: refused in one line naming them, before the weights load; nothing written."""
+    import hashlib
+
+    from moekit.testing import save_tiny_wav2vec2_ctc
+
+    folder = save_tiny_wav2vec2_ctc(tmp_path / "en_only", tiny_speech["texts"]["en"])
+    before = {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in folder.rglob("*") if f.is_file()}
+    path = next(p for p in RECIPES if p.stem == "ume_wav2vec2")
+    out = tmp_path / "run"
+    rc, _, err = run("train", path, *tiny_overrides(path, tiny_speech, out, **{"model.path": str(folder)}))
+    assert rc != 0 and "vocabulary lacks" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    assert before == {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in folder.rglob("*") if f.is_file()}

@@ -171,6 +171,7 @@ def test_the_guides_family_table_is_this_tests_outcome():
     from pathlib import Path
 
     text = (Path(__file__).parents[1] / "docs" / "guides" / "upcycle.md").read_text()
+    text = text[text.index("## Families"):text.index("## Speech families")]
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]

@@ -19,7 +19,7 @@ from moekit.routing.permutation import permutation_test, permuted
 from moekit.routing.sites import find_sites
 from moekit.routing.stats import adjacent_association, entropy, expert_usage, token_routing_entropy
 from moekit.speech.corpus import Utterance
-from moekit.speech.data import CTCCollator, WhisperCollator
+from moekit.speech.data import CTCCollator, ProcessorCTCCollator, WhisperCollator
 from moekit.speech.text import CharVocab, error_rates
 
 
@@ -41,6 +41,42 @@ class CTCTranscriber:
     @staticmethod
     def frame_mask(batch: dict, model: nn.Module) -> torch.Tensor:
         return batch["attention_mask"]  # (B, T')
+
+    @staticmethod
+    def frame_tokens(out) -> torch.Tensor:
+        """(B, T') each frame's best-path CTC label (Fig. 5's tokens)."""
+        return out.logits.argmax(-1).cpu()
+
+
+class ProcessorCTCTranscriber:
+    """Best-path decoding of a transformers CTC checkpoint (wav2vec 2.0 and its kin): argmax per frame over the
+    frames of each utterance, then its tokenizer's CTC decoding (repeats grouped, its pad token as the blank, word
+    delimiters as spaces)."""
+
+    def __init__(self, processor):
+        self.batch = ProcessorCTCCollator(processor)
+        self.tok = processor.tokenizer
+        self.blank = self.tok.pad_token_id
+
+    @torch.no_grad()
+    def transcribe(self, model: nn.Module, utts: list[Utterance]) -> list[str]:
+        b = self.batch(utts)
+        del b["labels"]
+        best = model(**{k: v.to(model.device) for k, v in b.items()}).logits.argmax(-1).cpu()  # (B, T')
+        lengths = self.frame_mask(b, model).sum(-1)
+        return [self.tok.decode(row[:n].tolist()).strip() for row, n in zip(best, lengths)]
+
+    @staticmethod
+    def frame_mask(batch: dict, model: nn.Module) -> torch.Tensor:
+        """(B, T') the encoder frames of each utterance, from its samples (or feature frames) by the model's own
+        length rule; without an attention mask (wav2vec 2.0 base's feature extractor returns none: its input is
+        zero-padded) every frame counts."""
+        x = batch.get("input_values", batch.get("input_features"))
+        B, T = x.shape[:2]
+        lengths = batch["attention_mask"].sum(-1) if "attention_mask" in batch else torch.full((B,), T)
+        frames = model._get_feat_extract_output_lengths(lengths)  # (B,)
+        total = int(model._get_feat_extract_output_lengths(torch.tensor(T)))
+        return (torch.arange(total)[None, :] < frames[:, None]).long()
 
     @staticmethod
     def frame_tokens(out) -> torch.Tensor:

@@ -186,6 +186,32 @@ def save_tiny_whisper_asr(folder, multilingual: bool = True, seed: int = 0, **co
     return folder
 
 
+def save_tiny_wav2vec2_ctc(folder, texts, upper: bool = False, seed: int = 0):
+    """A tiny random Wav2Vec2ForCTC with its processor (feature extractor and a character Wav2Vec2CTCTokenizer whose
+    vocabulary is the characters of `texts` as spoken_text writes them, upper-cased with `upper`, as
+    facebook/wav2vec2-base-960h's is): a stand-in for a pretrained CTC checkpoint in ASR tests. Returns `folder`."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from moekit.speech.text import spoken_text
+
+    chars = sorted({c for t in texts for c in spoken_text(t) if c != " "})
+    chars = sorted({c.upper() for c in chars}) if upper else chars
+    vocab = {"<pad>": 0, "<unk>": 1, "|": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "vocab.json").write_text(json.dumps(vocab))
+        tok = tf.Wav2Vec2CTCTokenizer(str(Path(tmp) / "vocab.json"), word_delimiter_token="|")
+    fe = tf.Wav2Vec2FeatureExtractor(feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True,
+                                     return_attention_mask=True)
+    cfg = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                            conv_dim=(16,) * 7, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                            vocab_size=len(vocab), pad_token_id=0, ctc_loss_reduction="mean")
+    _build(tf.Wav2Vec2ForCTC, cfg, seed).save_pretrained(folder)
+    tf.Wav2Vec2Processor(feature_extractor=fe, tokenizer=tok).save_pretrained(folder)
+    return folder
+
+
 def randomized_moe(build, seed: int = 0, **spec):
     """A tiny model from `build` upcycled (4 experts, top-2, drop init; `spec` overrides MoESpec fields) with its
     routers and experts randomized, so that routing and experts differ (export and client tests)."""

@@ -23,7 +23,8 @@ SMALL = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24
          "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "num_expert_group": 1, "q_lora_rank": 16,
          "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "qk_head_dim": 8,
          "ffn_hidden_size": 48, "d_model": 32, "n_heads": 4, "kv_n_heads": 4, "moe_top_k": 2, "moe_topk": 2,
-         "zero_expert_num": 2, "top_k_experts": 2}
+         "zero_expert_num": 2, "top_k_experts": 2, "linear_head_dim": 8, "vocab_size_per_layer_input": 128,
+         "hidden_size_per_layer_input": 8}
 MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config is dense
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1}}  # its config validation (on reload) allows top-1 only
 

@@ -1,5 +1,6 @@
 """ASR recipes (`task: asr`): a real pretrained Whisper (UME upcycling, or full fine-tuning as the FMFT
-baseline) or a Transformer-encoder CTC model trained from scratch (dense, Switch or Omni-router), on
+baseline), a pretrained transformers CTC checkpoint (wav2vec 2.0, HuBERT, WavLM, MMS, ...: `model.kind:
+pretrained_ctc`) or a Transformer-encoder CTC model trained from scratch (dense, Switch or Omni-router), on
 a speech corpus written by `moekit speech corpus`. Same Trainer, aux losses, freeze schedules and
 checkpoints as the translation recipes; evaluation gives WER/CER per language and voice, the
 real-time factor and routing statistics (moekit.eval.asr)."""
@@ -18,8 +19,8 @@ from moekit._fs import write_text_atomic
 from moekit.errors import ConfigError
 from moekit.eval.plots import plot_curves, plot_usage
 from moekit.routing.permutation import mean_loss
-from moekit.speech.data import CTCCollator, WhisperCollator, load_split
-from moekit.eval.asr import CTCTranscriber, WhisperTranscriber, evaluate_asr
+from moekit.speech.data import CTCCollator, ProcessorCTCCollator, WhisperCollator, load_split
+from moekit.eval.asr import CTCTranscriber, ProcessorCTCTranscriber, WhisperTranscriber, evaluate_asr
 from moekit.speech.text import CharVocab, spoken_text
 from moekit.training.args import check_training_args
 from moekit.training.recipe import ASRRecipe
@@ -76,10 +77,34 @@ def _ctc(recipe: ASRRecipe, train: list) -> tuple[nn.Module, Speech]:
     return model, Speech(CTCCollator(vocab, a.stack, d.spec_augment, d.seed), CTCTranscriber(vocab, a.stack), save)
 
 
+def _pretrained_ctc(recipe: ASRRecipe, train: list) -> tuple[nn.Module, Speech]:
+    from moekit.assets import resolve_model
+    from moekit.methods.base import load_base
+
+    m = recipe.model
+    path = resolve_model(m.path)  # a transformers CTC checkpoint, or the recipe's upcycled checkpoint of it
+    processor = _ctc_processor(path, m.trust_remote_code)
+    collator = ProcessorCTCCollator(processor)
+    collator.check(train)  # before the weights load
+    return load_base(recipe, path), Speech(collator, ProcessorCTCTranscriber(processor), processor.save_pretrained)
+
+
+def _ctc_processor(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} has no processor transformers can load (a CTC checkpoint keeps its feature "
+                          f"extractor and tokenizer beside it): {' '.join(str(e).split())[:300]}") from None
+
+
 def build(recipe: ASRRecipe, train: list) -> tuple[nn.Module, Speech]:
-    """The model the recipe trains (Whisper or a fresh CTC model, adapted by its training method, e.g.
-    upcycled for method=moe) and its Speech."""
-    model, speech = _whisper(recipe) if recipe.model.kind == "whisper" else _ctc(recipe, train)
+    """The model the recipe trains (Whisper, a transformers CTC checkpoint or a fresh CTC model, adapted by its
+    training method, e.g. upcycled for method=moe) and its Speech."""
+    kind = recipe.model.kind
+    model, speech = (_whisper(recipe) if kind == "whisper" else _pretrained_ctc(recipe, train)
+                     if kind == "pretrained_ctc" else _ctc(recipe, train))
     return adapt(recipe, model), speech
 
 
@@ -159,6 +184,8 @@ def load_speech(recipe: ASRRecipe, folder: Path) -> Speech:
         tok = load_tokenizer(folder)
         multi = bool(getattr(GenerationConfig.from_pretrained(folder), "is_multilingual", False))
         return Speech(None, WhisperTranscriber(tok, multi, recipe.eval.max_new_tokens), None)
+    if recipe.model.kind == "pretrained_ctc":
+        return Speech(None, ProcessorCTCTranscriber(_ctc_processor(folder, recipe.model.trust_remote_code)), None)
     if not (folder / VOCAB_FILE).is_file():
         raise ConfigError(f"{folder} has no {VOCAB_FILE} (the CTC model's characters)")
     return Speech(None, CTCTranscriber(CharVocab.from_json((folder / VOCAB_FILE).read_text()),

@@ -161,8 +161,10 @@ class CTCArch(Config):
 
 
 class ASRModelConfig(Config):
-    kind: Literal["whisper", "ctc"] = "whisper"
-    path: str | None = None  # Whisper: model directory or built-in asset (whisper-tiny.en, whisper-base)
+    kind: Literal["whisper", "ctc", "pretrained_ctc"] = "whisper"
+    # whisper: a model directory or built-in asset (whisper-tiny.en, whisper-base); pretrained_ctc: a transformers CTC
+    # checkpoint with its processor (wav2vec 2.0, HuBERT, WavLM, MMS, ...: moekit.speech.data.ProcessorCTCCollator)
+    path: str | None = None
     ctc: CTCArch | None = None  # CTC: the architecture, trained from scratch
     allow_pickle: bool = False
     trust_remote_code: bool = False
@@ -174,6 +176,9 @@ class ASRModelConfig(Config):
                              "and no model.ctc")
         if self.kind == "ctc" and (self.ctc is None or self.path is not None):
             raise ValueError("model.kind=ctc trains from scratch: give model.ctc (the architecture), not model.path")
+        if self.kind == "pretrained_ctc" and (self.path is None or self.ctc is not None):
+            raise ValueError("model.kind=pretrained_ctc needs model.path (a transformers CTC checkpoint with its "
+                             "processor) and no model.ctc")
         return self
 
 
@@ -187,8 +192,9 @@ class ASREvalConfig(Config):
 
 
 class ASRRecipe(RecipeBase):
-    """Speech recognition (moekit.training.asr): a pretrained Whisper (UME upcycling, or full fine-tuning) or a
-    from-scratch CTC encoder (dense, Switch or Omni-router) on a corpus from `moekit speech corpus`."""
+    """Speech recognition (moekit.training.asr): a pretrained Whisper (UME upcycling, or full fine-tuning), a
+    pretrained transformers CTC checkpoint (wav2vec 2.0 and its kin), or a from-scratch CTC encoder (dense, Switch or
+    Omni-router) on a corpus from `moekit speech corpus`."""
 
     task: Literal["asr"] = "asr"
     name: str = "asr"
@@ -196,6 +202,14 @@ class ASRRecipe(RecipeBase):
     model: ASRModelConfig
     data: ASRDataConfig = ASRDataConfig()
     eval: ASREvalConfig = ASREvalConfig()
+
+    @model_validator(mode="after")
+    def _own_masking(self) -> ASRRecipe:
+        if self.model.kind == "pretrained_ctc" and self.data.spec_augment is not None:
+            raise ValueError("model.kind=pretrained_ctc: data.spec_augment masks log-mel features, which a wav2vec "
+                             "2.0 checkpoint does not take; it masks its own features in training (its config's "
+                             "mask_time_prob): set data.spec_augment: null")
+        return self
 
 
 class TextEvalConfig(Config):
