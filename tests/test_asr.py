@@ -33,8 +33,8 @@ def tiny_overrides(recipe_path: Path, speech: dict, out: Path, **extra) -> list[
     keys = {"out": str(out), "data.corpus": str(speech["corpus"]), "data.langs": ["en", "fr"],
             "train.steps": 2, "train.batch_size": 2, "train.logging_steps": 1, "train.eval_every": 1,
             "train.save_every": 0, "eval.batch_size": 2, "eval.max_new_tokens": 4, "eval.loss_per_lang": 2,
-            "eval.routing_batches": 1, **({"model.path": str(speech["whisper"])} if kind == "whisper" else
-                                          {"model.path": str(speech["wav2vec2"])} if kind == "pretrained_ctc" else CTC_TINY),
+            "eval.routing_batches": 1, **{"whisper": {"model.path": str(speech["whisper"])},
+                                          "pretrained_ctc": {"model.path": str(speech["wav2vec2"])}}.get(kind, CTC_TINY),
             **extra}
     return [f"{k}={json.dumps(v)}" for k, v in keys.items()]
 
@@ -221,17 +221,19 @@ def test_fig5_token_entropy_and_fig6_relative_wer_change(tiny_speech):
     assert report["token_entropy_tokens"] >= 1 and all(0 <= h <= math.log(4) + 1e-9 for h in report["token_entropy"])
 
 
-def test_whisper_recipe_trains_its_upcycled_checkpoint_as_it_is(tiny_speech, tmp_path, run):
-    """model.path holding the recipe's own upcycle of the Whisper (moekit.checkpoint.upcycle, as `moekit upcycle`
-    writes it) trains as it is, as text and speech-LLM recipes do (TrainingMethod.prepared): the same trained weights
-    and transcripts as the run that upcycles the dense Whisper itself; a checkpoint upcycled with another spec is
-    refused naming the field, before any run directory is made."""
+@pytest.mark.parametrize("name,model", [("ume_whisper_tiny", "whisper"), ("ume_wav2vec2", "wav2vec2")])
+def test_asr_recipe_trains_its_upcycled_checkpoint_as_it_is(name, model, tiny_speech, tmp_path, run):
+    """model.path holding the recipe's own upcycle of the Whisper or the wav2vec 2.0 checkpoint
+    (moekit.checkpoint.upcycle, as `moekit upcycle` writes it, its processor files kept) trains as it is, as text and
+    speech-LLM recipes do (TrainingMethod.prepared): the same trained weights and transcripts as the run that upcycles
+    the dense model itself; a checkpoint upcycled with another spec is refused naming the field, before any run
+    directory is made."""
     from moekit.checkpoint.upcycle import upcycle_checkpoint
     from moekit.config import load_yaml
 
-    path = RECIPES[ids.index("ume_whisper_tiny")]
+    path = RECIPES[ids.index(name)]
     dense = tiny_overrides(path, tiny_speech, tmp_path / "dense")
-    upcycle_checkpoint(tiny_speech["whisper"], tmp_path / "up", load_yaml(path, ASRRecipe, dense).moe)
+    upcycle_checkpoint(tiny_speech[model], tmp_path / "up", load_yaml(path, ASRRecipe, dense).moe)
     rc, _, err = run("train", path, *dense)
     assert rc == 0, err
     rc, _, err = run("train", path, *tiny_overrides(path, tiny_speech, tmp_path / "from_up",

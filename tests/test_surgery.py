@@ -200,7 +200,8 @@ class _GatedFC(nn.Module):
 
     def __init__(self, gate_first: bool):
         super().__init__()
-        self.fc1, self.fc2, self.activation_fn, self.gate_first = nn.Linear(8, 24), nn.Linear(12, 8), nn.SiLU(), gate_first
+        self.fc1, self.fc2, self.activation_fn = nn.Linear(8, 24), nn.Linear(12, 8), nn.SiLU()
+        self.gate_first = gate_first
 
     def forward(self, x):
         a, b = self.fc1(x).chunk(2, dim=-1)
@@ -251,7 +252,8 @@ def test_the_activation_is_the_one_the_ffn_holds_where_its_config_names_another(
     assert (logits(model, x) - want).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("name,ffn", [("T5", "gated-gelu"), ("T5", "relu"), ("MT5", "gated-gelu"), ("UMT5", "gated-gelu")])
+@pytest.mark.parametrize("name,ffn", [("T5", "gated-gelu"), ("T5", "relu"), ("MT5", "gated-gelu"),
+                                      ("UMT5", "gated-gelu")])
 def test_t5_family_ffns_upcycle_exactly(name, ffn):
     """T5's DenseReluDense (wi/wo) and T5 v1.1's gated one (wi_0/wi_1/wo), its activation its `dense_act_fn`."""
     import transformers as tf

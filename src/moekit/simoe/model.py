@@ -192,6 +192,10 @@ def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = No
     its family never calls); else those two are measured (_probe)."""
     if model_state(model).simoe is not None:
         raise ConfigError("the model is already a SIMoE model")
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        raise ConfigError(f"SIMoE routes each instruction prompt by its final token embedding (Chen et al. 2025, "
+                          f"§3.1.3), so it needs a model that reads token ids; {type(model).__name__} reads "
+                          f"{model.main_input_name}")
     targets = [(p, m) for p, m in _targets(model, cfg) if p not in (skipped or ())]
     if not targets:
         raise ConfigError(f"no SIMoE targets: no nn.Linear named {cfg.modules}" + (" and no norm" if cfg.norms else ""))

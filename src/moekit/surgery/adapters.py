@@ -63,7 +63,8 @@ class Adapter:
 
 def _callables(m: nn.Module) -> list:
     """A module's parameter-free children other than dropouts, and its function attributes."""
-    kids = [c for c in m.children() if not isinstance(c, (nn.Dropout, nn.Identity)) and next(c.parameters(), None) is None]
+    kids = [c for c in m.children()
+            if not isinstance(c, (nn.Dropout, nn.Identity)) and next(c.parameters(), None) is None]
     return kids + [v for v in vars(m).values() if callable(v) and not isinstance(v, (type, nn.Module))]
 
 

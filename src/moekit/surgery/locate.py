@@ -53,12 +53,13 @@ PROBE_TOL = {torch.float32: 1e-4, torch.float64: 1e-4}  # relative norm; 3e-2 fo
 def read_checked(slot: Slot, block: nn.Module, where: str) -> FFNWeights:
     """The FFN weights the slot's adapter reads from `block` (the slot's, or a copy of it), after checking that they
     compute what the block's own FFN modules compute, on a probe of fixed random tokens (adapters.probe) in the
-    weights' dtype (eval mode; a forward of those modules, no gradient). Adapters match modules by attribute names, and a family can keep the names and compute
-    something else: a norm inside the MLP (BitNet's ffn_sub_norm, RoBERTa-PreLayerNorm's LayerNorm before its
-    intermediate), scales on the gate or down projection (Falcon-H1's mlp_multipliers), an activation with learned
-    parameters or activation sparsity, a residual added inside the MLP (BLOOM's, MPT's). Each would be
-    upcycled silently wrong; this makes it one UnsupportedModelError naming the layer. Weights on the meta device
-    (a plan) are not checked; a non-finite reference is left to the init methods' finite checks."""
+    weights' dtype (eval mode; a forward of those modules, no gradient). Adapters match modules by attribute names,
+    and a family can keep the names and compute something else: a norm inside the MLP (BitNet's ffn_sub_norm,
+    RoBERTa-PreLayerNorm's LayerNorm before its intermediate), scales on the gate or down projection (Falcon-H1's
+    mlp_multipliers), an activation with learned parameters or activation sparsity, a residual added inside the MLP
+    (BLOOM's, MPT's). Each would be upcycled silently wrong; this makes it one UnsupportedModelError naming the
+    layer. Weights on the meta device (a plan) are not checked; a non-finite reference is left to the init methods'
+    finite checks."""
     adapter, act = slot.adapter, slot.act
     ffn = adapter.read(block, slot.rel, act)
     if ffn.up.is_meta:
