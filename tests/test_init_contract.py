@@ -8,7 +8,7 @@ import torch
 from moekit.checkpoint import format as io
 from moekit.config import validate
 from moekit.init import EXPERT_INITS
-from moekit.moe.losses import load_balance, over_layers
+from moekit.moe.losses import layer_stats
 from moekit.moe import MoESpec, moe_layers
 from moekit.testing import TINY_MODELS, logits, tiny_inputs
 from moekit.checkpoint.upcycle_model import layer_generator, upcycle
@@ -134,7 +134,7 @@ def test_forward_backward_reaches_router_and_experts(method):
     out = model(**inputs, labels=inputs["input_ids"])
     layers = moe_layers(model)
     infos = [m.last_routing for _, m in layers]
-    loss = out.loss + 0.01 * over_layers(load_balance, infos, inputs["attention_mask"])
+    loss = out.loss + 0.01 * layer_stats(infos, inputs["attention_mask"])["lb"].sum()  # what MoETrainer adds
     loss.backward()
     for path, moe in layers:
         assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0, path

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moekit.moe.losses import layer_stats, load_balance, over_layers, z_loss
+from moekit.moe.losses import layer_stats, load_balance, z_loss
 from moekit.moe.router import RoutingInfo
 
 LN3, LN9 = math.log(3.0), math.log(9.0)
@@ -127,21 +127,6 @@ def test_losses_are_differentiable_in_the_logits():
     p, f = torch.softmax(LOGITS, -1), torch.tensor([1 / 3, 2 / 3])
     expected = (2 / 3) * p * (f - (p * f).sum(-1, keepdim=True))
     torch.testing.assert_close(logits.grad, expected)
-
-
-def test_over_layers_sums_or_averages():
-    a = _info(LOGITS, [[1], [1], [0]])
-    b = _info(torch.zeros(3, 2), [[0], [1], [0]])
-    assert over_layers(load_balance, [a, b]).item() == pytest.approx(8.2 / 9 + 1.0, abs=1e-6)  # sum: UME §III-C-2
-    assert over_layers(load_balance, [a, b], reduction="mean").item() == pytest.approx((8.2 / 9 + 1.0) / 2, abs=1e-6)
-    assert over_layers(load_balance, [a, b], reduction="mean", variant="argmax").item() == pytest.approx(
-        (9.8 / 9 + 1.0) / 2, abs=1e-6)
-    mask = torch.tensor([1, 1, 0])
-    expected = (z_loss(a, mask) + z_loss(b, mask)) / 2
-    torch.testing.assert_close(over_layers(z_loss, [a, b], mask, reduction="mean"), expected)
-    assert over_layers(z_loss, [a]).item() == pytest.approx(z_loss(a).item())
-    with pytest.raises(ValueError, match="forward"):
-        over_layers(z_loss, [])
 
 
 def _random_infos(L, T, E, k, seed):

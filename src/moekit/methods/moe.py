@@ -120,12 +120,18 @@ def _clear_routing(model: nn.Module, args) -> None:
         moe.last_routing = None
 
 
-def ran_in_last_forward(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The MoE layers (path, layer) that ran in the model's last forward. A layer that LayerDrop skipped in training
-    (wav2vec 2.0's and HuBERT's `layerdrop`, Whisper's `encoder_layerdrop`) must not add the routing of an earlier
-    forward, whose graph is gone: a forward pre-hook on the model, registered at the first call, clears every layer's
-    routing as each forward begins."""
+def track_routing(model: nn.Module) -> None:
+    """From the model's next forward on, each forward begins by clearing every MoE layer's routing (a forward
+    pre-hook, registered once), so that after it only the layers that ran hold one (ran_in_last_forward)."""
     if not getattr(model, "_moekit_clears_routing", False):
         model.register_forward_pre_hook(_clear_routing)
         model._moekit_clears_routing = True
+
+
+def ran_in_last_forward(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The MoE layers (path, layer) that ran in the model's last forward. A layer that LayerDrop skipped in training
+    (wav2vec 2.0's and HuBERT's `layerdrop`, Whisper's `encoder_layerdrop`) must not add the routing of an earlier
+    forward, whose graph is gone. MoETrainer and MoECallback track the model's forwards from the start
+    (track_routing); a first call tracks them from then on."""
+    track_routing(model)
     return [(path, moe) for path, moe in moe_layers(model) if moe.last_routing is not None]

@@ -102,11 +102,3 @@ def layer_stats(infos: Sequence[RoutingInfo], mask: Tensor | None = None,
     order = torch.tensor([i for idx in groups.values() for i in idx]).argsort().tolist()  # back to layer order
     return {name: torch.cat([p[j] for p in parts])[order] for j, name in enumerate(names)}
 
-
-def over_layers(fn, infos: Sequence[RoutingInfo], mask: Tensor | None = None,
-                reduction: Literal["sum", "mean"] = "sum", **kw) -> Tensor:
-    """A per-layer loss summed (UME §III-C-2, Omni-router L_load) or averaged over MoE layers."""
-    if not infos:
-        raise ValueError("no routing information: run a forward pass through an MoE model first")
-    per_layer = torch.stack([fn(i, mask, **kw) for i in infos])
-    return per_layer.sum() if reduction == "sum" else per_layer.mean()

@@ -15,6 +15,7 @@ from transformers import Trainer, TrainerCallback
 from moekit.errors import CheckpointError, ConfigError, MoekitError
 from moekit.methods import TrainingMethod, method, method_for
 from moekit.methods.freeze import FreezeCallback, FreezeConfig
+from moekit.methods.moe import track_routing
 from moekit.moe.layer import moe_layers
 from moekit.training.recipe import AuxConfig
 
@@ -112,6 +113,7 @@ class MoETrainer(Trainer):
         self.own_optimizer = self.optimizer  # the method's (optimizers=(...)): DeepSpeed's init drops the Trainer's
         self.aux = aux or AuxConfig()
         self.method = method or method_for(self.accelerator.unwrap_model(self.model))
+        track_routing(self.accelerator.unwrap_model(self.model))
         self.aux_logs: dict[str, list[float]] = defaultdict(list)
         self.engine_record: dict | None = None  # moekit.training.parallel.engine_record, at the first step
         for cb in freezer(self.model, freeze):
@@ -243,6 +245,7 @@ class MoECallback(TrainerCallback):
         self.model, self.accumulation = model, args.gradient_accumulation_steps
         self.stages = freezer(model, self.freeze)
         model.register_forward_pre_hook(self._record_mask, with_kwargs=True)
+        track_routing(model)
 
     def on_train_begin(self, args, state, control, **kw):
         """Checked first: the Trainer saves its checkpoints with the model's save_pretrained, which (moekit's format)
