@@ -78,10 +78,7 @@ class ProcessorCTCTranscriber:
         total = int(model._get_feat_extract_output_lengths(torch.tensor(T)))
         return (torch.arange(total)[None, :] < frames[:, None]).long()
 
-    @staticmethod
-    def frame_tokens(out) -> torch.Tensor:
-        """(B, T') each frame's best-path CTC label (Fig. 5's tokens)."""
-        return out.logits.argmax(-1).cpu()
+    frame_tokens = staticmethod(CTCTranscriber.frame_tokens)
 
 
 class WhisperTranscriber:

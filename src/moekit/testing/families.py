@@ -114,6 +114,15 @@ def tiny_config(model_type: str, cut_lists: bool = True):
     return cfg
 
 
+def _perturb(model, amount: float, seed: int) -> None:
+    """`amount` of seeded standard normal noise added to every floating-point parameter (none for 0)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters() if amount else ():
+            if p.is_floating_point():
+                p.add_(amount * torch.randn(p.shape, generator=g))
+
+
 def tiny_family_model(model_type: str, seed: int = 0, edit=None, image_text: bool = False, perturb: float = 0.0):
     """A tiny random instance of the family's causal LM in float32, eval mode; raises what transformers raises when
     the shrunk config does not build or run (tests/test_families.py names those families). `edit(config)` changes
@@ -138,11 +147,7 @@ def tiny_family_model(model_type: str, seed: int = 0, edit=None, image_text: boo
                 model = auto.from_config(cfg).float().eval()
                 with torch.no_grad():
                     model(input_ids=torch.randint(3, 100, (2, 5)))
-                    if perturb:
-                        g = torch.Generator().manual_seed(seed + 1)
-                        for p in model.parameters():
-                            if p.is_floating_point():
-                                p.add_(perturb * torch.randn(p.shape, generator=g))
+                _perturb(model, perturb, seed)
             return model
         except Exception as e:  # noqa: BLE001 - the other variant may build; the first error is raised
             error = error or e
@@ -226,10 +231,5 @@ def tiny_speech_model(model_type: str, seed: int = 0, perturb: float = 0.0):
                 error = error or e
         else:
             raise error or ValueError(f"no input for {type(model).__name__} (its main input {model.main_input_name})")
-        if perturb:
-            g = torch.Generator().manual_seed(seed + 1)
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.is_floating_point():
-                        p.add_(perturb * torch.randn(p.shape, generator=g))
+        _perturb(model, perturb, seed)
     return model, inputs
