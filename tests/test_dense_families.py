@@ -55,7 +55,7 @@ REFUSED = {
     "falcon_h1": NOT_FAITHFUL,  # mlp_multipliers on the gate and down projections
     "roberta-prelayernorm": NOT_FAITHFUL,  # a LayerNorm inside its intermediate module
     "bloom": NOT_FAITHFUL, "mpt": NOT_FAITHFUL,  # their MLPs add the residual themselves (forward(x, residual))
-    "cpmant": NO_FFN, "ctrl": NO_FFN, "falcon_mamba": NO_FFN, "lfm2": NO_FFN, "lfm3": NO_FFN, "mamba": NO_FFN,
+    "cpmant": NO_FFN, "ctrl": NO_FFN, "falcon_mamba": NO_FFN, "mamba": NO_FFN,
     "xlm": NO_FFN,
 }
 

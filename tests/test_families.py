@@ -22,7 +22,6 @@ HARNESS_CANNOT_BUILD = {
     "granitemoehybrid": "no attention layer in the first layers of the shrunk pattern",
     "hunyuan_v1_moe": "a None rope parameter in the default config",
     "jamba": "no attention layer in the first layers of the shrunk pattern",
-    "lfm2_moe": "layer_types None in the default config",
     "mimo_v2_flash": "its attention's head sizes (shape mismatch)",
     "qwen4_exp_text": "a None size in the default config",
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
 from moekit.config import validate
 from moekit.errors import ConfigError, UnsupportedModelError
@@ -250,6 +251,45 @@ def test_the_activation_is_the_one_the_ffn_holds_where_its_config_names_another(
     want = logits(model, x)
     upcycle(model, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
     assert (logits(model, x) - want).abs().max() <= 1e-5
+
+
+class _CodeActMLP(nn.Module):
+    """LFM2's MLP: w1/w3/w2 and an activation called in code, held by no attribute (`acts`: applied in turn)."""
+
+    def __init__(self, *acts):
+        super().__init__()
+        self.w1, self.w3, self.w2, self.acts = nn.Linear(8, 12, bias=False), nn.Linear(8, 12), nn.Linear(12, 8), acts
+
+    def forward(self, x):
+        h = self.w1(x).float()  # a cast is no activation
+        for act in self.acts:
+            h = act(h)
+        return self.w2(h * self.w3(x))
+
+
+@pytest.mark.parametrize("acts", [(torch.nn.functional.silu,), (lambda t: torch.nn.functional.gelu(t, approximate="tanh"),),
+                                  (torch.relu, torch.tanh)])
+def test_an_activation_called_in_code_is_named_by_what_it_computes_on_the_meta_device_too(acts):
+    """No config and no activation attribute: the one activation the forward calls on one tensor (LFM2's F.silu), on
+    real and meta weights alike (the streamed plan); two of them (relu then tanh) are refused in one line."""
+    torch.manual_seed(0)
+    model = _Blocks(_CodeActMLP(*acts), _CodeActMLP(*acts))
+    with torch.device("meta"):
+        meta = _Blocks(_CodeActMLP(*acts))
+    if len(acts) > 1:
+        for m in (model, meta):
+            with pytest.raises(UnsupportedModelError, match="cannot tell the FFN activation of Module") as e:
+                find_slots(m)
+            assert "\n" not in str(e.value)
+        return
+    (act,) = {s.act for s in find_slots(model) + find_slots(meta)}  # e.g. silu; gelu_new or gelu_fast: one function
+    t = torch.linspace(-6, 6, 49)
+    torch.testing.assert_close(ACT2FN[act](t), acts[0](t))
+    x = torch.randn(2, 5, 8)
+    expect = model(x).detach()
+    upcycle(model, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
+    assert len(moe_layers(model)) == 2
+    torch.testing.assert_close(model(x), expect, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name,ffn", [("T5", "gated-gelu"), ("T5", "relu"), ("MT5", "gated-gelu"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 from transformers.activations import ACT2CLS, ACT2FN
 
@@ -117,7 +118,7 @@ def _named(fn, first: str | None) -> str | None:
             got = fn(_ACT_PROBE.clone())
     except Exception:  # noqa: BLE001 - not an activation of one tensor
         return None
-    if not isinstance(got, torch.Tensor) or got.shape != _ACT_PROBE.shape:
+    if not isinstance(got, torch.Tensor) or got.shape != _ACT_PROBE.shape or got.device != _ACT_PROBE.device:
         return None
     same = [k for k in ACT2CLS if type(ACT2FN[k]) is type(fn)]  # its own class first: gelu_new, not gelu_fast
     keys = [k for k in ([first] if first in ACT2CLS else []) + same + list(ACT2CLS) if k not in _NOT_NAMED]
@@ -126,18 +127,57 @@ def _named(fn, first: str | None) -> str | None:
                     None)
 
 
+class _Calls(TorchFunctionMode):
+    """Records the functions a forward calls on one tensor and nothing else (activation candidates): each as a
+    function of that tensor, its other arguments kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.unary = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rest = (*args[1:], *kwargs.values())
+        if args and isinstance(args[0], Tensor) and not any(isinstance(a, Tensor) for a in rest) \
+                and isinstance(out, Tensor) and out.shape == args[0].shape:
+            self.unary.append(lambda t, f=func, a=args[1:], k=kwargs: f(t, *a, **k))
+        return out
+
+
+def _called(block: nn.Module, adapter: Adapter, rel: str) -> list:
+    """What the FFN's forward calls on one tensor at a time, on a probe (on the meta device too: only the calls
+    matter): LFM2's `F.silu(self.w1(x))`, an activation held by no attribute."""
+    first = next(block.get_submodule(rel).parameters(), None)
+    if first is None:
+        return []
+    x, mode = probe(first.shape[-1], first)[None], _Calls()
+    try:
+        with torch.no_grad(), mode:
+            adapter.forward(block, rel, x)
+    except Exception:  # noqa: BLE001 - a forward that does not run names nothing; the caller refuses
+        return []
+    return mode.unary
+
+
 def activation_of(block: nn.Module, model: nn.Module, adapter: Adapter, rel: str) -> str:
     """The ACT2FN key of the FFN's activation: the config's (hidden_act, ...) where the FFN holds that activation or
     none that moekit can name; else the key of the one it holds, named by what it computes (Moonshine's encoder MLP
-    runs its config's encoder_hidden_act, OpenAI GPT's its `afn`, MPT's an nn.GELU). read_checked checks the choice
+    runs its config's encoder_hidden_act, OpenAI GPT's its `afn`, MPT's an nn.GELU). Where the config names none and
+    the FFN holds none, the one activation its forward calls (LFM2's F.silu in code). read_checked checks the choice
     against the FFN's own forward."""
     config = _config_activation(block, model)
     held = {k for fn in adapter.activation(block, rel) if (k := _named(fn, config)) is not None}
     if len(held) == 1 and config not in held:
         return held.pop()
+    if config is None and not held:
+        held = {k for fn in _called(block, adapter, rel) if (k := _named(fn, None)) is not None}
+    if config is None and len(held) == 1:
+        return held.pop()
     if config is None:
         raise UnsupportedModelError(f"cannot tell the FFN activation of {type(block).__name__}: its config has none "
-                                    f"of {', '.join(_ACT_KEYS)} and its FFN holds no activation moekit can name")
+                                    f"of {', '.join(_ACT_KEYS)} and its FFN holds or calls no one activation moekit "
+                                    "can name")
     return config
 
 

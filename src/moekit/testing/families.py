@@ -26,7 +26,10 @@ SMALL = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24
          "zero_expert_num": 2, "top_k_experts": 2, "linear_head_dim": 8, "vocab_size_per_layer_input": 128,
          "hidden_size_per_layer_input": 8}
 MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config is dense
-OVERRIDES = {"zaya": {"num_experts_per_tok": 1}}  # its config validation (on reload) allows top-1 only
+OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on reload) allows top-1 only
+             # its default config lists no layer kinds: a dense layer, then sparse ones with each kind
+             "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3,
+                          "num_dense_layers": 1}}
 
 
 def _model_types(moe: bool) -> dict[str, str]:
