@@ -26,10 +26,24 @@ SMALL = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24
          "zero_expert_num": 2, "top_k_experts": 2, "linear_head_dim": 8, "vocab_size_per_layer_input": 128,
          "hidden_size_per_layer_input": 8}
 MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config is dense
+# what a family's shrunk default config lacks to build and run (a dict: entries of a sub-config)
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on reload) allows top-1 only
-             # its default config lists no layer kinds: a dense layer, then sparse ones with each kind
+             # no layer kinds listed, or none but linear attention among the first layers: a layer of each kind
              "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3,
-                          "num_dense_layers": 1}}
+                          "num_dense_layers": 1},
+             "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention", "linear_attention"],
+                                  "num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+                                  "mamba_chunk_size": 16},
+             "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "num_hidden_layers": 4},
+             "bamba": {"attn_layer_indices": [1], "num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_head": 16,
+                       "mamba_d_state": 16, "mamba_chunk_size": 16},
+             "recurrent_gemma": {"num_hidden_layers": 3, "lru_width": 32},
+             "mamba2": {"num_heads": 4, "head_dim": 16, "state_size": 16, "chunk_size": 16, "n_groups": 1},
+             # a layer of each kind, no KV sharing; activation sparsity on the first (as Gemma 3n's first 10 layers)
+             "gemma3n_text": {"num_kv_shared_layers": 0, "layer_types": ["sliding_attention", "full_attention"],
+                              "activation_sparsity_pattern": [0.95, 0.0], "intermediate_size": [48, 48]},
+             "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},  # None defaults its forward rejects
+             "hunyuan_v1_moe": {"head_dim": 8}}
 
 
 def _model_types(moe: bool) -> dict[str, str]:
@@ -113,7 +127,11 @@ def tiny_config(model_type: str, cut_lists: bool = True):
         cfg = AutoConfig.for_model(model_type, per_layer_config={})
     _shrink(cfg, cut_lists)
     for key, value in OVERRIDES.get(model_type, {}).items():
-        setattr(cfg, key, value)
+        if isinstance(value, dict):  # entries of a sub-config
+            for sub, entry in value.items():
+                setattr(getattr(cfg, key), sub, entry)
+        else:
+            setattr(cfg, key, value)
     return cfg
 
 
