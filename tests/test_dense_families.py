@@ -51,7 +51,6 @@ REFUSED = {
     "falcon_h1": NOT_FAITHFUL,  # mlp_multipliers on the gate and down projections
     "gemma3n_text": NOT_FAITHFUL,  # activation sparsity (a Gaussian top-k of the gate) in its first layers
     "roberta-prelayernorm": NOT_FAITHFUL,  # a LayerNorm inside its intermediate module
-    "bloom": NOT_FAITHFUL, "mpt": NOT_FAITHFUL,  # their MLPs add the residual themselves (forward(x, residual))
     "cpmant": NO_FFN, "ctrl": NO_FFN, "falcon_mamba": NO_FFN, "mamba": NO_FFN, "mamba2": NO_FFN,
     "xlm": NO_FFN,
 }
@@ -185,3 +184,16 @@ def test_the_guides_family_table_is_this_tests_outcome():
         assert row(start) == {f for f, w in REFUSED.items() if w == words}
     assert row("not tested: the tiny-model harness") == set(HARNESS_CANNOT_BUILD)
     assert row("not tested: not built") == set(NOT_BUILT)
+
+
+def test_a_refused_layer_can_be_left_out_and_the_others_upcycle_exactly():
+    """Gemma 3n's MLPs with activation sparsity are refused; its layers without it upcycle exactly when the spec's
+    `layers` leaves the others out (the harness's Gemma 3n: sparsity on layer 0, none on layer 1)."""
+    dense = _dense("gemma3n_text")
+    assert dense.config.activation_sparsity_pattern == [0.95, 0.0]
+    with pytest.raises(UnsupportedModelError, match=r"layers\.0\.mlp: .*layers or target can leave it out"):
+        upcycle(dense, validate(MoESpec, SPEC))
+    want = _logits(dense)
+    moe = upcycle(dense, validate(MoESpec, {**SPEC, "layers": [1]}))
+    assert [p for p, _ in moe_layers(moe)] == ["model.layers.1.mlp"]
+    torch.testing.assert_close(_logits(moe), want, rtol=1e-5, atol=1e-5)

@@ -310,3 +310,30 @@ def test_t5_family_ffns_upcycle_exactly(name, ffn):
         want = model(input_ids=ids, decoder_input_ids=ids).logits
         upcycle(model, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
         torch.testing.assert_close(model(input_ids=ids, decoder_input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Bloom", "Mpt"])
+def test_an_ffn_that_adds_the_residual_is_replaced_by_an_moe_that_adds_it_after_the_same_dropout(name):
+    """BLOOM's and MPT's MLPs are called as mlp(x, residual) and add it after their hidden dropout: the MoE layer
+    takes both and does the same, so UME's MoE equals the dense model in training mode too, dropout masks and all
+    (the same random draws in the same order)."""
+    import transformers as tf
+
+    p = 0.2 if name == "Bloom" else 0.0  # MPT's dropout is its attn_pdrop, typed int in transformers 5.23
+    cfg = getattr(tf, f"{name}Config")(vocab_size=64, hidden_size=16, n_layer=2, n_head=4, d_model=16, n_heads=4,
+                                       n_layers=2, hidden_dropout=p)
+    torch.manual_seed(0)
+    model = getattr(tf, f"{name}ForCausalLM")(cfg).train()
+    ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        torch.manual_seed(1)
+        return model(input_ids=ids).logits.detach()
+
+    want = run()
+    upcycle(model, validate(MoESpec, {"num_experts": 4, "top_k": 2, "init": "ume"}))
+    layers = moe_layers(model)
+    assert len(layers) == 2 and all((m.dropout.p if p else m.dropout) == (p or None) for _, m in layers)
+    if p:  # the dropout was on
+        assert (model.eval()(input_ids=ids).logits - want).abs().max() > 1e-3
+    torch.testing.assert_close(model.train() and run(), want, rtol=1e-5, atol=1e-5)

@@ -78,7 +78,9 @@ class MoELayer(nn.Module):
         self.reroute: Callable[[RoutingInfo], RoutingInfo] | None = None
         self.init_diversity: float | None = None  # the experts' diversity when upcycled (SPRI A.1; moekit.json)
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
+    def forward(self, hidden_states: Tensor, residual: Tensor | None = None) -> Tensor:
+        """`residual`: added to the output, for the FFNs it replaces that add it themselves (BLOOM's and MPT's MLPs,
+        called as `mlp(x, residual)`)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (T, H)
         info = self.router(x)
@@ -92,7 +94,7 @@ class MoELayer(nn.Module):
         if self.dropout is not None:
             y = self.dropout(y)
         self.last_routing = info
-        return y.reshape(shape)
+        return y.reshape(shape) if residual is None else residual + y.reshape(shape)
 
     def _decode_shared(self, x: Tensor, info: RoutingInfo) -> tuple | None:
         """The shared expert's weights where the experts' decode kernels add it: not where something replaced the

@@ -7,6 +7,8 @@ inside the block (`rel`).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
@@ -68,6 +70,12 @@ def _callables(m: nn.Module) -> list:
     return kids + [v for v in vars(m).values() if callable(v) and not isinstance(v, (type, nn.Module))]
 
 
+def _takes_residual(m: nn.Module) -> bool:
+    """Whether the FFN adds the residual itself, after its dropout (BLOOM's and MPT's `forward(x, residual)`);
+    the MoE layer replacing it does the same (MoELayer.forward)."""
+    return "residual" in inspect.signature(m.forward).parameters
+
+
 class _ChildAdapter(Adapter):
     """Each FFN is a child module of the block, replaced whole by an MoE layer."""
 
@@ -81,10 +89,13 @@ class _ChildAdapter(Adapter):
         setattr(block, rel, moe)
 
     def forward(self, block, rel, x):
-        return block.get_submodule(rel)(x)
+        ffn = block.get_submodule(rel)
+        return ffn(x, torch.zeros_like(x)) if _takes_residual(ffn) else ffn(x)
 
     def dropout(self, block, rel):  # on the FFN's output (GPT-2's MLP.dropout, wav2vec 2.0's output_dropout)
         ffn = block.get_submodule(rel)
+        if _takes_residual(ffn) and isinstance(getattr(ffn, "hidden_dropout", None), (int, float)):  # BLOOM's, MPT's
+            return float(ffn.hidden_dropout)
         d = next((d for d in (getattr(ffn, n, None) for n in ("dropout", "output_dropout")) if d is not None), None)
         return d.p if isinstance(d, nn.Dropout) else 0.0
 
@@ -173,7 +184,7 @@ class LinearMLP(_PairAdapter):
     name = "linear_mlp"
     families = ("non-gated MLP with c_fc/c_proj, dense_h_to_4h/dense_4h_to_h, fc_in/fc_out, up_proj/down_proj, "
                 "intermediate_dense/output_dense, linear1/linear2 or wi/wo linears (StarCoder2, GPT-BigCode, GPT-Neo, "
-                "GPT-NeoX/Pythia, Falcon, GPT-J, CodeGen, Persimmon, Nemotron, Arcee, Jais2; wav2vec 2.0, HuBERT, "
+                "GPT-NeoX/Pythia, Falcon, GPT-J, CodeGen, Persimmon, Nemotron, Arcee, Jais2, BLOOM, MPT; wav2vec 2.0, HuBERT, "
                 "WavLM, SpeechT5; Parakeet's and LASR's Conformer FFNs; T5, Pop2Piano)")
     PAIRS = (("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc_in", "fc_out"), ("up_proj", "down_proj"),
              ("intermediate_dense", "output_dense"), ("linear1", "linear2"), ("wi", "wo"))

@@ -57,8 +57,7 @@ def read_checked(slot: Slot, block: nn.Module, where: str) -> FFNWeights:
     weights' dtype (eval mode; a forward of those modules, no gradient). Adapters match modules by attribute names,
     and a family can keep the names and compute something else: a norm inside the MLP (BitNet's ffn_sub_norm,
     RoBERTa-PreLayerNorm's LayerNorm before its intermediate), scales on the gate or down projection (Falcon-H1's
-    mlp_multipliers), an activation with learned parameters or activation sparsity, a residual added inside the MLP
-    (BLOOM's, MPT's). Each would be upcycled silently wrong; this makes it one UnsupportedModelError naming the
+    mlp_multipliers), an activation with learned parameters or activation sparsity (Gemma 3n). Each would be upcycled silently wrong; this makes it one UnsupportedModelError naming the
     layer. Weights on the meta device (a plan) are not checked; a non-finite reference is left to the init methods'
     finite checks."""
     adapter, act = slot.adapter, slot.act
@@ -84,7 +83,7 @@ def read_checked(slot: Slot, block: nn.Module, where: str) -> FFNWeights:
         raise UnsupportedModelError(
             f"{where}: {type(block).__name__}'s FFN does not compute what moekit reads from it as a {adapter.name} "
             f"({act} activation; {why}): something inside it (a norm, a scale, its activation) has no place in an "
-            "MoE expert, so moekit cannot upcycle it faithfully")
+            "MoE expert, so moekit cannot upcycle it faithfully (the spec's layers or target can leave it out)")
     return ffn
 
 
