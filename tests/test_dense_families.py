@@ -48,7 +48,6 @@ NO_FFN, NOT_FAITHFUL = "no supported FFN", "does not compute what moekit"
 REFUSED = {
     "apertus": NOT_FAITHFUL,  # xIELU: an activation with learned parameters
     "bitnet": NOT_FAITHFUL,  # ffn_sub_norm between the activation and down_proj
-    "falcon_h1": NOT_FAITHFUL,  # mlp_multipliers on the gate and down projections
     "gemma3n_text": NOT_FAITHFUL,  # activation sparsity (a Gaussian top-k of the gate) in its first layers
     "roberta-prelayernorm": NOT_FAITHFUL,  # a LayerNorm inside its intermediate module
     "cpmant": NO_FFN, "ctrl": NO_FFN, "falcon_mamba": NO_FFN, "mamba": NO_FFN, "mamba2": NO_FFN,

@@ -31,6 +31,10 @@ def _bias(lin: nn.Module):
     return None if getattr(lin, "bias", None) is None else lin.bias.detach()
 
 
+def _scaled(t: Tensor | None, scale) -> Tensor | None:
+    return t if t is None or scale == 1 else t * scale
+
+
 def _linears(m: nn.Module, *names: str) -> bool:
     return all(isinstance(getattr(m, n, None), nn.Linear) for n in names)
 
@@ -125,9 +129,14 @@ class GatedMLP(_ChildAdapter):
         return self.triple(m) is not None
 
     def read(self, block, rel, act):
-        gate, up, down = self.triple(block.get_submodule(rel))
-        return FFNWeights(up=up.weight.detach(), down=down.weight.detach(), act=act, gate=gate.weight.detach(),
-                          up_bias=_bias(up), gate_bias=_bias(gate), down_bias=_bias(down))
+        """Scales on the gate's and down projection's outputs (Falcon-H1's mlp_multipliers: `gate_multiplier`,
+        `down_multiplier`) are folded into their weights and biases: the same function."""
+        m = block.get_submodule(rel)
+        gate, up, down = self.triple(m)
+        g, d = (getattr(m, f"{n}_multiplier", 1) for n in ("gate", "down"))
+        return FFNWeights(up=up.weight.detach(), down=_scaled(down.weight.detach(), d), act=act,
+                          gate=_scaled(gate.weight.detach(), g), up_bias=_bias(up),
+                          gate_bias=_scaled(_bias(gate), g), down_bias=_scaled(_bias(down), d))
 
 
 class FusedGatedMLP(_PairAdapter):

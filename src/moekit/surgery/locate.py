@@ -56,10 +56,10 @@ def read_checked(slot: Slot, block: nn.Module, where: str) -> FFNWeights:
     compute what the block's own FFN modules compute, on a probe of fixed random tokens (adapters.probe) in the
     weights' dtype (eval mode; a forward of those modules, no gradient). Adapters match modules by attribute names,
     and a family can keep the names and compute something else: a norm inside the MLP (BitNet's ffn_sub_norm,
-    RoBERTa-PreLayerNorm's LayerNorm before its intermediate), scales on the gate or down projection (Falcon-H1's
-    mlp_multipliers), an activation with learned parameters or activation sparsity (Gemma 3n). Each would be upcycled silently wrong; this makes it one UnsupportedModelError naming the
-    layer. Weights on the meta device (a plan) are not checked; a non-finite reference is left to the init methods'
-    finite checks."""
+    RoBERTa-PreLayerNorm's LayerNorm before its intermediate), a scale adapters.GatedMLP does not fold, an activation
+    with learned parameters or activation sparsity (Gemma 3n). Each would be upcycled silently wrong; this makes it one
+    UnsupportedModelError naming the layer. Weights on the meta device (a plan) are not checked; a non-finite reference
+    is left to the init methods' finite checks."""
     adapter, act = slot.adapter, slot.act
     ffn = adapter.read(block, slot.rel, act)
     if ffn.up.is_meta:

@@ -43,7 +43,8 @@ OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on re
              "gemma3n_text": {"num_kv_shared_layers": 0, "layer_types": ["sliding_attention", "full_attention"],
                               "activation_sparsity_pattern": [0.95, 0.0], "intermediate_size": [48, 48]},
              "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},  # None defaults its forward rejects
-             "hunyuan_v1_moe": {"head_dim": 8}}
+             "hunyuan_v1_moe": {"head_dim": 8},
+             "mimo_v2_flash": {"num_key_value_heads": 2}}  # its sliding layers have twice the KV heads
 
 
 def _model_types(moe: bool) -> dict[str, str]:
