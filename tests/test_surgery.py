@@ -267,8 +267,8 @@ class _CodeActMLP(nn.Module):
         return self.w2(h * self.w3(x))
 
 
-@pytest.mark.parametrize("acts", [(torch.nn.functional.silu,), (lambda t: torch.nn.functional.gelu(t, approximate="tanh"),),
-                                  (torch.relu, torch.tanh)])
+@pytest.mark.parametrize("acts", [(torch.nn.functional.silu,),
+                                  (lambda t: torch.nn.functional.gelu(t, approximate="tanh"),), (torch.relu, torch.tanh)])
 def test_an_activation_called_in_code_is_named_by_what_it_computes_on_the_meta_device_too(acts):
     """No config and no activation attribute: the one activation the forward calls on one tensor (LFM2's F.silu), on
     real and meta weights alike (the streamed plan); two of them (relu then tanh) are refused in one line."""

@@ -193,8 +193,8 @@ class LinearMLP(_PairAdapter):
     name = "linear_mlp"
     families = ("non-gated MLP with c_fc/c_proj, dense_h_to_4h/dense_4h_to_h, fc_in/fc_out, up_proj/down_proj, "
                 "intermediate_dense/output_dense, linear1/linear2 or wi/wo linears (StarCoder2, GPT-BigCode, GPT-Neo, "
-                "GPT-NeoX/Pythia, Falcon, GPT-J, CodeGen, Persimmon, Nemotron, Arcee, Jais2, BLOOM, MPT; wav2vec 2.0, HuBERT, "
-                "WavLM, SpeechT5; Parakeet's and LASR's Conformer FFNs; T5, Pop2Piano)")
+                "GPT-NeoX/Pythia, Falcon, GPT-J, CodeGen, Persimmon, Nemotron, Arcee, Jais2, BLOOM, MPT; wav2vec 2.0, "
+                "HuBERT, WavLM, SpeechT5; Parakeet's and LASR's Conformer FFNs; T5, Pop2Piano)")
     PAIRS = (("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc_in", "fc_out"), ("up_proj", "down_proj"),
              ("intermediate_dense", "output_dense"), ("linear1", "linear2"), ("wi", "wo"))
 

@@ -452,8 +452,12 @@ def distribute(model: nn.Module, engine: Engine, units: list[str] = (), between=
 
 
 def tied_embeddings(model: nn.Module) -> list[str]:
-    """The paths of the input embedding and the output head when they share one Parameter, else []."""
-    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    """The paths of the input embedding and the output head when they share one Parameter, else [] (also for a model
+    without input embeddings: a CTC encoder reads audio, and transformers raises for it)."""
+    try:
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    except NotImplementedError:
+        return []
     if inp is None or out is None or getattr(out, "weight", None) is not inp.weight:
         return []
     names = {m: n for n, m in model.named_modules()}
