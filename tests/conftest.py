@@ -98,10 +98,11 @@ def run(capsys):
 @pytest.fixture(scope="session")
 def tiny_speech(tmp_path_factory):
     """A tiny English + French speech corpus (espeak-ng, flite test voices for English), a tiny random Whisper
-    directory with Whisper's special tokens and a tiny random wav2vec 2.0 CTC checkpoint whose vocabulary covers the
-    corpus: {"corpus": dir, "whisper": dir, "wav2vec2": dir, "texts": {lang: lines}}."""
+    directory with Whisper's special tokens, and tiny random wav2vec 2.0 and Parakeet CTC checkpoints whose
+    vocabularies cover the corpus: {"corpus": dir, "whisper": dir, "wav2vec2": dir, "parakeet": dir,
+    "texts": {lang: lines}}."""
     from moekit.speech.corpus import CorpusConfig, build_corpus
-    from moekit.testing import save_tiny_wav2vec2_ctc, save_tiny_whisper_asr
+    from moekit.testing import save_tiny_parakeet_ctc, save_tiny_wav2vec2_ctc, save_tiny_whisper_asr
 
     root = tmp_path_factory.mktemp("tiny_speech")
     texts = {"en": ["The sun is warm.", "I like green tea.", "We walk to school.", "Birds sing at dawn.",
@@ -113,9 +114,10 @@ def tiny_speech(tmp_path_factory):
     cfg = CorpusConfig(langs=["en", "fr"], voices=1, test_voices=1, train_per_lang=4, test_per_lang=2,
                        texts={lang: str(root / f"{lang}.txt") for lang in texts}, flite_test=True, seed=0)
     build_corpus(cfg, root / "corpus")
+    every = [t for lines in texts.values() for t in lines]
     return {"corpus": root / "corpus", "whisper": save_tiny_whisper_asr(root / "whisper"),
-            "wav2vec2": save_tiny_wav2vec2_ctc(root / "wav2vec2", [t for lines in texts.values() for t in lines]),
-            "texts": texts}
+            "wav2vec2": save_tiny_wav2vec2_ctc(root / "wav2vec2", every),
+            "parakeet": save_tiny_parakeet_ctc(root / "parakeet", every), "texts": texts}
 
 
 # a process ended by one of these signals crashed in native code (torchrun reports a rank's as "Signal 11 (SIGSEGV)")

@@ -170,11 +170,15 @@ def test_recipe_errors():
         validate(ASRRecipe, {"model": {"kind": "pretrained_ctc", "path": "x"}, "method": "dense"})
 
 
-@pytest.mark.parametrize("name", ["omni_ctc", "ume_whisper_tiny", "ume_wav2vec2"])
-def test_evaluate_reproduces_a_finished_run(name, tiny_speech, tmp_path, run):
+@pytest.mark.parametrize("name,model", [("omni_ctc", None), ("ume_whisper_tiny", None), ("ume_wav2vec2", None),
+                                        ("ume_wav2vec2", "parakeet")])
+def test_evaluate_reproduces_a_finished_run(name, model, tiny_speech, tmp_path, run):
+    """(ume_wav2vec2 also on the Parakeet CTC checkpoint: model.kind=pretrained_ctc reads its processor too.)"""
     path = next(p for p in RECIPES if p.stem == name)
     out = tmp_path / "run"
-    assert run("train", path, *tiny_overrides(path, tiny_speech, out))[0] == 0
+    keys = {"model.path": str(tiny_speech[model])} if model else {}
+    rc, _, err = run("train", path, *tiny_overrides(path, tiny_speech, out, **keys))
+    assert rc == 0, err
     first = json.loads((out / "results.json").read_text())
     rc, stdout, err = run("evaluate", out)
     assert rc == 0, err
@@ -221,9 +225,10 @@ def test_fig5_token_entropy_and_fig6_relative_wer_change(tiny_speech):
     assert report["token_entropy_tokens"] >= 1 and all(0 <= h <= math.log(4) + 1e-9 for h in report["token_entropy"])
 
 
-@pytest.mark.parametrize("name,model", [("ume_whisper_tiny", "whisper"), ("ume_wav2vec2", "wav2vec2")])
+@pytest.mark.parametrize("name,model", [("ume_whisper_tiny", "whisper"), ("ume_wav2vec2", "wav2vec2"),
+                                        ("ume_wav2vec2", "parakeet")])
 def test_asr_recipe_trains_its_upcycled_checkpoint_as_it_is(name, model, tiny_speech, tmp_path, run):
-    """model.path holding the recipe's own upcycle of the Whisper or the wav2vec 2.0 checkpoint
+    """model.path holding the recipe's own upcycle of the Whisper, the wav2vec 2.0 or the Parakeet checkpoint
     (moekit.checkpoint.upcycle, as `moekit upcycle` writes it, its processor files kept) trains as it is, as text and
     speech-LLM recipes do (TrainingMethod.prepared): the same trained weights and transcripts as the run that upcycles
     the dense model itself; a checkpoint upcycled with another spec is refused naming the field, before any run
@@ -232,7 +237,7 @@ def test_asr_recipe_trains_its_upcycled_checkpoint_as_it_is(name, model, tiny_sp
     from moekit.config import load_yaml
 
     path = RECIPES[ids.index(name)]
-    dense = tiny_overrides(path, tiny_speech, tmp_path / "dense")
+    dense = tiny_overrides(path, tiny_speech, tmp_path / "dense", **{"model.path": str(tiny_speech[model])})
     upcycle_checkpoint(tiny_speech[model], tmp_path / "up", load_yaml(path, ASRRecipe, dense).moe)
     rc, _, err = run("train", path, *dense)
     assert rc == 0, err
@@ -251,33 +256,43 @@ def test_asr_recipe_trains_its_upcycled_checkpoint_as_it_is(name, model, tiny_sp
     assert not (tmp_path / "other").exists()
 
 
-@pytest.mark.parametrize("upper", [False, True])
-def test_a_pretrained_ctc_checkpoints_processor_makes_the_batches(upper, tiny_speech, tmp_path):
+@pytest.mark.parametrize("kind", ["wav2vec2", "wav2vec2-upper", "parakeet"])
+def test_a_pretrained_ctc_checkpoints_processor_makes_the_batches(kind, tiny_speech, tmp_path):
     """model.kind=pretrained_ctc: inputs are what the checkpoint's own feature extractor makes of the audio; labels
-    are the spoken transcript in the vocabulary's case (upper-case vocabularies: facebook/wav2vec2-base-960h's), words
-    joined by its delimiter; the frame mask counts each utterance's encoder frames by the model's length rule."""
+    are the spoken transcript as its tokenizer encodes it, in the vocabulary's case (upper-case vocabularies:
+    facebook/wav2vec2-base-960h's): characters with words joined by its delimiter (wav2vec 2.0), or word pieces
+    (Parakeet); the frame mask counts each utterance's encoder frames by the model's length rule (wav2vec 2.0's feature
+    encoder, Parakeet's subsampling), and the transcriber decodes a best path as the tokenizer's CTC decoding does."""
     import transformers as tf
 
     from moekit.eval.asr import ProcessorCTCTranscriber
     from moekit.speech.data import ProcessorCTCCollator
     from moekit.testing import save_tiny_wav2vec2_ctc
 
-    folder = save_tiny_wav2vec2_ctc(tmp_path / "w2v", [t for lines in tiny_speech["texts"].values() for t in lines],
-                                    upper=upper)
-    processor, model = tf.AutoProcessor.from_pretrained(folder), tf.Wav2Vec2ForCTC.from_pretrained(folder)
+    upper = kind.endswith("upper")
+    folder = tiny_speech["parakeet"] if kind == "parakeet" else save_tiny_wav2vec2_ctc(
+        tmp_path / "w2v", [t for lines in tiny_speech["texts"].values() for t in lines], upper=upper)
+    processor, model = tf.AutoProcessor.from_pretrained(folder), tf.AutoModelForCTC.from_pretrained(folder)
     utts = [u for u in read_manifest(tiny_speech["corpus"]) if u.split == "train"][:3]
     batch = ProcessorCTCCollator(processor)(utts)
     audio = [load_audio(u.audio) for u in utts]
     own = processor.feature_extractor(audio, sampling_rate=16000, padding=True, return_tensors="pt")
-    assert torch.equal(batch["input_values"], own["input_values"]) and torch.equal(batch["attention_mask"],
-                                                                                 own["attention_mask"])
+    assert batch.keys() - {"labels"} == own.keys() and all(torch.equal(batch[k], own[k]) for k in own)
     for row, u in zip(batch["labels"], utts):
         text = spoken_text(u.text)
         ids = row[row >= 0].tolist()
         assert processor.tokenizer.decode(ids, group_tokens=False) == (text.upper() if upper else text)
-        assert processor.tokenizer.unk_token_id not in ids
-    frames = ProcessorCTCTranscriber(processor).frame_mask(batch, model).sum(-1)
-    assert frames.tolist() == [int(model._get_feat_extract_output_lengths(len(a))) for a in audio]
+        assert processor.tokenizer.unk_token_id not in ids and (kind != "parakeet" or len(ids) < len(text))
+    transcriber = ProcessorCTCTranscriber(processor)
+    frames = transcriber.frame_mask(batch, model).sum(-1)
+    if kind == "parakeet":
+        assert frames.tolist() == model._get_output_attention_mask(own["attention_mask"]).sum(-1).tolist()
+    else:
+        assert frames.tolist() == [int(model._get_feat_extract_output_lengths(len(a))) for a in audio]
+    with torch.no_grad():
+        best = model(**own).logits.argmax(-1)  # (B, T')
+    assert transcriber.transcribe(model, utts) == [
+        processor.tokenizer.decode(row[:n].tolist()).strip() for row, n in zip(best, frames)]
 
 
 def test_a_ctc_vocabulary_lacking_the_corpus_characters_is_refused_before_anything_is_written(tiny_speech, tmp_path,
@@ -296,3 +311,15 @@ def test_a_ctc_vocabulary_lacking_the_corpus_characters_is_refused_before_anythi
     assert rc != 0 and "vocabulary lacks" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
     assert before == {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in folder.rglob("*") if f.is_file()}
+
+
+def test_a_checkpoint_without_a_ctc_tokenizer_is_refused_in_one_line(tiny_speech, tmp_path, run):
+    """model.kind=pretrained_ctc on a checkpoint whose tokenizer does not decode CTC (Whisper's, here): refused in one
+    line naming what it reads, before the weights load; nothing written."""
+    path = next(p for p in RECIPES if p.stem == "ume_wav2vec2")
+    out = tmp_path / "run"
+    whisper = {"model.path": str(tiny_speech["whisper"])}
+    rc, _, err = run("train", path, *tiny_overrides(path, tiny_speech, out, **whisper))
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "a CTC tokenizer (Wav2Vec2CTCTokenizer" in err and "this one has TokenizersBackend" in err
+    assert not out.exists()

@@ -49,9 +49,9 @@ class CTCTranscriber:
 
 
 class ProcessorCTCTranscriber:
-    """Best-path decoding of a transformers CTC checkpoint (wav2vec 2.0 and its kin): argmax per frame over the
-    frames of each utterance, then its tokenizer's CTC decoding (repeats grouped, its pad token as the blank, word
-    delimiters as spaces)."""
+    """Best-path decoding of a transformers CTC checkpoint (wav2vec 2.0 and its kin, Parakeet): argmax per frame
+    over the frames of each utterance, then its tokenizer's CTC decoding (repeats grouped, its pad token as the blank,
+    word delimiters or word pieces joined into words)."""
 
     def __init__(self, processor):
         self.batch = ProcessorCTCCollator(processor)
@@ -69,13 +69,13 @@ class ProcessorCTCTranscriber:
     @staticmethod
     def frame_mask(batch: dict, model: nn.Module) -> torch.Tensor:
         """(B, T') the encoder frames of each utterance, from its samples (or feature frames) by the model's own
-        length rule; without an attention mask (wav2vec 2.0 base's feature extractor returns none: its input is
-        zero-padded) every frame counts."""
+        length rule (wav2vec 2.0's feature encoder, or Parakeet's subsampling); without an attention mask
+        (wav2vec 2.0 base's feature extractor returns none: its input is zero-padded) every frame counts."""
         x = batch.get("input_values", batch.get("input_features"))
         B, T = x.shape[:2]
         lengths = batch["attention_mask"].sum(-1) if "attention_mask" in batch else torch.full((B,), T)
-        frames = model._get_feat_extract_output_lengths(lengths)  # (B,)
-        total = int(model._get_feat_extract_output_lengths(torch.tensor(T)))
+        rule = getattr(model, "_get_feat_extract_output_lengths", None) or model._get_subsampling_output_length
+        frames, total = rule(lengths), int(rule(torch.tensor([T]))[0])  # (B,), T'
         return (torch.arange(total)[None, :] < frames[:, None]).long()
 
     frame_tokens = staticmethod(CTCTranscriber.frame_tokens)

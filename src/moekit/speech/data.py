@@ -113,32 +113,38 @@ class CTCCollator:
 class ProcessorCTCCollator:
     """Utterances -> a transformers CTC checkpoint's inputs as its own processor makes them (wav2vec 2.0's
     Wav2Vec2Processor and its kin's: raw 16 kHz audio normalized as its feature extractor does, or Wav2Vec2-BERT's
-    log-mel features; an attention mask only where its feature extractor returns one, as wav2vec 2.0 base's does not)
-    and labels (B, L): the transcript (spoken_text) as its CTC tokenizer encodes it (spaces as its word delimiter),
-    upper-cased where its vocabulary has no lower-case letter (facebook/wav2vec2-base-960h's), padding -100."""
+    log-mel features; Parakeet's log-mel features; an attention mask only where its feature extractor returns one, as
+    wav2vec 2.0 base's does not) and labels (B, L): the transcript (spoken_text) as its CTC tokenizer encodes it
+    (characters with spaces as the word delimiter: Wav2Vec2CTCTokenizer; word pieces: ParakeetTokenizer), upper-cased
+    where its vocabulary has no lower-case letter (facebook/wav2vec2-base-960h's), padding -100. Both tokenizers decode
+    CTC themselves (repeats grouped, their pad token as the blank)."""
 
     def __init__(self, processor):
-        from transformers import Wav2Vec2CTCTokenizer
+        import transformers as tf
 
         tok, fe = getattr(processor, "tokenizer", None), getattr(processor, "feature_extractor", None)
-        if not isinstance(tok, Wav2Vec2CTCTokenizer) or fe is None:
+        if not isinstance(tok, (tf.Wav2Vec2CTCTokenizer, tf.ParakeetTokenizer)) or fe is None:
             raise ConfigError(f"model.kind=pretrained_ctc reads checkpoints whose processor has a feature extractor "
-                              f"and a Wav2Vec2CTCTokenizer (wav2vec 2.0, HuBERT, WavLM, MMS, ...); this one has "
-                              f"{type(tok).__name__}. Train other CTC models (Parakeet, LASR) from Python with "
-                              "moekit.MoETrainer")
+                              f"and a CTC tokenizer (Wav2Vec2CTCTokenizer: wav2vec 2.0, HuBERT, WavLM, MMS, ...; "
+                              f"ParakeetTokenizer: Parakeet CTC); this one has {type(tok).__name__}. Train other CTC "
+                              "models (LASR, ...) from Python with moekit.MoETrainer")
         if getattr(fe, "sampling_rate", SAMPLE_RATE) != SAMPLE_RATE:
             raise ConfigError(f"the checkpoint's feature extractor takes {fe.sampling_rate} Hz audio; the corpus is "
                               f"{SAMPLE_RATE} Hz")
-        self.processor, self.vocab = processor, tok.get_vocab()
-        self.upper = not any(t.islower() for t in self.vocab if len(t) == 1)
+        self.processor, self.tok = processor, tok
+        self.upper = not any(t.islower() for t in tok.get_vocab() if len(t) == 1)
 
     def text(self, u: Utterance) -> str:
         text = spoken_text(u.text)
         return text.upper() if self.upper else text
 
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
     def check(self, utts: list[Utterance]) -> None:
         """Refused: transcripts with characters the vocabulary lacks (they would train as its unknown token)."""
-        missing = sorted({c for u in utts for c in self.text(u) if c != " " and c not in self.vocab})
+        chars = sorted({c for u in utts for c in self.text(u) if c != " "})
+        missing = [c for c in chars if self.tok.unk_token_id in self.encode(c)]
         if missing:
             raise ConfigError(f"the checkpoint's CTC vocabulary lacks {len(missing)} character(s) of the transcripts "
                               f"({' '.join(missing[:20])}); choose a checkpoint whose vocabulary covers the corpus's "
@@ -147,5 +153,5 @@ class ProcessorCTCCollator:
     def __call__(self, batch: list[Utterance]) -> dict[str, torch.Tensor]:
         out = dict(self.processor.feature_extractor([load_audio(u.audio) for u in batch], sampling_rate=SAMPLE_RATE,
                                                     padding=True, return_tensors="pt"))
-        out["labels"] = _pad_labels([self.processor.tokenizer(self.text(u))["input_ids"] for u in batch])
+        out["labels"] = _pad_labels([self.encode(self.text(u)) for u in batch])
         return out

@@ -212,6 +212,32 @@ def save_tiny_wav2vec2_ctc(folder, texts, upper: bool = False, seed: int = 0):
     return folder
 
 
+def save_tiny_parakeet_ctc(folder, texts, seed: int = 0):
+    """A tiny random ParakeetForCTC (2 Conformer blocks, 16 mel bins) with its processor: Parakeet's feature extractor
+    and a word-piece ParakeetTokenizer (byte-pair merges learned from `texts` as spoken_text writes them, every
+    character of them in its alphabet, `<pad>` last as the CTC blank, as nvidia/parakeet-ctc-*'s): a stand-in for a
+    pretrained Parakeet CTC checkpoint in ASR tests. Returns `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from moekit.speech.text import spoken_text
+
+    spoken = [spoken_text(t) for t in texts]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    alphabet = sorted({c for t in spoken for c in t if c != " "})
+    bpe.train_from_iterator(spoken, trainers.BpeTrainer(vocab_size=len(alphabet) + 24, special_tokens=["<unk>"],
+                                                        initial_alphabet=alphabet, show_progress=False))
+    bpe.add_special_tokens(["<pad>"])
+    tok = tf.ParakeetTokenizer(tokenizer_object=bpe, unk_token="<unk>", pad_token="<pad>")
+    encoder = tf.ParakeetEncoderConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, subsampling_conv_channels=8, num_mel_bins=16)
+    cfg = tf.ParakeetCTCConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, encoder_config=encoder.to_dict())
+    _build(tf.ParakeetForCTC, cfg, seed).save_pretrained(folder)
+    tf.ParakeetProcessor(feature_extractor=tf.ParakeetFeatureExtractor(feature_size=16), tokenizer=tok
+                         ).save_pretrained(folder)
+    return folder
+
+
 def randomized_moe(build, seed: int = 0, **spec):
     """A tiny model from `build` upcycled (4 experts, top-2, drop init; `spec` overrides MoESpec fields) with its
     routers and experts randomized, so that routing and experts differ (export and client tests)."""

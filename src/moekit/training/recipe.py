@@ -163,7 +163,8 @@ class CTCArch(Config):
 class ASRModelConfig(Config):
     kind: Literal["whisper", "ctc", "pretrained_ctc"] = "whisper"
     # whisper: a model directory or built-in asset (whisper-tiny.en, whisper-base); pretrained_ctc: a transformers CTC
-    # checkpoint with its processor (wav2vec 2.0, HuBERT, WavLM, MMS, ...: moekit.speech.data.ProcessorCTCCollator)
+    # checkpoint with its processor (wav2vec 2.0, HuBERT, WavLM, MMS, ..., Parakeet:
+    # moekit.speech.data.ProcessorCTCCollator)
     path: str | None = None
     ctc: CTCArch | None = None  # CTC: the architecture, trained from scratch
     allow_pickle: bool = False
