@@ -44,7 +44,10 @@ OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on re
                               "activation_sparsity_pattern": [0.95, 0.0], "intermediate_size": [48, 48]},
              "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},  # None defaults its forward rejects
              "hunyuan_v1_moe": {"head_dim": 8},
-             "mimo_v2_flash": {"num_key_value_heads": 2}}  # its sliding layers have twice the KV heads
+             "mimo_v2_flash": {"num_key_value_heads": 2},  # its sliding layers have twice the KV heads
+             # its indexed-attention layers build the QSA indexer whether or not its (optional) sizes are set
+             "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
+                                "indexer_compress_ratio": 2}}
 
 
 def _model_types(moe: bool) -> dict[str, str]:
