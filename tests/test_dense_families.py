@@ -141,7 +141,8 @@ def test_ume_streamed_equals_the_dense_family_or_refuses_in_one_line(family, tmp
 # vision-language models (image-text-to-text classes): not swept, a sample of widely used families; True where
 # transformers 5.23 saves the checkpoint under other names than the model's (language_model.model.* ...)
 VLM_SAMPLE = {"gemma3": True, "idefics3": False, "internvl": True, "llava": True, "llava_next": True, "mistral3": True,
-              "mllama": True, "paligemma": True, "qwen3_vl": False, "smolvlm": False}
+              "mllama": True, "paligemma": True, "qwen3_vl": False, "smolvlm": False, "lfm2_vl": True,
+              "lfm3_vl": True}
 
 
 @pytest.mark.parametrize("family", VLM_SAMPLE)
