@@ -47,7 +47,9 @@ OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on re
              "mimo_v2_flash": {"num_key_value_heads": 2},  # its sliding layers have twice the KV heads
              # its indexed-attention layers build the QSA indexer whether or not its (optional) sizes are set
              "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
-                                "indexer_compress_ratio": 2}}
+                                "indexer_compress_ratio": 2},
+             "fun_asr_nano": {"adaptor_config": {"intermediate_size": 8}},  # a quarter of the shrunk LM's 32
+             "moonshine_streaming": {"num_key_value_heads": 4}}
 
 
 def _model_types(moe: bool) -> dict[str, str]:
@@ -130,13 +132,17 @@ def tiny_config(model_type: str, cut_lists: bool = True):
     if cfg.to_dict().get("per_layer_config"):  # per-layer sizes (Gemma 4): one size for every layer instead
         cfg = AutoConfig.for_model(model_type, per_layer_config={})
     _shrink(cfg, cut_lists)
+    _override(cfg, model_type)
+    return cfg
+
+
+def _override(cfg, model_type: str) -> None:
     for key, value in OVERRIDES.get(model_type, {}).items():
         if isinstance(value, dict):  # entries of a sub-config
             for sub, entry in value.items():
                 setattr(getattr(cfg, key), sub, entry)
         else:
             setattr(cfg, key, value)
-    return cfg
 
 
 def _perturb(model, amount: float, seed: int) -> None:
@@ -243,6 +249,7 @@ def tiny_speech_model(model_type: str, seed: int = 0, perturb: float = 0.0):
         warnings.simplefilter("ignore")
         cfg = AutoConfig.for_model(model_type)
         _shrink_speech(cfg)
+        _override(cfg, model_type)
         auto = AutoModelForCTC if model_type in MODEL_FOR_CTC_MAPPING_NAMES else AutoModelForSpeechSeq2Seq
         model = auto.from_config(cfg).float().eval()
         model.config.validate()  # what save_pretrained checks (transformers 5's config validators)
