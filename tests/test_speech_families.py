@@ -23,7 +23,6 @@ SPEC = {"num_experts": 4, "top_k": 2, "init": "ume"}
 # the shrunk default config does not build or run in transformers 5.23 (why)
 HARNESS_CANNOT_BUILD = {
     "dia": "a text-to-speech model: its decoder takes audio codebooks, not text tokens",
-    "granite_speech5_ctc": "its input projection does not follow the shrunk feature size",
     "kyutai_speech_to_text": "its padding id lies beyond the shrunk vocabulary",
     "speech-encoder-decoder": "it has no default encoder and decoder",
     "vibevoice": "a text-to-speech model whose config ties its diffusion head to the audio encoder's size",

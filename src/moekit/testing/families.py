@@ -49,7 +49,9 @@ OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on re
              "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
                                 "indexer_compress_ratio": 2},
              "fun_asr_nano": {"adaptor_config": {"intermediate_size": 8}},  # a quarter of the shrunk LM's 32
-             "moonshine_streaming": {"num_key_value_heads": 4}}
+             "moonshine_streaming": {"num_key_value_heads": 4},
+             # its relative positions span the attention context: within the shrunk max_position_embeddings
+             "granite_speech5_ctc": {"encoder_config": {"context_size": 16}}}
 
 
 def _model_types(moe: bool) -> dict[str, str]:
