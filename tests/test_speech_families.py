@@ -26,7 +26,6 @@ HARNESS_CANNOT_BUILD = {
     "kyutai_speech_to_text": "its padding id lies beyond the shrunk vocabulary",
     "speech-encoder-decoder": "it has no default encoder and decoder",
     "vibevoice": "a text-to-speech model whose config ties its diffusion head to the audio encoder's size",
-    "voxtral_realtime": "its main input is not the features its forward requires",
 }
 # not built: too costly for the suite (what building them takes)
 NOT_BUILT = {"vibevoice_asr": "its audio tokenizers are not shrunk by name: 686 M parameters, 17 s a build"}

@@ -220,20 +220,24 @@ def _shrink_speech(cfg) -> None:
 def _speech_inputs(model, generator: torch.Generator):
     """Input candidates for a speech model: raw audio (B, samples), features as (B, bins, frames) or (B, frames,
     bins) for each feature size its configs name (and twice it, for stacked frames), or token ids (a speech-LLM's
-    text path); a decoder's first tokens for an encoder-decoder."""
+    text path; with features of 8 frames per token where its forward requires both, as Voxtral-Realtime's); a
+    decoder's first tokens for an encoder-decoder."""
     from transformers import PretrainedConfig
 
     name = model.main_input_name
     dec = {"decoder_input_ids": torch.randint(3, 100, (2, 5), generator=generator)} \
         if model.config.is_encoder_decoder else {}
+    configs = [model.config, *(v for v in vars(model.config).values() if isinstance(v, PretrainedConfig))]
+    sizes = sorted({n * f for c in configs for k in _FEATURE_KEYS
+                    if isinstance(n := getattr(c, k, None), int) for f in (1, 2, 4)})
     if name == "input_values":
         yield {name: torch.randn(2, 4000, generator=generator), **dec}
     elif name == "input_ids":
-        yield {name: torch.randint(3, 100, (2, 6), generator=generator), **dec}
+        ids = torch.randint(3, 100, (2, 6), generator=generator)
+        yield {name: ids, **dec}
+        for n in sizes:
+            yield {name: ids, "input_features": torch.randn(2, n, 48, generator=generator), **dec}
     else:
-        configs = [model.config, *(v for v in vars(model.config).values() if isinstance(v, PretrainedConfig))]
-        sizes = sorted({n * f for c in configs for k in _FEATURE_KEYS
-                        if isinstance(n := getattr(c, k, None), int) for f in (1, 2, 4)})
         for shape in [s for n in sizes for s in ((2, n, 128), (2, 128, n))] + [(2, n, 3000) for n in sizes]:
             yield {name: torch.randn(*shape, generator=generator), **dec}
 
