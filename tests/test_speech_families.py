@@ -23,7 +23,6 @@ SPEC = {"num_experts": 4, "top_k": 2, "init": "ume"}
 # the shrunk default config does not build or run in transformers 5.23 (why)
 HARNESS_CANNOT_BUILD = {
     "dia": "a text-to-speech model: its decoder takes audio codebooks, not text tokens",
-    "kyutai_speech_to_text": "its padding id lies beyond the shrunk vocabulary",
     "speech-encoder-decoder": "it has no default encoder and decoder",
     "vibevoice": "a text-to-speech model whose config ties its diffusion head to the audio encoder's size",
 }
@@ -57,8 +56,9 @@ def test_ume_equals_the_dense_speech_family_in_memory_and_streamed(family, tmp_p
     assert paths and paths == [p for p, _ in moe_layers(streamed)]
     if any(n.endswith("language_model") for n, _ in moe.named_modules()):  # a speech-LLM: its LM's FFNs only
         assert all(".language_model." in p for p in paths)
-    else:
-        assert find_slots(moe) == []  # every FFN of an encoder (and decoder) is an MoE layer now
+    else:  # every FFN of an encoder (and decoder) is an MoE layer now, but an audio codec's (Kyutai's Mimi)
+        assert all(s.path.startswith("codec_model.") for s in find_slots(moe))
+        assert not any(p.startswith("codec_model.") for p in paths)
     torch.testing.assert_close(_logits(moe, inputs), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(_logits(streamed, inputs), want, rtol=1e-5, atol=1e-5)
 
@@ -142,3 +142,18 @@ def test_the_guides_speech_table_is_this_tests_outcome():
     assert rows == {next(k for k in rows if k.startswith("upcycled")): set(BUILT),
                     next(k for k in rows if k.startswith("not tested: the tiny")): set(HARNESS_CANNOT_BUILD),
                     next(k for k in rows if k.startswith("not tested: not built")): set(NOT_BUILT)}
+
+
+def test_kyutais_audio_codec_is_left_out_unless_the_target_names_it():
+    """Kyutai's speech-to-text model: its decoder's FFNs are upcycled, not those of the Mimi codec that makes its
+    audio tokens (`codec_model`), unless spec.target names them; either way the MoE equals the dense model."""
+    dense, inputs = tiny_speech_model("kyutai_speech_to_text", perturb=0.05)
+    want = _logits(dense, inputs)
+    codec = [s.path for s in find_slots(dense) if s.path.startswith("codec_model.")]
+    assert codec
+    for target, expect in [(None, lambda p: p.startswith("model.layers.")), (r"^codec_model\.", lambda p: p in codec)]:
+        moe = upcycle(tiny_speech_model("kyutai_speech_to_text", perturb=0.05)[0],
+                      validate(MoESpec, {**SPEC, "target": target}))
+        paths = [p for p, _ in moe_layers(moe)]
+        assert paths and all(expect(p) for p in paths)
+        torch.testing.assert_close(_logits(moe, inputs), want, rtol=1e-5, atol=1e-5)

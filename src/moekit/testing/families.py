@@ -51,7 +51,13 @@ OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on re
              "fun_asr_nano": {"adaptor_config": {"intermediate_size": 8}},  # a quarter of the shrunk LM's 32
              "moonshine_streaming": {"num_key_value_heads": 4},
              # its relative positions span the attention context: within the shrunk max_position_embeddings
-             "granite_speech5_ctc": {"encoder_config": {"context_size": 16}}}
+             "granite_speech5_ctc": {"encoder_config": {"context_size": 16}},
+             # a Mimi codec of 4 codebooks of 64 codes (upsampling groups within its shrunk width); the audio pad id
+             # after the text vocabulary and the codebooks, as the model's embedding lays them out
+             "kyutai_speech_to_text": {"codec_config": {"upsample_groups": 32, "num_quantizers": 4, "codebook_size": 64,
+                                                        "codebook_dim": 16, "vector_quantization_hidden_dimension": 16},
+                                       "num_codebooks": 4, "codebook_vocab_size": 65, "audio_pad_token_id": 128 + 4 * 65,
+                                       "audio_bos_token_id": 64}}
 
 
 def _model_types(moe: bool) -> dict[str, str]:
@@ -220,8 +226,8 @@ def _shrink_speech(cfg) -> None:
 def _speech_inputs(model, generator: torch.Generator):
     """Input candidates for a speech model: raw audio (B, samples), features as (B, bins, frames) or (B, frames,
     bins) for each feature size its configs name (and twice it, for stacked frames), or token ids (a speech-LLM's
-    text path; with features of 8 frames per token where its forward requires both, as Voxtral-Realtime's); a
-    decoder's first tokens for an encoder-decoder."""
+    text path; with features of 8 frames per token where its forward requires both, as Voxtral-Realtime's; or a
+    text token and K audio codes per step, as Kyutai's); a decoder's first tokens for an encoder-decoder."""
     from transformers import PretrainedConfig
 
     name = model.main_input_name
@@ -237,6 +243,8 @@ def _speech_inputs(model, generator: torch.Generator):
         yield {name: ids, **dec}
         for n in sizes:
             yield {name: ids, "input_features": torch.randn(2, n, 48, generator=generator), **dec}
+        if isinstance(k := getattr(model.config, "num_codebooks", None), int):  # Kyutai: a text and K audio codes
+            yield {name: torch.randint(3, 60, (2, 6, k + 1), generator=generator), **dec}
     else:
         for shape in [s for n in sizes for s in ((2, n, 128), (2, 128, n))] + [(2, n, 3000) for n in sizes]:
             yield {name: torch.randn(*shape, generator=generator), **dec}
