@@ -31,8 +31,15 @@ def _bias(lin: nn.Module):
     return None if getattr(lin, "bias", None) is None else lin.bias.detach()
 
 
-def _scaled(t: Tensor | None, scale) -> Tensor | None:
+def _scaled(t: Tensor | None, scale: float) -> Tensor | None:
     return t if t is None or scale == 1 else t * scale
+
+
+def _multiplier(m: nn.Module, name: str) -> float:
+    """The number the FFN scales a projection's output by (Falcon-H1's gate_multiplier, down_multiplier), else 1
+    (read_checked refuses an FFN that scales by anything else)."""
+    value = getattr(m, name, 1)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 1
 
 
 def _linears(m: nn.Module, *names: str) -> bool:
@@ -133,7 +140,7 @@ class GatedMLP(_ChildAdapter):
         `down_multiplier`) are folded into their weights and biases: the same function."""
         m = block.get_submodule(rel)
         gate, up, down = self.triple(m)
-        g, d = (getattr(m, f"{n}_multiplier", 1) for n in ("gate", "down"))
+        g, d = _multiplier(m, "gate_multiplier"), _multiplier(m, "down_multiplier")
         return FFNWeights(up=up.weight.detach(), down=_scaled(down.weight.detach(), d), act=act,
                           gate=_scaled(gate.weight.detach(), g), up_bias=_bias(up),
                           gate_bias=_scaled(_bias(gate), g), down_bias=_scaled(_bias(down), d))

@@ -54,10 +54,11 @@ OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on re
              "granite_speech5_ctc": {"encoder_config": {"context_size": 16}},
              # a Mimi codec of 4 codebooks of 64 codes (upsampling groups within its shrunk width); the audio pad id
              # after the text vocabulary and the codebooks, as the model's embedding lays them out
-             "kyutai_speech_to_text": {"codec_config": {"upsample_groups": 32, "num_quantizers": 4, "codebook_size": 64,
-                                                        "codebook_dim": 16, "vector_quantization_hidden_dimension": 16},
-                                       "num_codebooks": 4, "codebook_vocab_size": 65, "audio_pad_token_id": 128 + 4 * 65,
-                                       "audio_bos_token_id": 64}}
+             "kyutai_speech_to_text": {
+                 "codec_config": {"upsample_groups": 32, "num_quantizers": 4, "codebook_size": 64, "codebook_dim": 16,
+                                  "vector_quantization_hidden_dimension": 16},
+                 "num_codebooks": 4, "codebook_vocab_size": 65, "audio_pad_token_id": 128 + 4 * 65,
+                 "audio_bos_token_id": 64}}
 
 
 def _model_types(moe: bool) -> dict[str, str]:
