@@ -107,11 +107,11 @@ def test_an_upcycled_ctc_encoder_trains_with_moetrainer(family, tmp_path):
     assert ran == [8] * len(ran) if family == "parakeet_ctc" else 0 < sum(ran) and min(ran) < 8
 
 
-@pytest.mark.parametrize("family", ["wav2vec2", "whisper", "qwen3_asr"])
+@pytest.mark.parametrize("family", ["wav2vec2", "whisper", "kyutai_speech_to_text", "qwen3_asr"])
 def test_simoe_takes_a_model_that_reads_token_ids_and_refuses_one_that_reads_audio(family):
-    """SIMoE's instance router reads a prompt's final token embedding (§3.1.3): a CTC encoder or Whisper (audio in) is
-    refused in one line, its weights untouched; a speech-LLM reads token ids: SIMoE wraps its layers and computes what
-    it computed (δ = 0 at init)."""
+    """SIMoE's instance router reads a prompt's final token embedding (§3.1.3): a CTC encoder or Whisper (audio in),
+    or Kyutai's model (a text token and K audio codes per step), is refused in one line, its weights untouched; a
+    speech-LLM reads token ids: SIMoE wraps its layers and computes what it computed (δ = 0 at init)."""
     from moekit.errors import ConfigError
     from moekit.simoe.model import SIMoEConfig, simoe_upcycle
 

@@ -185,6 +185,25 @@ def _probe(model: nn.Module) -> tuple[int, list[str]]:
     return hidden, skipped
 
 
+def _check_reads_token_ids(model: nn.Module, run: bool) -> None:
+    """SIMoE routes each instruction prompt by its final token embedding (Chen et al. 2025, §3.1.3): refused, before
+    anything changes, for a model that reads audio (a CTC encoder, Whisper) or, with `run` (a fresh upcycle: real
+    weights), whose backbone does not run on (batch, tokens) ids (Kyutai's speech-to-text model reads a text token
+    and K audio codes per step)."""
+    why = f"reads {model.main_input_name}" if getattr(model, "main_input_name", "input_ids") != "input_ids" else None
+    if why is None and run:
+        ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+        try:
+            with torch.no_grad():
+                _backbone(model)(input_ids=ids)
+        except Exception as e:  # noqa: BLE001 - whatever the family raises, the same refusal
+            first = str(e).splitlines()[0] if str(e) else ""
+            why = f"does not run on (batch, tokens) ids ({type(e).__name__}: {first})"
+    if why is not None:
+        raise ConfigError(f"SIMoE routes each instruction prompt by its final token embedding (Chen et al. 2025, "
+                          f"§3.1.3), so it needs a model that reads token ids; {type(model).__name__} {why}")
+
+
 def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = None,
             hidden: int | None = None, skipped: list[str] | None = None) -> nn.Module:
     """Wrap the targets in SI modules (in place), attach `model.simoe` and its routing hook. A checkpoint being
@@ -192,10 +211,7 @@ def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = No
     its family never calls); else those two are measured (_probe)."""
     if model_state(model).simoe is not None:
         raise ConfigError("the model is already a SIMoE model")
-    if getattr(model, "main_input_name", "input_ids") != "input_ids":
-        raise ConfigError(f"SIMoE routes each instruction prompt by its final token embedding (Chen et al. 2025, "
-                          f"§3.1.3), so it needs a model that reads token ids; {type(model).__name__} reads "
-                          f"{model.main_input_name}")
+    _check_reads_token_ids(model, run=hidden is None)
     targets = [(p, m) for p, m in _targets(model, cfg) if p not in (skipped or ())]
     if not targets:
         raise ConfigError(f"no SIMoE targets: no nn.Linear named {cfg.modules}" + (" and no norm" if cfg.norms else ""))
