@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moekit import simoe
+from moekit.checkpoint.upcycle_model import language_model_path
 from moekit.simoe.layer import SILinear, SparseInterpolated
 from moekit.simoe.model import _stacked
 from moekit.testing.families import dense_model_types, tiny_family_model
@@ -50,11 +51,13 @@ def test_families_are_the_dense_sweeps():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_simoe_is_the_pretrained_model_at_init_and_interpolates_per_instance(family, tmp_path):
     """At init: the pretrained model bit for bit, every linear layer of the layer stacks wrapped (or skipped:
-    SKIPPED). Then with random δ and masks, two instances with their own α: each row of the SIMoE logits equals the
+    SKIPPED; in a multimodal model, those of its language model). Then with random δ and masks, two instances with their own α: each row of the SIMoE logits equals the
     plain model of that row's weights θ_pre + Σ_i α_i z_i ⊙ δ (1e-5 relative), and so does that model saved and
     loaded by transformers; the SIMoE checkpoint saved and loaded again computes the same."""
     model = tiny_family_model(family, edit=_adversarial, perturb=0.05)
-    linears = {p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p in _stacked(model)}
+    lm = language_model_path(model)  # a multimodal model's: its LLM's linear layers only (GOT-OCR2, MOSS-Transcribe)
+    linears = {p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p in _stacked(model)
+               and (lm is None or p.startswith(f"{lm}."))}
     model.requires_grad_(False)  # SIMoE freezes it: Mamba's scan takes another path for frozen parameters
     want = logits(model)
     simoe.simoe_upcycle(model, CFG).eval()

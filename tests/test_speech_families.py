@@ -113,12 +113,15 @@ def test_simoe_takes_a_model_that_reads_token_ids_and_refuses_one_that_reads_aud
     or Kyutai's model (a text token and K audio codes per step), is refused in one line, its weights untouched; a
     speech-LLM reads token ids: SIMoE wraps its layers and computes what it computed (δ = 0 at init)."""
     from moekit.errors import ConfigError
-    from moekit.simoe.model import SIMoEConfig, simoe_upcycle
+    from moekit.simoe.model import SIMoEConfig, si_modules, simoe_upcycle
 
     model, inputs = tiny_speech_model(family)
     before, want = {k: v.clone() for k, v in model.state_dict().items()}, _logits(model, inputs)
-    if family == "qwen3_asr":
+    if family == "qwen3_asr":  # its language model's linear layers and norms only (§4: "in the pre-trained LLM")
         simoe_upcycle(model, SIMoEConfig())
+        wrapped = [p for p, _ in si_modules(model)]
+        assert wrapped and all(".language_model." in p for p in wrapped)
+        assert any(".audio_tower." in p for p, m in model.named_modules() if isinstance(m, torch.nn.Linear))
         torch.testing.assert_close(_logits(model, inputs), want, rtol=1e-5, atol=1e-5)
         return
     with pytest.raises(ConfigError, match="needs a model that reads token ids") as e:

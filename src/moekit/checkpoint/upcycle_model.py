@@ -38,7 +38,7 @@ def language_model_path(model: nn.Module) -> str | None:
     return next((n for lm in ("language_model", "text_model") for n in names if n.rsplit(".", 1)[-1] == lm), None)
 
 
-def _in_codec(path: str) -> bool:
+def in_audio_codec(path: str) -> bool:
     """Whether an FFN belongs to a speech model's audio codec (Kyutai's Mimi, `codec_model`): it turns audio into the
     tokens the model reads, and is not the model being adapted."""
     return path.startswith("codec_model.") or ".codec_model." in path
@@ -51,7 +51,7 @@ def selected_slots(model: nn.Module, spec: MoESpec) -> list[Slot]:
     (Kyutai's Mimi) are candidates only where `spec.target` names them too."""
     lm = language_model_path(model)
     slots = [s for s in find_slots(model) if spec.target is not None or (
-        not _in_codec(s.path) and (lm is None or s.path.startswith(f"{lm}.")))]
+        not in_audio_codec(s.path) and (lm is None or s.path.startswith(f"{lm}.")))]
     chosen = [s for s in slots if spec.selects(s.index, s.path)]
     stacks = sorted({f"{s.stack} ({sum(t.stack == s.stack for t in slots)} blocks)" for s in slots})
     if spec.layers is not None:

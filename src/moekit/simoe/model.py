@@ -26,7 +26,8 @@ class SIMoEConfig(Config):
 
     num_experts: int = Field(8, ge=1)  # M
     modules: Literal["all"] | list[str] = "all"  # "all": every nn.Linear of the model's layer stacks (§4: "every
-    #                                             linear layer in the pre-trained LLM"); or the linear layers by name
+    #                                             linear layer in the pre-trained LLM"; a multimodal model's language
+    #                                             model's only); or the linear layers by name
     norms: bool = True  # norm weights get experts too
     routing: Literal["instance", "token"] = "instance"  # token: the paper's ablation (d)
     router_hidden: int = Field(256, ge=1)
@@ -146,9 +147,16 @@ def _stacked(model: nn.Module) -> set[str]:
 
 
 def _targets(model: nn.Module, cfg: SIMoEConfig) -> list[tuple[str, nn.Module]]:
+    """The linear layers (and norms) SIMoE wraps: in a multimodal model, those of its language model only (§4: "every
+    linear layer in the pre-trained LLM"; its audio or vision encoder is not the LLM), never an audio codec's."""
+    from moekit.checkpoint.upcycle_model import in_audio_codec, language_model_path
+
     found = []
     stacked = _stacked(model) if cfg.modules == "all" else set()
+    lm = language_model_path(model)
     for path, mod in model.named_modules():
+        if in_audio_codec(path) or (lm is not None and not path.startswith(f"{lm}.")):
+            continue
         leaf = path.rsplit(".", 1)[-1]
         if isinstance(mod, nn.Linear) and (path in stacked if cfg.modules == "all" else leaf in cfg.modules):
             found.append((path, mod))
