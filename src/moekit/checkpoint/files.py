@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from moekit.checkpoint.quantized import SCALE, Fp8, dequantize, parse_fp8, split_scales
 from moekit.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -31,7 +32,8 @@ SINGLE = "model.safetensors"
 MAX_HEADER = 100 << 20  # safetensors' own limit
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
+          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+          "F8_E8M0": torch.float8_e8m0fnu}  # FP8 weights and their UE8M0 scales: moekit.checkpoint.quantized
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -264,16 +266,33 @@ def read_headers(folder: str | Path, fds: dict[Path, int] | None = None) -> dict
     return out
 
 
+def fp8_format(folder: str | Path) -> Fp8 | None:
+    """The FP8 format config.json declares (moekit.checkpoint.quantized.parse_fp8): None for a float checkpoint, or
+    where there is no readable config.json (the loaders report that); CheckpointError for any other quantization."""
+    if not (Path(folder) / "config.json").is_file():
+        return None
+    try:
+        data = json.loads(read_text(folder, "config.json", "config"))
+    except (CheckpointError, ValueError, RecursionError):
+        return None
+    return parse_fp8(data, folder) if isinstance(data, dict) else None
+
+
 class ShardReader:
     """Reads a validated checkpoint one tensor (or one slice along dim 0) at a time with pread, from the
-    descriptors its headers were read from."""
+    descriptors its headers were read from. The weights of an FP8 checkpoint are read dequantized to float32 and
+    their scales are not listed (moekit.checkpoint.quantized); with `dequantize=False` every tensor is read as
+    stored."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, dequantize: bool = True):
         self.folder = Path(folder)
         self.built: dict[str, list[str]] = {}  # {a model's tensor: the stored tensors it is built from} (rename)
         self._fds: dict[Path, int] = {}
         try:
+            fmt = fp8_format(self.folder)  # any other quantization is refused here
             self.headers = read_headers(self.folder, self._fds)
+            self.block = fmt.block if fmt else None
+            self.scales = split_scales(self.headers, fmt, self.folder) if fmt and dequantize else {}
         except BaseException:
             self.close()
             raise
@@ -291,16 +310,27 @@ class ShardReader:
                 raise CheckpointError(f"{self.folder} holds both {other} and {k}, which load as one tensor "
                                       f"{names.get(k, k)}")
         self.headers = {names.get(k, k): v for k, v in self.headers.items()}
+        self.scales = {names.get(k, k): v for k, v in self.scales.items()}
         self.built = built
 
     def keys(self) -> list[str]:
         return list(self.headers)
 
     def get(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name` in its stored dtype, or its `index`-th slice along dim 0."""
+        """Tensor `name` in its stored dtype (an FP8 weight: dequantized, in float32), or its `index`-th slice along
+        dim 0."""
         info = self.headers.get(name)
         if info is None:
             raise CheckpointError(f"{self.folder} has no tensor {name}")
+        scale = self.scales.get(name)
+        if scale is None:
+            return self._read(name, info, index)
+        if index is not None and self.block and len(info.shape) == 2:  # a row of a weight in blocks of rows
+            return self.get(name)[index]
+        s = self._read(name + SCALE, scale, index if self.block else None)  # blocks: (..., ⌈O/bo⌉, ⌈I/bi⌉)
+        return dequantize(self._read(name, info, index), s, self.block)
+
+    def _read(self, name: str, info: TensorInfo, index: int | None) -> torch.Tensor:
         shape, start, nbytes = info.shape, info.start, info.nbytes
         if index is not None:
             if not shape or not 0 <= index < shape[0]:

@@ -111,11 +111,12 @@ def model_names(model: nn.Module, keys: list[str]) -> dict[str, tuple[str, bool]
 
 class LayerStream:
     """The model of a checkpoint directory with its weights left in the checkpoint until `load`ed (module docstring).
-    `dtype`: the weights' dtype once loaded (default: the checkpoint config's)."""
+    `model`: the checkpoint's model with its parameters on the meta device, in the dtype they load in, and real
+    buffers (moekit.checkpoint.dense.meta_model(buffers=True), then `in_dtype`)."""
 
-    def __init__(self, folder: str | Path, dtype: torch.dtype | None = None, trust_remote_code: bool = False):
+    def __init__(self, folder: str | Path, model: nn.Module):
         self.folder = Path(folder)
-        self.model = _meta_model(self.folder, dtype, trust_remote_code)
+        self.model = model
         self.reader = ShardReader(self.folder)
         # {checkpoint key: the model parameter it loads into}: a part's tensors are found under the model's names
         self._names = {k: name for k, (name, _) in model_names(self.model, self.reader.keys()).items()}
@@ -225,19 +226,10 @@ class LayerStream:
         self.close()
 
 
-def _meta_model(folder: Path, dtype: torch.dtype | None, trust_remote_code: bool) -> nn.Module:
-    """A dense or transformers MoE checkpoint's model (moekit.checkpoint.dense.meta_model with real buffers), or a
-    moekit checkpoint's (moekit.checkpoint.format.build_from_meta), with its parameters in `dtype`."""
-    if (folder / "moekit.json").is_file():
-        from moekit.checkpoint.format import build_from_meta
-
-        model = build_from_meta(folder, buffers=True)[0]
-    else:
-        from moekit.checkpoint.dense import check_stored_shapes, meta_model
-
-        model = meta_model(folder, trust_remote_code, buffers=True)
-        check_stored_shapes(folder, model)  # a misshapen tensor is named as such, before any layer runs
-    if dtype is not None:  # parameters only: buffers such as rotary frequencies keep their own dtype
+def in_dtype(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """`model` (parameters on the meta device) with its parameters in `dtype` (None: as they are), in eval mode;
+    buffers such as rotary frequencies keep their own dtype."""
+    if dtype is not None:
         for name, p in list(model.named_parameters()):
             module, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(module), leaf, nn.Parameter(torch.empty_like(p, dtype=dtype, device="meta"),

@@ -13,6 +13,8 @@ of the checkpoint is then read, cut and written in its own dtype, so memory hold
                entries in order, then the entries after the E experts that some routers have (Inkling's shared
                experts, Zaya's skip class);
   copied       everything else, a shared expert included.
+An FP8 checkpoint (moekit.checkpoint.quantized) stays FP8, byte for byte: each weight's `_scale_inv` scales are kept,
+renumbered or cut with it (`_cut_scales`), and config.json keeps its quantization_config.
 config.json gets the new expert count; top-k is left as it is (a selection that leaves fewer experts than top-k is
 refused). Every MoE layer must keep the same number of experts, since these configs hold one number; group-limited
 routing (DeepSeek's n_group) must keep as many per group; hash routing by token id (DeepSeek-V4) is refused, as is a
@@ -36,8 +38,9 @@ from torch import nn
 from moekit._fs import output
 from moekit.checkpoint.card import hub_id, write_card
 from moekit.checkpoint.dense import check_dense_dir, check_stored_shapes, meta_model, stored_shapes
-from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, read_headers, read_text
+from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, fp8_format, read_headers, read_text
 from moekit.checkpoint.layerwise import model_names
+from moekit.checkpoint.quantized import SCALE
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
 from moekit.errors import ConfigError, UnsupportedModelError
@@ -187,8 +190,9 @@ def _cut(name: str, info: TensorInfo, want: tuple[int, ...], experts: int, ids: 
 
 
 def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo], sites: dict[str, RouterSite],
-              keep: dict[str, list[int]]) -> list[Cut]:
-    """Every output tensor in the source's order, for the kept experts {MoE block: sorted ids} (module docstring)."""
+              keep: dict[str, list[int]], fp8_block: tuple[int, int] | None = None) -> list[Cut]:
+    """Every output tensor in the source's order, for the kept experts {MoE block: sorted ids} (module docstring);
+    `fp8_block`: an FP8 checkpoint's block, whose scales are cut with their weights (`_cut_scales`)."""
     want = stored_shapes(target)
     names = model_names(model, list(headers))
     blocks = sorted(sites, key=len, reverse=True)
@@ -205,7 +209,25 @@ def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo
             cuts.append(_cut(name, info, want[name], experts, keep[block]))
         else:
             cuts.append(Cut(name, name, info))
+    if fp8_block is not None:
+        _cut_scales(cuts, fp8_block)
     return cuts
+
+
+def _cut_scales(cuts: list[Cut], block: tuple[int, int]) -> None:
+    """The block scales of an FP8 weight cut along its expert axis, cut the same way (fused experts (E, O, I) and
+    their scales (E, ⌈O/bo⌉, ⌈I/bi⌉)); ConfigError for a weight cut along a dimension stored in blocks (a
+    quantized router's rows), which would split its blocks. Per-expert tensors and their scales are kept or dropped
+    together by name."""
+    weights = {c.source: c for c in cuts}
+    for c in cuts:
+        w = weights.get(c.source.removesuffix(SCALE)) if c.source.endswith(SCALE) else None
+        if w is None or w.rows is None or c.rows is not None:
+            continue
+        if w.axis >= len(w.info.shape) - 2 and block[w.axis - len(w.info.shape)] != 1:
+            raise ConfigError(f"{w.source} is FP8 in blocks of {block[w.axis - len(w.info.shape)]} along the axis of "
+                              "its experts: removing experts would split its blocks")
+        c.rows, c.axis = w.rows, w.axis
 
 
 @dataclass
@@ -231,7 +253,9 @@ def plan_removal(src: Path, keep: dict[str, list[int]], trust_remote_code: bool 
     if target is None or any(s.num_experts != kept for s in find_sites(target)):
         raise ConfigError(f"{src}/config.json: no entry that names experts and holds {experts} sets the expert count "
                           f"(tried {['.'.join(k) for k in keys] or 'none'})")
-    cuts = plan_cuts(model, target, read_headers(src), sites, {b: sorted(ids) for b, ids in keep.items()})
+    fmt = fp8_format(src)
+    cuts = plan_cuts(model, target, read_headers(src), sites, {b: sorted(ids) for b, ids in keep.items()},
+                     fmt.block if fmt else None)
     return Removal(cuts, _set_count(config, keys, kept), kept, experts)
 
 
@@ -247,7 +271,7 @@ def remove_experts(src: str | Path, out: str | Path, keep: dict[str, list[int]],
     plan = plan_removal(src, keep, trust_remote_code)
     cuts = plan.cuts
     planned = [Planned(c.name, c.shape, c.info.torch_dtype) for c in cuts]
-    with output(out, [src, *inputs], overwrite, sum(p.nbytes for p in planned)) as tmp, ShardReader(src) as reader:
+    with output(out, [src, *inputs], overwrite, sum(p.nbytes for p in planned)) as tmp, ShardReader(src, dequantize=False) as reader:
         writer = ShardWriter(tmp, planned, max_shard_size)
         try:
             for n, c in enumerate(cuts, 1):

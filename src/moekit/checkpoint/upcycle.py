@@ -73,10 +73,11 @@ class Written:
 
 
 def stored_dtype(reader: ShardReader) -> torch.dtype:
-    """The floating dtype holding most of a checkpoint's bytes (what --dtype auto keeps)."""
+    """The floating dtype holding most of a checkpoint's bytes (what --dtype auto keeps); for an FP8 checkpoint,
+    that of its unquantized tensors (bf16 for DeepSeek-V3: the dtype its weights were quantized from)."""
     counts = Counter()
     for info in reader.headers.values():
-        if info.torch_dtype.is_floating_point:
+        if info.torch_dtype.is_floating_point and info.torch_dtype.itemsize > 1:
             counts[info.torch_dtype] += info.nbytes
     return counts.most_common(1)[0][0] if counts else torch.float32
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit._fs import available_memory, remove, scratch
-from moekit.checkpoint.layerwise import LayerStream
+from moekit.checkpoint.layerwise import LayerStream, in_dtype
 from moekit.errors import MoekitError, UnsupportedModelError
 from moekit.progress import report
 from moekit.routing.capture import RoutingCapture
@@ -170,13 +170,28 @@ def needs_spill(batches: list[Batch], hidden: int, dtype: torch.dtype) -> bool:
     return positions * hidden * dtype.itemsize * 2 > available_memory() // 4  # inputs and outputs of a layer
 
 
+def _meta_model(folder: Path, dtype: torch.dtype | None, trust_remote_code: bool) -> nn.Module:
+    """A dense or transformers MoE checkpoint's model (moekit.checkpoint.dense.meta_model with real buffers, its
+    stored shapes checked), or a moekit checkpoint's (moekit.checkpoint.format.build_from_meta), with its parameters
+    on the meta device in `dtype`."""
+    if (folder / "moekit.json").is_file():
+        from moekit.checkpoint.format import build_from_meta
+
+        return in_dtype(build_from_meta(folder, buffers=True)[0], dtype)
+    from moekit.checkpoint.dense import check_stored_shapes, meta_model
+
+    model = meta_model(folder, trust_remote_code, buffers=True)
+    check_stored_shapes(folder, model)  # a misshapen tensor is named as such, before any layer runs
+    return in_dtype(model, dtype)
+
+
 def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | None = None,
                      dtype: torch.dtype | None = None, device: str | torch.device = "cpu", saliency: bool = True,
                      trust_remote_code: bool = False, spill: bool | None = None) -> RoutingTrace:
     """The RoutingTrace (with saliency sums) of `batches` through the checkpoint `folder`, one decoder layer
     resident at a time (module docstring), its meta naming the model (config_sha256: trace.config_digest). Progress:
     "recording" per decoder layer."""
-    with LayerStream(folder, dtype, trust_remote_code) as stream:
+    with LayerStream(folder, _meta_model(Path(folder), dtype, trust_remote_code)) as stream:
         model = stream.model
         sites = find_sites(model, layers)  # a model without an MoE layer moekit reads is refused before anything runs
         path, stack = decoder_stack(model, sites)

@@ -20,7 +20,8 @@ FIELDS = ("layers", "num_experts", "languages", "ids", "weights", "token", "samp
 # softmax of the router's logits); traces recorded before the plain softmax was hold the first four only
 SALIENCY = ("count", "gate", "norm", "gate_norm", "softmax", "softmax_norm")
 MAX_BYTES = 64 << 30  # uncompressed arrays larger than this are refused (a zip bomb, not a trace)
-VOLATILE = ("transformers_version", "dtype", "torch_dtype")  # config keys that leave the model as it is
+# config keys that leave the model as it is (an FP8 checkpoint computes as the float model it encodes)
+VOLATILE = ("transformers_version", "dtype", "torch_dtype", "quantization_config")
 
 
 HEADERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}

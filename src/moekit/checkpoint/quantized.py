@@ -1,0 +1,116 @@
+"""Block-scaled FP8 checkpoints read as the float model they encode: config.json's `quantization_config` with
+`quant_method: fp8`, as DeepSeek-V3/R1, Kimi-K2, Qwen3's -FP8 models and MiniMax-M2 ship their weights.
+
+A quantized weight W (F8_E4M3 or F8_E5M2, shape (..., O, I)) is stored beside `W_scale_inv`, one scale per block of
+`weight_block_size` [bo, bi] (DeepSeek-V3's 128 × 128): shape (..., ⌈O/bo⌉, ⌈I/bi⌉), or one scale for the whole
+tensor where the config gives no block size. Its value is
+
+    W[..., o, i] = q[..., o, i] · s[..., ⌊o/bo⌋, ⌊i/bi⌋]     (in float32; DeepSeek-V3's weight_dequant)
+
+so the last block of a dimension that is not a multiple of the block is a partial one. Scales are float32, bf16 or
+fp16, or UE8M0 powers of two (F8_E8M0, or bytes b meaning 2^(b-127)). Everything else of the checkpoint (embeddings,
+norms, routers, the output head) is stored unquantized.
+
+transformers 5.23 dequantizes such a checkpoint on a machine without a GPU with a block size it derives from the
+scale grid (rows ÷ scale rows): where a dimension is not a multiple of the block (DeepSeek-V3's kv_a_proj_with_mqa, 576
+rows in 5 blocks of 128) that raises, or, where the division happens to come out even, uses the wrong blocks
+(tests/test_quantized.py shows it). moekit therefore reads every FP8 checkpoint through its own reader
+(moekit.checkpoint.files.ShardReader; `fp8_format` there reads config.json), streamed and in memory alike. Checkpoints
+quantized any other way (bitsandbytes, GPTQ, AWQ, MXFP4, compressed-tensors, ...) are refused in one line.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from moekit.errors import CheckpointError
+
+SCALE = "_scale_inv"  # W's scales are stored as W + SCALE
+IGNORED = (".activation_scale", ".input_scale")  # static activation scales: for FP8 compute, not for the weights
+WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")
+SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """The FP8 format of a checkpoint: its block (rows, columns), or None for one scale per tensor."""
+
+    block: tuple[int, int] | None
+
+    def __str__(self) -> str:
+        blocks = f"blocks of {self.block[0]}×{self.block[1]}" if self.block else "one scale per tensor"
+        return f"FP8 weights ({blocks}), read dequantized"
+
+    def grid(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the scales of a weight of `shape`."""
+        if self.block is None:
+            return ()
+        *lead, rows, cols = shape
+        return (*lead, math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
+
+
+def parse_fp8(config: dict, where: str | Path) -> Fp8 | None:
+    """The FP8 format a config.json (`config`, parsed) declares, None for a float checkpoint; CheckpointError for any
+    other quantization, or an FP8 config whose block size is not two positive integers."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{where}/config.json: quantization_config must be a mapping, got {q!r:.80}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(
+            f"{where}: its weights are quantized with {method!r} (config.json quantization_config); moekit reads float "
+            "checkpoints and block-scaled FP8 ones (quant_method fp8): load it with transformers, dequantize it and "
+            "save_pretrained the float model first")
+    block = q.get("weight_block_size")
+    if block is None:
+        return Fp8(None)
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise CheckpointError(f"{where}/config.json: quantization_config.weight_block_size must be two positive "
+                              f"integers, got {block!r:.80}")
+    return Fp8((block[0], block[1]))
+
+
+def split_scales(headers: dict, fmt: Fp8, folder: str | Path) -> dict:
+    """Take the scales (and static activation scales) out of `headers` {name: TensorInfo}, in place, and return
+    {weight name: its scales' TensorInfo}, every pair checked: an FP8 weight, scales of a float dtype or UE8M0 in
+    the shape `fmt` gives its blocks."""
+    scales = {}
+    for name in [k for k in headers if k.endswith(SCALE) or k.endswith(IGNORED)]:
+        info = headers.pop(name)
+        if not name.endswith(SCALE):
+            continue
+        weight = headers.get(name[:-len(SCALE)])
+        if weight is None:
+            raise CheckpointError(f"{folder}: {name} scales no tensor ({name[:-len(SCALE)]} is missing)")
+        want = fmt.grid(weight.shape) if len(weight.shape) >= 2 else None
+        ok_shape = info.shape == want or (fmt.block is None and math.prod(info.shape) == 1)
+        if weight.dtype not in WEIGHT_DTYPES or info.dtype not in SCALE_DTYPES or not ok_shape:
+            raise CheckpointError(
+                f"{folder}: {name} is {info.dtype} {list(info.shape)} beside the {weight.dtype} {list(weight.shape)} "
+                f"weight it scales; FP8 with block {list(fmt.block or [])} needs an F8_E4M3 or F8_E5M2 weight and "
+                f"scales of {', '.join(SCALE_DTYPES)} shaped {list(want or ['≥ 2 dimensions'])}")
+        scales[name[:-len(SCALE)]] = info
+    return scales
+
+
+def dequantize(q: Tensor, s: Tensor, block: tuple[int, int] | None) -> Tensor:
+    """The float32 weight of FP8 values `q` (..., O, I) and their scales `s` (module docstring)."""
+    if s.dtype == torch.uint8:  # UE8M0 exponents stored as bytes
+        s = torch.exp2(s.float() - 127)
+    s = s.float()
+    if block is None:
+        return q.float() * s.reshape(())
+    w = q.float()
+    rows, cols = w.shape[-2:]
+    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :]  # (..., O, ⌈I/bi⌉)
+    full, rest = divmod(cols, block[1])  # whole column blocks, and the columns of a last partial one
+    w[..., :full * block[1]].unflatten(-1, (full, block[1])).mul_(s[..., :full, None])
+    if rest:
+        w[..., full * block[1]:].mul_(s[..., full:])
+    return w

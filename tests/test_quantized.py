@@ -1,0 +1,255 @@
+"""Block-scaled FP8 checkpoints (DeepSeek-V3's and Qwen3-FP8's format) are read as the float model they encode,
+everywhere moekit reads a checkpoint; experts removed from one stay FP8; any other quantization is refused.
+
+The oracle is the float checkpoint of the values the FP8 one encodes, written beside it by moekit.testing.quantized
+(whose dequantization is index arithmetic written apart from moekit's)."""
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import moekit
+from moekit.checkpoint.dense import load_dense
+from moekit.checkpoint.files import ShardReader
+from moekit.checkpoint.quantized import dequantize
+from moekit.checkpoint.remove import remove_experts
+from moekit.errors import CheckpointError, ConfigError
+from moekit.moe import MoESpec
+from moekit.routing.sites import find_sites
+from moekit.testing import tiny_deepseek_v3, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_tokenizer
+from moekit.testing.quantized import block_scales, reference_values, save_fp8
+
+# DeepSeek-V3's sizes at 1/8: blocks of 16 that its 24-wide experts and 20-row kv_a_proj_with_mqa fill partly
+DEEPSEEK = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, kv_lora_rank=16, q_lora_rank=16,
+                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_attention_heads=4, num_key_value_heads=4,
+                n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                num_hidden_layers=3)
+MOE = {"deepseek_v3": lambda: tiny_deepseek_v3(**DEEPSEEK), "qwen3_moe": tiny_qwen3_moe}
+IDS = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def _pair(tmp_path, model, **kw) -> tuple[Path, Path]:
+    fp8, ref = tmp_path / "fp8", tmp_path / "float"
+    save_fp8(model, fp8, ref, **kw)
+    for d in (fp8, ref):
+        tiny_tokenizer().save_pretrained(d)
+    return fp8, ref
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float8_e8m0fnu])
+@pytest.mark.parametrize("shape,block", [((37, 50), (16, 16)), ((3, 20, 33), (8, 16)), ((5, 7), (128, 128)),
+                                         ((6, 9), None)])
+def test_dequantize_is_the_closed_form(shape, block, scale_dtype):
+    """W[..., o, i] = q[..., o, i] · s[..., o // bo, i // bi], partial last blocks included; UE8M0 scales (bytes or
+    float8_e8m0fnu) are 2^(b - 127)."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3
+    s = block_scales(w, block, scale_dtype)
+    q = (w / reference_values(torch.ones_like(w, dtype=torch.float8_e4m3fn), s, block)).to(torch.float8_e4m3fn)
+    got = dequantize(q, s, block)
+    assert got.dtype == torch.float32 and torch.equal(got, reference_values(q, s, block))
+    assert (got - w).abs().max() <= 0.07 * w.abs().max()  # it is w, to FP8's precision
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "qwen3_moe"])
+def test_fp8_checkpoint_reads_as_its_float_model(tmp_path, family):
+    """Every tensor the reader serves equals the float checkpoint's, and the model moekit loads computes what
+    transformers computes from the float checkpoint, bit for bit."""
+    model = {"qwen3": tiny_qwen3, **MOE}[family]()
+    fp8, ref = _pair(tmp_path, model)
+    with ShardReader(fp8) as reader, safe_open(ref / "model.safetensors", "pt") as want:
+        assert sorted(reader.keys()) == sorted(want.keys())
+        for k in want.keys():
+            assert torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)), k
+    with ShardReader(fp8, dequantize=False) as raw:
+        assert any(k.endswith("_scale_inv") for k in raw.keys())
+    loaded = load_dense(fp8)
+    assert getattr(loaded.config, "quantization_config", None) is None
+    expected = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, expected(IDS).logits)
+
+
+def test_transformers_dequantizes_partial_blocks_with_the_wrong_blocks(tmp_path):
+    """Why moekit dequantizes itself (moekit.checkpoint.quantized): transformers 5.23, without a GPU, derives the
+    block from the scale grid, so DeepSeek-V3's 20-row kv_a_proj_with_mqa (2 blocks of 16) gets blocks of 10. The day
+    this fails, transformers reads partial blocks right and the module docstring must say so."""
+    fp8, ref = _pair(tmp_path, MOE["deepseek_v3"]())
+    theirs = AutoModelForCausalLM.from_pretrained(fp8, dtype=torch.float32)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    with safe_open(ref / "model.safetensors", "pt") as want:
+        assert not torch.equal(theirs.get_parameter(name).data, want.get_tensor(name))
+    assert torch.equal(load_dense(fp8).get_parameter(name).data, ShardReader(ref).get(name))
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_routes_and_pruning_of_fp8_equal_the_float_model(tmp_path, family):
+    """The routing trace of an FP8 checkpoint, streamed or loaded, is the float checkpoint's: the same experts,
+    weights and config digest (a selection made on either applies to both); its REAP selection disabled or removed
+    computes what the same on the float checkpoint computes."""
+    fp8, ref = _pair(tmp_path, MOE[family]())
+    texts = tmp_path / "en.txt"
+    texts.write_text("hello world\nthe cat sat on the mat\n")
+    traces = {}
+    for src in (fp8, ref):
+        for stream in ("off", "on"):
+            out = tmp_path / f"{src.name}_{stream}.npz"
+            moekit.routes.collect(src, {"en": texts}, out, stream=stream)
+            traces[src.name, stream] = np.load(out)
+    assert moekit.inspect(fp8).description.endswith("native transformers MoE, FP8 weights (blocks of 16×16), read "
+                                                    "dequantized")
+    want = traces["float", "off"]
+    for key, got in traces.items():
+        for array in ("ids", "weights", "token"):
+            assert np.array_equal(got[array], want[array]), (key, array)
+        assert json.loads(str(got["meta"]))["config_sha256"] == json.loads(str(want["meta"]))["config_sha256"]
+    # the REAP workflow on the FP8 checkpoint: its selection, disabled or removed, computes as on the float one
+    moekit.select(tmp_path / "fp8_on.npz", "reap", budget=None, top=2, out=tmp_path / "keep.json")
+    for mode in ("disable", "keep"):
+        for src in (fp8, ref):
+            moekit.prune(src, tmp_path / "keep.json", tmp_path / f"{src.name}_{mode}", mode=mode)
+        with torch.no_grad():
+            assert torch.equal(load_dense(tmp_path / f"fp8_{mode}")(IDS).logits,
+                               load_dense(tmp_path / f"float_{mode}")(IDS).logits), mode
+
+
+@pytest.mark.parametrize("family,fused", [("deepseek_v3", False), ("qwen3_moe", False), ("qwen3_moe", True)])
+def test_removing_experts_keeps_fp8(tmp_path, family, fused):
+    """Experts removed from an FP8 checkpoint leave an FP8 checkpoint (each kept expert's values and scales as they
+    were; fused experts' scales cut with them) that computes what removing them from the float checkpoint gives."""
+    fp8, ref = _pair(tmp_path, MOE[family](), fused=fused)
+    keep = {s.name: [0, 2] for s in find_sites(load_dense(ref))}
+    remove_experts(fp8, tmp_path / "fp8_cut", keep)
+    remove_experts(ref, tmp_path / "float_cut", keep)
+    config = json.loads((tmp_path / "fp8_cut" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    with safe_open(tmp_path / "fp8_cut" / "model.safetensors", "pt") as cut, \
+            safe_open(fp8 / "model.safetensors", "pt") as src:
+        scales = [k for k in cut.keys() if k.endswith("_scale_inv")]
+        assert scales and all(cut.get_tensor(k[:-len("_scale_inv")]).dtype == torch.float8_e4m3fn for k in scales)
+        if not fused:  # the second kept expert is the source's expert 2, bytes and scales alike
+            kept = [k for k in cut.keys() if ".experts.1." in k]
+            assert kept and all(torch.equal(cut.get_tensor(k).view(torch.uint8),
+                                            src.get_tensor(k.replace(".experts.1.", ".experts.2.")).view(torch.uint8))
+                                for k in kept)
+    with torch.no_grad():
+        assert torch.equal(load_dense(tmp_path / "fp8_cut")(IDS).logits,
+                           load_dense(tmp_path / "float_cut")(IDS).logits)
+
+
+def test_fp8_expert_removal_refuses_to_split_blocks(tmp_path):
+    """A weight cut along a dimension stored in blocks (here every tensor in blocks of 3 rows, so a fused expert
+    tensor's scales cannot follow a cut of a router's rows) is refused before anything is written."""
+    fp8, _ = _pair(tmp_path, tiny_qwen3_moe(), fused=True)
+    headers = {}
+    with safe_open(fp8 / "model.safetensors", "pt") as f:
+        for k in f.keys():
+            headers[k] = f.get_tensor(k)
+    router = next(k for k in headers if k.endswith("mlp.gate.weight"))
+    s = block_scales(headers[router].float(), (3, 16), torch.float32)
+    q = (headers[router].float() / reference_values(torch.ones_like(headers[router], dtype=torch.float8_e4m3fn),
+                                                    s, (3, 16))).to(torch.float8_e4m3fn)
+    headers[router], headers[router + "_scale_inv"] = q, s
+    from safetensors.torch import save_file
+
+    save_file(headers, fp8 / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [3, 16]
+    (fp8 / "config.json").write_text(json.dumps(config))
+    keep = {f"model.layers.{i}.mlp": [0, 2] for i in range(config["num_hidden_layers"])}
+    with pytest.raises(ConfigError, match="FP8 in blocks of 3 along the axis of its experts") as e:
+        remove_experts(fp8, tmp_path / "cut", keep)
+    assert "\n" not in str(e.value) and not (tmp_path / "cut").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_upcycling_fp8_equals_upcycling_its_float_model(tmp_path, family):
+    """A dense FP8 checkpoint upcycles (streamed and in memory) to exactly what its float checkpoint upcycles to;
+    the output is a float checkpoint (no quantization_config), by default in the dtype of the FP8 checkpoint's
+    unquantized tensors (bf16 here)."""
+    model = {"qwen3": tiny_qwen3, "llama": tiny_llama}[family]().to(torch.bfloat16)
+    fp8, ref = _pair(tmp_path, model)
+    spec = MoESpec(num_experts=4, top_k=2, init={"method": "drop", "ratio": 0.5})
+    written = {d.name: moekit.upcycle_checkpoint(d, tmp_path / f"{d.name}_moe", spec, dtype="bfloat16")
+               for d in (fp8, ref)}
+    assert moekit.upcycle_checkpoint(fp8, tmp_path / "auto", spec).dtype == "bfloat16"
+    assert "quantization_config" not in json.loads((tmp_path / "fp8_moe" / "config.json").read_text())
+    assert _tree(tmp_path / "fp8_moe").keys() == _tree(tmp_path / "float_moe").keys()
+    with safe_open(tmp_path / "fp8_moe" / "model.safetensors", "pt") as a, \
+            safe_open(tmp_path / "float_moe" / "model.safetensors", "pt") as b:
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in b.keys())
+    in_memory = moekit.upcycle(load_dense(fp8), spec)
+    with torch.no_grad():
+        assert torch.equal(in_memory(IDS).logits, moekit.upcycle(load_dense(ref), spec)(IDS).logits)
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq", "mxfp4", "compressed-tensors"])
+def test_other_quantizations_are_refused_and_nothing_is_written(tmp_path, method):
+    src = tmp_path / "model"
+    tiny_qwen3_moe().save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (src / "config.json").write_text(json.dumps(config))
+    (tmp_path / "en.txt").write_text("hello\n")
+    before = _tree(tmp_path)
+    calls = [lambda: load_dense(src),
+             lambda: moekit.routes.collect(src, {"en": tmp_path / "en.txt"}, tmp_path / "t.npz", stream="on"),
+             lambda: moekit.routes.collect(src, {"en": tmp_path / "en.txt"}, tmp_path / "t.npz", stream="off"),
+             lambda: remove_experts(src, tmp_path / "cut", {"model.layers.0.mlp": [0, 1]}),
+             lambda: moekit.upcycle_checkpoint(src, tmp_path / "up", MoESpec(num_experts=2, top_k=1))]
+    for call in calls:
+        with pytest.raises(CheckpointError, match=f"quantized with '{method}'") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert _tree(tmp_path) == before
+
+
+def _edit_fp8(folder: Path, edit) -> None:
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    from safetensors.torch import save_file
+
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda t: t.update({SCALE: t[SCALE][:1]}), r"F32 \[1, 2\] beside .* shaped \[2, 2\]"),
+    (lambda t: t.update({SCALE[:-len("_scale_inv")]: t[SCALE[:-len("_scale_inv")]].float()}), "beside the F32"),
+    (lambda t: t.update({"model.layers.0.self_attn.nothing.weight_scale_inv": t[SCALE].clone()}), "scales no tensor"),
+    (lambda t: t.update({SCALE: t[SCALE].to(torch.int32)}), "I32"),
+])
+def test_malformed_fp8_is_refused_in_one_line(tmp_path, edit, words):
+    fp8, _ = _pair(tmp_path, tiny_qwen3())
+    _edit_fp8(fp8, edit)
+    before = _tree(tmp_path)
+    for call in (lambda: ShardReader(fp8), lambda: load_dense(fp8)):
+        with pytest.raises(CheckpointError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("block", [[0, 16], [16], "16x16", [16.0, 16]])
+def test_bad_block_size_is_refused(tmp_path, block):
+    fp8, _ = _pair(tmp_path, tiny_qwen3())
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = block
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="weight_block_size must be two positive integers"):
+        ShardReader(fp8)
+    shutil.rmtree(fp8)
