@@ -17,13 +17,15 @@ from transformers import AutoModelForCausalLM
 import moekit
 from moekit.checkpoint.dense import load_dense
 from moekit.checkpoint.files import ShardReader
-from moekit.checkpoint.quantized import dequantize
+from moekit.checkpoint.format import load_model
+from moekit.checkpoint.quantized import dequantize, unpack_mxfp4
 from moekit.checkpoint.remove import remove_experts
 from moekit.errors import CheckpointError, ConfigError
 from moekit.moe import MoESpec
 from moekit.routing.sites import find_sites
 from moekit.testing import tiny_deepseek_v3, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_tokenizer
-from moekit.testing.quantized import block_scales, reference_values, save_fp8
+from moekit.testing.families import tiny_family_model
+from moekit.testing.quantized import block_scales, mxfp4_pack, mxfp4_values, reference_values, save_fp8, save_mxfp4
 
 # DeepSeek-V3's sizes at 1/8: blocks of 16 that its 24-wide experts and 20-row kv_a_proj_with_mqa fill partly
 DEEPSEEK = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, kv_lora_rank=16, q_lora_rank=16,
@@ -98,29 +100,33 @@ def test_routes_and_pruning_of_fp8_equal_the_float_model(tmp_path, family):
     weights and config digest (a selection made on either applies to both); its REAP selection disabled or removed
     computes what the same on the float checkpoint computes."""
     fp8, ref = _pair(tmp_path, MOE[family]())
+    assert moekit.inspect(fp8).description.endswith("native transformers MoE, FP8 weights (blocks of 16×16), read "
+                                                    "dequantized")
+    _routes_and_pruning_equal(tmp_path, fp8, ref)
+
+
+def _routes_and_pruning_equal(tmp_path: Path, quantized: Path, ref: Path) -> None:
     texts = tmp_path / "en.txt"
     texts.write_text("hello world\nthe cat sat on the mat\n")
     traces = {}
-    for src in (fp8, ref):
+    for src in (quantized, ref):
         for stream in ("off", "on"):
             out = tmp_path / f"{src.name}_{stream}.npz"
             moekit.routes.collect(src, {"en": texts}, out, stream=stream)
             traces[src.name, stream] = np.load(out)
-    assert moekit.inspect(fp8).description.endswith("native transformers MoE, FP8 weights (blocks of 16×16), read "
-                                                    "dequantized")
-    want = traces["float", "off"]
+    want = traces[ref.name, "off"]
     for key, got in traces.items():
         for array in ("ids", "weights", "token"):
             assert np.array_equal(got[array], want[array]), (key, array)
         assert json.loads(str(got["meta"]))["config_sha256"] == json.loads(str(want["meta"]))["config_sha256"]
-    # the REAP workflow on the FP8 checkpoint: its selection, disabled or removed, computes as on the float one
-    moekit.select(tmp_path / "fp8_on.npz", "reap", budget=None, top=2, out=tmp_path / "keep.json")
+    # the REAP workflow on the quantized checkpoint: its selection, disabled or removed, computes as on the float one
+    moekit.select(tmp_path / f"{quantized.name}_on.npz", "reap", top=2, out=tmp_path / "keep.json")
     for mode in ("disable", "keep"):
-        for src in (fp8, ref):
+        for src in (quantized, ref):
             moekit.prune(src, tmp_path / "keep.json", tmp_path / f"{src.name}_{mode}", mode=mode)
         with torch.no_grad():
-            assert torch.equal(load_dense(tmp_path / f"fp8_{mode}")(IDS).logits,
-                               load_dense(tmp_path / f"float_{mode}")(IDS).logits), mode
+            assert torch.equal(load_model(tmp_path / f"{quantized.name}_{mode}")(IDS).logits,
+                               load_model(tmp_path / f"{ref.name}_{mode}")(IDS).logits), mode
 
 
 @pytest.mark.parametrize("family,fused", [("deepseek_v3", False), ("qwen3_moe", False), ("qwen3_moe", True)])
@@ -193,7 +199,7 @@ def test_upcycling_fp8_equals_upcycling_its_float_model(tmp_path, family):
         assert torch.equal(in_memory(IDS).logits, moekit.upcycle(load_dense(ref), spec)(IDS).logits)
 
 
-@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq", "mxfp4", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq", "compressed-tensors", "fbgemm_fp8"])
 def test_other_quantizations_are_refused_and_nothing_is_written(tmp_path, method):
     src = tmp_path / "model"
     tiny_qwen3_moe().save_pretrained(src)
@@ -253,3 +259,58 @@ def test_bad_block_size_is_refused(tmp_path, block):
     with pytest.raises(CheckpointError, match="weight_block_size must be two positive integers"):
         ShardReader(fp8)
     shutil.rmtree(fp8)
+
+
+def _gpt_oss():
+    return tiny_family_model("gpt_oss", edit=lambda c: setattr(c, "intermediate_size", 64))  # I a multiple of 32
+
+
+def _mxfp4_pair(tmp_path) -> tuple[Path, Path]:
+    mx, ref = tmp_path / "mxfp4", tmp_path / "float"
+    save_mxfp4(_gpt_oss(), mx, ref)
+    for d in (mx, ref):
+        tiny_tokenizer().save_pretrained(d)
+    return mx, ref
+
+
+def test_unpack_mxfp4_is_the_closed_form():
+    """Value j of a row: the FP4 value of nibble j of its block (low nibble first) times 2^(scale - 127), transposed
+    to the model's (..., I, O); packing then unpacking gives w to FP4's precision."""
+    w = torch.randn(3, 64, 40, generator=torch.Generator().manual_seed(2))
+    blocks, scales = mxfp4_pack(w)
+    assert blocks.shape == (3, 40, 2, 16) and scales.shape == (3, 40, 2)
+    got = unpack_mxfp4(blocks, scales)
+    assert got.is_contiguous() and torch.equal(got, mxfp4_values(blocks, scales))
+    assert ((got - w).abs() <= 0.25 * w.abs().amax(dim=-2, keepdim=True)).all()
+
+
+def test_mxfp4_gpt_oss_reads_as_its_float_model(tmp_path):
+    """GPT-OSS with MXFP4 experts: the reader serves the float checkpoint's tensors, and moekit's model computes
+    what transformers computes from the float checkpoint, and from the MXFP4 one (its own dequantization agrees
+    here: a second, independent check of the oracle)."""
+    mx, ref = _mxfp4_pair(tmp_path)
+    with ShardReader(mx) as reader, safe_open(ref / "model.safetensors", "pt") as want:
+        assert sorted(reader.keys()) == sorted(want.keys())
+        assert all(torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)) for k in want.keys())
+    assert moekit.inspect(mx).description.endswith("MXFP4 experts (32 FP4 values per power-of-two scale), read "
+                                                   "dequantized")
+    # `routes collect --stream auto` predicts the loaded model's size from the weights as the model holds them
+    assert moekit.routes.in_memory_peak(mx, torch.float32) == moekit.routes.in_memory_peak(ref, torch.float32)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)(IDS).logits
+        assert torch.equal(load_dense(mx)(IDS).logits, expected)
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(mx, dtype=torch.float32)(IDS).logits, expected)
+
+
+def test_routes_and_pruning_of_mxfp4_equal_the_float_model(tmp_path):
+    """As for FP8: traces, REAP selections disabled or removed; removal keeps the kept experts' blocks and scales."""
+    mx, ref = _mxfp4_pair(tmp_path)
+    _routes_and_pruning_equal(tmp_path, mx, ref)
+    config = json.loads((tmp_path / "mxfp4_keep" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    keep = json.loads((tmp_path / "keep.json").read_text())
+    name = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    ids = next(v for k, v in keep["experts"].items() if k.startswith("model.layers.0."))
+    with safe_open(tmp_path / "mxfp4_keep" / "model.safetensors", "pt") as cut, \
+            safe_open(mx / "model.safetensors", "pt") as src:
+        assert torch.equal(cut.get_tensor(name), src.get_tensor(name)[sorted(ids)])

@@ -158,10 +158,12 @@ def _tokenizer(folder: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase
 
 
 def in_memory_peak(model: str | Path, dtype: torch.dtype) -> int:
-    """Predicted peak bytes of the whole-model path on `model` in `dtype`."""
-    from moekit.checkpoint.files import read_headers
+    """Predicted peak bytes of the whole-model path on `model` in `dtype` (a quantized checkpoint's weights counted as
+    the model holds them: ShardReader's headers)."""
+    from moekit.checkpoint.files import ShardReader
 
-    return int(LOAD_PEAK * sum(math.prod(i.shape) for i in read_headers(model).values()) * dtype.itemsize)
+    with ShardReader(model) as reader:
+        return int(LOAD_PEAK * sum(math.prod(i.shape) for i in reader.headers.values()) * dtype.itemsize)
 
 
 def too_big_to_load(folder: str | Path, dtype: torch.dtype) -> bool:

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers.initialization import no_init_weights
 
 from moekit.checkpoint.codecs import read_state
-from moekit.checkpoint.files import check_dir, fp8_format, read_headers, read_text, refuse_adapter
+from moekit.checkpoint.files import check_dir, quantization, read_headers, read_text, refuse_adapter
 from moekit.errors import CheckpointError, NumericsError
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
@@ -97,7 +97,7 @@ def load_config(folder: Path, trust_remote_code: bool = False):
     arch = getattr(config, "architectures", None)
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
         raise CheckpointError(f"{folder}/config.json: architectures must be a list of class names, got {arch!r:.100}")
-    if fp8_format(folder) is not None:  # the float model moekit reads it as (moekit.checkpoint.quantized)
+    if quantization(folder) is not None:  # the float model moekit reads it as (moekit.checkpoint.quantized)
         del config.quantization_config
     return config
 
@@ -194,8 +194,8 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     path = check_dense_dir(path)
     has_st = has_safetensors(path, allow_pickle)
     config = load_config(path, trust_remote_code)
-    if fp8_format(path) is not None:  # moekit's own dequantization (moekit.checkpoint.quantized), not transformers'
-        model = _load_fp8(path, dtype, trust_remote_code)
+    if quantization(path) is not None:  # moekit's own dequantization (moekit.checkpoint.quantized), not transformers'
+        model = _load_quantized(path, dtype, trust_remote_code)
     else:
         model = _from_pretrained(path, config, has_st, dtype, trust_remote_code)
     if not allow_nonfinite:
@@ -214,8 +214,8 @@ def _from_pretrained(path: Path, config, has_st: bool, dtype: torch.dtype, trust
         raise CheckpointError(f"{path} does not load: {' '.join(str(e).split())[:500]}") from None
 
 
-def _load_fp8(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
-    """The float model of an FP8 checkpoint, its weights dequantized by moekit's reader and loaded with transformers'
+def _load_quantized(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+    """The float model of an FP8 or MXFP4 checkpoint, its weights dequantized by moekit's reader and loaded with transformers'
     own renaming and fusing (moekit.checkpoint.layerwise.LayerStream); its config has no quantization_config
     (load_config)."""
     from moekit.checkpoint.layerwise import LayerStream, in_dtype

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from moekit.checkpoint.quantized import SCALE, Fp8, dequantize, parse_fp8, split_scales
+from moekit.checkpoint.quantized import (SCALE, Fp8, Mxfp4, dequantize, parse_quantization, split_packed,
+                                         split_scales, unpack_mxfp4)
 from moekit.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -266,33 +267,36 @@ def read_headers(folder: str | Path, fds: dict[Path, int] | None = None) -> dict
     return out
 
 
-def fp8_format(folder: str | Path) -> Fp8 | None:
-    """The FP8 format config.json declares (moekit.checkpoint.quantized.parse_fp8): None for a float checkpoint, or
-    where there is no readable config.json (the loaders report that); CheckpointError for any other quantization."""
+def quantization(folder: str | Path) -> Fp8 | Mxfp4 | None:
+    """The quantization config.json declares (moekit.checkpoint.quantized.parse_quantization): None for a float
+    checkpoint, or where there is no readable config.json (the loaders report that); CheckpointError for one moekit
+    does not read."""
     if not (Path(folder) / "config.json").is_file():
         return None
     try:
         data = json.loads(read_text(folder, "config.json", "config"))
     except (CheckpointError, ValueError, RecursionError):
         return None
-    return parse_fp8(data, folder) if isinstance(data, dict) else None
+    return parse_quantization(data, folder) if isinstance(data, dict) else None
 
 
 class ShardReader:
     """Reads a validated checkpoint one tensor (or one slice along dim 0) at a time with pread, from the
-    descriptors its headers were read from. The weights of an FP8 checkpoint are read dequantized to float32 and
-    their scales are not listed (moekit.checkpoint.quantized); with `dequantize=False` every tensor is read as
-    stored."""
+    descriptors its headers were read from. The weights of an FP8 or MXFP4 checkpoint are listed and read as the model
+    holds them, dequantized to float32, and their scales and blocks are not listed (moekit.checkpoint.quantized); with
+    `dequantize=False` every tensor is listed and read as stored."""
 
     def __init__(self, folder: str | Path, dequantize: bool = True):
         self.folder = Path(folder)
         self.built: dict[str, list[str]] = {}  # {a model's tensor: the stored tensors it is built from} (rename)
         self._fds: dict[Path, int] = {}
         try:
-            fmt = fp8_format(self.folder)  # any other quantization is refused here
+            fmt = quantization(self.folder)  # any other quantization is refused here
             self.headers = read_headers(self.folder, self._fds)
-            self.block = fmt.block if fmt else None
-            self.scales = split_scales(self.headers, fmt, self.folder) if fmt and dequantize else {}
+            fp8, mxfp4 = isinstance(fmt, Fp8) and dequantize, isinstance(fmt, Mxfp4) and dequantize
+            self.block = fmt.block if isinstance(fmt, Fp8) else None
+            self.scales = split_scales(self.headers, fmt, self.folder) if fp8 else {}  # {weight: its scales}
+            self.packed = split_packed(self.headers, self.folder) if mxfp4 else {}  # {weight: (blocks, scales)}
         except BaseException:
             self.close()
             raise
@@ -311,17 +315,21 @@ class ShardReader:
                                       f"{names.get(k, k)}")
         self.headers = {names.get(k, k): v for k, v in self.headers.items()}
         self.scales = {names.get(k, k): v for k, v in self.scales.items()}
+        self.packed = {names.get(k, k): v for k, v in self.packed.items()}
         self.built = built
 
     def keys(self) -> list[str]:
         return list(self.headers)
 
     def get(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name` in its stored dtype (an FP8 weight: dequantized, in float32), or its `index`-th slice along
-        dim 0."""
+        """Tensor `name` in its stored dtype (an FP8 or MXFP4 weight: dequantized, in float32), or its `index`-th slice
+        along dim 0."""
         info = self.headers.get(name)
         if info is None:
             raise CheckpointError(f"{self.folder} has no tensor {name}")
+        if name in self.packed:
+            blocks, scales = self.packed[name]
+            return unpack_mxfp4(self._read(name + "_blocks", blocks, index), self._read(name + "_scales", scales, index))
         scale = self.scales.get(name)
         if scale is None:
             return self._read(name, info, index)

@@ -1,5 +1,6 @@
-"""Block-scaled FP8 checkpoints read as the float model they encode: config.json's `quantization_config` with
-`quant_method: fp8`, as DeepSeek-V3/R1, Kimi-K2, Qwen3's -FP8 models and MiniMax-M2 ship their weights.
+"""Quantized checkpoints read as the float model they encode: block-scaled FP8 (config.json's `quantization_config`
+with `quant_method: fp8`, as DeepSeek-V3/R1, Kimi-K2, Qwen3's -FP8 models and MiniMax-M2 ship their weights) and
+MXFP4 experts (`quant_method: mxfp4`, GPT-OSS's: `Mxfp4`).
 
 A quantized weight W (F8_E4M3 or F8_E5M2, shape (..., O, I)) is stored beside `W_scale_inv`, one scale per block of
 `weight_block_size` [bo, bi] (DeepSeek-V3's 128 × 128): shape (..., ⌈O/bo⌉, ⌈I/bi⌉), or one scale for the whole
@@ -15,13 +16,14 @@ transformers 5.23 dequantizes such a checkpoint on a machine without a GPU with 
 scale grid (rows ÷ scale rows): where a dimension is not a multiple of the block (DeepSeek-V3's kv_a_proj_with_mqa, 576
 rows in 5 blocks of 128) that raises, or, where the division happens to come out even, uses the wrong blocks
 (tests/test_quantized.py shows it). moekit therefore reads every FP8 checkpoint through its own reader
-(moekit.checkpoint.files.ShardReader; `fp8_format` there reads config.json), streamed and in memory alike. Checkpoints
-quantized any other way (bitsandbytes, GPTQ, AWQ, MXFP4, compressed-tensors, ...) are refused in one line.
+(moekit.checkpoint.files.ShardReader; `quantization` there reads config.json), streamed and in memory alike, and
+MXFP4 ones too. Checkpoints quantized any other way (bitsandbytes, GPTQ, AWQ, compressed-tensors, ...) are refused in
+one line.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -53,20 +55,36 @@ class Fp8:
         return (*lead, math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
 
 
-def parse_fp8(config: dict, where: str | Path) -> Fp8 | None:
-    """The FP8 format a config.json (`config`, parsed) declares, None for a float checkpoint; CheckpointError for any
-    other quantization, or an FP8 config whose block size is not two positive integers."""
+@dataclass(frozen=True)
+class Mxfp4:
+    """MXFP4 experts (config.json `quant_method: mxfp4`, as GPT-OSS ships them): a weight X of (..., I, O) is stored
+    transposed as `X_blocks` (..., O, I/32, 16), two FP4 (E2M1) values a byte, low nibble first, and `X_scales`
+    (..., O, I/32), one UE8M0 byte b per 32 values meaning 2^(b-127)."""
+
+    def __str__(self) -> str:
+        return "MXFP4 experts (32 FP4 values per power-of-two scale), read dequantized"
+
+
+PACKED = ("_blocks", "_scales")  # MXFP4's two tensors of a weight X: X + PACKED[i]
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 by nibble
+
+
+def parse_quantization(config: dict, where: str | Path) -> Fp8 | Mxfp4 | None:
+    """The quantization a config.json (`config`, parsed) declares, None for a float checkpoint; CheckpointError for
+    any other than FP8 and MXFP4, or an FP8 config whose block size is not two positive integers."""
     q = config.get("quantization_config")
     if q is None:
         return None
     if not isinstance(q, dict):
         raise CheckpointError(f"{where}/config.json: quantization_config must be a mapping, got {q!r:.80}")
     method = q.get("quant_method")
+    if method == "mxfp4":
+        return Mxfp4()
     if method != "fp8":
         raise CheckpointError(
             f"{where}: its weights are quantized with {method!r} (config.json quantization_config); moekit reads float "
-            "checkpoints and block-scaled FP8 ones (quant_method fp8): load it with transformers, dequantize it and "
-            "save_pretrained the float model first")
+            "checkpoints, block-scaled FP8 (quant_method fp8) and MXFP4 (mxfp4) ones: load it with transformers, "
+            "dequantize it and save_pretrained the float model first")
     block = q.get("weight_block_size")
     if block is None:
         return Fp8(None)
@@ -74,6 +92,34 @@ def parse_fp8(config: dict, where: str | Path) -> Fp8 | None:
         raise CheckpointError(f"{where}/config.json: quantization_config.weight_block_size must be two positive "
                               f"integers, got {block!r:.80}")
     return Fp8((block[0], block[1]))
+
+
+def split_packed(headers: dict, folder: str | Path) -> dict:
+    """Replace each MXFP4 pair X_blocks, X_scales of `headers` {name: TensorInfo}, in place, by X as the model holds it
+    (shape (..., I, O), bf16: every FP4 value times a power of two is one) and return {X: (blocks, scales)}, every
+    pair checked (uint8, shapes that agree)."""
+    packed = {}
+    for name in [k for k in headers if k.endswith("_blocks")]:
+        base = name[:-len("_blocks")]
+        blocks, scales = headers.pop(name), headers.pop(base + "_scales", None)
+        if scales is None or blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) < 3 \
+                or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+            beside = f"no {base}_scales" if scales is None else f"{scales.dtype} {list(scales.shape)}"
+            raise CheckpointError(f"{folder}: {name} is {blocks.dtype} {list(blocks.shape)} beside {beside}; MXFP4 "
+                                  "needs U8 blocks (..., O, G, 16) and U8 scales (..., O, G)")
+        *lead, rows, groups, _ = blocks.shape
+        shape = (*lead, groups * 32, rows)
+        headers[base] = replace(blocks, dtype="BF16", shape=shape, nbytes=math.prod(shape) * 2)
+        packed[base] = (blocks, scales)
+    return packed
+
+
+def unpack_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
+    """The float32 weight (..., I, O) of MXFP4 `blocks` (..., O, G, 16) and `scales` (..., O, G) (Mxfp4)."""
+    lut = torch.tensor(FP4_VALUES)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # (..., O, G, 16, 2)
+    values = values.flatten(-2) * torch.exp2(scales.float() - 127)[..., None]  # (..., O, G, 32)
+    return values.flatten(-2).transpose(-1, -2).contiguous()  # (..., I, O), laid out as the model holds it
 
 
 def split_scales(headers: dict, fmt: Fp8, folder: str | Path) -> dict:

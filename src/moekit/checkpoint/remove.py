@@ -13,8 +13,9 @@ of the checkpoint is then read, cut and written in its own dtype, so memory hold
                entries in order, then the entries after the E experts that some routers have (Inkling's shared
                experts, Zaya's skip class);
   copied       everything else, a shared expert included.
-An FP8 checkpoint (moekit.checkpoint.quantized) stays FP8, byte for byte: each weight's `_scale_inv` scales are kept,
-renumbered or cut with it (`_cut_scales`), and config.json keeps its quantization_config.
+An FP8 or MXFP4 checkpoint (moekit.checkpoint.quantized) stays so, byte for byte: an FP8 weight's `_scale_inv` scales
+are kept, renumbered or cut with it (`_cut_scales`), MXFP4's `_blocks` and `_scales` are cut along their expert axis,
+and config.json keeps its quantization_config.
 config.json gets the new expert count; top-k is left as it is (a selection that leaves fewer experts than top-k is
 refused). Every MoE layer must keep the same number of experts, since these configs hold one number; group-limited
 routing (DeepSeek's n_group) must keep as many per group; hash routing by token id (DeepSeek-V4) is refused, as is a
@@ -38,9 +39,9 @@ from torch import nn
 from moekit._fs import output
 from moekit.checkpoint.card import hub_id, write_card
 from moekit.checkpoint.dense import check_dense_dir, check_stored_shapes, meta_model, stored_shapes
-from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, fp8_format, read_headers, read_text
+from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, quantization, read_headers, read_text
 from moekit.checkpoint.layerwise import model_names
-from moekit.checkpoint.quantized import SCALE
+from moekit.checkpoint.quantized import PACKED, SCALE, Fp8, Mxfp4
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
 from moekit.errors import ConfigError, UnsupportedModelError
@@ -190,9 +191,10 @@ def _cut(name: str, info: TensorInfo, want: tuple[int, ...], experts: int, ids: 
 
 
 def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo], sites: dict[str, RouterSite],
-              keep: dict[str, list[int]], fp8_block: tuple[int, int] | None = None) -> list[Cut]:
+              keep: dict[str, list[int]], fmt: Fp8 | Mxfp4 | None = None) -> list[Cut]:
     """Every output tensor in the source's order, for the kept experts {MoE block: sorted ids} (module docstring);
-    `fp8_block`: an FP8 checkpoint's block, whose scales are cut with their weights (`_cut_scales`)."""
+    `fmt`: the checkpoint's quantization, whose scales (FP8: `_cut_scales`) or blocks and scales (MXFP4: experts
+    first, as the weight they pack) are cut with their weights."""
     want = stored_shapes(target)
     names = model_names(model, list(headers))
     blocks = sorted(sites, key=len, reverse=True)
@@ -207,10 +209,13 @@ def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo
                 cuts.append(Cut(name, f"{per.group(1)}.{keep[block].index(e)}.{per.group(3)}", info))
         elif block and name in want and tuple(info.shape) != want[name]:
             cuts.append(_cut(name, info, want[name], experts, keep[block]))
+        elif block and isinstance(fmt, Mxfp4) and name.endswith(PACKED) and name.rpartition("_")[0] in want \
+                and info.shape[0] == experts:  # MXFP4 blocks or scales: experts first
+            cuts.append(Cut(name, name, info, keep[block]))
         else:
             cuts.append(Cut(name, name, info))
-    if fp8_block is not None:
-        _cut_scales(cuts, fp8_block)
+    if isinstance(fmt, Fp8) and fmt.block is not None:
+        _cut_scales(cuts, fmt.block)
     return cuts
 
 
@@ -253,9 +258,8 @@ def plan_removal(src: Path, keep: dict[str, list[int]], trust_remote_code: bool 
     if target is None or any(s.num_experts != kept for s in find_sites(target)):
         raise ConfigError(f"{src}/config.json: no entry that names experts and holds {experts} sets the expert count "
                           f"(tried {['.'.join(k) for k in keys] or 'none'})")
-    fmt = fp8_format(src)
     cuts = plan_cuts(model, target, read_headers(src), sites, {b: sorted(ids) for b, ids in keep.items()},
-                     fmt.block if fmt else None)
+                     quantization(src))
     return Removal(cuts, _set_count(config, keys, kept), kept, experts)
 
 

@@ -87,7 +87,7 @@ def _native(folder: Path, trust_remote_code: bool) -> InspectSummary:
     """A transformers MoE directory, built on the meta device from its config (no weight is read; the shapes it gives
     are checked against the safetensors headers where there are weights)."""
     from moekit.checkpoint.dense import check_stored_shapes, has_safetensors, meta_model
-    from moekit.checkpoint.files import fp8_format
+    from moekit.checkpoint.files import quantization
     from moekit.errors import CheckpointError, UnsupportedModelError
     from moekit.routing.sites import find_sites
 
@@ -98,7 +98,7 @@ def _native(folder: Path, trust_remote_code: bool) -> InspectSummary:
         sites = find_sites(model)
     except UnsupportedModelError as e:
         raise CheckpointError(f"{folder} is not a moekit checkpoint (no moekit.json), and {e}") from None
-    fmt = fp8_format(folder)
+    fmt = quantization(folder)
     return _summary(folder, True, f"{type(model).__name__}, native transformers MoE{f', {fmt}' if fmt else ''}",
                     model, [_native_layer(s) for s in sites], None)
 

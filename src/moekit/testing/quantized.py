@@ -80,3 +80,55 @@ def save_fp8(model: nn.Module, folder: str | Path, float_folder: str | Path, blo
     model.save_pretrained(float_folder)
     save_file(values, float_folder / "model.safetensors", metadata={"format": "pt"})
     return folder
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+PACKED_EXPERTS = re.compile(r".*\.experts\.(gate_up_proj|down_proj)$")  # what GPT-OSS ships in MXFP4
+
+
+def mxfp4_pack(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(blocks (..., O, I/32, 16), scales (..., O, I/32)) of a weight (..., I, O): each 32 values of a column share the
+    power of two 2^e that brings their largest |value| to at most 6, each value the nearest FP4 value of w / 2^e."""
+    groups = w.float().transpose(-1, -2).unflatten(-1, (-1, 32))  # (..., O, G, 32)
+    e = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-100) / 6))  # (..., O, G)
+    nibble = ((groups / torch.exp2(e)[..., None])[..., None] - FP4).abs().argmin(-1)  # (..., O, G, 32)
+    blocks = (nibble[..., 0::2] | (nibble[..., 1::2] << 4)).to(torch.uint8)  # low nibble first
+    return blocks, (e + 127).to(torch.uint8)
+
+
+def mxfp4_values(blocks: Tensor, scales: Tensor) -> Tensor:
+    """The weight (..., I, O) that MXFP4 blocks and scales encode, value by value (written apart from
+    moekit.checkpoint.quantized.unpack_mxfp4, which it checks)."""
+    *lead, rows, groups, _ = blocks.shape
+    out = torch.empty(*lead, rows, groups * 32)
+    for j in range(groups * 32):
+        byte = blocks[..., j // 32, (j % 32) // 2].long()
+        nibble = byte & 0x0F if j % 2 == 0 else byte >> 4
+        out[..., j] = FP4[nibble] * torch.exp2(scales[..., j // 32].float() - 127)
+    return out.transpose(-1, -2)
+
+
+def save_mxfp4(model: nn.Module, folder: str | Path, float_folder: str | Path) -> Path:
+    """Save `model` (GPT-OSS) with its experts in MXFP4 in `folder`, as GPT-OSS's checkpoints are (`X_blocks`,
+    `X_scales`; config.json's quantization_config quant_method mxfp4), and in `float_folder` the float checkpoint of
+    the values it encodes."""
+    folder, float_folder = Path(folder), Path(float_folder)
+    model.save_pretrained(folder)
+    stored = load_file(folder / "model.safetensors")
+    packed, values = {}, {}
+    for name, w in stored.items():
+        if PACKED_EXPERTS.fullmatch(name):
+            blocks, scales = mxfp4_pack(w)
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            values[name] = mxfp4_values(blocks, scales).contiguous()
+        else:
+            packed[name] = values[name] = w
+    save_file(packed, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    model.save_pretrained(float_folder)
+    save_file(values, float_folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
