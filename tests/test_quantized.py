@@ -25,7 +25,8 @@ from moekit.moe import MoESpec
 from moekit.routing.sites import find_sites
 from moekit.testing import tiny_deepseek_v3, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_tokenizer
 from moekit.testing.families import tiny_family_model
-from moekit.testing.quantized import block_scales, mxfp4_pack, mxfp4_values, reference_values, save_fp8, save_mxfp4
+from moekit.testing.quantized import (block_scales, mxfp4_pack, mxfp4_values, reference_values, save_compressed,
+                                      save_fp8, save_mxfp4)
 
 # DeepSeek-V3's sizes at 1/8: blocks of 16 that its 24-wide experts and 20-row kv_a_proj_with_mqa fill partly
 DEEPSEEK = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, kv_lora_rank=16, q_lora_rank=16,
@@ -36,12 +37,13 @@ MOE = {"deepseek_v3": lambda: tiny_deepseek_v3(**DEEPSEEK), "qwen3_moe": tiny_qw
 IDS = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
 
 
-def _pair(tmp_path, model, **kw) -> tuple[Path, Path]:
-    fp8, ref = tmp_path / "fp8", tmp_path / "float"
-    save_fp8(model, fp8, ref, **kw)
-    for d in (fp8, ref):
+def _pair(tmp_path, model, save=save_fp8, name: str = "fp8", **kw) -> tuple[Path, Path]:
+    """(the quantized checkpoint `save` writes of `model`, its float checkpoint), both with the tiny tokenizer."""
+    quantized, ref = tmp_path / name, tmp_path / "float"
+    save(model, quantized, ref, **kw)
+    for d in (quantized, ref):
         tiny_tokenizer().save_pretrained(d)
-    return fp8, ref
+    return quantized, ref
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -173,7 +175,7 @@ def test_fp8_expert_removal_refuses_to_split_blocks(tmp_path):
     config["quantization_config"]["weight_block_size"] = [3, 16]
     (fp8 / "config.json").write_text(json.dumps(config))
     keep = {f"model.layers.{i}.mlp": [0, 2] for i in range(config["num_hidden_layers"])}
-    with pytest.raises(ConfigError, match="FP8 in blocks of 3 along the axis of its experts") as e:
+    with pytest.raises(ConfigError, match="FP8 weights in blocks of 3 along the axis of its experts") as e:
         remove_experts(fp8, tmp_path / "cut", keep)
     assert "\n" not in str(e.value) and not (tmp_path / "cut").exists()
 
@@ -199,7 +201,7 @@ def test_upcycling_fp8_equals_upcycling_its_float_model(tmp_path, family):
         assert torch.equal(in_memory(IDS).logits, moekit.upcycle(load_dense(ref), spec)(IDS).logits)
 
 
-@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq", "compressed-tensors", "fbgemm_fp8"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "gptq", "awq", "hqq", "fbgemm_fp8"])
 def test_other_quantizations_are_refused_and_nothing_is_written(tmp_path, method):
     src = tmp_path / "model"
     tiny_qwen3_moe().save_pretrained(src)
@@ -265,14 +267,6 @@ def _gpt_oss():
     return tiny_family_model("gpt_oss", edit=lambda c: setattr(c, "intermediate_size", 64))  # I a multiple of 32
 
 
-def _mxfp4_pair(tmp_path) -> tuple[Path, Path]:
-    mx, ref = tmp_path / "mxfp4", tmp_path / "float"
-    save_mxfp4(_gpt_oss(), mx, ref)
-    for d in (mx, ref):
-        tiny_tokenizer().save_pretrained(d)
-    return mx, ref
-
-
 def test_unpack_mxfp4_is_the_closed_form():
     """Value j of a row: the FP4 value of nibble j of its block (low nibble first) times 2^(scale - 127), transposed
     to the model's (..., I, O); packing then unpacking gives w to FP4's precision."""
@@ -288,7 +282,7 @@ def test_mxfp4_gpt_oss_reads_as_its_float_model(tmp_path):
     """GPT-OSS with MXFP4 experts: the reader serves the float checkpoint's tensors, and moekit's model computes
     what transformers computes from the float checkpoint, and from the MXFP4 one (its own dequantization agrees
     here: a second, independent check of the oracle)."""
-    mx, ref = _mxfp4_pair(tmp_path)
+    mx, ref = _pair(tmp_path, _gpt_oss(), save_mxfp4, "mxfp4")
     with ShardReader(mx) as reader, safe_open(ref / "model.safetensors", "pt") as want:
         assert sorted(reader.keys()) == sorted(want.keys())
         assert all(torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)) for k in want.keys())
@@ -304,7 +298,7 @@ def test_mxfp4_gpt_oss_reads_as_its_float_model(tmp_path):
 
 def test_routes_and_pruning_of_mxfp4_equal_the_float_model(tmp_path):
     """As for FP8: traces, REAP selections disabled or removed; removal keeps the kept experts' blocks and scales."""
-    mx, ref = _mxfp4_pair(tmp_path)
+    mx, ref = _pair(tmp_path, _gpt_oss(), save_mxfp4, "mxfp4")
     _routes_and_pruning_equal(tmp_path, mx, ref)
     config = json.loads((tmp_path / "mxfp4_keep" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
@@ -314,3 +308,51 @@ def test_routes_and_pruning_of_mxfp4_equal_the_float_model(tmp_path):
     with safe_open(tmp_path / "mxfp4_keep" / "model.safetensors", "pt") as cut, \
             safe_open(mx / "model.safetensors", "pt") as src:
         assert torch.equal(cut.get_tensor(name), src.get_tensor(name)[sorted(ids)])
+
+
+@pytest.mark.parametrize("strategy,kind", [("channel", "float"), ("tensor", "float"), ("block", "float"),
+                                           ("channel", "int"), ("group", "int")])
+def test_compressed_tensors_read_as_their_float_model(tmp_path, strategy, kind):
+    """llm-compressor's FP8-dynamic and W8A8 checkpoints (compressed-tensors float- and naive-quantized, scales per
+    tensor, row, group of columns or block): every tensor read and the loaded model's logits equal the float
+    checkpoint's."""
+    ct, ref = _pair(tmp_path, tiny_qwen3(), save_compressed, "compressed", strategy=strategy, kind=kind)
+    with ShardReader(ct) as reader, safe_open(ref / "model.safetensors", "pt") as want:
+        assert sorted(reader.keys()) == sorted(want.keys())
+        assert all(torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)) for k in want.keys())
+    with torch.no_grad():
+        assert torch.equal(load_dense(ct)(IDS).logits,
+                           AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)(IDS).logits)
+
+
+def test_routes_and_pruning_of_compressed_tensors_equal_the_float_model(tmp_path):
+    """An FP8-dynamic Qwen3-MoE (per-row scales on every expert): traces, REAP disabled and removed as on the float
+    checkpoint; the removal keeps compressed-tensors FP8."""
+    ct, ref = _pair(tmp_path, tiny_qwen3_moe(), save_compressed, "compressed")
+    assert moekit.inspect(ct).description.endswith("compressed-tensors FP8 weights (one scale per row), read "
+                                                   "dequantized")
+    _routes_and_pruning_equal(tmp_path, ct, ref)
+    with safe_open(tmp_path / "compressed_keep" / "model.safetensors", "pt") as cut:
+        assert cut.get_tensor("model.layers.0.mlp.experts.1.down_proj.weight").dtype == torch.float8_e4m3fn
+        assert "model.layers.0.mlp.experts.1.down_proj.weight_scale" in cut.keys()
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda q: q.update(format="pack-quantized"), "its format is 'pack-quantized'"),
+    (lambda q: q.update(format="nvfp4-pack-quantized"), "its format is 'nvfp4-pack-quantized'"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), "zero points"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4), "4-bit float"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "reordered"),
+    (lambda q: q["config_groups"].update(group_1={"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}),
+     "different ways"),
+    (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity format"),
+])
+def test_other_compressed_tensors_formats_are_refused(tmp_path, edit, words):
+    ct, _ = _pair(tmp_path, tiny_qwen3(), save_compressed, "compressed")
+    config = json.loads((ct / "config.json").read_text())
+    edit(config["quantization_config"])
+    (ct / "config.json").write_text(json.dumps(config))
+    for call in (lambda: ShardReader(ct), lambda: load_dense(ct)):
+        with pytest.raises(CheckpointError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value) and "compressed-tensors checkpoint moekit cannot read" in str(e.value)

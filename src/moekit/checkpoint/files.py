@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from moekit.checkpoint.quantized import (SCALE, Fp8, Mxfp4, dequantize, parse_quantization, split_packed,
-                                         split_scales, unpack_mxfp4)
+from moekit.checkpoint.quantized import (Mxfp4, Scaled, dequantize, parse_quantization, split_packed, split_scales,
+                                         unpack_mxfp4)
 from moekit.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -267,7 +267,7 @@ def read_headers(folder: str | Path, fds: dict[Path, int] | None = None) -> dict
     return out
 
 
-def quantization(folder: str | Path) -> Fp8 | Mxfp4 | None:
+def quantization(folder: str | Path) -> Scaled | Mxfp4 | None:
     """The quantization config.json declares (moekit.checkpoint.quantized.parse_quantization): None for a float
     checkpoint, or where there is no readable config.json (the loaders report that); CheckpointError for one moekit
     does not read."""
@@ -282,9 +282,9 @@ def quantization(folder: str | Path) -> Fp8 | Mxfp4 | None:
 
 class ShardReader:
     """Reads a validated checkpoint one tensor (or one slice along dim 0) at a time with pread, from the
-    descriptors its headers were read from. The weights of an FP8 or MXFP4 checkpoint are listed and read as the model
-    holds them, dequantized to float32, and their scales and blocks are not listed (moekit.checkpoint.quantized); with
-    `dequantize=False` every tensor is listed and read as stored."""
+    descriptors its headers were read from. The weights of a quantized checkpoint (FP8, compressed-tensors, MXFP4) are
+    listed and read as the model holds them, dequantized to float32, and their scales and blocks are not listed
+    (moekit.checkpoint.quantized); with `dequantize=False` every tensor is listed and read as stored."""
 
     def __init__(self, folder: str | Path, dequantize: bool = True):
         self.folder = Path(folder)
@@ -293,9 +293,9 @@ class ShardReader:
         try:
             fmt = quantization(self.folder)  # any other quantization is refused here
             self.headers = read_headers(self.folder, self._fds)
-            fp8, mxfp4 = isinstance(fmt, Fp8) and dequantize, isinstance(fmt, Mxfp4) and dequantize
-            self.block = fmt.block if isinstance(fmt, Fp8) else None
-            self.scales = split_scales(self.headers, fmt, self.folder) if fp8 else {}  # {weight: its scales}
+            self.scaled = fmt if isinstance(fmt, Scaled) and dequantize else None
+            self.scales = split_scales(self.headers, fmt, self.folder) if self.scaled else {}  # {weight: its scales}
+            mxfp4 = isinstance(fmt, Mxfp4) and dequantize
             self.packed = split_packed(self.headers, self.folder) if mxfp4 else {}  # {weight: (blocks, scales)}
         except BaseException:
             self.close()
@@ -322,8 +322,8 @@ class ShardReader:
         return list(self.headers)
 
     def get(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name` in its stored dtype (an FP8 or MXFP4 weight: dequantized, in float32), or its `index`-th slice
-        along dim 0."""
+        """Tensor `name` in its stored dtype (a quantized weight: dequantized, in float32), or its `index`-th slice along
+        dim 0."""
         info = self.headers.get(name)
         if info is None:
             raise CheckpointError(f"{self.folder} has no tensor {name}")
@@ -331,12 +331,13 @@ class ShardReader:
             blocks, scales = self.packed[name]
             return unpack_mxfp4(self._read(name + "_blocks", blocks, index), self._read(name + "_scales", scales, index))
         scale = self.scales.get(name)
-        if scale is None:
+        if scale is None or self.scaled is None:
             return self._read(name, info, index)
-        if index is not None and self.block and len(info.shape) == 2:  # a row of a weight in blocks of rows
+        block = self.scaled.resolve(info.shape)
+        if index is not None and block and len(info.shape) == 2:  # a row of a weight in blocks of rows
             return self.get(name)[index]
-        s = self._read(name + SCALE, scale, index if self.block else None)  # blocks: (..., ⌈O/bo⌉, ⌈I/bi⌉)
-        return dequantize(self._read(name, info, index), s, self.block)
+        s = self._read(name + self.scaled.suffix, scale, index if block else None)  # blocks: (..., ⌈O/bo⌉, ⌈I/bi⌉)
+        return dequantize(self._read(name, info, index), s, block)
 
     def _read(self, name: str, info: TensorInfo, index: int | None) -> torch.Tensor:
         shape, start, nbytes = info.shape, info.start, info.nbytes

@@ -1,6 +1,7 @@
 """Quantized checkpoints read as the float model they encode: block-scaled FP8 (config.json's `quantization_config`
-with `quant_method: fp8`, as DeepSeek-V3/R1, Kimi-K2, Qwen3's -FP8 models and MiniMax-M2 ship their weights) and
-MXFP4 experts (`quant_method: mxfp4`, GPT-OSS's: `Mxfp4`).
+with `quant_method: fp8`, as DeepSeek-V3/R1, Kimi-K2, Qwen3's -FP8 models and MiniMax-M2 ship their weights), the
+8-bit formats of compressed-tensors (llm-compressor's FP8-dynamic and W8A8: `compressed_tensors`) and MXFP4 experts
+(`quant_method: mxfp4`, GPT-OSS's: `Mxfp4`).
 
 A quantized weight W (F8_E4M3 or F8_E5M2, shape (..., O, I)) is stored beside `W_scale_inv`, one scale per block of
 `weight_block_size` [bo, bi] (DeepSeek-V3's 128 × 128): shape (..., ⌈O/bo⌉, ⌈I/bi⌉), or one scale for the whole
@@ -17,8 +18,8 @@ scale grid (rows ÷ scale rows): where a dimension is not a multiple of the bloc
 rows in 5 blocks of 128) that raises, or, where the division happens to come out even, uses the wrong blocks
 (tests/test_quantized.py shows it). moekit therefore reads every FP8 checkpoint through its own reader
 (moekit.checkpoint.files.ShardReader; `quantization` there reads config.json), streamed and in memory alike, and
-MXFP4 ones too. Checkpoints quantized any other way (bitsandbytes, GPTQ, AWQ, compressed-tensors, ...) are refused in
-one line.
+the others too. Checkpoints quantized any other way (bitsandbytes, GPTQ, AWQ, compressed-tensors' packed 4-bit, ...)
+are refused in one line.
 """
 from __future__ import annotations
 
@@ -32,27 +33,42 @@ from torch import Tensor
 from moekit.errors import CheckpointError
 
 SCALE = "_scale_inv"  # W's scales are stored as W + SCALE
-IGNORED = (".activation_scale", ".input_scale")  # static activation scales: for FP8 compute, not for the weights
+# static activation and KV-cache scales: for 8-bit compute, not for the weights
+IGNORED = (".activation_scale", ".input_scale", ".k_scale", ".v_scale")
 WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")
 
 
 @dataclass(frozen=True)
-class Fp8:
-    """The FP8 format of a checkpoint: its block (rows, columns), or None for one scale per tensor."""
+class Scaled:
+    """8-bit weights beside their scales: block-scaled FP8 (`W_scale_inv`, module docstring) or compressed-tensors'
+    float- and naive-quantized formats (`W_scale`; `compressed_tensors`). `block` is a scale's (rows, columns), a None
+    entry meaning the whole dimension (per-channel scales: (1, None)); None for one scale per tensor."""
 
-    block: tuple[int, int] | None
+    block: tuple[int | None, int | None] | None
+    suffix: str = SCALE
+    label: str = "FP8 weights"
+    weights: tuple[str, ...] = WEIGHT_DTYPES  # the dtypes a scaled weight may be stored in
 
     def __str__(self) -> str:
-        blocks = f"blocks of {self.block[0]}×{self.block[1]}" if self.block else "one scale per tensor"
-        return f"FP8 weights ({blocks}), read dequantized"
+        b = self.block
+        blocks = "one scale per tensor" if b is None else "one scale per row" if b == (1, None) else \
+            f"one scale per {b[1]} columns of a row" if b[0] == 1 else f"blocks of {b[0]}×{b[1]}"
+        return f"{self.label} ({blocks}), read dequantized"
+
+    def resolve(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The block of a weight of `shape` (..., O, I), its None entries made the whole dimension."""
+        if self.block is None:
+            return None
+        return self.block[0] or shape[-2], self.block[1] or shape[-1]
 
     def grid(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of the scales of a weight of `shape`."""
-        if self.block is None:
+        block = self.resolve(shape)
+        if block is None:
             return ()
         *lead, rows, cols = shape
-        return (*lead, math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
+        return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,7 @@ PACKED = ("_blocks", "_scales")  # MXFP4's two tensors of a weight X: X + PACKED
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 by nibble
 
 
-def parse_quantization(config: dict, where: str | Path) -> Fp8 | Mxfp4 | None:
+def parse_quantization(config: dict, where: str | Path) -> Scaled | Mxfp4 | None:
     """The quantization a config.json (`config`, parsed) declares, None for a float checkpoint; CheckpointError for
     any other than FP8 and MXFP4, or an FP8 config whose block size is not two positive integers."""
     q = config.get("quantization_config")
@@ -80,18 +96,58 @@ def parse_quantization(config: dict, where: str | Path) -> Fp8 | Mxfp4 | None:
     method = q.get("quant_method")
     if method == "mxfp4":
         return Mxfp4()
+    if method == "compressed-tensors":
+        return compressed_tensors(q, where)
     if method != "fp8":
         raise CheckpointError(
-            f"{where}: its weights are quantized with {method!r} (config.json quantization_config); moekit reads float "
-            "checkpoints, block-scaled FP8 (quant_method fp8) and MXFP4 (mxfp4) ones: load it with transformers, "
-            "dequantize it and save_pretrained the float model first")
+            f"{where}: its weights are quantized with {method!r} (config.json quantization_config); {READ}: load it "
+            "with transformers, dequantize it and save_pretrained the float model first")
     block = q.get("weight_block_size")
     if block is None:
-        return Fp8(None)
+        return Scaled(None)
     if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
         raise CheckpointError(f"{where}/config.json: quantization_config.weight_block_size must be two positive "
                               f"integers, got {block!r:.80}")
-    return Fp8((block[0], block[1]))
+    return Scaled((block[0], block[1]))
+
+
+READ = ("moekit reads float checkpoints, block-scaled FP8 (quant_method fp8), MXFP4 (mxfp4) and compressed-tensors' "
+        "symmetric 8-bit float-quantized and naive-quantized ones")
+CT_FORMATS = {"float-quantized": ("float", "compressed-tensors FP8 weights", ("F8_E4M3",)),
+              "naive-quantized": ("int", "compressed-tensors int8 weights", ("I8",))}
+
+
+def compressed_tensors(q: dict, where: str | Path) -> Scaled:
+    """The Scaled format of a compressed-tensors config (llm-compressor's FP8-dynamic and W8A8 checkpoints): one
+    weight scheme for every config group, 8 bits, symmetric (no zero points), scales `W_scale` per tensor, channel
+    (row), group of columns or block; anything else (packed 4-bit, NVFP4, sparsity, zero points, activation
+    reordering) is refused naming what it is."""
+    fmt = q.get("format")
+    groups = q.get("config_groups")
+    schemes = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+    w = schemes[0] if schemes and all(x == schemes[0] for x in schemes) and isinstance(schemes[0], dict) else None
+    sparse = (q.get("sparsity_config") or {}).get("format", "dense") if isinstance(q.get("sparsity_config"), dict) \
+        else "dense"
+    kind = CT_FORMATS.get(fmt)
+    why = f"its format is {fmt!r}" if kind is None else "its config groups quantize weights in different ways" \
+        if w is None else f"its sparsity format is {sparse!r}" if sparse != "dense" else \
+        f"its weights are {w.get('num_bits')}-bit {w.get('type')}" if (w.get("num_bits"), w.get("type")) != (8, kind[0]) \
+        else "its weights have zero points (symmetric: false)" if w.get("symmetric") is False else \
+        f"its weights are reordered (actorder {w.get('actorder')!r})" if w.get("actorder") else \
+        f"its weight strategy is {w.get('strategy')!r}" if w.get("strategy") not in ("tensor", "channel", "group", "block") \
+        else ""
+    if why:
+        raise CheckpointError(f"{where}: a compressed-tensors checkpoint moekit cannot read ({why}); {READ}: load it "
+                              "with transformers, dequantize it and save_pretrained the float model first")
+    size = w.get("group_size") if w["strategy"] == "group" else w.get("block_structure")
+    ok = type(size) is int and size > 0 if w["strategy"] == "group" else \
+        isinstance(size, list) and len(size) == 2 and all(type(b) is int and b > 0 for b in size)
+    if w["strategy"] in ("group", "block") and not ok:
+        raise CheckpointError(f"{where}/config.json: the {w['strategy']} strategy's "
+                              f"{'group_size' if w['strategy'] == 'group' else 'block_structure'} is {size!r:.80}")
+    block = {"tensor": None, "channel": (1, None), "group": (1, size),
+             "block": tuple(size) if isinstance(size, list) else None}[w["strategy"]]
+    return Scaled(block, "_scale", kind[1], kind[2])
 
 
 def split_packed(headers: dict, folder: str | Path) -> dict:
@@ -122,31 +178,32 @@ def unpack_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
     return values.flatten(-2).transpose(-1, -2).contiguous()  # (..., I, O), laid out as the model holds it
 
 
-def split_scales(headers: dict, fmt: Fp8, folder: str | Path) -> dict:
-    """Take the scales (and static activation scales) out of `headers` {name: TensorInfo}, in place, and return
-    {weight name: its scales' TensorInfo}, every pair checked: an FP8 weight, scales of a float dtype or UE8M0 in
-    the shape `fmt` gives its blocks."""
+def split_scales(headers: dict, fmt: Scaled, folder: str | Path) -> dict:
+    """Take the scales (and static activation and KV-cache scales) out of `headers` {name: TensorInfo}, in place, and
+    return {weight name: its scales' TensorInfo}, every pair checked: a weight of `fmt.weights`, scales of a float
+    dtype or UE8M0 in the shape `fmt` gives its blocks."""
     scales = {}
-    for name in [k for k in headers if k.endswith(SCALE) or k.endswith(IGNORED)]:
+    for name in [k for k in headers if k.endswith(fmt.suffix) or k.endswith(IGNORED)]:
         info = headers.pop(name)
-        if not name.endswith(SCALE):
+        if not name.endswith(fmt.suffix):
             continue
-        weight = headers.get(name[:-len(SCALE)])
+        weight = headers.get(name[:-len(fmt.suffix)])
         if weight is None:
-            raise CheckpointError(f"{folder}: {name} scales no tensor ({name[:-len(SCALE)]} is missing)")
+            raise CheckpointError(f"{folder}: {name} scales no tensor ({name[:-len(fmt.suffix)]} is missing)")
         want = fmt.grid(weight.shape) if len(weight.shape) >= 2 else None
         ok_shape = info.shape == want or (fmt.block is None and math.prod(info.shape) == 1)
-        if weight.dtype not in WEIGHT_DTYPES or info.dtype not in SCALE_DTYPES or not ok_shape:
+        if weight.dtype not in fmt.weights or info.dtype not in SCALE_DTYPES or not ok_shape:
             raise CheckpointError(
                 f"{folder}: {name} is {info.dtype} {list(info.shape)} beside the {weight.dtype} {list(weight.shape)} "
-                f"weight it scales; FP8 with block {list(fmt.block or [])} needs an F8_E4M3 or F8_E5M2 weight and "
-                f"scales of {', '.join(SCALE_DTYPES)} shaped {list(want or ['≥ 2 dimensions'])}")
-        scales[name[:-len(SCALE)]] = info
+                f"weight it scales; {fmt.label} with block {list(fmt.block or [])} need a {' or '.join(fmt.weights)} "
+                f"weight and scales of {', '.join(SCALE_DTYPES)} shaped {list(want or ['≥ 2 dimensions'])}")
+        scales[name[:-len(fmt.suffix)]] = info
     return scales
 
 
 def dequantize(q: Tensor, s: Tensor, block: tuple[int, int] | None) -> Tensor:
-    """The float32 weight of FP8 values `q` (..., O, I) and their scales `s` (module docstring)."""
+    """The float32 weight of 8-bit values `q` (..., O, I) and their scales `s` (module docstring), `block` resolved
+    (Scaled.resolve)."""
     if s.dtype == torch.uint8:  # UE8M0 exponents stored as bytes
         s = torch.exp2(s.float() - 127)
     s = s.float()

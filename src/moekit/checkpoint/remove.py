@@ -13,9 +13,9 @@ of the checkpoint is then read, cut and written in its own dtype, so memory hold
                entries in order, then the entries after the E experts that some routers have (Inkling's shared
                experts, Zaya's skip class);
   copied       everything else, a shared expert included.
-An FP8 or MXFP4 checkpoint (moekit.checkpoint.quantized) stays so, byte for byte: an FP8 weight's `_scale_inv` scales
-are kept, renumbered or cut with it (`_cut_scales`), MXFP4's `_blocks` and `_scales` are cut along their expert axis,
-and config.json keeps its quantization_config.
+A quantized checkpoint (moekit.checkpoint.quantized) stays quantized, byte for byte: a scaled weight's scales
+(`_scale_inv`, `_scale`) are kept, renumbered or cut with it (`_cut_scales`), MXFP4's `_blocks` and `_scales` are cut
+along their expert axis, and config.json keeps its quantization_config.
 config.json gets the new expert count; top-k is left as it is (a selection that leaves fewer experts than top-k is
 refused). Every MoE layer must keep the same number of experts, since these configs hold one number; group-limited
 routing (DeepSeek's n_group) must keep as many per group; hash routing by token id (DeepSeek-V4) is refused, as is a
@@ -41,7 +41,7 @@ from moekit.checkpoint.card import hub_id, write_card
 from moekit.checkpoint.dense import check_dense_dir, check_stored_shapes, meta_model, stored_shapes
 from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, quantization, read_headers, read_text
 from moekit.checkpoint.layerwise import model_names
-from moekit.checkpoint.quantized import PACKED, SCALE, Fp8, Mxfp4
+from moekit.checkpoint.quantized import PACKED, Mxfp4, Scaled
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
 from moekit.errors import ConfigError, UnsupportedModelError
@@ -191,7 +191,7 @@ def _cut(name: str, info: TensorInfo, want: tuple[int, ...], experts: int, ids: 
 
 
 def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo], sites: dict[str, RouterSite],
-              keep: dict[str, list[int]], fmt: Fp8 | Mxfp4 | None = None) -> list[Cut]:
+              keep: dict[str, list[int]], fmt: Scaled | Mxfp4 | None = None) -> list[Cut]:
     """Every output tensor in the source's order, for the kept experts {MoE block: sorted ids} (module docstring);
     `fmt`: the checkpoint's quantization, whose scales (FP8: `_cut_scales`) or blocks and scales (MXFP4: experts
     first, as the weight they pack) are cut with their weights."""
@@ -214,24 +214,25 @@ def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo
             cuts.append(Cut(name, name, info, keep[block]))
         else:
             cuts.append(Cut(name, name, info))
-    if isinstance(fmt, Fp8) and fmt.block is not None:
-        _cut_scales(cuts, fmt.block)
+    if isinstance(fmt, Scaled) and fmt.block is not None:
+        _cut_scales(cuts, fmt)
     return cuts
 
 
-def _cut_scales(cuts: list[Cut], block: tuple[int, int]) -> None:
-    """The block scales of an FP8 weight cut along its expert axis, cut the same way (fused experts (E, O, I) and
-    their scales (E, ⌈O/bo⌉, ⌈I/bi⌉)); ConfigError for a weight cut along a dimension stored in blocks (a
-    quantized router's rows), which would split its blocks. Per-expert tensors and their scales are kept or dropped
-    together by name."""
+def _cut_scales(cuts: list[Cut], fmt: Scaled) -> None:
+    """The block scales of a scaled weight cut along its expert axis, cut the same way (fused experts (E, O, I) and
+    their scales (E, ⌈O/bo⌉, ⌈I/bi⌉); a per-channel router's rows and their scales); ConfigError for a weight cut along
+    a dimension stored in blocks of more than one (a block-quantized router's rows), which would split its blocks.
+    Per-expert tensors and their scales are kept or dropped together by name."""
     weights = {c.source: c for c in cuts}
     for c in cuts:
-        w = weights.get(c.source.removesuffix(SCALE)) if c.source.endswith(SCALE) else None
+        w = weights.get(c.source.removesuffix(fmt.suffix)) if c.source.endswith(fmt.suffix) else None
         if w is None or w.rows is None or c.rows is not None:
             continue
-        if w.axis >= len(w.info.shape) - 2 and block[w.axis - len(w.info.shape)] != 1:
-            raise ConfigError(f"{w.source} is FP8 in blocks of {block[w.axis - len(w.info.shape)]} along the axis of "
-                              "its experts: removing experts would split its blocks")
+        block = fmt.resolve(w.info.shape)
+        if block is not None and w.axis >= len(w.info.shape) - 2 and block[w.axis - len(w.info.shape)] != 1:
+            raise ConfigError(f"{w.source} is {fmt.label} in blocks of {block[w.axis - len(w.info.shape)]} along the "
+                              "axis of its experts: removing experts would split its blocks")
         c.rows, c.axis = w.rows, w.axis
 
 

@@ -1,24 +1,26 @@
-"""Block-scaled FP8 checkpoints of tiny models, laid out as the Hub's FP8 checkpoints (DeepSeek-V3, Qwen3-FP8), each
-with the float checkpoint of exactly the values it encodes: the oracle moekit's reading of FP8 is tested against."""
+"""Quantized checkpoints of tiny models, laid out as the Hub's (DeepSeek-V3's and Qwen3-FP8's block FP8,
+llm-compressor's compressed-tensors FP8 and int8, GPT-OSS's MXFP4 experts), each with the float checkpoint of exactly
+the values it encodes: the oracle moekit's reading of quantized checkpoints is tested against."""
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-# what an FP8 checkpoint quantizes: the weights of linear projections and experts (not embeddings, norms, routers or
+# what these checkpoints quantize: the weights of linear projections and experts (not embeddings, norms, routers or
 # the output head), by their stored names
 QUANTIZED = re.compile(r".*(proj|proj_with_mqa|\.w[123])\.weight$|.*\.experts\.(gate_up_proj|down_proj|up_proj)$")
-FP8_MAX = 448.0  # the largest float8_e4m3fn
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # the largest value of each 8-bit type
 
 
-def block_scales(w: Tensor, block: tuple[int, int] | None, scale_dtype: torch.dtype) -> Tensor:
+def block_scales(w: Tensor, block: tuple[int, int] | None, scale_dtype: torch.dtype, qmax: float = 448.0) -> Tensor:
     """Scales (..., ⌈O/bo⌉, ⌈I/bi⌉) (one per tensor where `block` is None) that map each block's largest |w| to
-    FP8_MAX, rounded to `scale_dtype` (UE8M0: float8_e8m0fnu or its bytes, uint8, rounded up to a power of two)."""
+    `qmax`, rounded to `scale_dtype` (UE8M0: float8_e8m0fnu or its bytes, uint8, rounded up to a power of two)."""
     if block is None:
         amax = w.abs().amax().reshape(1)
     else:
@@ -26,7 +28,7 @@ def block_scales(w: Tensor, block: tuple[int, int] | None, scale_dtype: torch.dt
         padded = torch.zeros(*w.shape[:-2], -(-rows // block[0]) * block[0], -(-cols // block[1]) * block[1])
         padded[..., :rows, :cols] = w.abs()
         amax = padded.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0])).amax(dim=(-3, -1))
-    s = amax.clamp(min=1e-8) / FP8_MAX
+    s = amax.clamp(min=1e-8) / qmax
     if scale_dtype in (torch.uint8, torch.float8_e8m0fnu):
         exponent = torch.ceil(torch.log2(s)) + 127
         return exponent.to(torch.uint8) if scale_dtype == torch.uint8 else exponent.to(torch.uint8).view(scale_dtype)
@@ -46,6 +48,41 @@ def reference_values(q: Tensor, s: Tensor, block: tuple[int, int] | None) -> Ten
     return q.float() * scale[..., r[:, None], c[None, :]]
 
 
+def quantize(w: Tensor, block: tuple[int | None, int | None] | None, scale_dtype: torch.dtype,
+             qdtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(values in `qdtype`, scales, the float32 weight they encode) of `w` (..., O, I); a None entry of `block` is the
+    whole dimension."""
+    resolved = None if block is None else (block[0] or w.shape[-2], block[1] or w.shape[-1])
+    s = block_scales(w.float(), resolved, scale_dtype, QMAX[qdtype])
+    x = (w.float() / reference_values(torch.ones(w.shape), s, resolved)).clamp(-QMAX[qdtype], QMAX[qdtype])
+    q = x.to(qdtype) if qdtype.is_floating_point else x.round().to(qdtype)
+    return q, s, reference_values(q, s, resolved)  # float32: q · s is exact there, not in bf16
+
+
+def _save_scaled(model: nn.Module, folder: Path, float_folder: Path, fused: bool, suffix: str,
+                 quantize_one: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]], quantization_config: dict) -> Path:
+    model.save_pretrained(folder)
+    stored = model.state_dict() if fused else load_file(folder / "model.safetensors")
+    quantized, values = {}, {}
+    for name, w in stored.items():
+        w = w.detach().contiguous()
+        if QUANTIZED.fullmatch(name) and w.dim() >= 2:
+            quantized[name], quantized[name + suffix], values[name] = quantize_one(w)
+        else:
+            quantized[name] = values[name] = w
+    if fused:  # only the model's own names: tied tensors once, as save_pretrained keeps them
+        kept = set(load_file(folder / "model.safetensors"))
+        for k in [k for k in values if k not in kept and ".experts." not in k]:
+            values.pop(k), quantized.pop(k)
+    save_file(quantized, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    model.save_pretrained(float_folder)
+    save_file(values, float_folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def save_fp8(model: nn.Module, folder: str | Path, float_folder: str | Path, block: tuple[int, int] | None = (16, 16),
              scale_dtype: torch.dtype = torch.float32, fused: bool = False) -> Path:
     """Save `model` as an FP8 checkpoint in `folder` (its projections and experts F8_E4M3 with `*_scale_inv` scales,
@@ -53,34 +90,31 @@ def save_fp8(model: nn.Module, folder: str | Path, float_folder: str | Path, blo
     encodes (the same names, the quantized ones in float32, no quantization_config). `fused`: the experts stored as
     the model holds them (transformers 5's fused (E, ...) tensors) rather than one tensor per expert as transformers
     saves them."""
-    folder, float_folder = Path(folder), Path(float_folder)
-    model.save_pretrained(folder)
-    stored = model.state_dict() if fused else load_file(folder / "model.safetensors")
-    quantized, values = {}, {}
-    for name, w in stored.items():
-        w = w.detach().contiguous()
-        if QUANTIZED.fullmatch(name) and w.dim() >= 2:
-            s = block_scales(w.float(), block, scale_dtype)
-            expand = reference_values(torch.ones_like(w, dtype=torch.float8_e4m3fn), s, block)  # each value's scale
-            q = (w.float() / expand).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            quantized[name], quantized[name + "_scale_inv"] = q, s
-            values[name] = reference_values(q, s, block)  # float32: q · s is exact there, not in bf16
-        else:
-            quantized[name] = values[name] = w
-    if fused:  # only the model's own names: tied tensors once, as save_pretrained keeps them
-        kept = set(load_file(folder / "model.safetensors"))
-        drop = [k for k in values if k not in kept and ".experts." not in k]
-        for k in drop:
-            values.pop(k), quantized.pop(k)
-    save_file(quantized, folder / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     **({"weight_block_size": list(block)} if block else {})}
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    model.save_pretrained(float_folder)
-    save_file(values, float_folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              **({"weight_block_size": list(block)} if block else {})}
+    return _save_scaled(model, Path(folder), Path(float_folder), fused, "_scale_inv",
+                        lambda w: quantize(w, block, scale_dtype, torch.float8_e4m3fn), config)
 
+
+STRATEGIES = {"tensor": None, "channel": (1, None), "group": (1, 16), "block": (16, 16)}  # compressed-tensors' scales
+
+
+def save_compressed(model: nn.Module, folder: str | Path, float_folder: str | Path, strategy: str = "channel",
+                    kind: str = "float", scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save `model` as llm-compressor saves an FP8-dynamic (`kind` float) or W8A8 (int) checkpoint: each projection's
+    weight F8_E4M3 or I8 beside `*_scale` (`strategy`: one per tensor, row, 16 columns of a row or 16×16 block),
+    quantization_config quant_method compressed-tensors; and in `float_folder` the float checkpoint of its values."""
+    block = STRATEGIES[strategy]
+    weights = {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": True, "dynamic": False,
+               "group_size": 16 if strategy == "group" else None, "actorder": None,
+               "block_structure": list(block) if strategy == "block" else None}
+    config = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
+              "format": {"float": "float-quantized", "int": "naive-quantized"}[kind], "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+                  "num_bits": 8, "type": kind, "strategy": "token", "dynamic": True, "symmetric": True}}}}
+    qdtype = {"float": torch.float8_e4m3fn, "int": torch.int8}[kind]
+    return _save_scaled(model, Path(folder), Path(float_folder), False, "_scale",
+                        lambda w: quantize(w, block, scale_dtype, qdtype), config)
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 PACKED_EXPERTS = re.compile(r".*\.experts\.(gate_up_proj|down_proj)$")  # what GPT-OSS ships in MXFP4
