@@ -310,19 +310,55 @@ def test_routes_and_pruning_of_mxfp4_equal_the_float_model(tmp_path):
         assert torch.equal(cut.get_tensor(name), src.get_tensor(name)[sorted(ids)])
 
 
-@pytest.mark.parametrize("strategy,kind", [("channel", "float"), ("tensor", "float"), ("block", "float"),
-                                           ("channel", "int"), ("group", "int")])
-def test_compressed_tensors_read_as_their_float_model(tmp_path, strategy, kind):
+CT_SCHEMES = [("channel", "float", True), ("tensor", "float", True), ("block", "float", True),
+              ("channel", "int", True), ("group", "int", True), ("channel", "int", False), ("block", "int", False)]
+
+
+@pytest.mark.parametrize("strategy,kind,symmetric", CT_SCHEMES)
+def test_compressed_tensors_read_as_their_float_model(tmp_path, strategy, kind, symmetric):
     """llm-compressor's FP8-dynamic and W8A8 checkpoints (compressed-tensors float- and naive-quantized, scales per
-    tensor, row, group of columns or block): every tensor read and the loaded model's logits equal the float
-    checkpoint's."""
-    ct, ref = _pair(tmp_path, tiny_qwen3(), save_compressed, "compressed", strategy=strategy, kind=kind)
+    tensor, row, group of columns or block; int8 with zero points too): every tensor read and the loaded model's
+    logits equal the float checkpoint's."""
+    ct, ref = _pair(tmp_path, tiny_qwen3(), save_compressed, "compressed", strategy=strategy, kind=kind,
+                    symmetric=symmetric)
     with ShardReader(ct) as reader, safe_open(ref / "model.safetensors", "pt") as want:
         assert sorted(reader.keys()) == sorted(want.keys())
         assert all(torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)) for k in want.keys())
     with torch.no_grad():
         assert torch.equal(load_dense(ct)(IDS).logits,
                            AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)(IDS).logits)
+
+
+@pytest.mark.parametrize("strategy,kind,symmetric,family", [(*scheme, "qwen3") for scheme in CT_SCHEMES] + [
+    ("channel", "float", True, "qwen3_moe"), ("tensor", "float", True, "qwen3_moe")])
+def test_compressed_tensors_equal_their_own_decompression(tmp_path, strategy, kind, symmetric, family):
+    """The real program: transformers with compressed-tensors' own decompression (run_compressed=False) loads the
+    same bf16 weights and computes the same logits as moekit, bit for bit (compressed-tensors multiplies in the
+    scales' bf16; moekit in float32, then casts: one rounding of the same product either way)."""
+    from transformers import CompressedTensorsConfig
+
+    model = {"qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe}[family]().to(torch.bfloat16)
+    ct, _ = _pair(tmp_path, model, save_compressed, "compressed", strategy=strategy, kind=kind, symmetric=symmetric)
+    theirs = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.bfloat16,
+                                                  quantization_config=CompressedTensorsConfig(run_compressed=False))
+    ours = load_dense(ct, dtype=torch.bfloat16)
+    assert all(torch.equal(p.data, ours.get_parameter(n).data) for n, p in theirs.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(ours(IDS).logits, theirs(IDS).logits)
+
+
+@pytest.mark.parametrize("strategy,kind", [("block", "float"), ("channel", "int")])
+def test_transformers_cannot_load_these_compressed_moe_checkpoints_moekit_reads(tmp_path, strategy, kind):
+    """What docs/guides/bigger-than-memory.md says: transformers 5.23 with compressed-tensors 0.20.1 fails on a
+    block-FP8 or int8 Qwen3-MoE (its per-expert concatenation receives no tensors); moekit reads it as its float
+    checkpoint. The day transformers loads it, this fails and the guide must change."""
+    from transformers import CompressedTensorsConfig
+
+    ct, ref = _pair(tmp_path, tiny_qwen3_moe(), save_compressed, "compressed", strategy=strategy, kind=kind)
+    with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
+        AutoModelForCausalLM.from_pretrained(ct, quantization_config=CompressedTensorsConfig(run_compressed=False))
+    with torch.no_grad():
+        assert torch.equal(load_dense(ct)(IDS).logits, load_dense(ref)(IDS).logits)
 
 
 def test_routes_and_pruning_of_compressed_tensors_equal_the_float_model(tmp_path):
@@ -340,7 +376,7 @@ def test_routes_and_pruning_of_compressed_tensors_equal_the_float_model(tmp_path
 @pytest.mark.parametrize("edit,words", [
     (lambda q: q.update(format="pack-quantized"), "its format is 'pack-quantized'"),
     (lambda q: q.update(format="nvfp4-pack-quantized"), "its format is 'nvfp4-pack-quantized'"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), "zero points"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), "FP8 weights have zero points"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4), "4-bit float"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "reordered"),
     (lambda q: q["config_groups"].update(group_1={"targets": ["re:.*down_proj"], "weights": {"num_bits": 8}}),

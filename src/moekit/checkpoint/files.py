@@ -294,7 +294,7 @@ class ShardReader:
             fmt = quantization(self.folder)  # any other quantization is refused here
             self.headers = read_headers(self.folder, self._fds)
             self.scaled = fmt if isinstance(fmt, Scaled) and dequantize else None
-            self.scales = split_scales(self.headers, fmt, self.folder) if self.scaled else {}  # {weight: its scales}
+            self.scales = split_scales(self.headers, fmt, self.folder) if self.scaled else {}  # {weight: (scales, zero points)}
             mxfp4 = isinstance(fmt, Mxfp4) and dequantize
             self.packed = split_packed(self.headers, self.folder) if mxfp4 else {}  # {weight: (blocks, scales)}
         except BaseException:
@@ -330,14 +330,16 @@ class ShardReader:
         if name in self.packed:
             blocks, scales = self.packed[name]
             return unpack_mxfp4(self._read(name + "_blocks", blocks, index), self._read(name + "_scales", scales, index))
-        scale = self.scales.get(name)
-        if scale is None or self.scaled is None:
+        if name not in self.scales or self.scaled is None:
             return self._read(name, info, index)
         block = self.scaled.resolve(info.shape)
         if index is not None and block and len(info.shape) == 2:  # a row of a weight in blocks of rows
             return self.get(name)[index]
-        s = self._read(name + self.scaled.suffix, scale, index if block else None)  # blocks: (..., ⌈O/bo⌉, ⌈I/bi⌉)
-        return dequantize(self._read(name, info, index), s, block)
+        at = index if block else None  # blocks: (..., ⌈O/bo⌉, ⌈I/bi⌉); one scale for the tensor: whole
+        scale, zero = self.scales[name]
+        s = self._read(name + self.scaled.suffix, scale, at)
+        z = None if zero is None else self._read(name + str(self.scaled.zero), zero, at)
+        return dequantize(self._read(name, info, index), s, block, z)
 
     def _read(self, name: str, info: TensorInfo, index: int | None) -> torch.Tensor:
         shape, start, nbytes = info.shape, info.start, info.nbytes

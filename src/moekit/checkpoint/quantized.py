@@ -37,18 +37,21 @@ SCALE = "_scale_inv"  # W's scales are stored as W + SCALE
 IGNORED = (".activation_scale", ".input_scale", ".k_scale", ".v_scale")
 WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")
+ZERO_DTYPES = ("I8", "I32", "I64", "F32", "BF16", "F16")
 
 
 @dataclass(frozen=True)
 class Scaled:
     """8-bit weights beside their scales: block-scaled FP8 (`W_scale_inv`, module docstring) or compressed-tensors'
-    float- and naive-quantized formats (`W_scale`; `compressed_tensors`). `block` is a scale's (rows, columns), a None
-    entry meaning the whole dimension (per-channel scales: (1, None)); None for one scale per tensor."""
+    float- and naive-quantized formats (`W_scale`, and for int8 optional zero points `W_zero_point`:
+    `compressed_tensors`). `block` is a scale's (rows, columns), a None entry meaning the whole dimension (per-channel
+    scales: (1, None)); None for one scale per tensor."""
 
     block: tuple[int | None, int | None] | None
     suffix: str = SCALE
     label: str = "FP8 weights"
     weights: tuple[str, ...] = WEIGHT_DTYPES  # the dtypes a scaled weight may be stored in
+    zero: str | None = None  # W's zero points, where its format has them: W = (q - z) · s
 
     def __str__(self) -> str:
         b = self.block
@@ -112,16 +115,17 @@ def parse_quantization(config: dict, where: str | Path) -> Scaled | Mxfp4 | None
 
 
 READ = ("moekit reads float checkpoints, block-scaled FP8 (quant_method fp8), MXFP4 (mxfp4) and compressed-tensors' "
-        "symmetric 8-bit float-quantized and naive-quantized ones")
+        "8-bit float-quantized and naive-quantized ones")
 CT_FORMATS = {"float-quantized": ("float", "compressed-tensors FP8 weights", ("F8_E4M3",)),
               "naive-quantized": ("int", "compressed-tensors int8 weights", ("I8",))}
 
 
 def compressed_tensors(q: dict, where: str | Path) -> Scaled:
     """The Scaled format of a compressed-tensors config (llm-compressor's FP8-dynamic and W8A8 checkpoints): one
-    weight scheme for every config group, 8 bits, symmetric (no zero points), scales `W_scale` per tensor, channel
-    (row), group of columns or block; anything else (packed 4-bit, NVFP4, sparsity, zero points, activation
-    reordering) is refused naming what it is."""
+    weight scheme for every config group, 8 bits, scales `W_scale` per tensor, channel (row), group of columns or
+    block, and for int8 zero points `W_zero_point` where it stores them (W = (q - z) · s, as compressed-tensors
+    decompresses); anything else (packed 4-bit, NVFP4, sparsity, asymmetric FP8, activation reordering) is refused
+    naming what it is."""
     fmt = q.get("format")
     groups = q.get("config_groups")
     schemes = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
@@ -132,7 +136,8 @@ def compressed_tensors(q: dict, where: str | Path) -> Scaled:
     why = f"its format is {fmt!r}" if kind is None else "its config groups quantize weights in different ways" \
         if w is None else f"its sparsity format is {sparse!r}" if sparse != "dense" else \
         f"its weights are {w.get('num_bits')}-bit {w.get('type')}" if (w.get("num_bits"), w.get("type")) != (8, kind[0]) \
-        else "its weights have zero points (symmetric: false)" if w.get("symmetric") is False else \
+        else "its FP8 weights have zero points (symmetric: false)" if w.get("symmetric") is False and kind[0] == "float" \
+        else \
         f"its weights are reordered (actorder {w.get('actorder')!r})" if w.get("actorder") else \
         f"its weight strategy is {w.get('strategy')!r}" if w.get("strategy") not in ("tensor", "channel", "group", "block") \
         else ""
@@ -147,7 +152,7 @@ def compressed_tensors(q: dict, where: str | Path) -> Scaled:
                               f"{'group_size' if w['strategy'] == 'group' else 'block_structure'} is {size!r:.80}")
     block = {"tensor": None, "channel": (1, None), "group": (1, size),
              "block": tuple(size) if isinstance(size, list) else None}[w["strategy"]]
-    return Scaled(block, "_scale", kind[1], kind[2])
+    return Scaled(block, "_scale", kind[1], kind[2], "_zero_point" if kind[0] == "int" else None)
 
 
 def split_packed(headers: dict, folder: str | Path) -> dict:
@@ -179,41 +184,57 @@ def unpack_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
 
 
 def split_scales(headers: dict, fmt: Scaled, folder: str | Path) -> dict:
-    """Take the scales (and static activation and KV-cache scales) out of `headers` {name: TensorInfo}, in place, and
-    return {weight name: its scales' TensorInfo}, every pair checked: a weight of `fmt.weights`, scales of a float
-    dtype or UE8M0 in the shape `fmt` gives its blocks."""
+    """Take the scales and zero points (and static activation and KV-cache scales) out of `headers` {name:
+    TensorInfo}, in place, and return {weight name: (its scales' TensorInfo, its zero points' or None)}, every one
+    checked: a weight of `fmt.weights`, scales of a float dtype or UE8M0 in the shape `fmt` gives its blocks, zero
+    points of that shape."""
     scales = {}
-    for name in [k for k in headers if k.endswith(fmt.suffix) or k.endswith(IGNORED)]:
+    extra = tuple(x for x in (fmt.suffix, fmt.zero) if x)
+    for name in [k for k in headers if k.endswith(extra) or k.endswith(IGNORED)]:
         info = headers.pop(name)
-        if not name.endswith(fmt.suffix):
+        if not name.endswith(extra):
             continue
-        weight = headers.get(name[:-len(fmt.suffix)])
+        suffix = next(x for x in extra if name.endswith(x))
+        base = name[:-len(suffix)]
+        weight = headers.get(base)
         if weight is None:
-            raise CheckpointError(f"{folder}: {name} scales no tensor ({name[:-len(fmt.suffix)]} is missing)")
+            raise CheckpointError(f"{folder}: {name} scales no tensor ({base} is missing)")
         want = fmt.grid(weight.shape) if len(weight.shape) >= 2 else None
         ok_shape = info.shape == want or (fmt.block is None and math.prod(info.shape) == 1)
-        if weight.dtype not in fmt.weights or info.dtype not in SCALE_DTYPES or not ok_shape:
+        dtypes = SCALE_DTYPES if suffix == fmt.suffix else ZERO_DTYPES
+        if weight.dtype not in fmt.weights or info.dtype not in dtypes or not ok_shape:
             raise CheckpointError(
                 f"{folder}: {name} is {info.dtype} {list(info.shape)} beside the {weight.dtype} {list(weight.shape)} "
-                f"weight it scales; {fmt.label} with block {list(fmt.block or [])} need a {' or '.join(fmt.weights)} "
-                f"weight and scales of {', '.join(SCALE_DTYPES)} shaped {list(want or ['≥ 2 dimensions'])}")
-        scales[name[:-len(fmt.suffix)]] = info
+                f"weight it belongs to; {fmt.label} with block {list(fmt.block or [])} need a "
+                f"{' or '.join(fmt.weights)} weight and {suffix} of {', '.join(dtypes)} shaped "
+                f"{list(want or ['≥ 2 dimensions'])}")
+        scale, zero = scales.get(base, (None, None))
+        scales[base] = (info, zero) if suffix == fmt.suffix else (scale, info)
+    missing = next((k for k, (scale, _) in scales.items() if scale is None), None)
+    if missing is not None:
+        raise CheckpointError(f"{folder}: {missing} has zero points but no {missing}{fmt.suffix}")
     return scales
 
 
-def dequantize(q: Tensor, s: Tensor, block: tuple[int, int] | None) -> Tensor:
-    """The float32 weight of 8-bit values `q` (..., O, I) and their scales `s` (module docstring), `block` resolved
-    (Scaled.resolve)."""
+def dequantize(q: Tensor, s: Tensor, block: tuple[int, int] | None, z: Tensor | None = None) -> Tensor:
+    """The float32 weight (q - z) · s of 8-bit values `q` (..., O, I), their scales `s` and zero points `z` (None: 0),
+    both (..., ⌈O/bo⌉, ⌈I/bi⌉) (module docstring), `block` resolved (Scaled.resolve)."""
     if s.dtype == torch.uint8:  # UE8M0 exponents stored as bytes
         s = torch.exp2(s.float() - 127)
-    s = s.float()
-    if block is None:
-        return q.float() * s.reshape(())
     w = q.float()
-    rows, cols = w.shape[-2:]
-    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :]  # (..., O, ⌈I/bi⌉)
-    full, rest = divmod(cols, block[1])  # whole column blocks, and the columns of a last partial one
-    w[..., :full * block[1]].unflatten(-1, (full, block[1])).mul_(s[..., :full, None])
-    if rest:
-        w[..., full * block[1]:].mul_(s[..., full:])
+    if block is None:
+        return (w - (0 if z is None else z.float().reshape(()))) * s.float().reshape(())
+    if z is not None:
+        _blockwise(w, z.float(), block, Tensor.sub_)
+    _blockwise(w, s.float(), block, Tensor.mul_)
     return w
+
+
+def _blockwise(w: Tensor, t: Tensor, block: tuple[int, int], op) -> None:
+    """w = op(w, t) in place, t's entry [..., o // bo, i // bi] applied to w[..., o, i]."""
+    rows, cols = w.shape[-2:]
+    t = t.repeat_interleave(block[0], dim=-2)[..., :rows, :]  # (..., O, ⌈I/bi⌉)
+    full, rest = divmod(cols, block[1])  # whole column blocks, and the columns of a last partial one
+    op(w[..., :full * block[1]].unflatten(-1, (full, block[1])), t[..., :full, None])
+    if rest:
+        op(w[..., full * block[1]:], t[..., full:])

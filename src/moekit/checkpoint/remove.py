@@ -220,13 +220,14 @@ def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo
 
 
 def _cut_scales(cuts: list[Cut], fmt: Scaled) -> None:
-    """The block scales of a scaled weight cut along its expert axis, cut the same way (fused experts (E, O, I) and
-    their scales (E, ⌈O/bo⌉, ⌈I/bi⌉); a per-channel router's rows and their scales); ConfigError for a weight cut along
-    a dimension stored in blocks of more than one (a block-quantized router's rows), which would split its blocks.
-    Per-expert tensors and their scales are kept or dropped together by name."""
-    weights = {c.source: c for c in cuts}
+    """The block scales (and zero points) of a scaled weight cut along its expert axis, cut the same way (fused
+    experts (E, O, I) and their scales (E, ⌈O/bo⌉, ⌈I/bi⌉); a per-channel router's rows and their scales); ConfigError
+    for a weight cut along a dimension stored in blocks of more than one (a block-quantized router's rows), which
+    would split its blocks. Per-expert tensors and their scales are kept or dropped together by name."""
+    weights, suffixes = {c.source: c for c in cuts}, tuple(x for x in (fmt.suffix, fmt.zero) if x)
     for c in cuts:
-        w = weights.get(c.source.removesuffix(fmt.suffix)) if c.source.endswith(fmt.suffix) else None
+        suffix = next((x for x in suffixes if c.source.endswith(x)), None)
+        w = weights.get(c.source.removesuffix(suffix)) if suffix else None
         if w is None or w.rows is None or c.rows is not None:
             continue
         block = fmt.resolve(w.info.shape)

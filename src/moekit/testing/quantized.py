@@ -18,34 +18,39 @@ QUANTIZED = re.compile(r".*(proj|proj_with_mqa|\.w[123])\.weight$|.*\.experts\.(
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # the largest value of each 8-bit type
 
 
+def _blocks(w: Tensor, block: tuple[int, int] | None) -> Tensor:
+    """The values of each block of `w` (..., O, I): (..., ⌈O/bo⌉, ⌈I/bi⌉, bo·bi), a partial block padded with 0;
+    (1, O·I) where `block` is None."""
+    if block is None:
+        return w.reshape(1, -1)
+    rows, cols = w.shape[-2:]
+    padded = torch.zeros(*w.shape[:-2], -(-rows // block[0]) * block[0], -(-cols // block[1]) * block[1])
+    padded[..., :rows, :cols] = w
+    return padded.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0])).transpose(-3, -2).flatten(-2)
+
+
 def block_scales(w: Tensor, block: tuple[int, int] | None, scale_dtype: torch.dtype, qmax: float = 448.0) -> Tensor:
     """Scales (..., ⌈O/bo⌉, ⌈I/bi⌉) (one per tensor where `block` is None) that map each block's largest |w| to
     `qmax`, rounded to `scale_dtype` (UE8M0: float8_e8m0fnu or its bytes, uint8, rounded up to a power of two)."""
-    if block is None:
-        amax = w.abs().amax().reshape(1)
-    else:
-        rows, cols = w.shape[-2:]
-        padded = torch.zeros(*w.shape[:-2], -(-rows // block[0]) * block[0], -(-cols // block[1]) * block[1])
-        padded[..., :rows, :cols] = w.abs()
-        amax = padded.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0])).amax(dim=(-3, -1))
-    s = amax.clamp(min=1e-8) / qmax
+    s = _blocks(w.abs(), block).amax(-1).clamp(min=1e-8) / qmax
     if scale_dtype in (torch.uint8, torch.float8_e8m0fnu):
         exponent = torch.ceil(torch.log2(s)) + 127
         return exponent.to(torch.uint8) if scale_dtype == torch.uint8 else exponent.to(torch.uint8).view(scale_dtype)
     return s.to(scale_dtype)
 
 
-def reference_values(q: Tensor, s: Tensor, block: tuple[int, int] | None) -> Tensor:
-    """W[..., o, i] = q[..., o, i] · s[..., o // bo, i // bi] in float32, by index arithmetic (written apart from
-    moekit.checkpoint.quantized.dequantize, which it checks)."""
+def reference_values(q: Tensor, s: Tensor, block: tuple[int, int] | None, z: Tensor | None = None) -> Tensor:
+    """W[..., o, i] = (q[..., o, i] - z[..., o // bo, i // bi]) · s[..., o // bo, i // bi] in float32 (z: 0 where None),
+    by index arithmetic (written apart from moekit.checkpoint.quantized.dequantize, which it checks)."""
     scale = torch.exp2(s.view(torch.uint8).float() - 127) if s.dtype in (torch.uint8, torch.float8_e8m0fnu) \
         else s.float()
+    zero = torch.zeros_like(scale) if z is None else z.float()
     if block is None:
-        return q.float() * scale.reshape(())
+        return (q.float() - zero.reshape(())) * scale.reshape(())
     rows, cols = q.shape[-2:]
-    r = torch.arange(rows) // block[0]
-    c = torch.arange(cols) // block[1]
-    return q.float() * scale[..., r[:, None], c[None, :]]
+    r = (torch.arange(rows) // block[0])[:, None]
+    c = (torch.arange(cols) // block[1])[None, :]
+    return (q.float() - zero[..., r, c]) * scale[..., r, c]
 
 
 def quantize(w: Tensor, block: tuple[int | None, int | None] | None, scale_dtype: torch.dtype,
@@ -59,15 +64,33 @@ def quantize(w: Tensor, block: tuple[int | None, int | None] | None, scale_dtype
     return q, s, reference_values(q, s, resolved)  # float32: q · s is exact there, not in bf16
 
 
-def _save_scaled(model: nn.Module, folder: Path, float_folder: Path, fused: bool, suffix: str,
-                 quantize_one: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]], quantization_config: dict) -> Path:
+def quantize_asymmetric(w: Tensor, block: tuple[int | None, int | None] | None,
+                        scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(int8 values, scales, int8 zero points, the float32 weight (q - z) · s) of `w` (..., O, I): each block's range
+    [min, max] (0 included) mapped onto [-128, 127]."""
+    resolved = None if block is None else (block[0] or w.shape[-2], block[1] or w.shape[-1])
+    values = _blocks(w.float(), resolved)
+    lo, hi = values.amin(-1).clamp(max=0), values.amax(-1).clamp(min=0)
+    s = ((hi - lo).clamp(min=1e-8) / 255).to(scale_dtype)
+    z = (-128 - lo / s.float()).round().clamp(-128, 127).to(torch.int8)
+    x = w.float() / reference_values(torch.ones(w.shape), s, resolved) + reference_values(torch.ones(w.shape),
+                                                                                          z.float(), resolved)
+    q = x.round().clamp(-128, 127).to(torch.int8)
+    return q, s, z, reference_values(q, s, resolved, z)
+
+
+def _save_scaled(model: nn.Module, folder: Path, float_folder: Path, fused: bool,
+                 quantize_one: Callable[[Tensor], tuple[Tensor, dict[str, Tensor], Tensor]],
+                 quantization_config: dict) -> Path:
+    """`quantize_one(w)`: (the stored values, {suffix: scales or zero points}, the float32 weight they encode)."""
     model.save_pretrained(folder)
     stored = model.state_dict() if fused else load_file(folder / "model.safetensors")
     quantized, values = {}, {}
     for name, w in stored.items():
         w = w.detach().contiguous()
         if QUANTIZED.fullmatch(name) and w.dim() >= 2:
-            quantized[name], quantized[name + suffix], values[name] = quantize_one(w)
+            quantized[name], extra, values[name] = quantize_one(w)
+            quantized |= {name + suffix: t for suffix, t in extra.items()}
         else:
             quantized[name] = values[name] = w
     if fused:  # only the model's own names: tied tensors once, as save_pretrained keeps them
@@ -92,20 +115,24 @@ def save_fp8(model: nn.Module, folder: str | Path, float_folder: str | Path, blo
     saves them."""
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
               **({"weight_block_size": list(block)} if block else {})}
-    return _save_scaled(model, Path(folder), Path(float_folder), fused, "_scale_inv",
-                        lambda w: quantize(w, block, scale_dtype, torch.float8_e4m3fn), config)
+    def one(w: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        q, s, values = quantize(w, block, scale_dtype, torch.float8_e4m3fn)
+        return q, {"_scale_inv": s}, values
+
+    return _save_scaled(model, Path(folder), Path(float_folder), fused, one, config)
 
 
 STRATEGIES = {"tensor": None, "channel": (1, None), "group": (1, 16), "block": (16, 16)}  # compressed-tensors' scales
 
 
 def save_compressed(model: nn.Module, folder: str | Path, float_folder: str | Path, strategy: str = "channel",
-                    kind: str = "float", scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+                    kind: str = "float", scale_dtype: torch.dtype = torch.bfloat16, symmetric: bool = True) -> Path:
     """Save `model` as llm-compressor saves an FP8-dynamic (`kind` float) or W8A8 (int) checkpoint: each projection's
-    weight F8_E4M3 or I8 beside `*_scale` (`strategy`: one per tensor, row, 16 columns of a row or 16×16 block),
-    quantization_config quant_method compressed-tensors; and in `float_folder` the float checkpoint of its values."""
+    weight F8_E4M3 or I8 beside `*_scale` (`strategy`: one per tensor, row, 16 columns of a row or 16×16 block) and,
+    int8 without `symmetric`, `*_zero_point`; quantization_config quant_method compressed-tensors. In `float_folder`:
+    the float checkpoint of its values."""
     block = STRATEGIES[strategy]
-    weights = {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": True, "dynamic": False,
+    weights = {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": symmetric, "dynamic": False,
                "group_size": 16 if strategy == "group" else None, "actorder": None,
                "block_structure": list(block) if strategy == "block" else None}
     config = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
@@ -113,8 +140,15 @@ def save_compressed(model: nn.Module, folder: str | Path, float_folder: str | Pa
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
                   "num_bits": 8, "type": kind, "strategy": "token", "dynamic": True, "symmetric": True}}}}
     qdtype = {"float": torch.float8_e4m3fn, "int": torch.int8}[kind]
-    return _save_scaled(model, Path(folder), Path(float_folder), False, "_scale",
-                        lambda w: quantize(w, block, scale_dtype, qdtype), config)
+
+    def one(w: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        if not symmetric:
+            q, s, z, values = quantize_asymmetric(w, block, scale_dtype)
+            return q, {"_scale": s, "_zero_point": z}, values
+        q, s, values = quantize(w, block, scale_dtype, qdtype)
+        return q, {"_scale": s}, values
+
+    return _save_scaled(model, Path(folder), Path(float_folder), False, one, config)
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 PACKED_EXPERTS = re.compile(r".*\.experts\.(gate_up_proj|down_proj)$")  # what GPT-OSS ships in MXFP4
