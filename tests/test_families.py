@@ -109,6 +109,20 @@ STREAM_REFUSED = {"glm_moe_dsa": "state passed from layer to layer",  # each lay
                   "zaya": "state passed from layer to layer"}  # its router state
 
 
+@pytest.mark.parametrize("family", sorted(STREAM_REFUSED))
+def test_state_passed_between_layers_is_refused_whatever_the_batch(family, tmp_path):
+    """The first pass's stubbed layers return their input; a family that unpacks two values from a layer (`hidden,
+    state = layer(...)`) unpacked a batch of two unpadded rows as (row 0, row 1) and went on with the wrong tensors
+    (a ValueError deep in Zaya's attention, or a wrong trace). What a stub returns now refuses to be unpacked or
+    indexed, so the refusal does not depend on the batch: one and two rows, padded or not."""
+    tiny_family_model(family).save_pretrained(tmp_path)
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    for batch in (Batch("en", ids, torch.ones_like(ids)), Batch("en", ids[:1], torch.ones_like(ids[:1])),
+                  *_batches()):
+        with pytest.raises(UnsupportedModelError, match=STREAM_REFUSED[family]) as e:
+            collect_streamed(tmp_path, [batch])
+        assert "\n" not in str(e.value)
+
 
 def test_a_family_whose_own_forward_fails_in_transformers_is_refused_in_one_line(tmp_path):
     """Qwen3-Omni-MoE's thinker, as transformers 5.23 ships it, fails in its own forward once it is given an attention

@@ -41,6 +41,22 @@ class _Stop(Exception):
     """Raised by the first pass once the last decoder layer has been reached."""
 
 
+class _StatePassed(Exception):
+    """Raised where a family's forward unpacks or indexes what a (stubbed) decoder layer returned."""
+
+
+class _Returned(torch.Tensor):
+    """What a stubbed layer returns in the first pass: its input, refusing to be unpacked or indexed. A family whose
+    layers return more than their hidden states (`hidden, state = layer(...)`: state passed from layer to layer) would
+    otherwise unpack a batch of two as (row 0, row 1) and go on with the wrong tensors."""
+
+    def __iter__(self):
+        raise _StatePassed
+
+    def __getitem__(self, index):
+        raise _StatePassed
+
+
 SPILL = "moekit-hidden"  # the spill folder: .moekit-hidden.moekit-tmp-PID-XXXXXXXX in the temporary directory
 
 
@@ -92,10 +108,10 @@ def _stubbed(layers: nn.ModuleList, calls: list[tuple[tuple, dict]]) -> Iterator
     forward (nothing after the stack runs)."""
     def stub(*args, **kwargs):
         calls.append((args[1:], kwargs))
-        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = (args[0] if args else kwargs["hidden_states"]).as_subclass(torch.Tensor)
         if len(calls) == len(layers):
             raise _Stop(hidden)
-        return hidden
+        return hidden.as_subclass(_Returned)
 
     for layer in layers:
         layer.forward = stub
@@ -145,11 +161,11 @@ def first_pass(stream: LayerStream, batches: list[Batch], layers: nn.ModuleList,
                           use_cache=False)
                 except _Stop as stop:
                     inputs.append(stop.args[0].cpu())
-                except (ValueError, TypeError) as e:  # the model unpacked more than the hidden states
+                except _StatePassed:  # the model unpacked or indexed what its layer returned
                     raise UnsupportedModelError(
                         f"{type(model).__name__}'s decoder layers return more than their hidden states (state "
-                        f"passed from layer to layer: {e}), which capture one layer at a time cannot rebuild; "
-                        "capture it with the whole model loaded instead") from None
+                        "passed from layer to layer), which capture one layer at a time cannot rebuild; capture it "
+                        "with the whole model loaded instead") from None
             calls.append([_detached(c) for c in recorded])
     finally:
         stream.drop_params(loaded)
