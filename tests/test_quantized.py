@@ -392,3 +392,14 @@ def test_other_compressed_tensors_formats_are_refused(tmp_path, edit, words):
         with pytest.raises(CheckpointError, match=words) as e:
             call()
         assert "\n" not in str(e.value) and "compressed-tensors checkpoint moekit cannot read" in str(e.value)
+
+
+@pytest.mark.parametrize("strategy,key,value", [("group", "group_size", 0), ("group", "group_size", "16"),
+                                                ("block", "block_structure", [16]), ("block", "block_structure", None)])
+def test_bad_compressed_tensors_sizes_are_refused(tmp_path, strategy, key, value):
+    ct, _ = _pair(tmp_path, tiny_qwen3(), save_compressed, "compressed", strategy=strategy, kind="int")
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"][key] = value
+    (ct / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"the {strategy} strategy's {key} is"):
+        ShardReader(ct)

@@ -215,9 +215,9 @@ def _from_pretrained(path: Path, config, has_st: bool, dtype: torch.dtype, trust
 
 
 def _load_quantized(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
-    """The float model of an FP8 or MXFP4 checkpoint, its weights dequantized by moekit's reader and loaded with transformers'
-    own renaming and fusing (moekit.checkpoint.layerwise.LayerStream); its config has no quantization_config
-    (load_config)."""
+    """The float model of a quantized checkpoint, its weights dequantized by moekit's reader and loaded with
+    transformers' own renaming and fusing (moekit.checkpoint.layerwise.LayerStream); its config has no
+    quantization_config (load_config)."""
     from moekit.checkpoint.layerwise import LayerStream, in_dtype
 
     model = in_dtype(meta_model(path, trust_remote_code, buffers=True), dtype)
@@ -227,9 +227,6 @@ def _load_quantized(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> 
     model.tie_weights()
     load_generation_config(model, path)
     return model
-    if not allow_nonfinite:
-        check_finite(model.named_parameters(), str(path))
-    return read_state(model.eval(), path)
 
 
 def check_dense_dir(path: str | Path) -> Path:

@@ -294,9 +294,9 @@ class ShardReader:
             fmt = quantization(self.folder)  # any other quantization is refused here
             self.headers = read_headers(self.folder, self._fds)
             self.scaled = fmt if isinstance(fmt, Scaled) and dequantize else None
-            self.scales = split_scales(self.headers, fmt, self.folder) if self.scaled else {}  # {weight: (scales, zero points)}
-            mxfp4 = isinstance(fmt, Mxfp4) and dequantize
-            self.packed = split_packed(self.headers, self.folder) if mxfp4 else {}  # {weight: (blocks, scales)}
+            # {weight: (scales, zero points)}, {weight: (blocks, scales)}: the tensors a quantized weight is read from
+            self.scales = split_scales(self.headers, fmt, self.folder) if self.scaled else {}
+            self.packed = split_packed(self.headers, self.folder) if isinstance(fmt, Mxfp4) and dequantize else {}
         except BaseException:
             self.close()
             raise
@@ -322,8 +322,8 @@ class ShardReader:
         return list(self.headers)
 
     def get(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name` in its stored dtype (a quantized weight: dequantized, in float32), or its `index`-th slice along
-        dim 0."""
+        """Tensor `name` in its stored dtype (a quantized weight: dequantized, in float32), or its `index`-th slice
+        along dim 0."""
         info = self.headers.get(name)
         if info is None:
             raise CheckpointError(f"{self.folder} has no tensor {name}")

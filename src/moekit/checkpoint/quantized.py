@@ -124,35 +124,45 @@ def compressed_tensors(q: dict, where: str | Path) -> Scaled:
     """The Scaled format of a compressed-tensors config (llm-compressor's FP8-dynamic and W8A8 checkpoints): one
     weight scheme for every config group, 8 bits, scales `W_scale` per tensor, channel (row), group of columns or
     block, and for int8 zero points `W_zero_point` where it stores them (W = (q - z) · s, as compressed-tensors
-    decompresses); anything else (packed 4-bit, NVFP4, sparsity, asymmetric FP8, activation reordering) is refused
-    naming what it is."""
-    fmt = q.get("format")
+    decompresses); anything else (`_unread`) is refused naming what it is."""
+    kind = CT_FORMATS.get(q.get("format"))
     groups = q.get("config_groups")
     schemes = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
-    w = schemes[0] if schemes and all(x == schemes[0] for x in schemes) and isinstance(schemes[0], dict) else None
-    sparse = (q.get("sparsity_config") or {}).get("format", "dense") if isinstance(q.get("sparsity_config"), dict) \
-        else "dense"
-    kind = CT_FORMATS.get(fmt)
-    why = f"its format is {fmt!r}" if kind is None else "its config groups quantize weights in different ways" \
-        if w is None else f"its sparsity format is {sparse!r}" if sparse != "dense" else \
-        f"its weights are {w.get('num_bits')}-bit {w.get('type')}" if (w.get("num_bits"), w.get("type")) != (8, kind[0]) \
-        else "its FP8 weights have zero points (symmetric: false)" if w.get("symmetric") is False and kind[0] == "float" \
-        else \
-        f"its weights are reordered (actorder {w.get('actorder')!r})" if w.get("actorder") else \
-        f"its weight strategy is {w.get('strategy')!r}" if w.get("strategy") not in ("tensor", "channel", "group", "block") \
-        else ""
-    if why:
+    w = schemes[0] if schemes and isinstance(schemes[0], dict) and all(x == schemes[0] for x in schemes) else None
+    why = _unread(q, w, kind)
+    if why or w is None or kind is None:
         raise CheckpointError(f"{where}: a compressed-tensors checkpoint moekit cannot read ({why}); {READ}: load it "
                               "with transformers, dequantize it and save_pretrained the float model first")
-    size = w.get("group_size") if w["strategy"] == "group" else w.get("block_structure")
-    ok = type(size) is int and size > 0 if w["strategy"] == "group" else \
-        isinstance(size, list) and len(size) == 2 and all(type(b) is int and b > 0 for b in size)
-    if w["strategy"] in ("group", "block") and not ok:
-        raise CheckpointError(f"{where}/config.json: the {w['strategy']} strategy's "
-                              f"{'group_size' if w['strategy'] == 'group' else 'block_structure'} is {size!r:.80}")
-    block = {"tensor": None, "channel": (1, None), "group": (1, size),
-             "block": tuple(size) if isinstance(size, list) else None}[w["strategy"]]
+    strategy = w["strategy"]
+    size = w.get("group_size") if strategy == "group" else w.get("block_structure")
+    if strategy == "group" and not (type(size) is int and size > 0) or strategy == "block" and not (
+            isinstance(size, list) and len(size) == 2 and all(type(b) is int and b > 0 for b in size)):
+        key = "group_size" if strategy == "group" else "block_structure"
+        raise CheckpointError(f"{where}/config.json: the {strategy} strategy's {key} is {size!r:.80}")
+    block = (1, size) if strategy == "group" else tuple(size) if strategy == "block" else \
+        (1, None) if strategy == "channel" else None  # tensor: one scale
     return Scaled(block, "_scale", kind[1], kind[2], "_zero_point" if kind[0] == "int" else None)
+
+
+def _unread(q: dict, w: dict | None, kind: tuple | None) -> str:
+    """Why moekit cannot read a compressed-tensors config with weight scheme `w` in format `kind` ("" if it can)."""
+    sparsity = q.get("sparsity_config")
+    sparse = sparsity.get("format", "dense") if isinstance(sparsity, dict) else "dense"
+    if kind is None:
+        return f"its format is {q.get('format')!r}"
+    if w is None:
+        return "its config groups quantize weights in different ways"
+    if sparse != "dense":
+        return f"its sparsity format is {sparse!r}"
+    if (w.get("num_bits"), w.get("type")) != (8, kind[0]):
+        return f"its weights are {w.get('num_bits')}-bit {w.get('type')}"
+    if w.get("symmetric") is False and kind[0] == "float":
+        return "its FP8 weights have zero points (symmetric: false)"
+    if w.get("actorder"):
+        return f"its weights are reordered (actorder {w.get('actorder')!r})"
+    if w.get("strategy") not in ("tensor", "channel", "group", "block"):
+        return f"its weight strategy is {w.get('strategy')!r}"
+    return ""
 
 
 def split_packed(headers: dict, folder: str | Path) -> dict:
