@@ -90,7 +90,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 
 def parse_quantization(config: dict, where: str | Path) -> Scaled | Mxfp4 | None:
     """The quantization a config.json (`config`, parsed) declares, None for a float checkpoint; CheckpointError for
-    any other than FP8 and MXFP4, or an FP8 config whose block size is not two positive integers."""
+    one moekit does not read (READ), or an FP8 config whose block size is not two positive integers."""
     q = config.get("quantization_config")
     if q is None:
         return None
