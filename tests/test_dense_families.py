@@ -19,7 +19,7 @@ from moekit.checkpoint.format import load
 from moekit.config import validate
 from moekit.errors import MoekitError, UnsupportedModelError
 from moekit.moe import MoELayer, MoESpec, moe_layers
-from moekit.testing.families import dense_model_types, tiny_family_model
+from moekit.testing.families import dense_model_types, tiny_config, tiny_family_model
 
 FAMILIES = sorted(dense_model_types())
 SPEC = {"num_experts": 4, "top_k": 2, "init": "ume"}
@@ -136,6 +136,28 @@ def test_ume_streamed_equals_the_dense_family_or_refuses_in_one_line(family, tmp
         return
     upcycle_checkpoint(tmp_path / "dense", out, validate(MoESpec, SPEC))
     torch.testing.assert_close(_logits(load(out)), want, rtol=1e-5, atol=1e-5)
+
+
+# config options a family's default leaves off, flipped one at a time on a sample of widely used families (a sweep of
+# every family with every option they have found nothing beyond the refusals above; this keeps a sample of it)
+OPTIONS = {"mlp_bias": True, "attention_bias": True, "tie_word_embeddings": True, "hidden_act": "relu2"}
+OPTION_SAMPLE = [(f, k) for f in ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "olmo2", "granite", "glm4",
+                                  "stablelm", "gpt_neox", "bert") for k, v in OPTIONS.items()
+                 if getattr(tiny_config(f), k, v) != v]  # the options each family's config has, off by default
+
+
+@pytest.mark.parametrize("family,option", OPTION_SAMPLE)
+def test_ume_stays_exact_with_config_options_flipped(family, option, tmp_path):
+    def edit(cfg):
+        _adversarial(cfg)
+        setattr(cfg, option, OPTIONS[option])
+
+    dense = tiny_family_model(family, edit=edit, perturb=0.05)
+    want = _logits(dense)
+    dense.save_pretrained(tmp_path / "dense")
+    upcycle_checkpoint(tmp_path / "dense", tmp_path / "moe", validate(MoESpec, SPEC))
+    torch.testing.assert_close(_logits(upcycle(dense, validate(MoESpec, SPEC))), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_logits(load(tmp_path / "moe")), want, rtol=1e-5, atol=1e-5)
 
 
 # vision-language models (image-text-to-text classes): not swept, a sample of widely used families; True where

@@ -25,7 +25,7 @@ from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
 from moekit.selection.finetune import attach
 from moekit.selection.prune import kept_experts, load_pruned, prune, save_pruned
 from moekit.selection.selection import Selection
-from moekit.testing.families import moe_model_types, tiny_family_model
+from moekit.testing.families import moe_model_types, tiny_config, tiny_family_model
 from test_families import HARNESS_CANNOT_BUILD, REFUSED  # tests/test_families.py: what capture cannot read
 
 FAMILIES = sorted(f for f in moe_model_types() if f not in HARNESS_CANNOT_BUILD and f not in REFUSED)
@@ -199,3 +199,32 @@ def test_removal_cuts_one_axis_of_the_experts_or_refuses():
         with pytest.raises(ConfigError, match="not one axis of the 8 experts") as e:
             cut(have, want)
         assert "\n" not in str(e.value)
+
+
+# MoE config options a family's default leaves as they are, changed one at a time on a sample of widely used families
+# (a sweep of every family with every option they have found one bug, Zaya's streamed refusal: test_families.py)
+MOE_OPTIONS = {"norm_topk_prob": None, "num_experts_per_tok": 1, "routed_scaling_factor": 2.5,
+               "first_k_dense_replace": 1, "decoder_sparse_step": 2, "n_shared_experts": 2}
+MOE_OPTION_SAMPLE = [(f, k) for f in ("qwen2_moe", "qwen3_moe", "deepseek_v3", "mixtral", "olmoe", "glm4_moe",
+                                      "minimax", "ernie4_5_moe")
+                     for k in MOE_OPTIONS if hasattr(tiny_config(f), k)]
+
+
+def _flipped(family: str, option: str):
+    def edit(cfg):
+        value = MOE_OPTIONS[option]
+        setattr(cfg, option, (not getattr(cfg, option)) if value is None else value)
+
+    return tiny_family_model(family, perturb=0.05, edit=edit)
+
+
+@pytest.mark.parametrize("family,option", MOE_OPTION_SAMPLE)
+def test_capture_and_pruning_hold_with_config_options_changed(family, option, tmp_path):
+    """Streamed capture equals in-memory capture, and disabled equals removed, with the option changed."""
+    model = _flipped(family, option)
+    model.save_pretrained(tmp_path / "m")
+    batches = [Batch("en", IDS, torch.ones_like(IDS))]
+    got, want = collect_streamed(tmp_path / "m", batches), collect_in_memory(model, batches)
+    assert got.layers == want.layers and np.array_equal(got.ids, want.ids)
+    np.testing.assert_allclose(got.weights, want.weights, rtol=1e-5, atol=1e-6)
+    _check_disabled_equals_removed(family, model, tmp_path)
