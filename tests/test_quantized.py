@@ -403,3 +403,48 @@ def test_bad_compressed_tensors_sizes_are_refused(tmp_path, strategy, key, value
     (ct / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=f"the {strategy} strategy's {key} is"):
         ShardReader(ct)
+
+
+def _shard_apart(folder: Path) -> None:
+    """Split model.safetensors into two shards and an index, every scale in the other shard than its weight (the Hub's
+    FP8 checkpoints spread over 163 shards do not promise them together)."""
+    from safetensors.torch import save_file
+
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    first = {k for i, k in enumerate(sorted(k for k in tensors if not k.endswith("_scale_inv"))) if i % 2 == 0}
+    first |= {k for k in tensors if k.endswith("_scale_inv") and k[:-len("_scale_inv")] not in first}
+    shards = {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": set(tensors) - first}
+    for name, keys in shards.items():
+        save_file({k: tensors[k] for k in sorted(keys)}, folder / name, metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, keys in shards.items() for k in keys}}))
+
+
+def test_the_cli_on_a_sharded_fp8_moe(tmp_path, run):
+    """`moekit inspect`, `routes collect --stream on`, `select reap` and `prune --keep` on a DeepSeek-V3 whose scales
+    lie in other shards than their weights: the kept experts stay FP8 and compute what the float checkpoint's do."""
+    fp8, ref = _pair(tmp_path, MOE["deepseek_v3"]())
+    _shard_apart(fp8)
+    where = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"]
+    assert all(where[k] != where[k[:-len("_scale_inv")]] for k in where if k.endswith("_scale_inv"))
+    rc, out, err = run("inspect", fp8)
+    assert rc == 0 and "FP8 weights (blocks of 16×16), read dequantized" in out, err
+    (tmp_path / "en.txt").write_text("hello world\nthe cat sat on the mat\n")
+    for src in (fp8, ref):
+        rc, _, err = run("routes", "collect", "--model", src, "--texts", f"en={tmp_path / 'en.txt'}", "--out",
+                         tmp_path / f"{src.name}.npz", "--stream", "on")
+        assert rc == 0, err
+    assert np.array_equal(np.load(tmp_path / "fp8.npz")["ids"], np.load(tmp_path / "float.npz")["ids"])
+    rc, _, err = run("select", "reap", tmp_path / "fp8.npz", "--top", "2", "--out", tmp_path / "keep.json")
+    assert rc == 0, err
+    for src in (fp8, ref):
+        rc, _, err = run("prune", "--model", src, "--experts", tmp_path / "keep.json", "--keep", "--out",
+                         tmp_path / f"{src.name}_kept")
+        assert rc == 0, err
+    config = json.loads((tmp_path / "fp8_kept" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8" and config["n_routed_experts"] == 2
+    with torch.no_grad():
+        assert torch.equal(load_dense(tmp_path / "fp8_kept")(IDS).logits,
+                           load_dense(tmp_path / "float_kept")(IDS).logits)
