@@ -1,8 +1,10 @@
-"""Block-scaled FP8 checkpoints (DeepSeek-V3's and Qwen3-FP8's format) are read as the float model they encode,
-everywhere moekit reads a checkpoint; experts removed from one stay FP8; any other quantization is refused.
+"""Quantized checkpoints (DeepSeek-V3's and Qwen3-FP8's block FP8, compressed-tensors' 8-bit formats, GPT-OSS's MXFP4
+experts) are read as the float model they encode, everywhere moekit reads a checkpoint; experts removed from one stay
+quantized; any other quantization is refused.
 
-The oracle is the float checkpoint of the values the FP8 one encodes, written beside it by moekit.testing.quantized
-(whose dequantization is index arithmetic written apart from moekit's)."""
+The oracle is the float checkpoint of the values a quantized one encodes, written beside it by
+moekit.testing.quantized (whose dequantization is index arithmetic written apart from moekit's); where transformers
+or compressed-tensors can read the same checkpoint, they are checked too."""
 import hashlib
 import json
 import shutil
