@@ -98,6 +98,20 @@ def test_transformers_dequantizes_partial_blocks_with_the_wrong_blocks(tmp_path)
     assert torch.equal(load_dense(fp8).get_parameter(name).data, ShardReader(ref).get(name))
 
 
+def test_transformers_cannot_dequantize_deepseek_v3s_kv_a_proj_moekit_can():
+    """At DeepSeek-V3's real shape: kv_a_proj_with_mqa is (576, 7168) in blocks of 128, so 5 × 56 scales; transformers'
+    dequantization (the op it runs on a machine without a GPU) refuses 576 rows for 5 scale rows; moekit reads it, the
+    last 64 rows with the fifth scale row."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    q = torch.ones(576, 7168, dtype=torch.float8_e4m3fn)
+    s = torch.arange(1, 6, dtype=torch.float32)[:, None].expand(5, 56).contiguous()
+    with pytest.raises(ValueError, match="not divisible by scale grid"):
+        Fp8Dequantize(None)._dequantize_one(q, s, torch.bfloat16)
+    w = dequantize(q, s, (128, 128))
+    assert torch.equal(w[:, 0], torch.arange(576) // 128 + 1.0)
+
+
 @pytest.mark.parametrize("family", sorted(MOE))
 def test_routes_and_pruning_of_fp8_equal_the_float_model(tmp_path, family):
     """The routing trace of an FP8 checkpoint, streamed or loaded, is the float checkpoint's: the same experts,
@@ -225,7 +239,7 @@ def test_other_quantizations_are_refused_and_nothing_is_written(tmp_path, method
     assert _tree(tmp_path) == before
 
 
-def _edit_fp8(folder: Path, edit) -> None:
+def _edit_tensors(folder: Path, edit) -> None:
     with safe_open(folder / "model.safetensors", "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     edit(tensors)
@@ -245,7 +259,7 @@ SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
 ])
 def test_malformed_fp8_is_refused_in_one_line(tmp_path, edit, words):
     fp8, _ = _pair(tmp_path, tiny_qwen3())
-    _edit_fp8(fp8, edit)
+    _edit_tensors(fp8, edit)
     before = _tree(tmp_path)
     for call in (lambda: ShardReader(fp8), lambda: load_dense(fp8)):
         with pytest.raises(CheckpointError, match=words) as e:
@@ -296,6 +310,24 @@ def test_mxfp4_gpt_oss_reads_as_its_float_model(tmp_path):
         expected = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)(IDS).logits
         assert torch.equal(load_dense(mx)(IDS).logits, expected)
         assert torch.equal(AutoModelForCausalLM.from_pretrained(mx, dtype=torch.float32)(IDS).logits, expected)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda t: t.pop("model.layers.0.mlp.experts.down_proj_scales"), "beside no model.layers.0.mlp.experts.down_proj"),
+    (lambda t: t.update({"model.layers.0.mlp.experts.down_proj_scales":
+                         t["model.layers.0.mlp.experts.down_proj_scales"][:, :1].clone()}), "MXFP4 needs U8 blocks"),
+    (lambda t: t.update({"model.layers.0.mlp.experts.down_proj_blocks":
+                         t["model.layers.0.mlp.experts.down_proj_blocks"].to(torch.int16)}), "_blocks is I16"),
+])
+def test_malformed_mxfp4_is_refused_in_one_line(tmp_path, edit, words):
+    mx, _ = _pair(tmp_path, _gpt_oss(), save_mxfp4, "mxfp4")
+    _edit_tensors(mx, edit)
+    before = _tree(tmp_path)
+    for call in (lambda: ShardReader(mx), lambda: load_dense(mx)):
+        with pytest.raises(CheckpointError, match=words) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert _tree(tmp_path) == before
 
 
 def test_routes_and_pruning_of_mxfp4_equal_the_float_model(tmp_path):
