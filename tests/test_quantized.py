@@ -251,17 +251,25 @@ def _edit_tensors(folder: Path, edit) -> None:
 SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
 
 
-@pytest.mark.parametrize("edit,words", [
-    (lambda t: t.update({SCALE: t[SCALE][:1]}), r"F32 \[1, 2\] beside .* shaped \[2, 2\]"),
-    (lambda t: t.update({SCALE[:-len("_scale_inv")]: t[SCALE[:-len("_scale_inv")]].float()}), "beside the F32"),
-    (lambda t: t.update({"model.layers.0.self_attn.nothing.weight_scale_inv": t[SCALE].clone()}), "scales no tensor"),
-    (lambda t: t.update({SCALE: t[SCALE].to(torch.int32)}), "I32"),
+DOWN = "model.layers.0.mlp.experts.down_proj"  # GPT-OSS's MXFP4 down projection: DOWN_blocks, DOWN_scales
+
+
+@pytest.mark.parametrize("kind,edit,words", [
+    ("fp8", lambda t: t.update({SCALE: t[SCALE][:1]}), r"F32 \[1, 2\] beside .* shaped \[2, 2\]"),
+    ("fp8", lambda t: t.update({SCALE[:-len("_scale_inv")]: t[SCALE[:-len("_scale_inv")]].float()}),
+     "beside the F32"),
+    ("fp8", lambda t: t.update({"model.layers.0.self_attn.nothing.weight_scale_inv": t[SCALE].clone()}),
+     "scales no tensor"),
+    ("fp8", lambda t: t.update({SCALE: t[SCALE].to(torch.int32)}), "I32"),
+    ("mxfp4", lambda t: t.pop(DOWN + "_scales"), f"beside no {DOWN}_scales"),
+    ("mxfp4", lambda t: t.update({DOWN + "_scales": t[DOWN + "_scales"][:, :1].clone()}), "MXFP4 needs U8 blocks"),
+    ("mxfp4", lambda t: t.update({DOWN + "_blocks": t[DOWN + "_blocks"].to(torch.int16)}), "_blocks is I16"),
 ])
-def test_malformed_fp8_is_refused_in_one_line(tmp_path, edit, words):
-    fp8, _ = _pair(tmp_path, tiny_qwen3())
-    _edit_tensors(fp8, edit)
+def test_malformed_quantized_tensors_are_refused_in_one_line(tmp_path, kind, edit, words):
+    folder, _ = _pair(tmp_path, tiny_qwen3()) if kind == "fp8" else _pair(tmp_path, _gpt_oss(), save_mxfp4, "mxfp4")
+    _edit_tensors(folder, edit)
     before = _tree(tmp_path)
-    for call in (lambda: ShardReader(fp8), lambda: load_dense(fp8)):
+    for call in (lambda: ShardReader(folder), lambda: load_dense(folder)):
         with pytest.raises(CheckpointError, match=words) as e:
             call()
         assert "\n" not in str(e.value)
@@ -310,24 +318,6 @@ def test_mxfp4_gpt_oss_reads_as_its_float_model(tmp_path):
         expected = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)(IDS).logits
         assert torch.equal(load_dense(mx)(IDS).logits, expected)
         assert torch.equal(AutoModelForCausalLM.from_pretrained(mx, dtype=torch.float32)(IDS).logits, expected)
-
-
-@pytest.mark.parametrize("edit,words", [
-    (lambda t: t.pop("model.layers.0.mlp.experts.down_proj_scales"), "beside no model.layers.0.mlp.experts.down_proj"),
-    (lambda t: t.update({"model.layers.0.mlp.experts.down_proj_scales":
-                         t["model.layers.0.mlp.experts.down_proj_scales"][:, :1].clone()}), "MXFP4 needs U8 blocks"),
-    (lambda t: t.update({"model.layers.0.mlp.experts.down_proj_blocks":
-                         t["model.layers.0.mlp.experts.down_proj_blocks"].to(torch.int16)}), "_blocks is I16"),
-])
-def test_malformed_mxfp4_is_refused_in_one_line(tmp_path, edit, words):
-    mx, _ = _pair(tmp_path, _gpt_oss(), save_mxfp4, "mxfp4")
-    _edit_tensors(mx, edit)
-    before = _tree(tmp_path)
-    for call in (lambda: ShardReader(mx), lambda: load_dense(mx)):
-        with pytest.raises(CheckpointError, match=words) as e:
-            call()
-        assert "\n" not in str(e.value)
-    assert _tree(tmp_path) == before
 
 
 def test_routes_and_pruning_of_mxfp4_equal_the_float_model(tmp_path):
