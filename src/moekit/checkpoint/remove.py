@@ -277,7 +277,8 @@ def remove_experts(src: str | Path, out: str | Path, keep: dict[str, list[int]],
     plan = plan_removal(src, keep, trust_remote_code)
     cuts = plan.cuts
     planned = [Planned(c.name, c.shape, c.info.torch_dtype) for c in cuts]
-    with output(out, [src, *inputs], overwrite, sum(p.nbytes for p in planned)) as tmp, ShardReader(src, dequantize=False) as reader:
+    with output(out, [src, *inputs], overwrite, sum(p.nbytes for p in planned)) as tmp, \
+            ShardReader(src, dequantize=False) as reader:  # a quantized checkpoint stays so, byte for byte
         writer = ShardWriter(tmp, planned, max_shard_size)
         try:
             for n, c in enumerate(cuts, 1):
