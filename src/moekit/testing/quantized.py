@@ -53,11 +53,15 @@ def reference_values(q: Tensor, s: Tensor, block: tuple[int, int] | None, z: Ten
     return (q.float() - zero[..., r, c]) * scale[..., r, c]
 
 
+def _resolved(block: tuple[int | None, int | None] | None, shape: torch.Size) -> tuple[int, int] | None:
+    return None if block is None else (block[0] or shape[-2], block[1] or shape[-1])
+
+
 def quantize(w: Tensor, block: tuple[int | None, int | None] | None, scale_dtype: torch.dtype,
              qdtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """(values in `qdtype`, scales, the float32 weight they encode) of `w` (..., O, I); a None entry of `block` is the
     whole dimension."""
-    resolved = None if block is None else (block[0] or w.shape[-2], block[1] or w.shape[-1])
+    resolved = _resolved(block, w.shape)
     s = block_scales(w.float(), resolved, scale_dtype, QMAX[qdtype])
     x = (w.float() / reference_values(torch.ones(w.shape), s, resolved)).clamp(-QMAX[qdtype], QMAX[qdtype])
     q = x.to(qdtype) if qdtype.is_floating_point else x.round().to(qdtype)
@@ -68,7 +72,7 @@ def quantize_asymmetric(w: Tensor, block: tuple[int | None, int | None] | None,
                         scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(int8 values, scales, int8 zero points, the float32 weight (q - z) · s) of `w` (..., O, I): each block's range
     [min, max] (0 included) mapped onto [-128, 127]."""
-    resolved = None if block is None else (block[0] or w.shape[-2], block[1] or w.shape[-1])
+    resolved = _resolved(block, w.shape)
     values = _blocks(w.float(), resolved)
     lo, hi = values.amin(-1).clamp(max=0), values.amax(-1).clamp(min=0)
     s = ((hi - lo).clamp(min=1e-8) / 255).to(scale_dtype)
@@ -115,6 +119,7 @@ def save_fp8(model: nn.Module, folder: str | Path, float_folder: str | Path, blo
     saves them."""
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
               **({"weight_block_size": list(block)} if block else {})}
+
     def one(w: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         q, s, values = quantize(w, block, scale_dtype, torch.float8_e4m3fn)
         return q, {"_scale_inv": s}, values
