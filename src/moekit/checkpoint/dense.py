@@ -218,10 +218,9 @@ def _load_quantized(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> 
     """The float model of a quantized checkpoint, its weights dequantized by moekit's reader and loaded with
     transformers' own renaming and fusing (moekit.checkpoint.layerwise.LayerStream); its config has no
     quantization_config (load_config)."""
-    from moekit.checkpoint.layerwise import LayerStream, in_dtype
+    from moekit.checkpoint.layerwise import LayerStream
 
-    model = in_dtype(meta_model(path, trust_remote_code, buffers=True), dtype)
-    check_stored_shapes(path, model)
+    model = streamable_model(path, dtype, trust_remote_code)
     with LayerStream(path, model) as stream:
         stream.load("")
     model.tie_weights()
@@ -272,6 +271,17 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint
     return model
+
+
+def streamable_model(path: Path, dtype: torch.dtype | None, trust_remote_code: bool = False) -> nn.Module:
+    """The model of a dense or transformers MoE directory to fill from its checkpoint a part at a time
+    (moekit.checkpoint.layerwise.LayerStream): parameters on the meta device in `dtype` (None: the config's), real
+    buffers, its stored shapes checked (a misshapen tensor is named as such before any weight is read)."""
+    from moekit.checkpoint.layerwise import in_dtype
+
+    model = meta_model(path, trust_remote_code, buffers=True)
+    check_stored_shapes(path, model)
+    return in_dtype(model, dtype)
 
 
 def check_size(model: nn.Module, headers: dict, path: Path) -> None:

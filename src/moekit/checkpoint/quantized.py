@@ -59,6 +59,11 @@ class Scaled:
             f"one scale per {b[1]} columns of a row" if b[0] == 1 else f"blocks of {b[0]}×{b[1]}"
         return f"{self.label} ({blocks}), read dequantized"
 
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """What a weight's scales (and zero points) are stored as: W + each suffix."""
+        return (self.suffix, self.zero) if self.zero else (self.suffix,)
+
     def resolve(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
         """The block of a weight of `shape` (..., O, I), its None entries made the whole dimension."""
         if self.block is None:
@@ -199,12 +204,11 @@ def split_scales(headers: dict, fmt: Scaled, folder: str | Path) -> dict:
     checked: a weight of `fmt.weights`, scales of a float dtype or UE8M0 in the shape `fmt` gives its blocks, zero
     points of that shape."""
     scales = {}
-    extra = tuple(x for x in (fmt.suffix, fmt.zero) if x)
-    for name in [k for k in headers if k.endswith(extra) or k.endswith(IGNORED)]:
+    for name in [k for k in headers if k.endswith(fmt.suffixes) or k.endswith(IGNORED)]:
         info = headers.pop(name)
-        if not name.endswith(extra):
+        if not name.endswith(fmt.suffixes):
             continue
-        suffix = next(x for x in extra if name.endswith(x))
+        suffix = next(x for x in fmt.suffixes if name.endswith(x))
         base = name[:-len(suffix)]
         weight = headers.get(base)
         if weight is None:

@@ -224,9 +224,9 @@ def _cut_scales(cuts: list[Cut], fmt: Scaled) -> None:
     experts (E, O, I) and their scales (E, ⌈O/bo⌉, ⌈I/bi⌉); a per-channel router's rows and their scales); ConfigError
     for a weight cut along a dimension stored in blocks of more than one (a block-quantized router's rows), which
     would split its blocks. Per-expert tensors and their scales are kept or dropped together by name."""
-    weights, suffixes = {c.source: c for c in cuts}, tuple(x for x in (fmt.suffix, fmt.zero) if x)
+    weights = {c.source: c for c in cuts}
     for c in cuts:
-        suffix = next((x for x in suffixes if c.source.endswith(x)), None)
+        suffix = next((x for x in fmt.suffixes if c.source.endswith(x)), None)
         w = weights.get(c.source.removesuffix(suffix)) if suffix else None
         if w is None or w.rows is None or c.rows is not None:
             continue

@@ -187,18 +187,15 @@ def needs_spill(batches: list[Batch], hidden: int, dtype: torch.dtype) -> bool:
 
 
 def _meta_model(folder: Path, dtype: torch.dtype | None, trust_remote_code: bool) -> nn.Module:
-    """A dense or transformers MoE checkpoint's model (moekit.checkpoint.dense.meta_model with real buffers, its
-    stored shapes checked), or a moekit checkpoint's (moekit.checkpoint.format.build_from_meta), with its parameters
-    on the meta device in `dtype`."""
+    """A dense or transformers MoE checkpoint's model (moekit.checkpoint.dense.streamable_model), or a moekit
+    checkpoint's (moekit.checkpoint.format.build_from_meta), with its parameters on the meta device in `dtype`."""
     if (folder / "moekit.json").is_file():
         from moekit.checkpoint.format import build_from_meta
 
         return in_dtype(build_from_meta(folder, buffers=True)[0], dtype)
-    from moekit.checkpoint.dense import check_stored_shapes, meta_model
+    from moekit.checkpoint.dense import streamable_model
 
-    model = meta_model(folder, trust_remote_code, buffers=True)
-    check_stored_shapes(folder, model)  # a misshapen tensor is named as such, before any layer runs
-    return in_dtype(model, dtype)
+    return streamable_model(folder, dtype, trust_remote_code)
 
 
 def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | None = None,
