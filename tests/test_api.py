@@ -327,7 +327,11 @@ def test_bad_input_raises_the_message_the_command_prints(fx, tmp_path, run, case
 
 @pytest.mark.parametrize("call, message", [
     (lambda fx, t: moekit.routes.collect(fx / "moe", {"en": fx / "en.txt"}, t / "t.npz", max_length=0),
-     "max_length, batch_size and max_texts must be ≥ 1"),
+     "max_length, batch_size, max_texts and experts_per_load must be ≥ 1"),
+    (lambda fx, t: moekit.routes.collect(fx / "moe", {"en": fx / "en.txt"}, t / "t.npz", experts_per_load=2,
+                                         stream="off"),
+     "experts_per_load reads a layer's experts a few at a time in the streamed capture; stream='off' loads the whole "
+     "model"),
     (lambda fx, t: moekit.routes.collect(fx / "moe", {"en": fx / "en.txt"}, t / "t.npz", device="tpu"),
      "expected a device auto, cpu, cuda or cuda:N, got 'tpu'"),
     (lambda fx, t: moekit.finetune(fx / "moe", fx / "sel.json", {"en": fx / "en.txt"}, t / "ft", batch_size=3,
@@ -342,7 +346,7 @@ def test_bad_input_raises_the_message_the_command_prints(fx, tmp_path, run, case
      "unknown prune mode 'remove'; choose disable, keep or drop"),
     (lambda fx, t: moekit.export(fx / "moe", t / "e", "qwen2_moe", dtype="int8"),
      "unknown dtype 'int8'; choose auto, float32, bfloat16, float16"),
-], ids=["collect-max-length", "collect-device", "finetune-accumulation", "finetune-epochs",
+], ids=["collect-max-length", "collect-experts-per-load-unstreamed", "collect-device", "finetune-accumulation", "finetune-epochs",
         "finetune-plan-accumulation", "finetune-plan-length", "prune-mode", "export-dtype"])
 def test_settings_out_of_range_are_refused_in_keyword_words_before_any_work(fx, tmp_path, call, message):
     """The functions check what the command's parser and flags check, worded as their keyword arguments."""

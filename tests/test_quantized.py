@@ -25,6 +25,7 @@ from moekit.checkpoint.remove import remove_experts
 from moekit.errors import CheckpointError, ConfigError
 from moekit.moe import MoESpec
 from moekit.routing.sites import find_sites
+from moekit.routing.streamed import Batch, collect_streamed
 from moekit.testing import tiny_deepseek_v3, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_tokenizer
 from moekit.testing.families import tiny_family_model
 from moekit.testing.quantized import (block_scales, mxfp4_pack, mxfp4_values, reference_values, save_compressed,
@@ -395,6 +396,23 @@ def test_routes_and_pruning_of_compressed_tensors_equal_the_float_model(tmp_path
     with safe_open(tmp_path / "compressed_keep" / "model.safetensors", "pt") as cut:
         assert cut.get_tensor("model.layers.0.mlp.experts.1.down_proj.weight").dtype == torch.float8_e4m3fn
         assert "model.layers.0.mlp.experts.1.down_proj.weight_scale" in cut.keys()
+
+
+@pytest.mark.parametrize("kind", ["fp8 deepseek_v3", "fp8-fused qwen3_moe", "mxfp4 gpt_oss", "compressed qwen3_moe"])
+def test_quantized_experts_load_in_parts(tmp_path, kind):
+    """A streamed capture that reads a layer's experts 3 at a time (a layer bigger than memory: DeepSeek-V3's is
+    22.5 GB in bf16) from DeepSeek-V3's layout (per-expert FP8 with block scales), fused FP8 experts, GPT-OSS's
+    MXFP4 blocks and an FP8-dynamic Qwen3-MoE: the decisions of the float checkpoint read whole, and its weights up
+    to the order of a token's sum over its experts."""
+    fmt, family = kind.split()
+    save, model = {"mxfp4": save_mxfp4, "compressed": save_compressed}.get(fmt, save_fp8), \
+        {"gpt_oss": _gpt_oss, **MOE}[family]()
+    quantized, ref = _pair(tmp_path, model, save, fmt, **({"fused": True} if fmt == "fp8-fused" else {}))
+    data = [Batch("en", IDS, torch.ones_like(IDS))]
+    want = collect_streamed(ref, data, dtype=torch.float32)
+    got = collect_streamed(quantized, data, dtype=torch.float32, experts_per_load=3)
+    assert np.array_equal(got.ids, want.ids)
+    np.testing.assert_allclose(got.weights, want.weights, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("edit,words", [

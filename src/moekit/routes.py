@@ -32,7 +32,7 @@ def collect(model: str | Path, texts: Mapping[str, str | Path], out: str | Path,
             batch_size: int = 8, max_texts: int | None = None, layers: str | None = None, overwrite: bool = False,
             trust_remote_code: bool = False, device: str = "cpu",
             stream: Literal["auto", "on", "off"] = "auto", dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-            log: Callable[[str], None] | None = None) -> RoutingTrace:
+            experts_per_load: int | None = None, log: Callable[[str], None] | None = None) -> RoutingTrace:
     """Record a routing trace (.npz) of per-language text files (`moekit routes collect`).
 
     Runs the model on every line of each text file and saves the top-k experts and weights of every MoE layer for
@@ -55,6 +55,11 @@ def collect(model: str | Path, texts: Mapping[str, str | Path], out: str | Path,
             whole model's load would peak under IN_MEMORY_SHARE of the memory available (LOAD_PEAK times its
             weights in `dtype`).
         dtype: The weights' dtype while recording (the trace records it).
+        experts_per_load: Streamed: read each MoE layer's experts this many at a time, run on every batch before
+            the rest of the layer (a layer bigger than memory: DeepSeek-V3's is 22.5 GB in bfloat16); None: all at
+            once where they take at most a quarter of the memory available (of the GPU on one), else as many as fit
+            in that quarter. The same decisions; weights and saliency sums to float rounding (the order in which a
+            token's expert outputs are added).
         log: Called with status lines (e.g. a download); None: silent.
 
     Returns:
@@ -75,8 +80,12 @@ def collect(model: str | Path, texts: Mapping[str, str | Path], out: str | Path,
     from moekit.config import resolve_device
     from moekit.routing.streamed import batches_of
 
-    if max_length < 1 or batch_size < 1 or (max_texts is not None and max_texts < 1):
-        raise ConfigError("max_length, batch_size and max_texts must be ≥ 1")
+    if max_length < 1 or batch_size < 1 or (max_texts is not None and max_texts < 1) or \
+            (experts_per_load is not None and experts_per_load < 1):
+        raise ConfigError("max_length, batch_size, max_texts and experts_per_load must be ≥ 1")
+    if experts_per_load is not None and stream == "off":
+        raise ConfigError("experts_per_load reads a layer's experts a few at a time in the streamed capture; "
+                          "stream='off' loads the whole model")
     if stream not in ("auto", "on", "off") or dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"stream must be auto, on or off and dtype float32, bfloat16 or float16, got {stream!r} and "
                           f"{dtype!r}")
@@ -87,7 +96,7 @@ def collect(model: str | Path, texts: Mapping[str, str | Path], out: str | Path,
         batches = batches_of(_tokenizer(folder, trust_remote_code), lines, max_length, batch_size)
         torch_dtype = getattr(torch, dtype)
         streamed = stream == "on" or (stream == "auto" and too_big_to_load(folder, torch_dtype))
-        trace = _collect(folder, batches, layers, torch_dtype, device, streamed, trust_remote_code)
+        trace = _collect(folder, batches, layers, torch_dtype, device, streamed, trust_remote_code, experts_per_load)
         trace.meta.update(model=str(folder), max_length=max_length, streamed=streamed, dtype=dtype)
         trace.save(out, overwrite=overwrite)
     return trace
@@ -174,12 +183,13 @@ def too_big_to_load(folder: str | Path, dtype: torch.dtype) -> bool:
 
 
 def _collect(folder: Path, batches: list[Batch], layers: str | None, dtype: torch.dtype, device: str, streamed: bool,
-             trust_remote_code: bool) -> RoutingTrace:
+             trust_remote_code: bool, experts_per_load: int | None) -> RoutingTrace:
     """The trace of `batches`, streamed from the checkpoint or through the loaded model."""
     from moekit.routing.streamed import collect_in_memory, collect_streamed
 
     if streamed:
-        return collect_streamed(folder, batches, layers, dtype, device, trust_remote_code=trust_remote_code)
+        return collect_streamed(folder, batches, layers, dtype, device, trust_remote_code=trust_remote_code,
+                                experts_per_load=experts_per_load)
     from moekit.checkpoint.format import load_model
 
     model = load_model(folder, trust_remote_code=trust_remote_code, dtype=dtype).to(device)

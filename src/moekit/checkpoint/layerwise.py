@@ -13,6 +13,9 @@ rows from prompts in a streaming upcycle (moekit.moe.prompts)."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import re
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from moekit.checkpoint.files import ShardReader
-from moekit.errors import CheckpointError
+from moekit.errors import CheckpointError, UnsupportedModelError
 from moekit.moe.prompts import cheap_rows, check_model, hidden_rows
 from moekit.moe.spec import MoESpec
 from moekit.surgery import Slot
@@ -89,8 +92,9 @@ def _no_load_bars() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def model_names(model: nn.Module, keys: list[str]) -> dict[str, tuple[str, bool]]:
-    """{checkpoint key: (the model's name for it, whether a WeightConverter builds that tensor from several keys)}, by
+def model_names(model: nn.Module, keys: list[str]) -> dict[str, tuple[str, str | None]]:
+    """{checkpoint key: (the model's name for it, the source pattern of the WeightConverter that builds that tensor
+    from several keys, or None)}, by
     transformers' own renaming for the family on load (NemotronH's backbone.* -> model.*, GPT-NeoX's embed_out ->
     lm_head, a vision-language model's language_model.model.* -> model.language_model.*; OLMo-Hybrid's q/k/v
     convolutions concatenated into one)."""
@@ -104,9 +108,57 @@ def model_names(model: nn.Module, keys: list[str]) -> dict[str, tuple[str, bool]
     prefix = getattr(model, "base_model_prefix", None)
     out = {}
     for k in keys:
-        name, converted = rename_source_key(k, renamings, converters, prefix, meta)
-        out[k] = (name, converted is not None)
+        out[k] = rename_source_key(k, renamings, converters, prefix, meta)
     return out
+
+
+_EXPERT = re.compile(r".+\.experts\.(\d+)\..+")  # the Hub's per-expert names: their expert
+
+
+def expert_sources(model: nn.Module, names: dict[str, tuple[str, str | None]]) -> tuple[dict, dict]:
+    """How transformers builds a model's tensors from a checkpoint, for reading some experts alone (`names`:
+    `model_names`):
+    ({tensor: [[the checkpoint keys of expert e, in the order transformers concatenates them] for e in 0 .. E-1]}
+    for those built from the Hub's per-expert tensors as every family does (MergeModulelist(dim=0) of each source
+    pattern's experts, then Concatenate(dim=1) of the patterns: Mixtral's w1 and w3 into gate_up_proj,
+    DeepSeek-V4's `ffn.experts.{e}.w1`, ...),
+    {tensor: (the one checkpoint key it is read from, [the operations transformers applies to it])} for those
+    stored whole, as they are or with operations that leave the first (expert) dimension alone (Inkling 2's
+    Interleave(dim=1) of w13_weight, Qwen3-VL-MoE's Transpose(1, 2)))."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Concatenate, Interleave, MergeModulelist, Transpose, WeightConverter
+
+    order, whole = {}, {}  # source pattern -> its place among its converter's / the converter's operations
+    for c in get_model_conversion_mapping(model):
+        ops = getattr(c, "operations", [])
+        kinds = [(type(o), getattr(o, "dim", None)) for o in ops]
+        if isinstance(c, WeightConverter) and kinds in ([(MergeModulelist, 0)],
+                                                        [(MergeModulelist, 0), (Concatenate, 1)]):
+            order.update({p: i for i, p in enumerate(c.source_patterns)})
+        elif isinstance(c, WeightConverter) and len(c.source_patterns) == 1 and all(
+                (isinstance(o, Interleave) and o.dim >= 1) or (isinstance(o, Transpose) and min(o.dim0, o.dim1) >= 1)
+                for o in ops):
+            whole[c.source_patterns[0]] = ops
+    grouped: dict[str, dict[int, list[tuple[int, str]]]] = {}
+    stored = {}
+    for k, (name, pattern) in names.items():
+        if pattern in order and (m := _EXPERT.fullmatch(k)):
+            grouped.setdefault(name, {}).setdefault(int(m.group(1)), []).append((order[pattern], k))
+        elif pattern is None or pattern in whole:
+            stored[name] = (k, whole.get(pattern, []))
+    per_expert = {name: [[k for _, k in sorted(by[e])] for e in range(len(by))] for name, by in grouped.items()
+                  if sorted(by) == list(range(len(by)))}
+    return per_expert, stored
+
+
+def _along_experts(op, part: Tensor, want: torch.Size) -> Tensor:
+    """transformers' conversion `op` (`expert_sources`) of some experts' tensor `part` (n, ...), whose experts are
+    `want`-shaped in the model: a Transpose that checks dimensions compares one expert's shape, not the layer's."""
+    if getattr(op, "check_dims", False) and part.shape[1:] == want:
+        return part
+    if hasattr(op, "check_dims"):
+        return part.transpose(op.dim0, op.dim1).contiguous()
+    return next(iter(op.convert({"part": [part]}, ["part"], ["part"]).values()))
 
 
 class LayerStream:
@@ -119,30 +171,74 @@ class LayerStream:
         self.model = model
         self.reader = ShardReader(self.folder)
         # {checkpoint key: the model parameter it loads into}: a part's tensors are found under the model's names
-        self._names = {k: name for k, (name, _) in model_names(self.model, self.reader.keys()).items()}
+        names = model_names(self.model, self.reader.keys())
+        self._names = {k: name for k, (name, _) in names.items()}
+        self._per_expert, self._stored = expert_sources(self.model, names)
 
-    def load(self, path: str, device: str | torch.device = "cpu") -> nn.Module:
+    def load(self, path: str, device: str | torch.device = "cpu", skip: tuple[str, ...] = ()) -> nn.Module:
         """Load the parameters and persistent buffers of submodule `path` (a model name: "model.layers.3") from the
-        checkpoint tensors under the same prefix, on `device`; CheckpointError if the checkpoint lacks some."""
+        checkpoint tensors under the same prefix, on `device`, except those of the submodules `skip` (experts that
+        load in parts: `load_experts`), left on the meta device; CheckpointError if the checkpoint lacks some."""
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
         prefix = f"{path}." if path else ""
+        skipped = tuple(f"{s}." for s in skip)
         module = self.model.get_submodule(path)
         done = set()
         for name, experts in module.named_modules():
-            done |= self._fill_experts(f"{prefix}{name}", experts, device)
+            if not f"{prefix}{name}.".startswith(skipped):
+                done |= self._fill_experts(f"{prefix}{name}", experts, device)
         tensors = {k: self.reader.get(k).to(device) for k, name in self._names.items()
-                   if (name.startswith(prefix) or k.startswith(prefix)) and k not in done}
+                   if (name.startswith(prefix) or k.startswith(prefix)) and k not in done
+                   and not name.startswith(skipped)}
         config = LoadStateDictConfig(dtype=self.dtype, weight_mapping=get_model_conversion_mapping(self.model))
         with _no_load_bars():
             convert_and_load_state_dict_in_model(self.model, tensors, config)
-        left = [n for n, t in module.state_dict().items() if t.is_meta]
+        left = [n for n, t in module.state_dict().items() if t.is_meta and not f"{prefix}{n}".startswith(skipped)]
         if left:
             raise CheckpointError(f"{self.folder} has no weights for {prefix}{left[0]} (and {len(left) - 1} more "
                                   "of that part); the checkpoint does not match its config")
-        return module.to(device)
+        if not skip:
+            return module.to(device)
+        for name, sub in module.named_modules():  # what `module.to` moves, but the skipped (meta) parameters
+            if f"{prefix}{name}.".startswith(skipped):
+                continue
+            for n, p in sub.named_parameters(recurse=False):
+                setattr(sub, n, nn.Parameter(p.to(device), p.requires_grad))
+            for n, b in sub.named_buffers(recurse=False):
+                setattr(sub, n, b.to(device))
+        return module
+
+    def load_experts(self, path: str, start: int, stop: int, device: str | torch.device = "cpu") -> nn.Module:
+        """The fused experts module at `path` (parameters (E, ...) on the meta device) as a module of its experts
+        start .. stop - 1 only: a shallow copy with those slices of its parameters, read from the checkpoint an
+        expert at a time, and num_experts = stop - start; without the original's hooks. Stored fused (one tensor
+        of every expert, quantized or not) or per expert (the Hub's names, as `_fill_experts` reads them);
+        UnsupportedModelError for experts that transformers builds another way (then load the whole layer)."""
+        experts = self.model.get_submodule(path)
+        params = {}
+        for n, p in experts.named_parameters(recurse=False):
+            key, ops = self._stored.get(f"{path}.{n}", (None, []))
+            if (hub := self._hub_experts(f"{path}.{n}", p)) is not None:
+                part = torch.stack([torch.cat([self.reader.get(k) for k in keys]) for keys in hub[start:stop]])
+            elif key is not None and self.reader.headers[key].shape[0] == p.shape[0]:
+                part = torch.stack([self.reader.get(key, e) for e in range(start, stop)])
+                for op in ops:  # transformers' own, along dimensions after the experts'
+                    part = _along_experts(op, part, p.shape[1:])
+            else:
+                part = None
+            if part is None or part.shape[1:] != p.shape[1:]:
+                raise UnsupportedModelError(
+                    f"{path}.{n} is not stored as one tensor of every expert or under the Hub's per-expert names, "
+                    "so moekit cannot read some of its experts alone; load the whole layer (experts_per_load=None)")
+            params[n] = nn.Parameter(part.to(device, self.dtype), requires_grad=False)
+        chunk = copy.copy(experts)
+        chunk.__dict__.pop("forward", None)  # an instance's replaced forward stays with the original
+        chunk._parameters, chunk._forward_hooks, chunk._forward_pre_hooks = params, OrderedDict(), OrderedDict()
+        chunk.num_experts = stop - start
+        return chunk
 
     def load_outside(self, stack: str, skip: tuple[str, ...], device: str | torch.device = "cpu") -> list[str]:
         """Load every parameter outside the module `stack` and the modules `skip` (the output head): what a model's
@@ -176,35 +272,34 @@ class LayerStream:
             p = self.model.get_parameter(n)
             setattr(self.model.get_submodule(module), leaf, nn.Parameter(torch.empty_like(p, device="meta"), False))
 
+    def _hub_experts(self, name: str, param: Tensor) -> list[list[str]] | None:
+        """The per-expert checkpoint keys of fused expert tensor `name` (`expert_sources`) where they are as many as
+        its experts and concatenate to its shape; None for anything else."""
+        keys = self._per_expert.get(name)
+        if keys is None or len(keys) != param.shape[0]:
+            return None
+        shapes = [self.reader.headers[k].shape for k in keys[0]]
+        if any([self.reader.headers[k].shape for k in ks] != shapes for ks in keys) or \
+                (sum(s[0] for s in shapes), *shapes[0][1:]) != tuple(param.shape[1:]):
+            return None
+        return keys
+
     def _fill_experts(self, path: str, experts: nn.Module, device) -> set[str]:
-        """Fused experts (gate_up_proj (E, 2I, H), down_proj (E, H, I)) of a checkpoint with the Hub's per-expert
-        tensors, filled one expert at a time (transformers' conversion would hold every expert's tensors and the
-        stacked result at once: twice the layer); returns the checkpoint keys read. The per-expert names are
-        Mixtral's w1 (gate), w3 (up), w2 (down) under block_sparse_moe, or gate_proj, up_proj, down_proj; anything
-        else is left to transformers. Tested equal to transformers' loading for every family moekit reads."""
-        gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-        n = getattr(experts, "num_experts", None)
-        if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
-                and gate_up.is_meta and isinstance(n, int) and f"{path}.gate_up_proj" not in self.reader):
-            return set()
-        block = path.rpartition(".")[0]
-        for parent, names in ((block, ("gate_proj", "up_proj", "down_proj")),
-                              (block.rpartition(".")[0] + ".block_sparse_moe", ("w1", "w3", "w2"))):
-            keys = [[f"{parent}.experts.{e}.{p}.weight" for p in names] for e in range(n)]
-            if all(k in self.reader for ks in keys for k in ks):
-                break
-        else:
-            return set()
-        I = gate_up.shape[1] // 2
-        want = [(I, gate_up.shape[2]), (I, gate_up.shape[2]), tuple(down.shape[1:])]
-        if any(tuple(self.reader.headers[k].shape) != w for ks in keys for k, w in zip(ks, want)):
-            return set()
-        fused = torch.empty(gate_up.shape, dtype=self.dtype, device=device)  # (E, 2I, H)
-        stacked = torch.empty(down.shape, dtype=self.dtype, device=device)  # (E, H, I)
-        for e, (g, u, d) in enumerate(keys):
-            fused[e, :I], fused[e, I:], stacked[e] = self.reader.get(g), self.reader.get(u), self.reader.get(d)
-        experts.gate_up_proj, experts.down_proj = nn.Parameter(fused, False), nn.Parameter(stacked, False)
-        return {k for ks in keys for k in ks}
+        """Fused expert tensors stored under the Hub's per-expert names (`_hub_experts`), filled one expert at a
+        time (transformers' conversion would hold every expert's tensors and the stacked result at once: twice the
+        layer); returns the checkpoint keys read, none for anything else (left to transformers). Tested equal to
+        transformers' loading for every family moekit reads."""
+        done = set()
+        for n, p in experts.named_parameters(recurse=False):
+            keys = self._hub_experts(f"{path}.{n}", p) if p.is_meta else None
+            if keys is None:
+                continue
+            fused = torch.empty(p.shape, dtype=self.dtype, device=device)  # (E, ...)
+            for e, ks in enumerate(keys):
+                fused[e] = torch.cat([self.reader.get(k) for k in ks])
+            setattr(experts, n, nn.Parameter(fused, False))
+            done.update(k for ks in keys for k in ks)
+        return done
 
     def drop(self, path: str) -> None:
         """Put the weights of submodule `path` back on the meta device (their memory is freed)."""

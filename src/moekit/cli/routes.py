@@ -35,6 +35,10 @@ def add_parser(sub) -> None:
                         "memory); off: the whole model loaded; auto: off when the whole model's load would peak "
                         f"under {round(100 * IN_MEMORY_SHARE)} %% of the memory available ({LOAD_PEAK}x its weights in --dtype), "
                         "else on. Both give the same trace")
+    c.add_argument("--experts-per-load", type=int, metavar="N",
+                   help="streamed: read each MoE layer's experts N at a time (a layer bigger than memory); default: "
+                        "all at once where they take at most a quarter of the memory available (of the GPU on "
+                        "one), else as many as fit in it. The same decisions")
     c.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the weights' dtype while recording, in either --stream mode; the trace "
                         "records it")
@@ -57,14 +61,16 @@ def run_collect(args: argparse.Namespace) -> None:
     from moekit._fs import peak_memory
     from moekit.routes import collect
 
-    if args.max_length < 1 or args.batch_size < 1 or (args.max_texts is not None and args.max_texts < 1):
-        raise ConfigError("--max-length, --batch-size and --max-texts must be ≥ 1")
+    if args.max_length < 1 or args.batch_size < 1 or (args.max_texts is not None and args.max_texts < 1) or \
+            (args.experts_per_load is not None and args.experts_per_load < 1):
+        raise ConfigError("--max-length, --batch-size, --max-texts and --experts-per-load must be ≥ 1")
     start = time.perf_counter()
     with progress():
         trace = collect(args.model, lang_files(args.texts, "--texts"), args.out, max_length=args.max_length,
                         batch_size=args.batch_size, max_texts=args.max_texts, layers=args.layers,
                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, device=args.device,
-                        stream=args.stream, dtype=args.dtype, log=err_console().print)
+                        stream=args.stream, dtype=args.dtype, experts_per_load=args.experts_per_load,
+                        log=err_console().print)
     counts = ", ".join(f"{lang} {int(trace.language_mask(lang).sum())}" for lang in trace.languages)
     out_console().print(f"{args.out}: {trace.num_tokens} tokens ({counts}), {trace.num_layers} MoE layers, "
                         f"top-{trace.top_k} of {int(trace.num_experts.max())} experts; "

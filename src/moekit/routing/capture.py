@@ -13,6 +13,9 @@ the routed experts, never every expert on every token.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -49,8 +52,10 @@ class RoutingCapture:
         self._languages: list[str] = []
         self._sums: dict[str, np.ndarray] = {}  # language -> (L, E, 6) float64 (SALIENCY order)
         self._logits: dict[int, Tensor] = {}  # layer -> its router's latest logits (T, E)
+        # layer -> ‖f‖ (T, k) of its next call, computed elsewhere (a streamed capture's experts loaded in chunks)
+        self.given_norms: dict[int, Tensor] = {}
         self._next_sample = 0
-        self._batch, self._mask, self._language, self._inside = 0, None, None, False
+        self._batch, self._mask, self._language, self._muted = 0, None, None, False
 
     def __enter__(self) -> RoutingCapture:
         for i, site in enumerate(self.sites):
@@ -67,6 +72,16 @@ class RoutingCapture:
             h.remove()
         self._handles.clear()
 
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[None]:
+        """Record nothing while inside: the experts' own calls in `expert_norms`; a streamed capture's extra runs of
+        a layer (moekit.routing.streamed)."""
+        muted, self._muted = self._muted, True
+        try:
+            yield
+        finally:
+            self._muted = muted
+
     def begin(self, batch: int, attention_mask: Tensor | None, language: str) -> None:
         """The batch the next forward passes belong to: its number, padding mask (B, S) and language."""
         self._batch, self._language = batch, language
@@ -74,22 +89,28 @@ class RoutingCapture:
 
     def _keeper(self, i: int):
         def keep(ids: Tensor, weights: Tensor) -> None:
+            if self._muted:
+                return
             self._decisions.setdefault(self._batch, [None] * len(self.sites))[i] = (ids.detach(), weights.detach())
         return keep
 
     def _logit_keeper(self, i: int, site: RouterSite):
         def hook(router: nn.Module, args, out) -> None:
+            if self._muted:
+                return
             self._logits[i] = site.logits_of(out).detach()  # (T, E), read by the experts' pre-hook that follows
         return hook
 
     def _summer(self, i: int, site: RouterSite):
         def pre_hook(experts: nn.Module, args) -> None:
-            if not self._inside:  # the hook's own calls of the experts below
+            if not self._muted:
                 self._add_sums(i, site, *args[:3], self._logits.pop(i))
         return pre_hook
 
     def _block_summer(self, i: int, site: RouterSite):
         def pre_hook(block: nn.Module, args) -> None:
+            if self._muted:
+                return
             x = args[0].reshape(-1, args[0].shape[-1])  # (T, H)
             logits, ids, w = site.decision(site.router(x))  # the router is deterministic: its decision for x
             self._add_sums(i, site, x, ids, w, logits)
@@ -99,14 +120,15 @@ class RoutingCapture:
     def _add_sums(self, i: int, site: RouterSite, x: Tensor, ids: Tensor, w: Tensor, logits: Tensor) -> None:
         """Saliency sums of layer i from its experts' input x (T, H), ids (T, k), weights (T, k) and its router's
         logits (T, E)."""
+        norms = self.given_norms.pop(i, None)  # (T, k)
         if self._mask is not None:
             keep = self._mask.to(x.device)  # (T,)
             x, ids, w, logits = x[keep], ids[keep], w[keep], logits[keep]
-        self._inside = True
-        try:
-            norms = site.expert_norms(x, ids)  # (T', k) ‖f‖ per slot
-        finally:
-            self._inside = False
+            norms = None if norms is None else norms[keep.to(norms.device)]
+        if norms is None:
+            with self.muted():
+                norms = site.expert_norms(x, ids)  # (T', k) ‖f‖ per slot
+        norms = norms.to(x.device)
         g = w.float()  # (T', k)
         p = torch.softmax(logits.float(), dim=-1).gather(1, ids)  # (T', k) plain softmax over all experts
         sums = torch.zeros(site.num_experts, len(SALIENCY), dtype=torch.float64, device=x.device)  # (E, 6)

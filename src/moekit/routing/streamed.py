@@ -12,6 +12,7 @@ trace equals the in-memory capture's: the same layers run the same arithmetic on
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 from collections.abc import Iterator
@@ -23,10 +24,10 @@ from torch import Tensor, nn
 
 from moekit._fs import available_memory, remove, scratch
 from moekit.checkpoint.layerwise import LayerStream, in_dtype
-from moekit.errors import MoekitError, UnsupportedModelError
+from moekit.errors import ConfigError, MoekitError, UnsupportedModelError
 from moekit.progress import report
 from moekit.routing.capture import RoutingCapture
-from moekit.routing.sites import find_sites
+from moekit.routing.sites import RouterSite, find_sites
 from moekit.routing.trace import RoutingTrace, config_digest
 
 
@@ -61,20 +62,28 @@ SPILL = "moekit-hidden"  # the spill folder: .moekit-hidden.moekit-tmp-PID-XXXXX
 
 
 class HiddenStates:
-    """The hidden states of every batch between two layers: in memory, or (`spill`) in a temporary folder, one file
-    per batch, removed when the store closes (or, after a SIGKILL, by the next store that spills: moekit._fs.scratch)."""
+    """A tensor (or tuple of tensors) per batch: the hidden states of every batch between two layers, or what experts
+    that load in parts take and return; in memory, or (`spill`) in a temporary folder, one file per batch, removed
+    when the store closes (or, after a SIGKILL, by the next store that spills: moekit._fs.scratch)."""
 
     def __init__(self, spill: bool):
         self._folder = scratch(SPILL) if spill else None
-        self._kept: dict[int, Tensor] = {}
+        self._kept: dict[int, Tensor | tuple[Tensor, ...]] = {}
 
-    def put(self, b: int, h: Tensor) -> None:
+    @property
+    def spilled(self) -> bool:
+        return self._folder is not None
+
+    def put(self, b: int, h: Tensor | tuple[Tensor, ...]) -> None:
         if self._folder is None:
             self._kept[b] = h
         else:
             torch.save(h, self._folder / f"{b}.pt")
 
-    def get(self, b: int) -> Tensor:
+    def has(self, b: int) -> bool:
+        return b in self._kept if self._folder is None else (self._folder / f"{b}.pt").is_file()
+
+    def get(self, b: int):
         if self._folder is None:
             return self._kept[b]
         return torch.load(self._folder / f"{b}.pt", weights_only=True)
@@ -200,10 +209,12 @@ def _meta_model(folder: Path, dtype: torch.dtype | None, trust_remote_code: bool
 
 def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | None = None,
                      dtype: torch.dtype | None = None, device: str | torch.device = "cpu", saliency: bool = True,
-                     trust_remote_code: bool = False, spill: bool | None = None) -> RoutingTrace:
+                     trust_remote_code: bool = False, spill: bool | None = None,
+                     experts_per_load: int | None = None) -> RoutingTrace:
     """The RoutingTrace (with saliency sums) of `batches` through the checkpoint `folder`, one decoder layer
-    resident at a time (module docstring), its meta naming the model (config_sha256: trace.config_digest). Progress:
-    "recording" per decoder layer."""
+    resident at a time (module docstring), its meta naming the model (config_sha256: trace.config_digest). A
+    layer's experts load `experts_per_load` at a time (None: `per_load`'s choice by the memory available).
+    Progress: "recording" per decoder layer."""
     with LayerStream(folder, _meta_model(Path(folder), dtype, trust_remote_code)) as stream:
         model = stream.model
         sites = find_sites(model, layers)  # a model without an MoE layer moekit reads is refused before anything runs
@@ -220,8 +231,10 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
                          if (m := re.match(rf"{re.escape(path)}\.(\d+)\.", s.name + "."))}
                 if len(owner) != len(cap.sites):
                     raise UnsupportedModelError(f"MoE layers outside {path}: stream only decoder-only models")
+                in_parts = _in_parts_of(model, cap, stream.dtype, device, experts_per_load, store.spilled)
                 for i in range(len(stack)):
-                    _run_layer(stream, f"{path}.{i}", batches, calls, store, cap, i, device)
+                    parts = {k: p for k, p in in_parts.items() if p.path.startswith(f"{path}.{i}.")}
+                    _run_layer(stream, f"{path}.{i}", batches, calls, store, cap, i, device, parts)
                     report("recording", i + 1, len(stack), f"{path}.{i}")
                 for b, batch in enumerate(batches):
                     cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
@@ -230,18 +243,152 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
             store.close()
 
 
+def per_load(site: RouterSite, dtype: torch.dtype, device, given: int | None = None) -> int:
+    """How many of a site's experts load at a time: `given` (at most all), else all of them where they take at most
+    a quarter of the memory available (of the GPU on one), else as many as fit in it (at least one)."""
+    if given is not None:
+        return min(given, site.num_experts)
+    device = torch.device(device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    one = site.params_per_expert * dtype.itemsize
+    return site.num_experts if one * site.num_experts <= free // 4 else max(1, free // 4 // one)
+
+
+def _in_parts_of(model: nn.Module, cap: RoutingCapture, dtype: torch.dtype, device, given: int | None,
+                 spill: bool) -> dict[int, _InParts]:
+    """{site index: _InParts} of every MoE layer (recorded or not) whose experts load in parts; `cap` numbers the
+    recorded ones (given_norms)."""
+    if given is not None and given < 1:
+        raise ConfigError(f"experts_per_load must be at least 1, got {given}")
+    names = {id(m): n for n, m in model.named_modules()}
+    recorded = {id(s.block): i for i, s in enumerate(cap.sites)}
+    parts = {}
+    for site in find_sites(model):
+        n = per_load(site, dtype, device, given)
+        if n < site.num_experts:
+            if not site.experts_take_routing:
+                raise UnsupportedModelError(
+                    f"{type(site.experts).__name__} at {names[id(site.experts)]} takes every expert's input at once "
+                    f"(Llama 4), so its experts cannot load in parts; its {site.num_experts} experts take "
+                    f"{site.params_per_expert * site.num_experts * dtype.itemsize / 2**30:.2f} GiB in {dtype}")
+            i = recorded.get(id(site.block), -1 - len(parts))  # a layer not recorded: an index no site has
+            parts[i] = _InParts(i, site.experts, names[id(site.experts)], n, spill)
+    return parts
+
+
 def _run_layer(stream: LayerStream, path: str, batches: list[Batch], calls: list, store: HiddenStates,
-               cap: RoutingCapture, index: int, device) -> None:
-    layer = stream.load(path, device)
+               cap: RoutingCapture, index: int, device, parts: dict[int, _InParts]) -> None:
+    """Every batch through decoder layer `path`; the experts of `parts` (this layer's sites whose experts load in
+    parts) run on every batch's inputs a part at a time first (`_experts_first`)."""
+    layer = stream.load(path, device, skip=tuple(p.path for p in parts.values()))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.ExitStack() as known:
+            for part in parts.values():
+                known.enter_context(part.answering())
+            for _ in parts:  # each run reaches the next site whose experts have not run yet
+                _experts_first(stream, layer, batches, calls, store, cap, index, parts, device)
             for b, batch in enumerate(batches):
                 cap.begin(b, batch.attention_mask, batch.language)
-                args, kwargs = calls[b][index]
-                out = layer(store.get(b).to(device), *args, **kwargs)
+                for i, part in parts.items():
+                    part.batch = b
+                    if b in part.norms:
+                        cap.given_norms[i] = part.norms.pop(b)
+                out = _call(layer, b, calls, store, index, device)
                 store.put(b, (out[0] if isinstance(out, tuple) else out).cpu())
     finally:
         stream.drop(path)
+
+
+def _call(layer: nn.Module, b: int, calls: list, store: HiddenStates, index: int, device):
+    args, kwargs = calls[b][index]
+    return layer(store.get(b).to(device), *args, **kwargs)
+
+
+class _Reached(Exception):
+    """Raised by experts that load in parts when a batch reaches them before they have run on it."""
+
+    def __init__(self, site: int, inputs: tuple[Tensor, Tensor, Tensor]):
+        super().__init__(site)
+        self.site, self.inputs = site, inputs
+
+
+class _InParts:
+    """A site whose fused experts (at `path`) load `per_load` at a time. While `answering` (one decoder layer): what
+    they return for each batch, computed first over every batch (`_in_parts`), kept like the hidden states."""
+
+    def __init__(self, site: int, experts: nn.Module, path: str, per_load: int, spill: bool):
+        self.site, self.experts, self.path, self.per_load, self.spill = site, experts, path, per_load, spill
+        self.outputs = HiddenStates(False)  # batch -> the experts' output (T, H)
+        self.done: set[int] = set()
+        self.norms: dict[int, Tensor] = {}  # batch -> ‖f‖ (T, k) of each token's routed experts, for the saliency
+        self.batch = 0  # the batch running now
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """The experts return the batch's output once computed; before, they raise _Reached with their inputs."""
+        signature = inspect.signature(self.experts.forward)
+
+        def forward(*args, **kwargs):
+            x, ids, w = list(signature.bind(*args, **kwargs).arguments.values())[:3]
+            if self.batch in self.done:
+                return self.outputs.get(self.batch).to(x.device)
+            raise _Reached(self.site, (x.cpu(), ids.cpu(), w.cpu()))
+
+        self.outputs, self.done, self.norms = HiddenStates(self.spill), set(), {}
+        self.experts.forward = forward
+        try:
+            yield
+        finally:
+            del self.experts.forward
+            self.outputs.close()
+
+
+def _experts_first(stream: LayerStream, layer: nn.Module, batches: list[Batch], calls: list, store: HiddenStates,
+                   cap: RoutingCapture, index: int, parts: dict[int, _InParts], device) -> None:
+    """Run every batch through the layer until it reaches experts that have not run on it (nothing recorded: the
+    capture is muted), then run those experts on every batch's inputs, `per_load` experts loaded at a time."""
+    reached: dict[int, HiddenStates] = {}  # site -> batch -> (x (T, H), ids (T, k), weights (T, k))
+    try:
+        with cap.muted():
+            for b in range(len(batches)):
+                for part in parts.values():
+                    part.batch = b
+                try:
+                    _call(layer, b, calls, store, index, device)
+                except _Reached as r:
+                    reached.setdefault(r.site, HiddenStates(parts[r.site].spill)).put(b, r.inputs)
+        for site, inputs in reached.items():
+            _in_parts(stream, parts[site], inputs, [b for b in range(len(batches)) if inputs.has(b)],
+                      cap.saliency and site >= 0, device)
+    finally:
+        for inputs in reached.values():
+            inputs.close()
+
+
+def _in_parts(stream: LayerStream, part: _InParts, inputs: HiddenStates, batches: list[int], norms: bool,
+              device) -> None:
+    """The experts' output for every batch (and ‖f‖ of each routed slot), `part.per_load` experts at a time: each
+    batch's (token, slot) pairs routed to the loaded experts go through them as one-slot decisions, and a token's
+    weighted expert outputs are summed in float32 (as transformers' grouped_mm sums its k slots), then cast to the
+    experts' input dtype."""
+    total = part.experts.num_experts
+    for start in range(0, total, part.per_load):
+        stop = min(total, start + part.per_load)
+        experts = stream.load_experts(part.path, start, stop, device)
+        for b in batches:
+            x, ids, w = (t.to(device) for t in inputs.get(b))
+            acc = part.outputs.get(b).to(device) if start else torch.zeros(x.shape, dtype=torch.float32,
+                                                                           device=device)  # Σ w·f (T, H)
+            t, s = ((ids >= start) & (ids < stop)).nonzero(as_tuple=True)  # (P,) tokens, slots
+            local = (ids[t, s] - start).unsqueeze(1)  # (P, 1) expert ids among the loaded ones
+            if len(t):
+                acc.index_add_(0, t, experts(x[t], local, w[t, s].unsqueeze(1)).float())
+                if norms:
+                    f = experts(x[t], local, torch.ones_like(w[t, s]).unsqueeze(1)).float().norm(dim=-1)  # (P,)
+                    part.norms.setdefault(b, torch.zeros(ids.shape)).index_put_((t.cpu(), s.cpu()), f.cpu())
+            part.outputs.put(b, (acc.to(x.dtype) if stop == total else acc).cpu())  # the last part: the output
+        del experts
+    part.done.update(batches)
 
 
 def batches_of(tokenizer, texts: dict[str, list[str]], max_length: int, batch_size: int) -> list[Batch]:
