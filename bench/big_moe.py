@@ -101,7 +101,7 @@ def generate(folder: Path, layers: int) -> Path:
     return folder
 
 
-def texts(folder: Path) -> list[str]:
+def texts(folder: Path, verses: int | None = None) -> list[str]:
     from moekit.assets import bible_verses
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -109,8 +109,8 @@ def texts(folder: Path) -> list[str]:
     for lang, code in LANGS.items():
         path = folder / f"{lang}.txt"
         if not path.is_file():
-            verses = bible_verses(code)[: VERSES]
-            path.write_text("\n".join(v.text for v in verses) + "\n")
+            kept = bible_verses(code)[: verses or VERSES]
+            path.write_text("\n".join(v.text for v in kept) + "\n")
         out.append(f"{lang}={path}")
     return out
 

@@ -162,6 +162,33 @@ def test_experts_in_parts_lower_the_peak_by_the_layer(tmp_path):
     assert got[4][1] <= got[0][1] - (64 << 20), got
 
 
+def test_the_model_of_a_checkpoint_far_bigger_than_memory_builds_without_allocating(tmp_path):
+    """The streamed capture's model of a config whose one fused experts tensor is 4x this machine's memory (1024
+    experts of 2 x 2048 x 8192 + in float32): built on the meta device with real rotary frequencies, as transformers'
+    from_pretrained builds it. accelerate's init_empty_weights(include_buffers=False), used before, allocated each
+    parameter before moving it to the meta device, and the allocation was refused (a DeepSeek-V3 layer's fused
+    experts are 30 GB in float32)."""
+    import os
+
+    import transformers as tf
+
+    from moekit.checkpoint.dense import meta_model
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    experts = max(1024, 4 * memory // (2 * 2048 * 8192 * 4))
+    cfg = tf.Qwen3MoeConfig(vocab_size=1000, hidden_size=8192, moe_intermediate_size=2048, num_experts=experts,
+                            num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                            rope_theta=1e6)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    model = meta_model(tmp_path, buffers=True)
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj
+    assert gate_up.is_meta and gate_up.numel() * 4 > 4 * memory
+    assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    want = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
+    assert torch.equal(model.model.rotary_emb.inv_freq, want)
+
+
 def _independent_sums(model, data) -> np.ndarray:
     """(Λ, L, E, 6) count, Σ g, Σ ‖f‖, Σ g‖f‖, Σ p, Σ p‖f‖ from forward hooks on the experts and plain matmuls of
     their fused weights (f = down · act(gate x) ⊙ up x) and of the router's (p = softmax(W x) over all experts), not

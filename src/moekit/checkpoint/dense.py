@@ -17,7 +17,7 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from transformers.initialization import no_init_weights
+from transformers.initialization import meta_device_safe_creation_ops, no_init_weights
 
 from moekit.checkpoint.codecs import read_state
 from moekit.checkpoint.files import check_dir, quantization, read_headers, read_text, refuse_adapter
@@ -251,19 +251,15 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
     path = check_dense_dir(path)
     config = load_config(path, trust_remote_code)
     arch = (getattr(config, "architectures", None) or [None])[0]
-    if buffers:
-        from accelerate import init_empty_weights
-
-        where = init_empty_weights(include_buffers=False)
-    else:
-        where = torch.device("meta")
     cls = model_class(arch, path) if arch and not trust_remote_code else None
     try:
-        with where, no_init_weights():
+        with torch.device("meta"), meta_device_safe_creation_ops(), no_init_weights():
             if cls is not None:
                 model = cls._from_config(config)
             else:
                 model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+        if buffers:
+            _real_buffers(model)
     except (RuntimeError, AssertionError, *CONFIG_FAULTS) as e:
         # sizes, names and kinds in config.json that the model's code cannot build with (negative or overflowing
         # sizes, a rope theta beyond int64, an unknown activation or rope type)
@@ -271,6 +267,18 @@ def meta_model(path: str | Path, trust_remote_code: bool = False, buffers: bool 
                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     model.tie_weights()  # tied embeddings are one tensor, as in the checkpoint
     return model
+
+
+def _real_buffers(model: nn.Module) -> None:
+    """Give a model built on the meta device real buffers, with the values transformers' from_pretrained gives them
+    (which builds on the meta device too): each buffer allocated on the CPU, then the family's own weight
+    initialization (`initialize_weights`), which computes buffers such as rotary frequencies and leaves the
+    parameters on the meta device. A parameter is never allocated (DeepSeek-V3's fused experts are 30 GB in
+    float32: building them before moving them to the meta device, as accelerate's init_empty_weights does, fails)."""
+    for name, buf in list(model.named_buffers()):
+        module, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module), leaf, torch.empty_like(buf, device="cpu"))
+    model.initialize_weights()
 
 
 def streamable_model(path: Path, dtype: torch.dtype | None, trust_remote_code: bool = False) -> nn.Module:

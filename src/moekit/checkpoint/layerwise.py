@@ -221,19 +221,22 @@ class LayerStream:
         params = {}
         for n, p in experts.named_parameters(recurse=False):
             key, ops = self._stored.get(f"{path}.{n}", (None, []))
-            if (hub := self._hub_experts(f"{path}.{n}", p)) is not None:
-                part = torch.stack([torch.cat([self.reader.get(k) for k in keys]) for keys in hub[start:stop]])
-            elif key is not None and self.reader.headers[key].shape[0] == p.shape[0]:
-                part = torch.stack([self.reader.get(key, e) for e in range(start, stop)])
-                for op in ops:  # transformers' own, along dimensions after the experts'
-                    part = _along_experts(op, part, p.shape[1:])
-            else:
-                part = None
-            if part is None or part.shape[1:] != p.shape[1:]:
+            hub = self._hub_experts(f"{path}.{n}", p)
+            if hub is None and (key is None or self.reader.headers[key].shape[0] != p.shape[0]):
                 raise UnsupportedModelError(
                     f"{path}.{n} is not stored as one tensor of every expert or under the Hub's per-expert names, "
                     "so moekit cannot read some of its experts alone; load the whole layer (experts_per_load=None)")
-            params[n] = nn.Parameter(part.to(device, self.dtype), requires_grad=False)
+            shape = p.shape[1:] if hub is not None else self.reader.headers[key].shape[1:]
+            part = torch.empty((stop - start, *shape), dtype=self.dtype, device=device)  # filled an expert at a time
+            for i, e in enumerate(range(start, stop)):
+                part[i] = torch.cat([self.reader.get(k) for k in hub[e]]) if hub is not None else \
+                    self.reader.get(key, e)
+            for op in ops:  # transformers' own, along dimensions after the experts'
+                part = _along_experts(op, part, p.shape[1:])
+            if part.shape[1:] != p.shape[1:]:
+                raise UnsupportedModelError(f"{path}.{n}: {key} {list(self.reader.headers[key].shape)} does not "
+                                            f"convert to {list(p.shape)}; load the whole layer (experts_per_load=None)")
+            params[n] = nn.Parameter(part, requires_grad=False)
         chunk = copy.copy(experts)
         chunk.__dict__.pop("forward", None)  # an instance's replaced forward stays with the original
         chunk._parameters, chunk._forward_hooks, chunk._forward_pre_hooks = params, OrderedDict(), OrderedDict()

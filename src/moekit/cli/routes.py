@@ -74,8 +74,13 @@ def run_collect(args: argparse.Namespace) -> None:
     counts = ", ".join(f"{lang} {int(trace.language_mask(lang).sum())}" for lang in trace.languages)
     out_console().print(f"{args.out}: {trace.num_tokens} tokens ({counts}), {trace.num_layers} MoE layers, "
                         f"top-{trace.top_k} of {int(trace.num_experts.max())} experts; "
-                        f"{'one layer at a time' if trace.meta['streamed'] else 'whole model'}, "
+                        f"{'one layer at a time' if trace.meta['streamed'] else 'whole model'}"
+                        f"{parts(trace.meta.get('experts_per_load'))}, "
                         f"{time.perf_counter() - start:.1f} s, peak RSS {peak_memory() / 2**30:.2f} GiB")
+
+
+def parts(n: int | None) -> str:
+    return f" (experts {n} at a time)" if n else ""
 
 
 def run_report(args: argparse.Namespace) -> None:

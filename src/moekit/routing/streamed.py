@@ -213,8 +213,9 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
                      experts_per_load: int | None = None) -> RoutingTrace:
     """The RoutingTrace (with saliency sums) of `batches` through the checkpoint `folder`, one decoder layer
     resident at a time (module docstring), its meta naming the model (config_sha256: trace.config_digest). A
-    layer's experts load `experts_per_load` at a time (None: `per_load`'s choice by the memory available).
-    Progress: "recording" per decoder layer."""
+    layer's experts load `experts_per_load` at a time (None: `per_load`'s choice by the memory available; the
+    meta's experts_per_load says the fewest chosen where some layer loads in parts). Progress: "recording" per
+    decoder layer."""
     with LayerStream(folder, _meta_model(Path(folder), dtype, trust_remote_code)) as stream:
         model = stream.model
         sites = find_sites(model, layers)  # a model without an MoE layer moekit reads is refused before anything runs
@@ -238,7 +239,8 @@ def collect_streamed(folder: str | Path, batches: list[Batch], layers: str | Non
                     report("recording", i + 1, len(stack), f"{path}.{i}")
                 for b, batch in enumerate(batches):
                     cap.record(batch.input_ids, batch.attention_mask, batch.language, batch=b)
-            return cap.trace(config_sha256=config_digest(model.config))
+            parted = {"experts_per_load": min(p.per_load for p in in_parts.values())} if in_parts else {}
+            return cap.trace(config_sha256=config_digest(model.config), **parted)
         finally:
             store.close()
 
@@ -282,9 +284,9 @@ def _run_layer(stream: LayerStream, path: str, batches: list[Batch], calls: list
     parts) run on every batch's inputs a part at a time first (`_experts_first`)."""
     layer = stream.load(path, device, skip=tuple(p.path for p in parts.values()))
     try:
-        with torch.no_grad(), contextlib.ExitStack() as known:
+        with torch.no_grad(), contextlib.ExitStack() as answering:
             for part in parts.values():
-                known.enter_context(part.answering())
+                answering.enter_context(part.answering())
             for _ in parts:  # each run reaches the next site whose experts have not run yet
                 _experts_first(stream, layer, batches, calls, store, cap, index, parts, device)
             for b, batch in enumerate(batches):
@@ -318,7 +320,7 @@ class _InParts:
 
     def __init__(self, site: int, experts: nn.Module, path: str, per_load: int, spill: bool):
         self.site, self.experts, self.path, self.per_load, self.spill = site, experts, path, per_load, spill
-        self.outputs = HiddenStates(False)  # batch -> the experts' output (T, H)
+        self.outputs = HiddenStates(False)  # batch -> the experts' output (T, H), while answering
         self.done: set[int] = set()
         self.norms: dict[int, Tensor] = {}  # batch -> ‖f‖ (T, k) of each token's routed experts, for the saliency
         self.batch = 0  # the batch running now

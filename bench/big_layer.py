@@ -1,0 +1,211 @@
+"""A decoder layer bigger than memory: routing capture of DeepSeek-V3's width, in its published FP8 layout, on a
+2-core, 24 GB machine, its MoE layer's experts read a few at a time (`routes collect --experts-per-load`).
+
+The checkpoint is generated, not downloaded: DeepSeek-V3's width (hidden 7168; MLA with q_lora 1536, kv_lora 512,
+128 heads of 128 + 64 rotary, values 128; 256 routed experts of 2048 and one shared, top-8 in 8 groups of which 4;
+vocab 129280, untied head) with 2 decoder layers, the first dense (18432, as DeepSeek-V3's first three are) and the
+second MoE, in the Hub's layout: every projection F8_E4M3 with a float32 `weight_scale_inv` per 128×128 block
+(quantization_config fp8, weight_block_size [128, 128]; kv_a_proj_with_mqa's 576 rows end in a partial block),
+embeddings, norms and router in bfloat16, written tensor by tensor (random N(0, 1) FP8 values, scales 0.02 / √…).
+The one MoE layer's experts are 256 × 3 × 7168 × 2048 values: 22.5 GB in bfloat16, computed from the shapes, more
+than this machine has; the whole model in bfloat16 would take about 27 GB. Texts: 3 languages × VERSES Bible verses
+(SmolLM2's tokenizer; random weights, so the numbers say what the machinery costs, nothing about any routing).
+
+Steps, each its own `moekit` process (wall and peak RSS from its final line), cached in OUT/results.json so an
+interrupted run resumes:
+  1. routes collect --stream on --dtype bfloat16: the experts' part size chosen by the memory available;
+  2. the same with --experts-per-load 32 (other parts: are the decisions the same?).
+
+    .venv/bin/python bench/big_layer.py --out /work/big_layer --write BENCHMARKS.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import zlib
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from big_moe import moekit, texts  # noqa: E402  (bench/big_moe.py: a moekit step, the Bible texts)
+from report import write_section  # noqa: E402
+
+MARK = ("<!-- big_layer -->", "<!-- /big_layer -->")
+WIDTH = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+             num_hidden_layers=2, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+             n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+             qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+             num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=4096,
+             tie_word_embeddings=False, rms_norm_eps=1e-6)
+SMALL = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=32, kv_lora_rank=64, q_lora_rank=96,
+             qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32)  # --small: a smoke test's width
+BLOCK = 128
+VERSES = 8
+PARTS = 32  # step 2's experts per load
+
+
+def tensors() -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, stored in FP8) of every tensor of the Hub's layout, in its order."""
+    w = WIDTH
+    H, V, heads = w["hidden_size"], w["vocab_size"], w["num_attention_heads"]
+    qk, rope = w["qk_nope_head_dim"] + w["qk_rope_head_dim"], w["qk_rope_head_dim"]
+    out = [("model.embed_tokens.weight", (V, H), False)]
+    for i in range(w["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,), False), (p + "post_attention_layernorm.weight", (H,), False),
+                (p + "self_attn.q_a_proj.weight", (w["q_lora_rank"], H), True),
+                (p + "self_attn.q_a_layernorm.weight", (w["q_lora_rank"],), False),
+                (p + "self_attn.q_b_proj.weight", (heads * qk, w["q_lora_rank"]), True),
+                (p + "self_attn.kv_a_proj_with_mqa.weight", (w["kv_lora_rank"] + rope, H), True),
+                (p + "self_attn.kv_a_layernorm.weight", (w["kv_lora_rank"],), False),
+                (p + "self_attn.kv_b_proj.weight",
+                 (heads * (w["qk_nope_head_dim"] + w["v_head_dim"]), w["kv_lora_rank"]), True),
+                (p + "self_attn.o_proj.weight", (H, heads * w["v_head_dim"]), True)]
+        mlps = [("mlp", w["intermediate_size"])] if i < w["first_k_dense_replace"] else \
+            [*((f"mlp.experts.{e}", w["moe_intermediate_size"]) for e in range(w["n_routed_experts"])),
+             ("mlp.shared_experts", w["moe_intermediate_size"] * w["n_shared_experts"])]
+        if i >= w["first_k_dense_replace"]:
+            out += [(p + "mlp.gate.weight", (w["n_routed_experts"], H), False),
+                    (p + "mlp.gate.e_score_correction_bias", (w["n_routed_experts"],), False)]
+        for m, inter in mlps:
+            out += [(p + f"{m}.gate_proj.weight", (inter, H), True), (p + f"{m}.up_proj.weight", (inter, H), True),
+                    (p + f"{m}.down_proj.weight", (H, inter), True)]
+    return out + [("model.norm.weight", (H,), False), ("lm_head.weight", (V, H), False)]
+
+
+def generate(folder: Path) -> Path:
+    """The checkpoint (module docstring), written tensor by tensor with moekit's shard writer."""
+    from transformers import DeepseekV3Config
+
+    from moekit._fs import output
+    from moekit.assets import resolve_model
+    from moekit.checkpoint.writer import Planned, ShardWriter
+
+    if (folder / "config.json").is_file():
+        return folder
+    plan = []
+    for name, shape, fp8 in tensors():
+        plan.append(Planned(name, shape, torch.float8_e4m3fn if fp8 else torch.bfloat16))
+        if fp8:
+            plan.append(Planned(name + "_scale_inv", tuple(math.ceil(d / BLOCK) for d in shape), torch.float32))
+    with output(folder, overwrite=True) as tmp:
+        writer = ShardWriter(tmp, plan)
+        for n, p in enumerate(plan):
+            g = torch.Generator().manual_seed(zlib.crc32(p.name.encode()))
+            if p.name.endswith("_scale_inv"):  # N(0, 1) values times 0.02 / sqrt(fan-in / 2048)
+                fan_in = next(q.shape[1] for q in plan if q.name == p.name[: -len("_scale_inv")])
+                t = torch.full(p.shape, 0.02 / math.sqrt(fan_in / 2048))
+            elif p.name.endswith(("norm.weight", "layernorm.weight")):
+                t = torch.ones(p.shape)
+            elif p.name.endswith("e_score_correction_bias"):
+                t = torch.zeros(p.shape)
+            else:
+                t = torch.randn(p.shape, generator=g) * (1.0 if p.dtype == torch.float8_e4m3fn else 0.02)
+            writer.write(p.name, t.to(p.dtype))
+            if n % 200 == 0:
+                print(f"{folder.name}: {n}/{len(plan)} tensors", flush=True)
+        writer.close()
+        cfg = DeepseekV3Config(**WIDTH)
+        cfg.architectures = ["DeepseekV3ForCausalLM"]
+        cfg.quantization_config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                   "weight_block_size": [BLOCK, BLOCK]}
+        cfg.save_pretrained(tmp)
+        smol = resolve_model("smollm2-135m")
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (smol / f).is_file():
+                (tmp / f).write_bytes((smol / f).read_bytes())
+    return folder
+
+
+def run(out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+
+    def step(name, fn):
+        if name not in results:
+            print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
+            results[name] = fn()
+            results_path.write_text(json.dumps(results, indent=1))
+        return results[name]
+
+    model = generate(out / "deepseek-v3-2L-fp8")
+    files = texts(out / "texts", VERSES)
+    results["bytes"] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    for name, extra in (("auto", []), ("parts", ["--experts-per-load", PARTS])):
+        step(f"collect_{name}", lambda name=name, extra=extra: moekit(
+            "routes", "collect", "--model", model, "--texts", *files, "--out", out / f"trace_{name}.npz",
+            "--stream", "on", "--dtype", "bfloat16", "--overwrite", *extra))
+    return results
+
+
+def section(results: dict, out: Path) -> str:
+    import numpy as np
+
+    from moekit.routing.trace import RoutingTrace
+
+    auto, parts = (RoutingTrace.load(out / f"trace_{n}.npz") for n in ("auto", "parts"))
+    w = WIDTH
+    layer = 3 * w["n_routed_experts"] * w["hidden_size"] * w["moe_intermediate_size"] * 2
+    same = float((auto.ids == parts.ids).mean())
+    rows = ["| step | wall (s) | tokens/s | peak RSS (GiB) | experts per load | note |", "|---|---|---|---|---|---|"]
+    for name, trace, note in (("auto", auto, f"the MoE layer's experts: {layer / 2**30:.1f} GiB in bf16"),
+                              ("parts", parts, f"ids equal to the first row's: {same:.4f} of (token, slot)s")):
+        r = results[f"collect_{name}"]
+        flag = "" if name == "auto" else f" --experts-per-load {PARTS}"
+        rows.append(f"| routes collect --stream on --dtype bfloat16{flag} | {r['wall']:.0f} | "
+                    f"{trace.num_tokens / r['wall']:.1f} | {r['rss']:.2f} | {trace.meta.get('experts_per_load')} | "
+                    f"{note} |")
+    return "\n".join([
+        MARK[0], "## A decoder layer bigger than memory: DeepSeek-V3's width in FP8 (bench/big_layer.py)", "",
+        f"`.venv/bin/python bench/big_layer.py --out {out} --write BENCHMARKS.md` — {date.today()}, "
+        f"{platform.machine()}, {os.cpu_count()} cores, {_memory_gib():.0f} GiB of memory. Random weights of "
+        f"DeepSeek-V3's width (hidden {w['hidden_size']}, {w['n_routed_experts']} experts of "
+        f"{w['moe_intermediate_size']} + 1 shared, top-8 of 8 groups, MLA, vocab {w['vocab_size']}), 2 decoder layers "
+        "(dense, then MoE) in its published layout (FP8 projections with 128×128 block scales), "
+        f"{results['bytes'] / 1e9:.1f} GB; {auto.num_tokens} tokens (3 languages × {VERSES} Bible verses). "
+        "Each step is its own process; peak RSS is its VmHWM. Computed from the shapes, not measured: the whole "
+        f"model takes {_model_bytes(out) / 2**30:.1f} GiB in bfloat16, so it does not load in memory; before "
+        "`--experts-per-load`, the streamed capture held the whole MoE layer, and before that its model did not "
+        "even build (its fused experts were allocated, 28 GiB in float32, and the allocation refused).",
+        "", *rows, MARK[1]])
+
+
+def _model_bytes(out: Path) -> int:
+    from moekit.checkpoint.dense import meta_model
+
+    model = meta_model(out / "deepseek-v3-2L-fp8")
+    return sum(p.numel() for p in model.parameters()) * 2
+
+
+def _memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/big_layer"))
+    ap.add_argument("--write", type=Path, help="BENCHMARKS.md to update")
+    ap.add_argument("--small", action="store_true", help="a tiny width and 2 verses per language (smoke test)")
+    args = ap.parse_args()
+    if args.small:
+        global VERSES, PARTS
+        WIDTH.update(SMALL)
+        VERSES, PARTS = 2, 8
+    results = run(args.out)
+    text = section(results, args.out)
+    print(text)
+    if args.write:
+        write_section(args.write, text, MARK)
+
+
+if __name__ == "__main__":
+    main()
