@@ -115,7 +115,7 @@ def test_capture_streamed_equals_in_memory_or_refuses_in_one_line(family, tmp_pa
 
 
 # families whose experts cannot load a few at a time (a layer bigger than memory), with the words of the refusal
-IN_PARTS_REFUSED = {"llama4_text": "takes every expert's input at once"}  # (E·T, H): the block scales x per expert
+IN_PARTS_REFUSED: dict[str, str] = {}
 # families whose layers moekit cannot stream one at a time, with the words of the refusal
 STREAM_REFUSED = {"glm_moe_dsa": "state passed from layer to layer",  # each layer hands its top-k indices on
                   "hy_v4": "state passed from layer to layer",

@@ -268,13 +268,8 @@ def _in_parts_of(model: nn.Module, cap: RoutingCapture, dtype: torch.dtype, devi
     for site in find_sites(model):
         n = per_load(site, dtype, device, given)
         if n < site.num_experts:
-            if not site.experts_take_routing:
-                raise UnsupportedModelError(
-                    f"{type(site.experts).__name__} at {names[id(site.experts)]} takes every expert's input at once "
-                    f"(Llama 4), so its experts cannot load in parts; its {site.num_experts} experts take "
-                    f"{site.params_per_expert * site.num_experts * dtype.itemsize / 2**30:.2f} GiB in {dtype}")
             i = recorded.get(id(site.block), -1 - len(parts))  # a layer not recorded: an index no site has
-            parts[i] = _InParts(i, site.experts, names[id(site.experts)], n, spill)
+            parts[i] = _InParts(i, site, names[id(site.experts)], n, spill)
     return parts
 
 
@@ -318,8 +313,9 @@ class _InParts:
     """A site whose fused experts (at `path`) load `per_load` at a time. While `answering` (one decoder layer): what
     they return for each batch, computed first over every batch (`_in_parts`), kept like the hidden states."""
 
-    def __init__(self, site: int, experts: nn.Module, path: str, per_load: int, spill: bool):
-        self.site, self.experts, self.path, self.per_load, self.spill = site, experts, path, per_load, spill
+    def __init__(self, index: int, site: RouterSite, path: str, per_load: int, spill: bool):
+        self.index, self.site, self.path, self.per_load, self.spill = index, site, path, per_load, spill
+        self.takes_routing = site.experts_take_routing  # read before `answering` replaces the experts' forward
         self.outputs = HiddenStates(False)  # batch -> the experts' output (T, H), while answering
         self.done: set[int] = set()
         self.norms: dict[int, Tensor] = {}  # batch -> ‖f‖ (T, k) of each token's routed experts, for the saliency
@@ -327,21 +323,30 @@ class _InParts:
 
     @contextlib.contextmanager
     def answering(self) -> Iterator[None]:
-        """The experts return the batch's output once computed; before, they raise _Reached with their inputs."""
-        signature = inspect.signature(self.experts.forward)
+        """The experts return the batch's output once computed; before, they raise _Reached with their inputs: (x,
+        ids, weights), or for Llama 4's experts the score-scaled copies of x (E·T, H) and x, the block's input."""
+        experts = self.site.experts
+        signature, block_input = inspect.signature(experts.forward), [None]
+
+        def keep_input(block, args) -> None:
+            block_input[0] = args[0]
 
         def forward(*args, **kwargs):
-            x, ids, w = list(signature.bind(*args, **kwargs).arguments.values())[:3]
-            if self.batch in self.done:
-                return self.outputs.get(self.batch).to(x.device)
-            raise _Reached(self.site, (x.cpu(), ids.cpu(), w.cpu()))
+            inputs = list(signature.bind(*args, **kwargs).arguments.values())[:3]
+            if self.batch in self.done:  # a copy: a block may add to what its experts return in place
+                return self.outputs.get(self.batch).to(inputs[0].device, copy=True)
+            if not self.takes_routing:
+                inputs.append(block_input[0].reshape(-1, inputs[0].shape[-1]))  # (T, H)
+            raise _Reached(self.index, tuple(t.cpu() for t in inputs))
 
         self.outputs, self.done, self.norms = HiddenStates(self.spill), set(), {}
-        self.experts.forward = forward
+        experts.forward = forward
+        hook = self.site.block.register_forward_pre_hook(keep_input)
         try:
             yield
         finally:
-            del self.experts.forward
+            hook.remove()
+            del experts.forward
             self.outputs.close()
 
 
@@ -369,28 +374,60 @@ def _experts_first(stream: LayerStream, layer: nn.Module, batches: list[Batch], 
 
 def _in_parts(stream: LayerStream, part: _InParts, inputs: HiddenStates, batches: list[int], norms: bool,
               device) -> None:
-    """The experts' output for every batch (and ‖f‖ of each routed slot), `part.per_load` experts at a time: each
-    batch's (token, slot) pairs routed to the loaded experts go through them as one-slot decisions, and a token's
-    weighted expert outputs are summed in float32 (as transformers' grouped_mm sums its k slots), then cast to the
-    experts' input dtype."""
-    total = part.experts.num_experts
+    """The experts' output for every batch (and ‖f‖ of each routed slot), `part.per_load` experts at a time."""
+    total = part.site.num_experts
     for start in range(0, total, part.per_load):
         stop = min(total, start + part.per_load)
         experts = stream.load_experts(part.path, start, stop, device)
         for b in batches:
-            x, ids, w = (t.to(device) for t in inputs.get(b))
-            acc = part.outputs.get(b).to(device) if start else torch.zeros(x.shape, dtype=torch.float32,
-                                                                           device=device)  # Σ w·f (T, H)
-            t, s = ((ids >= start) & (ids < stop)).nonzero(as_tuple=True)  # (P,) tokens, slots
-            local = (ids[t, s] - start).unsqueeze(1)  # (P, 1) expert ids among the loaded ones
-            if len(t):
-                acc.index_add_(0, t, experts(x[t], local, w[t, s].unsqueeze(1)).float())
-                if norms:
-                    f = experts(x[t], local, torch.ones_like(w[t, s]).unsqueeze(1)).float().norm(dim=-1)  # (P,)
-                    part.norms.setdefault(b, torch.zeros(ids.shape)).index_put_((t.cpu(), s.cpu()), f.cpu())
-            part.outputs.put(b, (acc.to(x.dtype) if stop == total else acc).cpu())  # the last part: the output
+            inputs_b = [t.to(device) for t in inputs.get(b)]
+            if part.takes_routing:
+                out, f = _routed_part(experts, start, stop, *inputs_b, part.outputs.get(b) if start else None, norms)
+            else:
+                out, f = _every_expert_part(experts, start, stop, *inputs_b, part.outputs.get(b) if start else None,
+                                            norms)
+            part.outputs.put(b, (out.to(inputs_b[0].dtype) if stop == total else out).cpu())  # last: the output
+            if f is not None:
+                part.norms[b] = part.norms.get(b, 0) + f.cpu()
         del experts
+    if norms and not part.takes_routing:  # (E, T) norms of every expert: those of the routed slots
+        for b in batches:
+            x = inputs.get(b)[1].to(device)
+            _, ids, _ = part.site.decision(part.site.router(x))  # the router's decision for x, as the capture's
+            part.norms[b] = part.norms[b].t().gather(1, ids.cpu())  # (T, k)
     part.done.update(batches)
+
+
+def _routed_part(experts: nn.Module, start: int, stop: int, x: Tensor, ids: Tensor, w: Tensor, acc: Tensor | None,
+                 norms: bool) -> tuple[Tensor, Tensor | None]:
+    """(Σ w·f (T, H) float32 so far, ‖f‖ (T, k) of the slots routed here (0 elsewhere) or None) of experts taking
+    (x, ids, weights): the (token, slot) pairs routed to the loaded experts go through them as one-slot decisions,
+    and a token's weighted outputs are summed in float32 (as transformers' grouped_mm sums its k slots), cast to
+    the input's dtype after the last part."""
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if acc is None else acc.to(x.device)
+    t, s = ((ids >= start) & (ids < stop)).nonzero(as_tuple=True)  # (P,) tokens, slots
+    local = (ids[t, s] - start).unsqueeze(1)  # (P, 1) expert ids among the loaded ones
+    f = torch.zeros(ids.shape, device=x.device) if norms else None
+    if len(t):
+        acc.index_add_(0, t, experts(x[t], local, w[t, s].unsqueeze(1)).float())
+        if norms:
+            f[t, s] = experts(x[t], local, torch.ones_like(w[t, s]).unsqueeze(1)).float().norm(dim=-1)
+    return acc, f
+
+
+def _every_expert_part(experts: nn.Module, start: int, stop: int, routed_in: Tensor, x: Tensor, out: Tensor | None,
+                       norms: bool) -> tuple[Tensor, Tensor | None]:
+    """(the experts' output (E·T, H) so far, ‖f‖ (E, T) of the loaded experts on x (0 elsewhere) or None) of Llama
+    4's experts, which take every expert's copy of x scaled by its score, (E·T, H), expert e on rows e·T .. e·T + T
+    - 1: the loaded experts' rows go through them (the same per-expert products as the whole layer's)."""
+    T, E = x.shape[0], routed_in.shape[0] // x.shape[0]
+    out = torch.empty_like(routed_in) if out is None else out.to(x.device)
+    out[start * T:stop * T] = experts(routed_in[start * T:stop * T])
+    f = None
+    if norms:
+        f = torch.zeros(E, T, device=x.device)
+        f[start:stop] = experts(x.repeat(stop - start, 1)).float().view(stop - start, T, -1).norm(dim=-1)
+    return out, f
 
 
 def batches_of(tokenizer, texts: dict[str, list[str]], max_length: int, batch_size: int) -> list[Batch]:
