@@ -356,7 +356,7 @@ def _experts_first(stream: LayerStream, layer: nn.Module, batches: list[Batch], 
     capture is muted), then run those experts on every batch's inputs, `per_load` experts loaded at a time."""
     reached: dict[int, HiddenStates] = {}  # site -> batch -> (x (T, H), ids (T, k), weights (T, k))
     try:
-        with cap.muted():
+        with cap.muted():  # also Llama 4's router, run again on its block's input in `_in_parts`
             for b in range(len(batches)):
                 for part in parts.values():
                     part.batch = b
@@ -364,9 +364,9 @@ def _experts_first(stream: LayerStream, layer: nn.Module, batches: list[Batch], 
                     _call(layer, b, calls, store, index, device)
                 except _Reached as r:
                     reached.setdefault(r.site, HiddenStates(parts[r.site].spill)).put(b, r.inputs)
-        for site, inputs in reached.items():
-            _in_parts(stream, parts[site], inputs, [b for b in range(len(batches)) if inputs.has(b)],
-                      cap.saliency and site >= 0, device)
+            for site, inputs in reached.items():
+                _in_parts(stream, parts[site], inputs, [b for b in range(len(batches)) if inputs.has(b)],
+                          cap.saliency and site >= 0, device)
     finally:
         for inputs in reached.values():
             inputs.close()
