@@ -14,7 +14,10 @@ than this machine has; the whole model in bfloat16 would take about 27 GB. Texts
 Steps, each its own `moekit` process (wall and peak RSS from its final line), cached in OUT/results.json so an
 interrupted run resumes:
   1. routes collect --stream on --dtype bfloat16: the experts' part size chosen by the memory available;
-  2. the same with --experts-per-load 32 (other parts: are the decisions the same?).
+  2. the same with --experts-per-load 32 (other parts: are the decisions the same?);
+  3. REAP's workflow: select reap --top 128 --groups 8 on step 1's trace (16 in each of the 8 groups of its
+     group-limited routing), prune --keep (the checkpoint stays FP8), and the pruned checkpoint's routing captured
+     the same way.
 
     .venv/bin/python bench/big_layer.py --out /work/big_layer --write BENCHMARKS.md
 """
@@ -50,6 +53,7 @@ SMALL = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, moe_inter
 BLOCK = 128
 VERSES = 8
 PARTS = 32  # step 2's experts per load
+KEEP = 128  # experts kept by REAP
 
 
 def tensors() -> list[tuple[str, tuple[int, ...], bool]]:
@@ -144,6 +148,15 @@ def run(out: Path) -> dict:
         step(f"collect_{name}", lambda name=name, extra=extra: moekit(
             "routes", "collect", "--model", model, "--texts", *files, "--out", out / f"trace_{name}.npz",
             "--stream", "on", "--dtype", "bfloat16", "--overwrite", *extra))
+    # REAP's workflow at this width: the top half of the experts by saliency, removed from the FP8 checkpoint
+    step("select_reap", lambda: moekit("select", "reap", out / "trace_auto.npz", "--top", KEEP, "--groups",
+                                       WIDTH["n_group"], "--out", out / "reap.json", "--overwrite"))
+    step("prune_keep", lambda: moekit("prune", "--model", model, "--experts", out / "reap.json", "--keep", "--out",
+                                      out / "pruned", "--overwrite"))
+    results["pruned_bytes"] = sum(f.stat().st_size for f in (out / "pruned").glob("*.safetensors"))
+    step("collect_pruned", lambda: moekit(
+        "routes", "collect", "--model", out / "pruned", "--texts", *files, "--out", out / "trace_pruned.npz",
+        "--stream", "on", "--dtype", "bfloat16", "--overwrite"))
     return results
 
 
@@ -152,7 +165,7 @@ def section(results: dict, out: Path) -> str:
 
     from moekit.routing.trace import RoutingTrace
 
-    auto, parts = (RoutingTrace.load(out / f"trace_{n}.npz") for n in ("auto", "parts"))
+    auto, parts, pruned = (RoutingTrace.load(out / f"trace_{n}.npz") for n in ("auto", "parts", "pruned"))
     w = WIDTH
     layer = 3 * w["n_routed_experts"] * w["hidden_size"] * w["moe_intermediate_size"] * 2
     same = float((auto.ids == parts.ids).mean())
@@ -164,6 +177,14 @@ def section(results: dict, out: Path) -> str:
         rows.append(f"| routes collect --stream on --dtype bfloat16{flag} | {r['wall']:.0f} | "
                     f"{trace.num_tokens / r['wall']:.1f} | {r['rss']:.2f} | {trace.meta.get('experts_per_load')} | "
                     f"{note} |")
+    sel, cut, again = results["select_reap"], results["prune_keep"], results["collect_pruned"]
+    rows += [f"| select reap --top {KEEP} --groups {w['n_group']} | {sel['wall']:.1f} | | – | | reads the trace only |",
+             f"| prune --keep to {KEEP} experts | {cut['wall']:.0f} | | {cut['rss']:.2f} | | "
+             f"{results['bytes'] / 1e9:.1f} → {results['pruned_bytes'] / 1e9:.1f} GB, quant_method "
+             f"{json.loads((out / 'pruned' / 'config.json').read_text())['quantization_config']['quant_method']} |",
+             f"| routes collect of the pruned checkpoint, as the first row | {again['wall']:.0f} | "
+             f"{pruned.num_tokens / again['wall']:.1f} | {again['rss']:.2f} | {pruned.meta.get('experts_per_load')} | "
+             f"{int(pruned.num_experts.max())} experts |"]
     return "\n".join([
         MARK[0], "## A decoder layer bigger than memory: DeepSeek-V3's width in FP8 (bench/big_layer.py)", "",
         f"`.venv/bin/python bench/big_layer.py --out {out} --write BENCHMARKS.md` — {date.today()}, "
@@ -197,9 +218,9 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a tiny width and 2 verses per language (smoke test)")
     args = ap.parse_args()
     if args.small:
-        global VERSES, PARTS
+        global VERSES, PARTS, KEEP
         WIDTH.update(SMALL)
-        VERSES, PARTS = 2, 8
+        VERSES, PARTS, KEEP = 2, 8, 16
     results = run(args.out)
     text = section(results, args.out)
     print(text)

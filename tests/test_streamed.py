@@ -308,6 +308,36 @@ def test_one_shot_selectors_rank_by_their_criteria():
                     "ean": {"a": [1, 3], "b": [0, 1]}}
     assert select(trace, "usage", "en", top=2).experts == {"a": [0, 2], "b": [0, 1]}
     assert select(trace, "reap", "en", top=2).scores["a"] == [0.25, 5.0, 2.0, 0.0]
+    # groups of consecutive experts ({0, 1}, {2, 3}) keep their best each: EAN's two best (0, 1) share a group
+    assert select(trace, "ean", "en", top=2).experts == {"a": [0, 1], "b": [0, 1]}
+    assert select(trace, "ean", "en", top=2, groups=2).experts == {"a": [1, 2], "b": [0, 2]}
+    with pytest.raises(ConfigError, match="groups 3 must divide top 2 and every layer's experts"):
+        select(trace, "ean", None, top=2, groups=3)
+
+
+def test_removal_of_an_uneven_selection_from_group_limited_routing_names_the_fix(tmp_path):
+    """DeepSeek-V3's group-limited routing (8 experts in 2 groups): removing 3 of one group and 1 of the other is
+    refused, naming `--groups 2`; the REAP selection with groups 2 removes, and computes as the experts disabled."""
+    from moekit.checkpoint.remove import remove_experts
+    from moekit.selection import select
+    from moekit.selection.prune import prune
+
+    model = TINY_HF_MOE["deepseek_v3"]()
+    model.save_pretrained(tmp_path / "src")
+    sites = find_sites(model)
+    with pytest.raises(ConfigError, match=r"keeps \(3, 1\) per group .*--groups 2"):
+        remove_experts(tmp_path / "src", tmp_path / "bad", {s.name: [0, 1, 2, 4] for s in sites})
+    assert not (tmp_path / "bad").exists()
+    sel = select(collect_streamed(tmp_path / "src", batches(), dtype=torch.float32), "reap", None, top=4, groups=2)
+    assert all(sorted(i // 4 for i in ids) == [0, 0, 1, 1] for ids in sel.experts.values())
+    remove_experts(tmp_path / "src", tmp_path / "out", sel.experts)
+    import transformers as tf
+
+    out = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    prune(model, {n: sorted(set(range(8)) - set(ids)) for n, ids in sel.experts.items()})
+    x = batches()[0].input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(out(input_ids=x).logits, model(input_ids=x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_collect_select_reap_and_prune_keep_from_the_command_line(tmp_path, run, monkeypatch):

@@ -169,7 +169,8 @@ def check_keep(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> int:
         per = {tuple(sum(1 for i in ids if i // size == g) for g in range(groups)) for ids in keep.values()}
         if len(per) != 1 or len(set(next(iter(per)))) != 1:
             raise ConfigError(f"group-limited routing (n_group={groups}) needs the same number of kept experts in each "
-                              f"group of {size}; the selection keeps {sorted(per)[0]} per group")
+                              f"group of {size}; the selection keeps {sorted(per)[0]} per group (select "
+                              f"usage, reap or ean with --groups {groups} keeps as many in each)")
     return kept
 
 

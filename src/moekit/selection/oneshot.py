@@ -11,7 +11,9 @@ lower expert id), from the saliency sums a trace records over the routed tokens 
   ean    EAN, REAP's baseline: Σ ‖f_j(x)‖₂ over the tokens routed to j.
 
 The selection lists the kept experts; `moekit prune --keep` removes the others from a checkpoint. Every token of
-the trace counts, or only the `target` language's.
+the trace counts, or only the `target` language's. With `groups` G, each of the G groups of E/G consecutive experts
+keeps its best top/G (group-limited routing, DeepSeek-V3's n_group, needs as many kept per group); REAP's paper
+ranks every expert of a layer together, which such a model's removal refuses unless the ranking happens to be even.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ class OneShot(Selector):
     per_layer: ClassVar[bool] = True
     needs_budget: ClassVar[bool] = False
     top: int = Field(..., ge=1, description="experts to keep in every MoE layer (required)")
+    groups: int = Field(1, ge=1, description="keep top / groups in each of this many groups of consecutive "
+                                             "experts: group-limited routing (DeepSeek-V3's n_group 8) needs as "
+                                             "many kept in each for `prune --keep`")
 
     def scores(self, sums: np.ndarray) -> np.ndarray:
         """(L, E) scores from the (L, E, 6) saliency sums (SALIENCY)."""
@@ -47,10 +52,17 @@ class OneShot(Selector):
         if self.top < k:
             raise ConfigError(f"keeping {self.top} experts per layer leaves fewer than the {k} each token is routed "
                               f"to (top-k); keep at least {k}")
+        uneven = [f"{name} ({int(e)})" for name, e in zip(trace.layers, trace.num_experts) if e % self.groups]
+        if self.top % self.groups or uneven:
+            raise ConfigError(f"groups {self.groups} must divide top {self.top} and every layer's experts"
+                              + (f" (not those of {', '.join(uneven[:3])})" if uneven else ""))
         scores = np.where(valid, self.scores(sums), -np.inf)  # (L, E)
-        order = np.argsort(-scores, axis=1, kind="stable")[:, : self.top]  # (L, top) best first, ties: lower id
         chosen = np.zeros_like(valid)
-        np.put_along_axis(chosen, order, True, axis=1)
+        for li, e in enumerate(trace.num_experts):
+            size = int(e) // self.groups
+            for g in range(0, int(e), size):  # each group's best, ties: lower id
+                best = np.argsort(-scores[li, g:g + size], kind="stable")[: self.top // self.groups]
+                chosen[li, g + best] = True
         return to_selection(trace, self, target, chosen, np.where(valid, scores, 0.0), top=self.top)
 
     def sums(self, trace: RoutingTrace, target: str | None) -> np.ndarray:
