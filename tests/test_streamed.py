@@ -317,7 +317,7 @@ def test_one_shot_selectors_rank_by_their_criteria():
 
 def test_removal_of_an_uneven_selection_from_group_limited_routing_names_the_fix(tmp_path):
     """DeepSeek-V3's group-limited routing (8 experts in 2 groups): removing 3 of one group and 1 of the other is
-    refused, naming `--groups 2`; the REAP selection with groups 2 removes, and computes as the experts disabled."""
+    refused, naming groups=2 (`select --groups 2`); the REAP selection with groups 2 removes, and computes as the experts disabled."""
     from moekit.checkpoint.remove import remove_experts
     from moekit.selection import select
     from moekit.selection.prune import prune
@@ -325,7 +325,7 @@ def test_removal_of_an_uneven_selection_from_group_limited_routing_names_the_fix
     model = TINY_HF_MOE["deepseek_v3"]()
     model.save_pretrained(tmp_path / "src")
     sites = find_sites(model)
-    with pytest.raises(ConfigError, match=r"keeps \(3, 1\) per group .*--groups 2"):
+    with pytest.raises(ConfigError, match=r"keeps \(3, 1\) per group .*groups=2"):
         remove_experts(tmp_path / "src", tmp_path / "bad", {s.name: [0, 1, 2, 4] for s in sites})
     assert not (tmp_path / "bad").exists()
     sel = select(collect_streamed(tmp_path / "src", batches(), dtype=torch.float32), "reap", None, top=4, groups=2)

@@ -170,7 +170,7 @@ def check_keep(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> int:
         if len(per) != 1 or len(set(next(iter(per)))) != 1:
             raise ConfigError(f"group-limited routing (n_group={groups}) needs the same number of kept experts in each "
                               f"group of {size}; the selection keeps {sorted(per)[0]} per group (select "
-                              f"usage, reap or ean with --groups {groups} keeps as many in each)")
+                              f"usage, reap or ean with groups={groups} keeps as many in each)")
     return kept
 
 

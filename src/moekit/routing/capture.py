@@ -52,7 +52,7 @@ class RoutingCapture:
         self._languages: list[str] = []
         self._sums: dict[str, np.ndarray] = {}  # language -> (L, E, 6) float64 (SALIENCY order)
         self._logits: dict[int, Tensor] = {}  # layer -> its router's latest logits (T, E)
-        # layer -> ‖f‖ (T, k) of its next call, computed elsewhere (a streamed capture's experts loaded in chunks)
+        # layer -> ‖f‖ (T, k) of its next call, computed elsewhere (a streamed capture's experts loaded in parts)
         self.given_norms: dict[int, Tensor] = {}
         self._next_sample = 0
         self._batch, self._mask, self._language, self._muted = 0, None, None, False
