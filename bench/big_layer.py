@@ -29,7 +29,6 @@ import math
 import os
 import platform
 import sys
-import time
 import zlib
 from datetime import date
 from pathlib import Path
@@ -37,8 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from big_moe import moekit, texts  # noqa: E402  (bench/big_moe.py: a moekit step, the Bible texts)
-from report import write_section  # noqa: E402
+from big_moe import moekit, smollm2_tokenizer, texts  # noqa: E402  (bench/big_moe.py)
+from report import resumable, write_section  # noqa: E402
 
 MARK = ("<!-- big_layer -->", "<!-- /big_layer -->")
 WIDTH = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -90,7 +89,6 @@ def generate(folder: Path) -> Path:
     from transformers import DeepseekV3Config
 
     from moekit._fs import output
-    from moekit.assets import resolve_model
     from moekit.checkpoint.writer import Planned, ShardWriter
 
     if (folder / "config.json").is_file():
@@ -122,24 +120,12 @@ def generate(folder: Path) -> Path:
         cfg.quantization_config = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                    "weight_block_size": [BLOCK, BLOCK]}
         cfg.save_pretrained(tmp)
-        smol = resolve_model("smollm2-135m")
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (smol / f).is_file():
-                (tmp / f).write_bytes((smol / f).read_bytes())
+        smollm2_tokenizer(tmp)
     return folder
 
 
 def run(out: Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-
-    def step(name, fn):
-        if name not in results:
-            print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
-            results[name] = fn()
-            results_path.write_text(json.dumps(results, indent=1))
-        return results[name]
+    results, step = resumable(out)
 
     model = generate(out / "deepseek-v3-2L-fp8")
     files = texts(out / "texts", VERSES)

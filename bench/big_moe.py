@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from report import write_section  # bench/report.py
+from report import resumable, write_section  # bench/report.py
 
 MARK = ("<!-- big_moe -->", "<!-- /big_moe -->")
 WIDTH = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
@@ -76,7 +76,6 @@ def generate(folder: Path, layers: int) -> Path:
     from transformers import Qwen3MoeConfig
 
     from moekit._fs import output
-    from moekit.assets import resolve_model
     from moekit.checkpoint.writer import Planned, ShardWriter
 
     if (folder / "config.json").is_file():
@@ -94,11 +93,18 @@ def generate(folder: Path, layers: int) -> Path:
         cfg = Qwen3MoeConfig(**{**WIDTH, "num_hidden_layers": layers})
         cfg.architectures = ["Qwen3MoeForCausalLM"]
         cfg.save_pretrained(tmp)
-        smol = resolve_model("smollm2-135m")
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (smol / f).is_file():
-                (tmp / f).write_bytes((smol / f).read_bytes())
+        smollm2_tokenizer(tmp)
     return folder
+
+
+def smollm2_tokenizer(folder: Path) -> None:
+    """SmolLM2's tokenizer files (the built-in asset) into `folder`."""
+    from moekit.assets import resolve_model
+
+    smol = resolve_model("smollm2-135m")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smol / f).is_file():
+            (folder / f).write_bytes((smol / f).read_bytes())
 
 
 def texts(folder: Path, verses: int | None = None) -> list[str]:
@@ -204,16 +210,7 @@ RESULT = {"bytes": n, "seconds": time.perf_counter() - start}
 
 
 def run(out: Path) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    results_path = out / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-
-    def step(name, fn):
-        if name not in results:
-            print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
-            results[name] = fn()
-            results_path.write_text(json.dumps(results, indent=1))
-        return results[name]
+    results, step = resumable(out)
 
     big, cut = generate(out / "qwen3-30b-a3b-12L", 12), generate(out / "qwen3-30b-a3b-4L", 4)
     files = texts(out / "texts")

@@ -65,6 +65,23 @@ def wall(r: dict) -> str:
     return f"{r['seconds'] / 60:.1f}" + (f" (resumed at step {step})" if step else "")
 
 
+def resumable(out: Path):
+    """(the results cached in OUT/results.json, step(name, fn)): step runs fn once, caches its result and returns
+    it, so an interrupted benchmark resumes where it stopped."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+
+    def step(name, fn):
+        if name not in results:
+            print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
+            results[name] = fn()
+            path.write_text(json.dumps(results, indent=1))
+        return results[name]
+
+    return results, step
+
+
 def cached(folder: Path, run) -> dict:
     """`run()`'s summary dict (its wall time added as "seconds", and "resumed_at" where it continued from a
     checkpoint: `stopwatch`), kept in folder/summary.json: a bench that is interrupted resumes with the systems it has
