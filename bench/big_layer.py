@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import zlib
 from datetime import date
@@ -37,9 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from big_moe import moekit, smollm2_tokenizer, texts  # noqa: E402  (bench/big_moe.py)
-from report import resumable, write_section  # noqa: E402
+from report import cpu_name, resumable, write_section  # noqa: E402
 
 MARK = ("<!-- big_layer -->", "<!-- /big_layer -->")
+RESULTS = "bench/results/big_layer/results.json"  # the measured run's results.json, committed
 WIDTH = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
              num_hidden_layers=2, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
              n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
@@ -143,58 +143,64 @@ def run(out: Path) -> dict:
     step("collect_pruned", lambda: moekit(
         "routes", "collect", "--model", out / "pruned", "--texts", *files, "--out", out / "trace_pruned.npz",
         "--stream", "on", "--dtype", "bfloat16", "--overwrite"))
+    step("summary", lambda: summary(out))
     return results
 
 
-def section(results: dict, out: Path) -> str:
-    import numpy as np
-
+def summary(out: Path) -> dict:
+    """What the section reports beside the steps' walls and peaks, read from OUT's traces and checkpoints, with the
+    machine they ran on: everything `section` needs, so that a committed results.json rebuilds it (--from)."""
+    from moekit.checkpoint.dense import meta_model
     from moekit.routing.trace import RoutingTrace
 
-    auto, parts, pruned = (RoutingTrace.load(out / f"trace_{n}.npz") for n in ("auto", "parts", "pruned"))
-    w = WIDTH
+    traces = {n: RoutingTrace.load(out / f"trace_{n}.npz") for n in ("auto", "parts", "pruned")}
+    model, pruned = out / "deepseek-v3-2L-fp8", out / "pruned"
+    return {
+        "date": str(date.today()), "cpu": cpu_name(), "cores": os.cpu_count(),
+        "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+        "bytes": sum(f.stat().st_size for f in model.glob("*.safetensors")),
+        "pruned_bytes": sum(f.stat().st_size for f in pruned.glob("*.safetensors")),
+        "pruned_quant_method": json.loads((pruned / "config.json").read_text())["quantization_config"]["quant_method"],
+        "model_bf16_bytes": sum(p.numel() for p in meta_model(model).parameters()) * 2,
+        "tokens": {n: t.num_tokens for n, t in traces.items()},
+        "experts_per_load": {n: t.meta.get("experts_per_load") for n, t in traces.items()},
+        "pruned_experts": int(traces["pruned"].num_experts.max()),
+        "ids_equal": float((traces["auto"].ids == traces["parts"].ids).mean()),
+    }
+
+
+def section(results: dict, out: Path) -> str:
+    m, w = results["summary"], WIDTH
     layer = 3 * w["n_routed_experts"] * w["hidden_size"] * w["moe_intermediate_size"] * 2
-    same = float((auto.ids == parts.ids).mean())
     rows = ["| step | wall (s) | tokens/s | peak RSS (GiB) | experts per load | note |", "|---|---|---|---|---|---|"]
-    for name, trace, note in (("auto", auto, f"the MoE layer's experts: {layer / 2**30:.1f} GiB in bf16"),
-                              ("parts", parts, f"ids equal to the first row's: {same:.4f} of (token, slot)s")):
+    for name, note in (("auto", f"the MoE layer's experts: {layer / 2**30:.1f} GiB in bf16"),
+                       ("parts", f"ids equal to the first row's: {m['ids_equal']:.4f} of (token, slot)s")):
         r = results[f"collect_{name}"]
         flag = "" if name == "auto" else f" --experts-per-load {PARTS}"
         rows.append(f"| routes collect --stream on --dtype bfloat16{flag} | {r['wall']:.0f} | "
-                    f"{trace.num_tokens / r['wall']:.1f} | {r['rss']:.2f} | {trace.meta.get('experts_per_load')} | "
+                    f"{m['tokens'][name] / r['wall']:.1f} | {r['rss']:.2f} | {m['experts_per_load'][name]} | "
                     f"{note} |")
     sel, cut, again = results["select_reap"], results["prune_keep"], results["collect_pruned"]
     rows += [f"| select reap --top {KEEP} --groups {w['n_group']} | {sel['wall']:.1f} | | – | | reads the trace only |",
              f"| prune --keep to {KEEP} experts | {cut['wall']:.0f} | | {cut['rss']:.2f} | | "
-             f"{results['bytes'] / 1e9:.1f} → {results['pruned_bytes'] / 1e9:.1f} GB, quant_method "
-             f"{json.loads((out / 'pruned' / 'config.json').read_text())['quantization_config']['quant_method']} |",
+             f"{m['bytes'] / 1e9:.1f} → {m['pruned_bytes'] / 1e9:.1f} GB, quant_method {m['pruned_quant_method']} |",
              f"| routes collect of the pruned checkpoint, as the first row | {again['wall']:.0f} | "
-             f"{pruned.num_tokens / again['wall']:.1f} | {again['rss']:.2f} | {pruned.meta.get('experts_per_load')} | "
-             f"{int(pruned.num_experts.max())} experts |"]
+             f"{m['tokens']['pruned'] / again['wall']:.1f} | {again['rss']:.2f} | {m['experts_per_load']['pruned']} | "
+             f"{m['pruned_experts']} experts |"]
     return "\n".join([
         MARK[0], "## A decoder layer bigger than memory: DeepSeek-V3's width in FP8 (bench/big_layer.py)", "",
-        f"`.venv/bin/python bench/big_layer.py --out {out} --write BENCHMARKS.md` — {date.today()}, "
-        f"{platform.machine()}, {os.cpu_count()} cores, {_memory_gib():.0f} GiB of memory. Random weights of "
+        f"`.venv/bin/python bench/big_layer.py --out {out} --write BENCHMARKS.md` (the committed results: "
+        f"`--from {RESULTS}`) — {m['date']}, {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB of memory. "
+        "Random weights of "
         f"DeepSeek-V3's width (hidden {w['hidden_size']}, {w['n_routed_experts']} experts of "
         f"{w['moe_intermediate_size']} + 1 shared, top-8 of 8 groups, MLA, vocab {w['vocab_size']}), 2 decoder layers "
         "(dense, then MoE) in its published layout (FP8 projections with 128×128 block scales), "
-        f"{results['bytes'] / 1e9:.1f} GB; {auto.num_tokens} tokens (3 languages × {VERSES} Bible verses). "
+        f"{m['bytes'] / 1e9:.1f} GB; {m['tokens']['auto']} tokens (3 languages × {VERSES} Bible verses). "
         "Each step is its own process; peak RSS is its VmHWM. Computed from the shapes, not measured: the whole "
-        f"model takes {_model_bytes(out) / 2**30:.1f} GiB in bfloat16, so it does not load in memory; before "
+        f"model takes {m['model_bf16_bytes'] / 2**30:.1f} GiB in bfloat16, so it does not load in memory; before "
         "`--experts-per-load`, the streamed capture held the whole MoE layer, and before that its model did not "
         "even build (its fused experts were allocated, 28 GiB in float32, and the allocation refused).",
         "", *rows, MARK[1]])
-
-
-def _model_bytes(out: Path) -> int:
-    from moekit.checkpoint.dense import meta_model
-
-    model = meta_model(out / "deepseek-v3-2L-fp8")
-    return sum(p.numel() for p in model.parameters()) * 2
-
-
-def _memory_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def main() -> None:
@@ -202,12 +208,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/big_layer"))
     ap.add_argument("--write", type=Path, help="BENCHMARKS.md to update")
     ap.add_argument("--small", action="store_true", help="a tiny width and 2 verses per language (smoke test)")
+    ap.add_argument("--from", dest="source", type=Path, help="write the section from this results.json (as committed "
+                                                             f"in {RESULTS}) without running anything")
     args = ap.parse_args()
     if args.small:
         global VERSES, PARTS, KEEP
         WIDTH.update(SMALL)
         VERSES, PARTS, KEEP = 2, 8, 16
-    results = run(args.out)
+    results = json.loads(args.source.read_text()) if args.source else run(args.out)
     text = section(results, args.out)
     print(text)
     if args.write:

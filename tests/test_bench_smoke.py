@@ -131,3 +131,16 @@ def test_model_throughput_trains_with_each_sides_router_losses():
         assert not torch.equal(before, router), name
     assert logged == [sorted(["moe/lb", "moe/z", *(f"moe/model.layers.{i}.mlp/{k}" for i in (0, 1)
                                                    for k in ("lb", "z", "usage_entropy", "max_load"))])]
+
+
+def test_big_layer_section_is_rebuilt_from_its_committed_results():
+    """BENCHMARKS.md's "A decoder layer bigger than memory" is what bench/big_layer.py writes from the results.json
+    committed under bench/results/big_layer (every number in it comes from that file)."""
+    import json
+
+    import big_layer
+
+    root = Path(__file__).resolve().parents[1]
+    results = json.loads((root / big_layer.RESULTS).read_text())
+    text = big_layer.section(results, Path("/work/big_layer"))
+    assert text in (root / "BENCHMARKS.md").read_text()

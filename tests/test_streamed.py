@@ -3,6 +3,7 @@ in-memory capture's), the saliency sums of one-shot pruning against an independe
 stays flat in the number of layers."""
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import textwrap
@@ -100,7 +101,8 @@ def test_experts_loaded_a_few_at_a_time_give_the_same_trace(checkpoints, family)
 
 def test_experts_in_parts_are_never_held_whole(checkpoints, monkeypatch):
     """The layer loads with its experts left on the meta device, and each read holds at most n of them: the parts
-    cover every expert once per MoE layer. With little memory available, the parts are chosen by it."""
+    cover every expert once per MoE layer. With little memory available, the parts are chosen by it. The checkpoint's
+    files are unchanged (hashed before and after)."""
     from moekit.checkpoint.layerwise import LayerStream
     from moekit.routing import streamed
 
@@ -114,6 +116,7 @@ def test_experts_in_parts_are_never_held_whole(checkpoints, monkeypatch):
 
     monkeypatch.setattr(LayerStream, "load_experts", spy)
     folder = checkpoints["qwen3_moe"]
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
     want = collect_streamed(folder, batches(), dtype=torch.float32)
     sites = find_sites(loaded(folder))
     collect_streamed(folder, batches(), dtype=torch.float32, experts_per_load=3)
@@ -130,6 +133,7 @@ def test_experts_in_parts_are_never_held_whole(checkpoints, monkeypatch):
     assert {b - a for _, a, b in reads} == {2} and np.array_equal(got.ids, want.ids)
     with pytest.raises(ConfigError, match="experts_per_load must be at least 1"):
         collect_streamed(folder, batches(), experts_per_load=0)
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()} == before  # read only
 
 
 IN_PARTS_PEAK = textwrap.dedent('''
