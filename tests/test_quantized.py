@@ -5,6 +5,7 @@ quantized; any other quantization is refused.
 The oracle is the float checkpoint of the values a quantized one encodes, written beside it by
 moekit.testing.quantized (whose dequantization is index arithmetic written apart from moekit's); where transformers
 or compressed-tensors can read the same checkpoint, they are checked too."""
+import functools
 import hashlib
 import json
 import shutil
@@ -14,13 +15,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 import moekit
 from moekit.checkpoint.dense import load_dense
 from moekit.checkpoint.files import ShardReader
 from moekit.checkpoint.format import load_model
-from moekit.checkpoint.quantized import dequantize, unpack_mxfp4
+from moekit.checkpoint.quantized import dequantize, unpack_ints, unpack_mxfp4
 from moekit.checkpoint.remove import remove_experts
 from moekit.errors import CheckpointError, ConfigError
 from moekit.moe import MoESpec
@@ -74,10 +76,7 @@ def test_fp8_checkpoint_reads_as_its_float_model(tmp_path, family):
     transformers computes from the float checkpoint, bit for bit."""
     model = {"qwen3": tiny_qwen3, **MOE}[family]()
     fp8, ref = _pair(tmp_path, model)
-    with ShardReader(fp8) as reader, safe_open(ref / "model.safetensors", "pt") as want:
-        assert sorted(reader.keys()) == sorted(want.keys())
-        for k in want.keys():
-            assert torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)), k
+    _reads_as(fp8, ref)
     with ShardReader(fp8, dequantize=False) as raw:
         assert any(k.endswith("_scale_inv") for k in raw.keys())
     loaded = load_dense(fp8)
@@ -197,13 +196,13 @@ def test_fp8_expert_removal_refuses_to_split_blocks(tmp_path):
     assert "\n" not in str(e.value) and not (tmp_path / "cut").exists()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_upcycling_fp8_equals_upcycling_its_float_model(tmp_path, family):
-    """A dense FP8 checkpoint upcycles (streamed and in memory) to exactly what its float checkpoint upcycles to;
-    the output is a float checkpoint (no quantization_config), by default in the dtype of the FP8 checkpoint's
-    unquantized tensors (bf16 here)."""
+@pytest.mark.parametrize("family,fmt", [("qwen3", "fp8"), ("llama", "fp8"), ("qwen3", "packed")])
+def test_upcycling_fp8_equals_upcycling_its_float_model(tmp_path, family, fmt):
+    """A dense FP8 (or W4A16 pack-quantized) checkpoint upcycles (streamed and in memory) to exactly what its float
+    checkpoint upcycles to; the output is a float checkpoint (no quantization_config), by default in the dtype of the
+    quantized checkpoint's unquantized tensors (bf16 here)."""
     model = {"qwen3": tiny_qwen3, "llama": tiny_llama}[family]().to(torch.bfloat16)
-    fp8, ref = _pair(tmp_path, model)
+    fp8, ref = _pair(tmp_path, model, **({"save": W4A16} if fmt == "packed" else {}))
     spec = MoESpec(num_experts=4, top_k=2, init={"method": "drop", "ratio": 0.5})
     written = {d.name: moekit.upcycle_checkpoint(d, tmp_path / f"{d.name}_moe", spec, dtype="bfloat16")
                for d in (fp8, ref)}
@@ -253,6 +252,7 @@ SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"
 
 
 DOWN = "model.layers.0.mlp.experts.down_proj"  # GPT-OSS's MXFP4 down projection: DOWN_blocks, DOWN_scales
+WORDS = "model.layers.0.mlp.down_proj.weight"  # a W4A16 weight: WORDS_packed, WORDS_shape, WORDS_scale
 
 
 @pytest.mark.parametrize("kind,edit,words", [
@@ -265,9 +265,15 @@ DOWN = "model.layers.0.mlp.experts.down_proj"  # GPT-OSS's MXFP4 down projection
     ("mxfp4", lambda t: t.pop(DOWN + "_scales"), f"beside no {DOWN}_scales"),
     ("mxfp4", lambda t: t.update({DOWN + "_scales": t[DOWN + "_scales"][:, :1].clone()}), "MXFP4 needs U8 blocks"),
     ("mxfp4", lambda t: t.update({DOWN + "_blocks": t[DOWN + "_blocks"].to(torch.int16)}), "_blocks is I16"),
+    ("packed", lambda t: t.pop(WORDS + "_shape"), f"beside no {WORDS}_shape"),
+    ("packed", lambda t: t.update({WORDS + "_shape": torch.tensor([64, 48])}), r"_shape = \[64, 48\]"),
+    ("packed", lambda t: t.update({WORDS + "_packed": t[WORDS + "_packed"][:, :1].clone()}), "need I32 words"),
+    ("packed", lambda t: t.update({WORDS + "_packed": t[WORDS + "_packed"].to(torch.int64)}), "_packed is I64"),
+    ("packed", lambda t: t.pop(WORDS + "_scale"), f"{WORDS}_packed has no {WORDS}_scale"),
 ])
 def test_malformed_quantized_tensors_are_refused_in_one_line(tmp_path, kind, edit, words):
-    folder, _ = _pair(tmp_path, tiny_qwen3()) if kind == "fp8" else _pair(tmp_path, _gpt_oss(), save_mxfp4, "mxfp4")
+    folder, _ = {"fp8": lambda: _pair(tmp_path, tiny_qwen3()), "packed": lambda: _pair(tmp_path, tiny_qwen3(), W4A16),
+                 "mxfp4": lambda: _pair(tmp_path, _gpt_oss(), save_mxfp4, "mxfp4")}[kind]()
     _edit_tensors(folder, edit)
     before = _tree(tmp_path)
     for call in (lambda: ShardReader(folder), lambda: load_dense(folder)):
@@ -308,9 +314,7 @@ def test_mxfp4_gpt_oss_reads_as_its_float_model(tmp_path):
     what transformers computes from the float checkpoint, and from the MXFP4 one (its own dequantization agrees
     here: a second, independent check of the oracle)."""
     mx, ref = _pair(tmp_path, _gpt_oss(), save_mxfp4, "mxfp4")
-    with ShardReader(mx) as reader, safe_open(ref / "model.safetensors", "pt") as want:
-        assert sorted(reader.keys()) == sorted(want.keys())
-        assert all(torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)) for k in want.keys())
+    _reads_as(mx, ref)
     assert moekit.inspect(mx).description.endswith("MXFP4 experts (32 FP4 values per power-of-two scale), read "
                                                    "dequantized")
     # `routes collect --stream auto` predicts the loaded model's size from the weights as the model holds them
@@ -346,12 +350,31 @@ def test_compressed_tensors_read_as_their_float_model(tmp_path, strategy, kind, 
     logits equal the float checkpoint's."""
     ct, ref = _pair(tmp_path, tiny_qwen3(), save_compressed, "compressed", strategy=strategy, kind=kind,
                     symmetric=symmetric)
-    with ShardReader(ct) as reader, safe_open(ref / "model.safetensors", "pt") as want:
-        assert sorted(reader.keys()) == sorted(want.keys())
-        assert all(torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)) for k in want.keys())
+    _reads_as(ct, ref)
     with torch.no_grad():
         assert torch.equal(load_dense(ct)(IDS).logits,
                            AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)(IDS).logits)
+
+
+def _reads_as(quantized: Path, ref: Path) -> None:
+    """Every tensor of `quantized` reads as the float checkpoint `ref` holds it."""
+    with ShardReader(quantized) as reader, safe_open(ref / "model.safetensors", "pt") as want:
+        assert sorted(reader.keys()) == sorted(want.keys())
+        assert all(torch.equal(reader.get(k).to(want.get_tensor(k).dtype), want.get_tensor(k)) for k in want.keys())
+
+
+def _decompressed_as_compressed_tensors_does(ct: Path) -> nn.Module:
+    """moekit's bf16 model of `ct`, checked against the real program: transformers with compressed-tensors' own
+    decompression (run_compressed=False) loads the same weights and computes the same logits, bit for bit."""
+    from transformers import CompressedTensorsConfig
+
+    theirs = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.bfloat16,
+                                                  quantization_config=CompressedTensorsConfig(run_compressed=False))
+    ours = load_dense(ct, dtype=torch.bfloat16)
+    assert all(torch.equal(p.data, ours.get_parameter(n).data) for n, p in theirs.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(ours(IDS).logits, theirs(IDS).logits)
+    return ours
 
 
 @pytest.mark.parametrize("strategy,kind,symmetric,family", [(*scheme, "qwen3") for scheme in CT_SCHEMES] + [
@@ -360,26 +383,21 @@ def test_compressed_tensors_equal_their_own_decompression(tmp_path, strategy, ki
     """The real program: transformers with compressed-tensors' own decompression (run_compressed=False) loads the
     same bf16 weights and computes the same logits as moekit, bit for bit (compressed-tensors multiplies in the
     scales' bf16; moekit in float32, then casts: one rounding of the same product either way)."""
-    from transformers import CompressedTensorsConfig
-
     model = {"qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe}[family]().to(torch.bfloat16)
     ct, _ = _pair(tmp_path, model, save_compressed, "compressed", strategy=strategy, kind=kind, symmetric=symmetric)
-    theirs = AutoModelForCausalLM.from_pretrained(ct, dtype=torch.bfloat16,
-                                                  quantization_config=CompressedTensorsConfig(run_compressed=False))
-    ours = load_dense(ct, dtype=torch.bfloat16)
-    assert all(torch.equal(p.data, ours.get_parameter(n).data) for n, p in theirs.named_parameters())
-    with torch.no_grad():
-        assert torch.equal(ours(IDS).logits, theirs(IDS).logits)
+    _decompressed_as_compressed_tensors_does(ct)
 
 
-@pytest.mark.parametrize("strategy,kind", [("block", "float"), ("channel", "int")])
-def test_transformers_cannot_load_these_compressed_moe_checkpoints_moekit_reads(tmp_path, strategy, kind):
+@pytest.mark.parametrize("strategy,kind,packed", [("block", "float", None), ("channel", "int", None),
+                                                 ("group", "int", 4)])
+def test_transformers_cannot_load_these_compressed_moe_checkpoints_moekit_reads(tmp_path, strategy, kind, packed):
     """What docs/guides/bigger-than-memory.md says: transformers 5.23 with compressed-tensors 0.20.1 fails on a
-    block-FP8 or int8 Qwen3-MoE (its per-expert concatenation receives no tensors); moekit reads it as its float
-    checkpoint. The day transformers loads it, this fails and the guide must change."""
+    block-FP8, int8 or W4A16 Qwen3-MoE (its per-expert concatenation receives no tensors); moekit reads it as its
+    float checkpoint. The day transformers loads it, this fails and the guide must change."""
     from transformers import CompressedTensorsConfig
 
-    ct, ref = _pair(tmp_path, tiny_qwen3_moe(), save_compressed, "compressed", strategy=strategy, kind=kind)
+    ct, ref = _pair(tmp_path, tiny_qwen3_moe(), save_compressed, "compressed", strategy=strategy, kind=kind,
+                    packed=packed)
     with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
         AutoModelForCausalLM.from_pretrained(ct, quantization_config=CompressedTensorsConfig(run_compressed=False))
     with torch.no_grad():
@@ -398,14 +416,15 @@ def test_routes_and_pruning_of_compressed_tensors_equal_the_float_model(tmp_path
         assert "model.layers.0.mlp.experts.1.down_proj.weight_scale" in cut.keys()
 
 
-@pytest.mark.parametrize("kind", ["fp8 deepseek_v3", "fp8-fused qwen3_moe", "mxfp4 gpt_oss", "compressed qwen3_moe"])
+@pytest.mark.parametrize("kind", ["fp8 deepseek_v3", "fp8-fused qwen3_moe", "mxfp4 gpt_oss", "compressed qwen3_moe",
+                                  "packed deepseek_v3"])
 def test_quantized_experts_load_in_parts(tmp_path, kind):
     """A streamed capture that reads a layer's experts 3 at a time (a layer bigger than memory: DeepSeek-V3's is
     22.5 GB in bf16) from DeepSeek-V3's layout (per-expert FP8 with block scales), fused FP8 experts, GPT-OSS's
-    MXFP4 blocks and an FP8-dynamic Qwen3-MoE: the decisions of the float checkpoint read whole, and its weights up
-    to the order of a token's sum over its experts."""
+    MXFP4 blocks, an FP8-dynamic Qwen3-MoE and a W4A16 DeepSeek-V3 (Kimi-K2-Thinking's layout): the decisions of the
+    float checkpoint read whole, and its weights up to the order of a token's sum over its experts."""
     fmt, family = kind.split()
-    save, model = {"mxfp4": save_mxfp4, "compressed": save_compressed}.get(fmt, save_fp8), \
+    save, model = {"mxfp4": save_mxfp4, "compressed": save_compressed, "packed": W4A16}.get(fmt, save_fp8), \
         {"gpt_oss": _gpt_oss, **MOE}[family]()
     quantized, ref = _pair(tmp_path, model, save, fmt, **({"fused": True} if fmt == "fp8-fused" else {}))
     data = [Batch("en", IDS, torch.ones_like(IDS))]
@@ -416,7 +435,7 @@ def test_quantized_experts_load_in_parts(tmp_path, kind):
 
 
 @pytest.mark.parametrize("edit,words", [
-    (lambda q: q.update(format="pack-quantized"), "its format is 'pack-quantized'"),
+    (lambda q: q.update(format="marlin-24"), "its format is 'marlin-24'"),
     (lambda q: q.update(format="nvfp4-pack-quantized"), "its format is 'nvfp4-pack-quantized'"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), "FP8 weights have zero points"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4), "4-bit float"),
@@ -434,6 +453,121 @@ def test_other_compressed_tensors_formats_are_refused(tmp_path, edit, words):
         with pytest.raises(CheckpointError, match=words) as e:
             call()
         assert "\n" not in str(e.value) and "compressed-tensors checkpoint moekit cannot read" in str(e.value)
+
+
+W4A16 = functools.partial(save_compressed, strategy="group", kind="int", symmetric=True, packed=4)
+# (bits, strategy, symmetric, model): compressed-tensors' pack-quantized checkpoints, as llm-compressor's W4A16 (GPTQ or
+# RTN; Kimi-K2-Thinking's experts: 4-bit, groups, symmetric) and W8A16 save them; "odd": I = 36, a partial last word
+PACKED_SCHEMES = [(4, "group", True, "qwen3"), (4, "channel", False, "odd"), (2, "channel", False, "qwen3"),
+                  (8, "group", True, "qwen3"), (4, "tensor", True, "qwen3"), (4, "group", False, "qwen3")]
+PACKED_MODELS = {"qwen3": tiny_qwen3, "odd": lambda: tiny_qwen3(intermediate_size=36)}
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unpack_ints_undoes_compressed_tensors_packing(bits):
+    """Value j of a row sits in word j // (32/bits) at bit (j mod 32/bits)·bits, stored plus 2^(bits-1): one word
+    packed by hand, and compressed-tensors' own pack_to_int32 undone (a partial last word, 3-D tensors)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    n, offset = 32 // bits, 1 << (bits - 1)
+    values = torch.arange(n) % (1 << bits) - offset  # one word's values
+    word = sum(int(v + offset) << (bits * j) for j, v in enumerate(values))
+    word = torch.tensor([[word - (1 << 32) if word >= 1 << 31 else word]], dtype=torch.int32)
+    assert torch.equal(unpack_ints(word, bits, n), values.to(torch.int8)[None])
+    g = torch.Generator().manual_seed(bits)
+    for shape in [(5, 37), (3, 4, 9), (1, 1)]:
+        q = torch.randint(-offset, offset, shape, generator=g).to(torch.int8)
+        assert torch.equal(unpack_ints(pack_to_int32(q, bits), bits, shape[-1]), q)
+
+
+@pytest.mark.parametrize("bits,strategy,symmetric,model", PACKED_SCHEMES)
+def test_pack_quantized_reads_as_its_float_model_and_as_compressed_tensors_decompresses_it(tmp_path, bits, strategy,
+                                                                                          symmetric, model):
+    """compressed-tensors' pack-quantized checkpoints (packed by its own pack_to_int32): every tensor reads as the
+    float checkpoint's; the real program, transformers with compressed-tensors' own decompression
+    (run_compressed=False), loads the same bf16 weights and computes the same logits as moekit, bit for bit."""
+    ct, ref = _pair(tmp_path, PACKED_MODELS[model]().to(torch.bfloat16), save_compressed, "packed", strategy=strategy,
+                    kind="int", symmetric=symmetric, packed=bits)
+    _reads_as(ct, ref)
+    with torch.no_grad():
+        assert torch.equal(_decompressed_as_compressed_tensors_does(ct)(IDS).logits,
+                           load_dense(ref, dtype=torch.bfloat16)(IDS).logits)
+
+
+def test_pack_quantized_experts_read_as_compressed_tensors_decompresses_them(tmp_path):
+    """A W4A16 Qwen3-MoE with zero points (which transformers 5.23 cannot load: its per-expert concatenation receives
+    no tensors, test below): each expert's weight equals compressed-tensors' own PackedQuantizationCompressor
+    decompression of its stored tensors, bit for bit."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    model = tiny_qwen3_moe(moe_intermediate_size=32).to(torch.bfloat16)  # compressed-tensors needs whole groups
+    ct, _ = _pair(tmp_path, model, save_compressed, "packed", strategy="group", kind="int", symmetric=False, packed=4)
+    config = json.loads((ct / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=["Linear"], weights=config["weights"])
+    with ShardReader(ct) as reader, safe_open(ct / "model.safetensors", "pt") as f:
+        experts = [k.removesuffix("_packed") for k in f.keys() if ".experts." in k and k.endswith("_packed")]
+        assert len(experts) == 3 * 8 * 3  # layers × experts × projections
+        for weight in experts:
+            stored = {k.removeprefix(weight.removesuffix("weight")): f.get_tensor(k) for k in f.keys()
+                      if k.startswith(weight + "_")}
+            want = PackedQuantizationCompressor.decompress(stored, scheme)["weight"]
+            assert torch.equal(reader.get(weight).to(want.dtype), want), weight
+
+
+def test_routes_and_pruning_of_pack_quantized_equal_the_float_model(tmp_path):
+    """A W4A16 Qwen3-MoE: traces, REAP disabled and removed as on the float checkpoint; the removal keeps each kept
+    expert's packed words, shape, scales and zero points as they were, renumbered."""
+    ct, ref = _pair(tmp_path, tiny_qwen3_moe(), save_compressed, "packed", strategy="group", kind="int",
+                    symmetric=False, packed=4)
+    assert moekit.inspect(ct).description.endswith("compressed-tensors packed int4 weights (one scale per 16 columns "
+                                                   "of a row), read dequantized")
+    _routes_and_pruning_equal(tmp_path, ct, ref)
+    keep = json.loads((tmp_path / "keep.json").read_text())["experts"]["model.layers.0.mlp"]
+    with safe_open(tmp_path / "packed_keep" / "model.safetensors", "pt") as cut, \
+            safe_open(ct / "model.safetensors", "pt") as src:
+        prefix = "model.layers.0.mlp.experts.{}.down_proj.weight_"
+        for suffix in ("packed", "shape", "scale", "zero_point"):
+            assert torch.equal(cut.get_tensor(prefix.format(1) + suffix), src.get_tensor(prefix.format(keep[1]) + suffix))
+
+
+def test_fused_pack_quantized_experts_read_but_are_not_removed(tmp_path):
+    """Every expert packed in one tensor (the model's fused layout): read as the float checkpoint, whole and in
+    parts; removing experts from it, which would change its stored shape tensor, is refused before anything is
+    written."""
+    ct, ref = _pair(tmp_path, tiny_qwen3_moe(), save_compressed, "packed", strategy="group", kind="int", packed=4,
+                    fused=True)
+    data = [Batch("en", IDS, torch.ones_like(IDS))]
+    want = collect_streamed(ref, data, dtype=torch.float32)
+    got = collect_streamed(ct, data, dtype=torch.float32, experts_per_load=3)
+    assert np.array_equal(got.ids, want.ids)
+    before = _tree(tmp_path)
+    with pytest.raises(ConfigError, match="pack-quantized values of every expert") as e:
+        remove_experts(ct, tmp_path / "cut", {f"model.layers.{i}.mlp": [0, 2] for i in range(3)})
+    assert "\n" not in str(e.value) and _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("bits", [3, 16])
+def test_other_packings_are_refused(tmp_path, bits):
+    """3-bit values straddle words in compressed-tensors 0.20 but not in earlier versions; 16 bits are not packed."""
+    ct, _ = _pair(tmp_path, tiny_qwen3(), W4A16, "packed")
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = bits
+    (ct / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"its weights are {bits}-bit int \(moekit reads 2 or 4 or 8-bit int"):
+        ShardReader(ct)
+
+
+@pytest.mark.parametrize("actorder", ["static", "weight"])
+def test_gptq_activation_order_of_weights_is_read(tmp_path, actorder):
+    """GPTQ's activation order "weight" (alias "static", llm-compressor's default) changes how it calibrates, not
+    what it stores: such a W8A8 checkpoint reads as its float model ("group" stores a permutation: refused above)."""
+    ct, ref = _pair(tmp_path, tiny_qwen3(), save_compressed, "compressed", strategy="channel", kind="int")
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    (ct / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        assert torch.equal(load_dense(ct)(IDS).logits, load_dense(ref)(IDS).logits)
 
 
 @pytest.mark.parametrize("strategy,key,value", [("group", "group_size", 0), ("group", "group_size", "16"),

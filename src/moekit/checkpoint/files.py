@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from moekit.checkpoint.quantized import (Mxfp4, Scaled, dequantize, parse_quantization, split_packed, split_scales,
-                                         unpack_mxfp4)
+from moekit.checkpoint.quantized import (PACKED_WORDS, Mxfp4, Scaled, dequantize, parse_quantization, split_packed,
+                                         split_scales, split_words, unpack_ints, unpack_mxfp4)
 from moekit.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -294,9 +294,14 @@ class ShardReader:
             fmt = quantization(self.folder)  # any other quantization is refused here
             self.headers = read_headers(self.folder, self._fds)
             self.scaled = fmt if isinstance(fmt, Scaled) and dequantize else None
-            # {weight: (scales, zero points)}, {weight: (blocks, scales)}: the tensors a quantized weight is read from
+            # {weight: its int32 words}, {weight: (scales, zero points)}, {weight: (blocks, scales)}: the tensors a
+            # quantized weight is read from
+            self.words = split_words(self.headers, fmt, self.folder, lambda n, i: self._read(n, i, None)) \
+                if self.scaled and fmt.bits else {}
             self.scales = split_scales(self.headers, fmt, self.folder) if self.scaled else {}
             self.packed = split_packed(self.headers, self.folder) if isinstance(fmt, Mxfp4) and dequantize else {}
+            if lost := next((w for w in self.words if w not in self.scales), None):
+                raise CheckpointError(f"{self.folder}: {lost}{PACKED_WORDS} has no {lost}{fmt.suffix}")
         except BaseException:
             self.close()
             raise
@@ -314,8 +319,8 @@ class ShardReader:
                 raise CheckpointError(f"{self.folder} holds both {other} and {k}, which load as one tensor "
                                       f"{names.get(k, k)}")
         self.headers = {names.get(k, k): v for k, v in self.headers.items()}
-        self.scales = {names.get(k, k): v for k, v in self.scales.items()}
-        self.packed = {names.get(k, k): v for k, v in self.packed.items()}
+        self.words, self.scales, self.packed = ({names.get(k, k): v for k, v in d.items()}
+                                                for d in (self.words, self.scales, self.packed))
         self.built = built
 
     def keys(self) -> list[str]:
@@ -339,7 +344,13 @@ class ShardReader:
         scale, zero = self.scales[name]
         s = self._read(name + self.scaled.suffix, scale, at)
         z = None if zero is None else self._read(name + str(self.scaled.zero), zero, at)
-        return dequantize(self._read(name, info, index), s, block, z)
+        if name not in self.words:
+            return dequantize(self._read(name, info, index), s, block, z)
+        bits = self.scaled.bits
+        q = unpack_ints(self._read(name + PACKED_WORDS, self.words[name], index), bits, info.shape[-1])
+        if z is not None and self.scaled.packed_zero:  # packed along O: (..., ⌈O·bits/32⌉, G)
+            z = unpack_ints(z.transpose(-1, -2), bits, q.shape[-2]).transpose(-1, -2)
+        return dequantize(q, s, block, z)
 
     def _read(self, name: str, info: TensorInfo, index: int | None) -> torch.Tensor:
         shape, start, nbytes = info.shape, info.start, info.nbytes

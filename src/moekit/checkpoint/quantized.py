@@ -1,7 +1,7 @@
 """Quantized checkpoints read as the float model they encode: block-scaled FP8 (config.json's `quantization_config`
-with `quant_method: fp8`, as DeepSeek-V3/R1, Kimi-K2, Qwen3's -FP8 models and MiniMax-M2 ship their weights), the
-8-bit formats of compressed-tensors (llm-compressor's FP8-dynamic and W8A8: `compressed_tensors`) and MXFP4 experts
-(`quant_method: mxfp4`, GPT-OSS's: `Mxfp4`).
+with `quant_method: fp8`, as DeepSeek-V3/R1, Kimi-K2, Qwen3's -FP8 models and MiniMax-M2 ship their weights),
+compressed-tensors' integer and FP8 formats (llm-compressor's FP8-dynamic, W8A8 and W4A16, and Kimi-K2-Thinking's
+INT4 experts: `compressed_tensors`, `unpack_ints`) and MXFP4 experts (`quant_method: mxfp4`, GPT-OSS's: `Mxfp4`).
 
 A quantized weight W (F8_E4M3 or F8_E5M2, shape (..., O, I)) is stored beside `W_scale_inv`, one scale per block of
 `weight_block_size` [bo, bi] (DeepSeek-V3's 128 × 128): shape (..., ⌈O/bo⌉, ⌈I/bi⌉), or one scale for the whole
@@ -18,7 +18,7 @@ scale grid (rows ÷ scale rows): where a dimension is not a multiple of the bloc
 rows in 5 blocks of 128) that raises, or, where the division happens to come out even, uses the wrong blocks
 (tests/test_quantized.py shows it). moekit therefore reads every FP8 checkpoint through its own reader
 (moekit.checkpoint.files.ShardReader; `quantization` there reads config.json), streamed and in memory alike, and
-the others too. Checkpoints quantized any other way (bitsandbytes, GPTQ, AWQ, compressed-tensors' packed 4-bit, ...)
+the others too. Checkpoints quantized any other way (bitsandbytes, GPTQ, AWQ, NVFP4, compressed-tensors' 3-bit, ...)
 are refused in one line.
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ IGNORED = (".activation_scale", ".input_scale", ".k_scale", ".v_scale")
 WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")
 ZERO_DTYPES = ("I8", "I32", "I64", "F32", "BF16", "F16")
+DTYPE_SIZES = {"F32": 4, "BF16": 2, "F16": 2}
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,22 @@ class Scaled:
     """8-bit weights beside their scales: block-scaled FP8 (`W_scale_inv`, module docstring) or compressed-tensors'
     float- and naive-quantized formats (`W_scale`, and for int8 optional zero points `W_zero_point`:
     `compressed_tensors`). `block` is a scale's (rows, columns), a None entry meaning the whole dimension (per-channel
-    scales: (1, None)); None for one scale per tensor."""
+    scales: (1, None)); None for one scale per tensor. `bits`: compressed-tensors' pack-quantized format, whose
+    weight W is stored as int32 words `W_packed` (..., O, ⌈I·bits/32⌉) beside its shape `W_shape` (`unpack_ints`),
+    and whose zero points of scales per row or group are packed so along O (..., ⌈O·bits/32⌉, G)."""
 
     block: tuple[int | None, int | None] | None
     suffix: str = SCALE
     label: str = "FP8 weights"
-    weights: tuple[str, ...] = WEIGHT_DTYPES  # the dtypes a scaled weight may be stored in
+    weights: tuple[str, ...] = WEIGHT_DTYPES  # the dtypes a scaled weight may be stored in (packed: its values)
     zero: str | None = None  # W's zero points, where its format has them: W = (q - z) · s
+    bits: int | None = None  # packed: bits per value, 32/bits values a word
+
+    @property
+    def packed_zero(self) -> bool:
+        """Whether the zero points are packed along O (scales per row or per group of a row, as compressed-tensors
+        packs them)."""
+        return self.bits is not None and self.block is not None and self.block[0] == 1
 
     def __str__(self) -> str:
         b = self.block
@@ -77,6 +87,11 @@ class Scaled:
             return ()
         *lead, rows, cols = shape
         return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+    def zero_grid(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the zero points of a weight of `shape` as stored (packed along O where `packed_zero`)."""
+        grid = self.grid(shape)
+        return (*grid[:-2], math.ceil(grid[-2] * self.bits / 32), grid[-1]) if self.packed_zero else grid
 
 
 @dataclass(frozen=True)
@@ -120,16 +135,23 @@ def parse_quantization(config: dict, where: str | Path) -> Scaled | Mxfp4 | None
 
 
 READ = ("moekit reads float checkpoints, block-scaled FP8 (quant_method fp8), MXFP4 (mxfp4) and compressed-tensors' "
-        "8-bit float-quantized and naive-quantized ones")
-CT_FORMATS = {"float-quantized": ("float", "compressed-tensors FP8 weights", ("F8_E4M3",)),
-              "naive-quantized": ("int", "compressed-tensors int8 weights", ("I8",))}
+        "8-bit float-quantized and naive-quantized and 2-, 4- and 8-bit pack-quantized ones")
+# compressed-tensors' formats moekit reads: (weight type, label, stored dtypes, bits it reads)
+CT_FORMATS = {"float-quantized": ("float", "compressed-tensors FP8 weights", ("F8_E4M3",), (8,)),
+              "naive-quantized": ("int", "compressed-tensors int8 weights", ("I8",), (8,)),
+              # packed: a weight listed in its scales' dtype, which compressed-tensors decompresses it to
+              "pack-quantized": ("int", "compressed-tensors packed int{} weights", ("F32", "BF16", "F16"), (2, 4, 8))}
+PACKED_WORDS, PACKED_SHAPE = "_packed", "_shape"  # a pack-quantized weight W is stored as W + each
 
 
 def compressed_tensors(q: dict, where: str | Path) -> Scaled:
-    """The Scaled format of a compressed-tensors config (llm-compressor's FP8-dynamic and W8A8 checkpoints): one
-    weight scheme for every config group, 8 bits, scales `W_scale` per tensor, channel (row), group of columns or
-    block, and for int8 zero points `W_zero_point` where it stores them (W = (q - z) · s, as compressed-tensors
-    decompresses); anything else (`_unread`) is refused naming what it is."""
+    """The Scaled format of a compressed-tensors config (llm-compressor's FP8-dynamic, W8A8 and W4A16 checkpoints;
+    Kimi-K2-Thinking's INT4 experts): one weight scheme for every config group, scales `W_scale` per tensor, channel
+    (row), group of columns or block, and for integers zero points `W_zero_point` where it stores them (W = (q - z) ·
+    s, as compressed-tensors decompresses); 8-bit values one a byte, or (pack-quantized) 2, 4 or 8 bits packed into
+    int32 words; anything else (`_unread`) is refused naming what it is. GPTQ's activation order "weight" (alias
+    "static") only changed the order of calibration, not the format (compressed-tensors' ActivationOrdering), and is
+    read; "group" stores a column permutation and is refused."""
     kind = CT_FORMATS.get(q.get("format"))
     groups = q.get("config_groups")
     schemes = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
@@ -146,7 +168,8 @@ def compressed_tensors(q: dict, where: str | Path) -> Scaled:
         raise CheckpointError(f"{where}/config.json: the {strategy} strategy's {key} is {size!r:.80}")
     block = (1, size) if strategy == "group" else tuple(size) if strategy == "block" else \
         (1, None) if strategy == "channel" else None  # tensor: one scale
-    return Scaled(block, "_scale", kind[1], kind[2], "_zero_point" if kind[0] == "int" else None)
+    bits = w["num_bits"] if q["format"] == "pack-quantized" else None
+    return Scaled(block, "_scale", kind[1].format(bits), kind[2], "_zero_point" if kind[0] == "int" else None, bits)
 
 
 def _unread(q: dict, w: dict | None, kind: tuple | None) -> str:
@@ -159,12 +182,14 @@ def _unread(q: dict, w: dict | None, kind: tuple | None) -> str:
         return "its config groups quantize weights in different ways"
     if sparse != "dense":
         return f"its sparsity format is {sparse!r}"
-    if (w.get("num_bits"), w.get("type")) != (8, kind[0]):
-        return f"its weights are {w.get('num_bits')}-bit {w.get('type')}"
+    bits = w.get("num_bits")
+    if w.get("type") != kind[0] or type(bits) is not int or bits not in kind[3]:
+        return f"its weights are {bits}-bit {w.get('type')} (moekit reads {' or '.join(map(str, kind[3]))}-bit " \
+               f"{kind[0]} in {q.get('format')})"
     if w.get("symmetric") is False and kind[0] == "float":
         return "its FP8 weights have zero points (symmetric: false)"
-    if w.get("actorder"):
-        return f"its weights are reordered (actorder {w.get('actorder')!r})"
+    if w.get("actorder") not in (None, False, "weight", "static"):
+        return f"its weights are reordered (actorder {w.get('actorder')!r}: a column permutation, g_idx)"
     if w.get("strategy") not in ("tensor", "channel", "group", "block"):
         return f"its weight strategy is {w.get('strategy')!r}"
     return ""
@@ -198,6 +223,39 @@ def unpack_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
     return values.flatten(-2).transpose(-1, -2).contiguous()  # (..., I, O), laid out as the model holds it
 
 
+def split_words(headers: dict, fmt: Scaled, folder: str | Path, read) -> dict:
+    """Replace each pack-quantized pair W_packed, W_shape of `headers` {name: TensorInfo}, in place, by W as it is
+    read (of the shape W_shape holds, `read(name, info)` reading that small tensor; in its scales' float dtype, as
+    compressed-tensors decompresses it) and return {W: the TensorInfo of its words}, every pair checked (int32 words,
+    a shape whose rows are the words' and whose columns fill them)."""
+    words = {}
+    for name in [k for k in headers if k.endswith(PACKED_WORDS)]:
+        base = name[:-len(PACKED_WORDS)]
+        info, shape_info = headers.pop(name), headers.pop(base + PACKED_SHAPE, None)
+        shape = [int(x) for x in read(base + PACKED_SHAPE, shape_info).tolist()] if shape_info is not None and \
+            shape_info.dtype in ("I64", "I32") and len(shape_info.shape) == 1 else None
+        if info.dtype != "I32" or len(info.shape) < 2 or shape is None or len(shape) != len(info.shape) or \
+                list(shape[:-1]) != list(info.shape[:-1]) or math.ceil(shape[-1] * fmt.bits / 32) != info.shape[-1]:
+            beside = f"no {base}{PACKED_SHAPE}" if shape_info is None else f"{base}{PACKED_SHAPE} = {shape}"
+            raise CheckpointError(f"{folder}: {name} is {info.dtype} {list(info.shape)} beside {beside}; "
+                                  f"{fmt.bits}-bit pack-quantized weights need I32 words (..., O, ⌈I·{fmt.bits}/32⌉) "
+                                  "beside an I64 or I32 shape [..., O, I]")
+        scale = headers.get(base + fmt.suffix)
+        dtype = scale.dtype if scale is not None and scale.dtype in fmt.weights else "F32"
+        headers[base] = replace(info, dtype=dtype, shape=tuple(shape), nbytes=math.prod(shape) * DTYPE_SIZES[dtype])
+        words[base] = info
+    return words
+
+
+def unpack_ints(words: Tensor, bits: int, count: int) -> Tensor:
+    """The int8 values (..., count) of int32 `words` (..., W) as compressed-tensors packs them: 32/bits values a word
+    (bits 2, 4 or 8), value j of a row in word j // (32/bits) at bit (j mod 32/bits)·bits, stored plus 2^(bits-1);
+    the last word's unused values are padding."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # (32/bits,)
+    values = (words[..., None] >> shifts) & ((1 << bits) - 1)  # (..., W, 32/bits): the sign bits shifted in are masked
+    return (values.flatten(-2)[..., :count] - (1 << (bits - 1))).to(torch.int8)
+
+
 def split_scales(headers: dict, fmt: Scaled, folder: str | Path) -> dict:
     """Take the scales and zero points (and static activation and KV-cache scales) out of `headers` {name:
     TensorInfo}, in place, and return {weight name: (its scales' TensorInfo, its zero points' or None)}, every one
@@ -213,7 +271,8 @@ def split_scales(headers: dict, fmt: Scaled, folder: str | Path) -> dict:
         weight = headers.get(base)
         if weight is None:
             raise CheckpointError(f"{folder}: {name} scales no tensor ({base} is missing)")
-        want = fmt.grid(weight.shape) if len(weight.shape) >= 2 else None
+        grid = fmt.grid if suffix == fmt.suffix else fmt.zero_grid
+        want = grid(weight.shape) if len(weight.shape) >= 2 else None
         ok_shape = info.shape == want or (fmt.block is None and math.prod(info.shape) == 1)
         dtypes = SCALE_DTYPES if suffix == fmt.suffix else ZERO_DTYPES
         if weight.dtype not in fmt.weights or info.dtype not in dtypes or not ok_shape:

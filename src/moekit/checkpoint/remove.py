@@ -15,7 +15,8 @@ of the checkpoint is then read, cut and written in its own dtype, so memory hold
   copied       everything else, a shared expert included.
 A quantized checkpoint (moekit.checkpoint.quantized) stays quantized, byte for byte: a scaled weight's scales
 (`_scale_inv`, `_scale`) are kept, renumbered or cut with it (`_cut_scales`), MXFP4's `_blocks` and `_scales` are cut
-along their expert axis, and config.json keeps its quantization_config.
+along their expert axis, per-expert pack-quantized tensors (`_packed`, `_shape`, ...) are renumbered (fused ones are
+refused: their stored shape would change), and config.json keeps its quantization_config.
 config.json gets the new expert count; top-k is left as it is (a selection that leaves fewer experts than top-k is
 refused). Every MoE layer must keep the same number of experts, since these configs hold one number; group-limited
 routing (DeepSeek's n_group) must keep as many per group; hash routing by token id (DeepSeek-V4) is refused, as is a
@@ -41,7 +42,7 @@ from moekit.checkpoint.card import hub_id, write_card
 from moekit.checkpoint.dense import check_dense_dir, check_stored_shapes, meta_model, stored_shapes
 from moekit.checkpoint.files import ShardReader, TensorInfo, copy_file, quantization, read_headers, read_text
 from moekit.checkpoint.layerwise import model_names
-from moekit.checkpoint.quantized import PACKED, Mxfp4, Scaled
+from moekit.checkpoint.quantized import PACKED, PACKED_SHAPE, PACKED_WORDS, Mxfp4, Scaled
 from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
 from moekit.errors import ConfigError, UnsupportedModelError
@@ -213,6 +214,12 @@ def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo
         elif block and isinstance(fmt, Mxfp4) and name.endswith(PACKED) and name.rpartition("_")[0] in want \
                 and info.shape[0] == experts:  # MXFP4 blocks or scales: experts first
             cuts.append(Cut(name, name, info, keep[block]))
+        elif block and isinstance(fmt, Scaled) and fmt.bits and name.endswith(PACKED_WORDS) \
+                and info.shape[0] == experts:
+            raise ConfigError(f"{name} holds the pack-quantized values of every expert (or router row) in one tensor "
+                              f"beside its shape {name.removesuffix(PACKED_WORDS)}{PACKED_SHAPE}, which removing experts "
+                              "would change; moekit removes per-expert pack-quantized tensors (as llm-compressor "
+                              "saves them) only")
         else:
             cuts.append(Cut(name, name, info))
     if isinstance(fmt, Scaled) and fmt.block is not None:

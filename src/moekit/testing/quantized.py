@@ -15,7 +15,7 @@ from torch import Tensor, nn
 # what these checkpoints quantize: the weights of linear projections and experts (not embeddings, norms, routers or
 # the output head), by their stored names
 QUANTIZED = re.compile(r".*(proj|proj_with_mqa|\.w[123])\.weight$|.*\.experts\.(gate_up_proj|down_proj|up_proj)$")
-QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # the largest value of each 8-bit type
+QMAX = {torch.float8_e4m3fn: 448.0}  # the largest value of each 8-bit float type
 
 
 def _blocks(w: Tensor, block: tuple[int, int] | None) -> Tensor:
@@ -58,49 +58,52 @@ def _resolved(block: tuple[int | None, int | None] | None, shape: torch.Size) ->
 
 
 def quantize(w: Tensor, block: tuple[int | None, int | None] | None, scale_dtype: torch.dtype,
-             qdtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+             qdtype: torch.dtype, bits: int = 8) -> tuple[Tensor, Tensor, Tensor]:
     """(values in `qdtype`, scales, the float32 weight they encode) of `w` (..., O, I); a None entry of `block` is the
-    whole dimension."""
+    whole dimension; integers of `bits` bits (stored in int8) span ±(2^(bits-1) - 1)."""
     resolved = _resolved(block, w.shape)
-    s = block_scales(w.float(), resolved, scale_dtype, QMAX[qdtype])
-    x = (w.float() / reference_values(torch.ones(w.shape), s, resolved)).clamp(-QMAX[qdtype], QMAX[qdtype])
+    qmax = QMAX[qdtype] if qdtype.is_floating_point else 2.0 ** (bits - 1) - 1
+    s = block_scales(w.float(), resolved, scale_dtype, qmax)
+    x = (w.float() / reference_values(torch.ones(w.shape), s, resolved)).clamp(-qmax, qmax)
     q = x.to(qdtype) if qdtype.is_floating_point else x.round().to(qdtype)
     return q, s, reference_values(q, s, resolved)  # float32: q · s is exact there, not in bf16
 
 
-def quantize_asymmetric(w: Tensor, block: tuple[int | None, int | None] | None,
-                        scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_asymmetric(w: Tensor, block: tuple[int | None, int | None] | None, scale_dtype: torch.dtype,
+                        bits: int = 8) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(int8 values, scales, int8 zero points, the float32 weight (q - z) · s) of `w` (..., O, I): each block's range
-    [min, max] (0 included) mapped onto [-128, 127]."""
+    [min, max] (0 included) mapped onto the `bits`-bit integers [-2^(bits-1), 2^(bits-1) - 1]."""
     resolved = _resolved(block, w.shape)
+    lo_q, hi_q = -2 ** (bits - 1), 2 ** (bits - 1) - 1
     values = _blocks(w.float(), resolved)
     lo, hi = values.amin(-1).clamp(max=0), values.amax(-1).clamp(min=0)
-    s = ((hi - lo).clamp(min=1e-8) / 255).to(scale_dtype)
-    z = (-128 - lo / s.float()).round().clamp(-128, 127).to(torch.int8)
+    s = ((hi - lo).clamp(min=1e-8) / (hi_q - lo_q)).to(scale_dtype)
+    z = (lo_q - lo / s.float()).round().clamp(lo_q, hi_q).to(torch.int8)
     x = w.float() / reference_values(torch.ones(w.shape), s, resolved) + reference_values(torch.ones(w.shape),
                                                                                           z.float(), resolved)
-    q = x.round().clamp(-128, 127).to(torch.int8)
+    q = x.round().clamp(lo_q, hi_q).to(torch.int8)
     return q, s, z, reference_values(q, s, resolved, z)
 
 
 def _save_scaled(model: nn.Module, folder: Path, float_folder: Path, fused: bool,
-                 quantize_one: Callable[[Tensor], tuple[Tensor, dict[str, Tensor], Tensor]],
-                 quantization_config: dict) -> Path:
-    """`quantize_one(w)`: (the stored values, {suffix: scales or zero points}, the float32 weight they encode)."""
+                 quantize_one: Callable[[Tensor], tuple[dict[str, Tensor], Tensor]], quantization_config: dict) -> Path:
+    """`quantize_one(w)`: ({suffix: what W + suffix stores (the values under "", or packed), its scales, zero points,
+    ...}, the float32 weight they encode)."""
     model.save_pretrained(folder)
     stored = model.state_dict() if fused else load_file(folder / "model.safetensors")
     quantized, values = {}, {}
     for name, w in stored.items():
         w = w.detach().contiguous()
         if QUANTIZED.fullmatch(name) and w.dim() >= 2:
-            quantized[name], extra, values[name] = quantize_one(w)
-            quantized |= {name + suffix: t for suffix, t in extra.items()}
+            stored_as, values[name] = quantize_one(w)
+            quantized |= {name + suffix: t for suffix, t in stored_as.items()}
         else:
             quantized[name] = values[name] = w
     if fused:  # only the model's own names: tied tensors once, as save_pretrained keeps them
         kept = set(load_file(folder / "model.safetensors"))
         for k in [k for k in values if k not in kept and ".experts." not in k]:
-            values.pop(k), quantized.pop(k)
+            values.pop(k)
+            quantized = {n: t for n, t in quantized.items() if not n.startswith(k)}
     save_file(quantized, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = quantization_config
@@ -122,7 +125,7 @@ def save_fp8(model: nn.Module, folder: str | Path, float_folder: str | Path, blo
 
     def one(w: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         q, s, values = quantize(w, block, scale_dtype, torch.float8_e4m3fn)
-        return q, {"_scale_inv": s}, values
+        return {"": q, "_scale_inv": s}, values
 
     return _save_scaled(model, Path(folder), Path(float_folder), fused, one, config)
 
@@ -131,29 +134,42 @@ STRATEGIES = {"tensor": None, "channel": (1, None), "group": (1, 16), "block": (
 
 
 def save_compressed(model: nn.Module, folder: str | Path, float_folder: str | Path, strategy: str = "channel",
-                    kind: str = "float", scale_dtype: torch.dtype = torch.bfloat16, symmetric: bool = True) -> Path:
+                    kind: str = "float", scale_dtype: torch.dtype = torch.bfloat16, symmetric: bool = True,
+                    packed: int | None = None, fused: bool = False) -> Path:
     """Save `model` as llm-compressor saves an FP8-dynamic (`kind` float) or W8A8 (int) checkpoint: each projection's
     weight F8_E4M3 or I8 beside `*_scale` (`strategy`: one per tensor, row, 16 columns of a row or 16×16 block) and,
-    int8 without `symmetric`, `*_zero_point`; quantization_config quant_method compressed-tensors. In `float_folder`:
-    the float checkpoint of its values."""
+    int without `symmetric`, `*_zero_point`; quantization_config quant_method compressed-tensors. `packed` bits: as
+    it saves W4A16 (pack-quantized): the integers packed into int32 `*_packed` beside `*_shape` (and zero points of
+    rows or groups packed along the rows) by compressed-tensors' own pack_to_int32. `fused`: the experts stored as the
+    model holds them. In `float_folder`: the float checkpoint of its values."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
     block = STRATEGIES[strategy]
-    weights = {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": symmetric, "dynamic": False,
+    bits = packed or 8
+    weights = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": symmetric, "dynamic": False,
                "group_size": 16 if strategy == "group" else None, "actorder": None,
                "block_structure": list(block) if strategy == "block" else None}
+    activations = None if packed else {"num_bits": 8, "type": kind, "strategy": "token", "dynamic": True,
+                                       "symmetric": True}
     config = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
-              "format": {"float": "float-quantized", "int": "naive-quantized"}[kind], "ignore": ["lm_head"],
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
-                  "num_bits": 8, "type": kind, "strategy": "token", "dynamic": True, "symmetric": True}}}}
+              "format": "pack-quantized" if packed else {"float": "float-quantized", "int": "naive-quantized"}[kind],
+              "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}}
     qdtype = {"float": torch.float8_e4m3fn, "int": torch.int8}[kind]
 
-    def one(w: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-        if not symmetric:
-            q, s, z, values = quantize_asymmetric(w, block, scale_dtype)
-            return q, {"_scale": s, "_zero_point": z}, values
-        q, s, values = quantize(w, block, scale_dtype, qdtype)
-        return q, {"_scale": s}, values
+    def one(w: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+        if symmetric:
+            (q, s, values), z = quantize(w, block, scale_dtype, qdtype, bits), None
+        else:
+            q, s, z, values = quantize_asymmetric(w, block, scale_dtype, bits)
+        if not packed:
+            return {"": q, "_scale": s, **({} if z is None else {"_zero_point": z})}, values
+        out = {"_packed": pack_to_int32(q, bits), "_shape": torch.tensor(q.shape), "_scale": s}
+        if z is not None:  # rows and groups: packed along the rows, as compressed-tensors stores them
+            out["_zero_point"] = pack_to_int32(z, bits, packed_dim=0) if strategy in ("channel", "group") else z
+        return out, values
 
-    return _save_scaled(model, Path(folder), Path(float_folder), False, one, config)
+    return _save_scaled(model, Path(folder), Path(float_folder), fused, one, config)
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 PACKED_EXPERTS = re.compile(r".*\.experts\.(gate_up_proj|down_proj)$")  # what GPT-OSS ships in MXFP4
