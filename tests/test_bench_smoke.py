@@ -133,14 +133,15 @@ def test_model_throughput_trains_with_each_sides_router_losses():
                                                    for k in ("lb", "z", "usage_entropy", "max_load"))])]
 
 
-def test_big_layer_section_is_rebuilt_from_its_committed_results():
-    """BENCHMARKS.md's "A decoder layer bigger than memory" is what bench/big_layer.py writes from the results.json
-    committed under bench/results/big_layer (every number in it comes from that file)."""
+@pytest.mark.parametrize("fmt,out", [("fp8", "/work/big_layer"), ("int4", "/work/big_layer_int4")])
+def test_big_layer_section_is_rebuilt_from_its_committed_results(fmt, out):
+    """BENCHMARKS.md's "A decoder layer bigger than memory" sections (FP8; INT4) are what bench/big_layer.py writes
+    from the results.json committed under bench/results/big_layer (every number in them comes from that file)."""
     import json
 
     import big_layer
 
     root = Path(__file__).resolve().parents[1]
-    results = json.loads((root / big_layer.RESULTS).read_text())
-    text = big_layer.section(results, Path("/work/big_layer"))
+    results = json.loads((root / big_layer.FORMATS[fmt][1]).read_text())
+    text = big_layer.section(results, Path(out), fmt)
     assert text in (root / "BENCHMARKS.md").read_text()

@@ -531,6 +531,16 @@ def test_routes_and_pruning_of_pack_quantized_equal_the_float_model(tmp_path):
             assert torch.equal(cut.get_tensor(prefix.format(1) + suffix), src.get_tensor(prefix.format(keep[1]) + suffix))
 
 
+def test_packed_values_count_as_the_model_holds_them(tmp_path):
+    """The check that a config belongs to its weights (no model far larger than the values its files hold) counts a
+    packed weight's values, not its int32 words: a W4A16 Qwen3-MoE whose experts hold most of its values streams as
+    its float checkpoint (before: "the config does not belong to these weights", found at DeepSeek-V3's width)."""
+    model = tiny_qwen3_moe(hidden_size=128, moe_intermediate_size=256, num_experts=64, num_hidden_layers=2)
+    ct, ref = _pair(tmp_path, model, W4A16, "packed")
+    data = [Batch("en", IDS, torch.ones_like(IDS))]
+    assert np.array_equal(collect_streamed(ct, data).ids, collect_streamed(ref, data).ids)
+
+
 def test_fused_pack_quantized_experts_read_but_are_not_removed(tmp_path):
     """Every expert packed in one tensor (the model's fused layout): read as the float checkpoint, whole and in
     parts; removing experts from it, which would change its stored shape tensor, is refused before anything is

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers.initialization import meta_device_safe_creation_ops, no_init_weights
 
 from moekit.checkpoint.codecs import read_state
-from moekit.checkpoint.files import check_dir, quantization, read_headers, read_text, refuse_adapter
+from moekit.checkpoint.files import ShardReader, check_dir, quantization, read_headers, read_text, refuse_adapter
 from moekit.errors import CheckpointError, NumericsError
 
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
@@ -322,8 +322,14 @@ def check_stored_shapes(folder: Path, model: nn.Module) -> None:
     weight is read: a header with a transposed shape of the same byte count is refused (transformers would report the
     tensor missing, or a copy would carry the wrong shape on), and so is a config with more experts than its weights.
     The model's own names come first (a router's or fused experts' shape is the telling line), the size next, and the
-    names transformers saves under last (one per expert: as many as the config declares, so only once it fits)."""
-    headers = read_headers(folder)
+    names transformers saves under last (one per expert: as many as the config declares, so only once it fits).
+    A quantized checkpoint's weights count as the model holds them (ShardReader's headers: 4-bit values packed 8 to
+    a word, MXFP4's 2 to a byte)."""
+    if quantization(folder) is None:
+        headers = read_headers(folder)
+    else:
+        with ShardReader(folder) as reader:
+            headers = reader.headers
     _compare_shapes(folder, headers, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     check_size(model, headers, folder)
     _compare_shapes(folder, headers, stored_shapes(model))

@@ -250,10 +250,15 @@ def split_words(headers: dict, fmt: Scaled, folder: str | Path, read) -> dict:
 def unpack_ints(words: Tensor, bits: int, count: int) -> Tensor:
     """The int8 values (..., count) of int32 `words` (..., W) as compressed-tensors packs them: 32/bits values a word
     (bits 2, 4 or 8), value j of a row in word j // (32/bits) at bit (j mod 32/bits)·bits, stored plus 2^(bits-1);
-    the last word's unused values are padding."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # (32/bits,)
-    values = (words[..., None] >> shifts) & ((1 << bits) - 1)  # (..., W, 32/bits): the sign bits shifted in are masked
-    return (values.flatten(-2)[..., :count] - (1 << (bits - 1))).to(torch.int8)
+    the last word's unused values are padding. One value of every word at a time: the int8 output and one int32
+    word's worth (a quarter of the output at 4 bits) in memory (measured on a 28672 × 8192 weight: 0.46 GB over its
+    words, against 2.07 GB broadcasting every shift at once, in the same time)."""
+    n, mask, offset = 32 // bits, (1 << bits) - 1, 1 << (bits - 1)
+    out = torch.empty(*words.shape, n, dtype=torch.int8)  # (..., W, 32/bits)
+    for i in range(n):
+        out[..., i] = ((words >> (i * bits)) & mask) - offset  # the sign bits an arithmetic shift brings are masked
+    out = out.flatten(-2)
+    return out if out.shape[-1] == count else out[..., :count].contiguous()
 
 
 def split_scales(headers: dict, fmt: Scaled, folder: str | Path) -> dict:
