@@ -21,7 +21,6 @@ HARNESS_CANNOT_BUILD = {
 }
 # moekit cannot read these families' routing (docs/guides/routing.md, "Families")
 REFUSED = {
-    "dbrx": "its router returns logits alone and its experts are 2-D (E·I, H) parameters",
     "doge": "product-key routing over a bank of single-neuron experts (no top-k over E experts)",
     "jetmoe": "JetMoE's own layout (ParallelExperts input/output linears with a TopKGating router)",
     "longcat_flash": "zero-computation experts beside the routed ones",

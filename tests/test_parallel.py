@@ -426,3 +426,19 @@ def test_a_pretrained_ctc_encoder_trains_under_fsdp2_and_expert_parallelism_as_u
         assert sharded.keys() == reference.keys()
         for k in reference:
             torch.testing.assert_close(sharded[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_expert_parallelism_refuses_experts_it_cannot_split_by_expert():
+    """transformers' EP plan splits tensors stacked by expert (E, ...) into shares of whole experts: Mixtral's fused
+    experts get one entry each; DBRX's hold every expert's rows in 2-D (E·I, H) tensors and are refused in one line,
+    naming the layer, before any rank trains."""
+    from moekit.errors import UnsupportedModelError
+    from moekit.testing.families import tiny_family_model
+    from moekit.training.parallel import ep_plan
+
+    plan = ep_plan(tiny_family_model("mixtral"))
+    assert plan["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
+    assert plan["model.layers.*.mlp.experts.gate_up_proj"] == "grouped_gemm"
+    with pytest.raises(UnsupportedModelError, match=r"transformer\.blocks\.0\.ffn: .*DBRX's.*without expert") as e:
+        ep_plan(tiny_family_model("dbrx"))
+    assert "\n" not in str(e.value)

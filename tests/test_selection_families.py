@@ -131,11 +131,12 @@ def _check_only_the_selected_experts_train(model):
     handle.merge()
     after = model.state_dict()
     assert after.keys() == before.keys()
-    rows = {}
+    rows = {}  # the selected experts' rows of every tensor stacked by expert: (E, ...), or DBRX's (E·n, ...)
     for s in sites:
-        for n, p in s.experts.named_parameters(recurse=False):
-            if s.name in sel and p.shape[0] == s.num_experts:
-                rows[f"{s.name}.experts.{n}"] = sel[s.name]
+        for n, p in s.experts.named_parameters():
+            per, rest = divmod(p.shape[0], s.num_experts)
+            if s.name in sel and not rest and ("." not in n and per == 1 or p.dim() == 2 and per > 1):
+                rows[f"{s.name}.experts.{n}"] = [e * per + j for e in sel[s.name] for j in range(per)]
     assert rows
     for key, old in before.items():
         if key not in rows:
@@ -192,14 +193,15 @@ def test_vision_language_moe_streams_prunes_and_removes(family, tmp_path):
 
 def test_removal_cuts_one_axis_of_the_experts_or_refuses():
     """What removal does with a tensor whose shape changes (E = 8 experts, 0, 2, 5, 7 kept): the experts' axis, first
-    or not, keeping the entries after the experts (Inkling's shared rows); refused in one line when the change is not
-    that (a layout of 16 rows per expert, two axes)."""
+    or not, keeping the entries after the experts (Inkling's shared rows), or DBRX's 16 rows per expert (E·16, ...);
+    refused in one line when the change is not that (rows that are no whole number per expert, two axes)."""
     ids = [0, 2, 5, 7]
     cut = lambda have, want: _cut("t", TensorInfo("F32", have, Path("x")), want, 8, ids)  # noqa: E731
     assert (cut((8, 32), (4, 32)).rows, cut((8, 32), (4, 32)).axis) == (ids, 0)
     assert (cut((1, 8), (1, 4)).rows, cut((1, 8), (1, 4)).axis) == (ids, 1)
     assert cut((10, 32), (6, 32)).rows == [*ids, 8, 9] and cut((10, 32), (6, 32)).shape == (6, 32)
-    for have, want in (((128, 32), (64, 32)), ((8, 32), (4, 16)), ((8, 32), (4, 32, 1))):
+    assert cut((128, 32), (64, 32)).rows == [e * 16 + j for e in ids for j in range(16)]
+    for have, want in (((128, 32), (60, 32)), ((8, 32), (4, 16)), ((8, 32), (4, 32, 1))):
         with pytest.raises(ConfigError, match="not one axis of the 8 experts") as e:
             cut(have, want)
         assert "\n" not in str(e.value)

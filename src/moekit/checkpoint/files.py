@@ -352,9 +352,23 @@ class ShardReader:
             z = unpack_ints(z.transpose(-1, -2), bits, q.shape[-2]).transpose(-1, -2)
         return dequantize(q, s, block, z)
 
-    def _read(self, name: str, info: TensorInfo, index: int | None) -> torch.Tensor:
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start .. stop - 1 of tensor `name` along dim 0, read at once (a quantized weight: read whole and
+        cut)."""
+        info = self.headers.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.folder} has no tensor {name}")
+        if name in self.scales or name in self.packed:
+            return self.get(name)[start:stop]
+        return self._read(name, info, slice(start, stop))
+
+    def _read(self, name: str, info: TensorInfo, index: int | slice | None) -> torch.Tensor:
         shape, start, nbytes = info.shape, info.start, info.nbytes
-        if index is not None:
+        if isinstance(index, slice) and shape:  # rows along dim 0
+            first, last, _ = index.indices(shape[0])
+            row = nbytes // shape[0] if shape[0] else 0
+            start, nbytes, shape = start + first * row, max(0, last - first) * row, (max(0, last - first), *shape[1:])
+        elif index is not None:
             if not shape or not 0 <= index < shape[0]:
                 raise CheckpointError(f"{self.folder}: {name} {list(shape)} has no slice {index}")
             nbytes //= shape[0]

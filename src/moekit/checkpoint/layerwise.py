@@ -26,6 +26,7 @@ from moekit.checkpoint.files import ShardReader
 from moekit.errors import CheckpointError, UnsupportedModelError
 from moekit.moe.prompts import cheap_rows, check_model, hidden_rows
 from moekit.moe.spec import MoESpec
+from moekit.routing.sites import expert_rows
 from moekit.surgery import Slot
 
 
@@ -218,6 +219,10 @@ class LayerStream:
         of every expert, quantized or not) or per expert (the Hub's names, as `_fill_experts` reads them);
         UnsupportedModelError for experts that transformers builds another way (then load the whole layer)."""
         experts = self.model.get_submodule(path)
+        if expert_rows(experts, experts.num_experts):
+            chunk = self._rows_part(path, experts, start, stop, experts.num_experts, device)
+            chunk.num_experts = stop - start
+            return chunk
         params = {}
         for n, p in experts.named_parameters(recurse=False):
             key, ops = self._stored.get(f"{path}.{n}", (None, []))
@@ -242,6 +247,25 @@ class LayerStream:
         chunk._parameters, chunk._forward_hooks, chunk._forward_pre_hooks = params, OrderedDict(), OrderedDict()
         chunk.num_experts = stop - start
         return chunk
+
+    def _rows_part(self, path: str, module: nn.Module, start: int, stop: int, total: int, device) -> nn.Module:
+        """A shallow copy of `module` (at `path`) and its children whose parameters hold expert e's rows e·n ..
+        (e+1)·n - 1 (DBRX's experts: `expert_rows`) with those of experts start .. stop - 1 only, read at once."""
+        part = copy.copy(module)
+        part.__dict__.pop("forward", None)
+        part._forward_hooks, part._forward_pre_hooks = OrderedDict(), OrderedDict()
+        part._parameters = {}
+        for n, p in module.named_parameters(recurse=False):
+            key, ops = self._stored.get(f"{path}.{n}", (None, None))
+            if key is None or ops or tuple(self.reader.headers[key].shape) != tuple(p.shape):
+                raise UnsupportedModelError(f"{path}.{n} is not stored as the model holds it, so moekit cannot read "
+                                            "some of its experts alone; load the whole layer (experts_per_load=None)")
+            rows = p.shape[0] // total
+            t = self.reader.get_rows(key, start * rows, stop * rows).to(device=device, dtype=self.dtype)
+            part._parameters[n] = nn.Parameter(t, requires_grad=False)
+        part._modules = {n: self._rows_part(f"{path}.{n}", c, start, stop, total, device)
+                         for n, c in module.named_children()}
+        return part
 
     def load_outside(self, stack: str, skip: tuple[str, ...], device: str | torch.device = "cpu") -> list[str]:
         """Load every parameter outside the module `stack` and the modules `skip` (the output head): what a model's

@@ -11,7 +11,7 @@ of the checkpoint is then read, cut and written in its own dtype, so memory hold
                experts, GPT-OSS's biases, routers, selection biases such as e_score_correction_bias, expert_bias,
                Ernie's (1, E) moe_statics) differs along one axis, by E - E' entries: it keeps the kept experts'
                entries in order, then the entries after the E experts that some routers have (Inkling's shared
-               experts, Zaya's skip class);
+               experts, Zaya's skip class); or from E·n to E'·n (DBRX's 2-D experts): the kept experts' n rows;
   copied       everything else, a shared expert included.
 A quantized checkpoint (moekit.checkpoint.quantized) stays quantized, byte for byte: a scaled weight's scales
 (`_scale_inv`, `_scale`) are kept, renumbered or cut with it (`_cut_scales`), MXFP4's `_blocks` and `_scales` are cut
@@ -184,12 +184,15 @@ def _cut(name: str, info: TensorInfo, want: tuple[int, ...], experts: int, ids: 
     the removed experts' count (module docstring), else ConfigError."""
     have = tuple(info.shape)
     axes = [i for i, (a, b) in enumerate(zip(have, want)) if a != b]
-    if len(have) != len(want) or len(axes) != 1 or have[axes[0]] - want[axes[0]] != experts - len(ids) \
-            or have[axes[0]] < experts:
-        raise ConfigError(f"{name} is {list(have)} and would be {list(want)} with {len(ids)} experts: not one axis "
-                          f"of the {experts} experts (and entries after them) that moekit can cut")
-    axis = axes[0]
-    return Cut(name, name, info, [*ids, *range(experts, have[axis])], axis)
+    if len(have) == len(want) and len(axes) == 1:
+        axis = axes[0]
+        if have[axis] - want[axis] == experts - len(ids) and have[axis] >= experts:
+            return Cut(name, name, info, [*ids, *range(experts, have[axis])], axis)
+        n, rest = divmod(have[axis], experts)
+        if not rest and want[axis] == n * len(ids):  # DBRX's (E·n, ...): expert e's rows e·n .. (e+1)·n - 1
+            return Cut(name, name, info, [e * n + j for e in ids for j in range(n)], axis)
+    raise ConfigError(f"{name} is {list(have)} and would be {list(want)} with {len(ids)} experts: not one axis of "
+                      f"the {experts} experts (and entries after them, or n rows each) that moekit can cut")
 
 
 def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo], sites: dict[str, RouterSite],

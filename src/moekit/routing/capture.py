@@ -121,6 +121,7 @@ class RoutingCapture:
         """Saliency sums of layer i from its experts' input x (T, H), ids (T, k), weights (T, k) and its router's
         logits (T, E)."""
         norms = self.given_norms.pop(i, None)  # (T, k)
+        x = x.reshape(-1, x.shape[-1])  # DBRX's experts are passed (B, S, H)
         if self._mask is not None:
             keep = self._mask.to(x.device)  # (T,)
             x, ids, w, logits = x[keep], ids[keep], w[keep], logits[keep]

@@ -6,8 +6,10 @@ experts') whose forward returns `(logits, weights, indices, ...)` (some families
 shared-expert gammas, Zaya's router state) and a fused `experts` child with 3-D parameters (expert dimension
 first). Llama 4's router returns `(scores, logits)` instead, with scores (T, E) zero outside each token's top-k;
 its decision is the top-k of the scores, and its experts take the score-scaled input of every expert rather than
-(x, ids, weights). Sites are found by that structure, not by class name, and the decision is read from the
-router's output, never recomputed.
+(x, ids, weights). DBRX's router returns its logits alone and its block turns them into (weights, ids) with its
+own `route_tokens_to_experts`; its experts hold every expert's rows in 2-D (E·I, H) parameters of a child module. Sites
+are found by that structure, not by class name, and the decision is read from the router's output (DBRX: the
+block's own function of it), never recomputed by moekit.
 """
 from __future__ import annotations
 
@@ -31,14 +33,11 @@ DecisionFn = Callable[[Tensor, Tensor], None]
 RerouteFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
-class _ResetReroute:
-    """Handle for a moekit layer's reroute: remove() puts the router's own decision back."""
+class _Reset:
+    """Handle for a reroute that is not a hook: remove() puts the layer's own decision back."""
 
-    def __init__(self, block: MoELayer):
-        self.block = block
-
-    def remove(self) -> None:
-        self.block.reroute = None
+    def __init__(self, remove: Callable[[], None]):
+        self.remove = remove
 
 
 @dataclass
@@ -63,6 +62,10 @@ class RouterSite:
         """(logits (T, E), ids (T, k), weights (T, k)) from a transformers router's output."""
         if isinstance(out, tuple) and len(out) >= 3 and not out[2].is_floating_point():  # (logits, weights, ids, ...)
             return out[0], out[2], out[1]
+        if isinstance(out, Tensor) and _routes_logits(self.block):  # DBRX: the block's own function of its logits
+            routed = type(self.block).route_tokens_to_experts(self.block, out)  # (weights, ids), in some order
+            ids = next(t for t in routed if not t.is_floating_point())
+            return out, ids, next(t for t in routed if t.is_floating_point())
         if isinstance(out, tuple) and len(out) == 2:  # Llama 4: (scores (T, E), logits (T, E))
             weights, ids = out[0].topk(self.top_k, dim=-1)  # (T, k)
             return out[1], ids, weights
@@ -85,17 +88,25 @@ class RouterSite:
 
         return self.router.register_forward_hook(hook)
 
-    def reroute(self, fn: RerouteFn) -> RemovableHandle | _ResetReroute:
+    def reroute(self, fn: RerouteFn) -> RemovableHandle | _Reset:
         """Replace this layer's decision by fn(logits, ids, weights) until the handle is removed."""
+        block = self.block
         if self.is_moekit:
-            block = self.block
-
             def apply(info: RoutingInfo) -> RoutingInfo:
                 ids, weights = fn(info.logits, info.topk_ids, info.topk_weights)
                 return RoutingInfo(info.logits, ids, weights)
 
             block.reroute = apply
-            return _ResetReroute(block)
+            return _Reset(lambda: setattr(block, "reroute", None))
+        if _routes_logits(block):  # DBRX: its route_tokens_to_experts, replaced on the instance
+            def route(logits: Tensor) -> tuple[Tensor, ...]:
+                _, ids, weights = self.decision(logits)
+                new_ids, new_weights = fn(logits, ids, weights)
+                return tuple(new_ids.to(t.dtype) if t is ids else new_weights.to(t.dtype)
+                             for t in type(block).route_tokens_to_experts(block, logits))
+
+            block.route_tokens_to_experts = route
+            return _Reset(lambda: block.__dict__.pop("route_tokens_to_experts", None))
 
         def hook(m, args, out):
             logits, ids, weights = self.decision(out)
@@ -118,8 +129,8 @@ class RouterSite:
         experts module: one call per slot, or for Llama 4's experts one call on every expert's copy of x."""
         if self.experts_take_routing:
             ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)  # (T, 1)
-            return torch.stack([self.experts(x, ids[:, s:s + 1], ones).float().norm(dim=-1)
-                                for s in range(ids.shape[1])], dim=1)  # (T, k)
+            return torch.stack([self.experts(x, ids[:, s:s + 1], ones).reshape(x.shape).float().norm(dim=-1)
+                                for s in range(ids.shape[1])], dim=1)  # (T, k); DBRX's experts return (T, 1, H)
         out = self.experts(x.repeat(self.num_experts, 1))  # (E·T, H): expert e on rows e·T .. e·T + T - 1
         norms = out.float().view(self.num_experts, x.shape[0], -1).norm(dim=-1)  # (E, T)
         return norms.t().gather(1, ids)  # (T, k)
@@ -147,19 +158,35 @@ def _top_k(router: nn.Module) -> int | None:
     return None
 
 
+def _routes_logits(block: nn.Module) -> bool:
+    """Whether the block turns its router's logits into (weights, ids) itself (DBRX's route_tokens_to_experts)."""
+    return callable(getattr(type(block), "route_tokens_to_experts", None))
+
+
+def expert_rows(experts: nn.Module, num: int) -> bool:
+    """Whether `experts` holds every expert's rows in 2-D (E·n, ...) parameters (DBRX's, in its `mlp` child) rather
+    than transformers 5's 3-D (E, ...) ones."""
+    params = list(experts.parameters())
+    return bool(params) and all(p.dim() == 2 and p.shape[0] > num and p.shape[0] % num == 0 for p in params)
+
+
 def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
     experts = getattr(block, "experts", None)
     num = getattr(experts, "num_experts", None)
     if not isinstance(experts, nn.Module) or not isinstance(num, int):
         return None
-    if not any(p.dim() == 3 and p.shape[0] == num for p in experts.parameters(recurse=False)):
-        return None  # not fused 3-D experts (e.g. transformers 4.x ModuleList experts)
+    if not any(p.dim() == 3 and p.shape[0] == num for p in experts.parameters(recurse=False)) and not (
+            expert_rows(experts, num) and _routes_logits(block)
+            and len(inspect.signature(experts.forward).parameters) >= 3):
+        return None  # not fused experts (e.g. transformers 4.x ModuleList experts)
     for child in block.children():
         w = getattr(child, "weight", None)
         rows = isinstance(w, Tensor) and w.dim() == 2 and w.shape[0] == num
         named = "router" in type(child).__name__.lower() and any(  # a router whose row weight sits one level down
             p.dim() == 2 and p.shape[0] == num for p in child.parameters())
         k = _top_k(child) if child is not experts else None
+        if k is None and child is not experts and _routes_logits(block):  # DBRX: the block's top_k
+            k = _top_k(block)
         if k is not None and (rows or getattr(child, "num_experts", None) == num or named):
             return RouterSite(name, block, child, experts, num, k)
     return None

@@ -95,7 +95,7 @@ class HiddenStates:
 
 
 def decoder_stack(model: nn.Module, sites: list | None = None) -> tuple[str, nn.ModuleList]:
-    """(path, layers) of the model's decoder layers: the ModuleList named `layers` with the text config's
+    """(path, layers) of the model's decoder layers: the ModuleList named `layers` (DBRX: `blocks`) with the text config's
     num_hidden_layers entries (a vision-language model's language model too), the one holding the MoE `sites` where
     another stack has as many (a vision tower)."""
     n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
@@ -103,11 +103,11 @@ def decoder_stack(model: nn.Module, sites: list | None = None) -> tuple[str, nn.
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model: only decoder-only models "
                                     "stream layer by layer; capture it with the whole model loaded")
     stacks = [(name, module) for name, module in model.named_modules()
-              if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) == n]
+              if name.endswith(("layers", "blocks")) and isinstance(module, nn.ModuleList) and len(module) == n]
     stacks.sort(key=lambda stack: not any(s.name.startswith(stack[0] + ".") for s in sites or []))  # stable
     if stacks:
         return stacks[0]
-    raise UnsupportedModelError(f"{type(model).__name__}: no decoder layer stack ({n} layers named `layers`) to "
+    raise UnsupportedModelError(f"{type(model).__name__}: no decoder layer stack ({n} `layers` or `blocks`) to "
                                 "stream layer by layer; capture it with the whole model loaded")
 
 
@@ -333,8 +333,9 @@ class _InParts:
 
         def forward(*args, **kwargs):
             inputs = list(signature.bind(*args, **kwargs).arguments.values())[:3]
+            shape, inputs[0] = inputs[0].shape, inputs[0].reshape(-1, inputs[0].shape[-1])  # DBRX's: (B, S, H)
             if self.batch in self.done:  # a copy: a block may add to what its experts return in place
-                return self.outputs.get(self.batch).to(inputs[0].device, copy=True)
+                return self.outputs.get(self.batch).to(inputs[0].device, copy=True).reshape(shape)
             if not self.takes_routing:
                 inputs.append(block_input[0].reshape(-1, inputs[0].shape[-1]))  # (T, H)
             raise _Reached(self.index, tuple(t.cpu() for t in inputs))
@@ -409,9 +410,10 @@ def _routed_part(experts: nn.Module, start: int, stop: int, x: Tensor, ids: Tens
     local = (ids[t, s] - start).unsqueeze(1)  # (P, 1) expert ids among the loaded ones
     f = torch.zeros(ids.shape, device=x.device) if norms else None
     if len(t):
-        acc.index_add_(0, t, experts(x[t], local, w[t, s].unsqueeze(1)).float())
-        if norms:
-            f[t, s] = experts(x[t], local, torch.ones_like(w[t, s]).unsqueeze(1)).float().norm(dim=-1)
+        acc.index_add_(0, t, experts(x[t], local, w[t, s].unsqueeze(1)).reshape(len(t), -1).float())
+        if norms:  # (DBRX's experts return (P, 1, H))
+            f[t, s] = experts(x[t], local, torch.ones_like(w[t, s]).unsqueeze(1)).reshape(len(t), -1).float().norm(
+                dim=-1)
     return acc, f
 
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..errors import ConfigError
-from ..routing.sites import RouterSite
+from ..routing.sites import RouterSite, expert_rows
 from .common import experts_of, resolve
 from .selection import Selection
 
@@ -93,32 +93,39 @@ class SelectiveHandle:
 
 
 def _expert_tensors(site: RouterSite) -> list[str]:
-    """Names of the experts module's own parameters stacked along the expert dim (dim 0)."""
+    """Names of the experts module's parameters stacked along the expert dim (dim 0): its own (E, ...) ones, or
+    DBRX's (E·n, ...) rows of every expert in its child (`mlp.w1`, ...)."""
+    if expert_rows(site.experts, site.num_experts):
+        return [n for n, _ in site.experts.named_parameters()]
     return [n for n, p in site.experts.named_parameters(recurse=False)
             if p.dim() >= 1 and p.shape[0] == site.num_experts]
 
 
 def _attach_layer(site: RouterSite, ids: list[int]) -> tuple[list[nn.Parameter], list]:
-    return attach_rows(site.experts, _expert_tensors(site), ids)
+    names = _expert_tensors(site)
+    n = site.experts.get_parameter(names[0]).shape[0] // site.num_experts  # rows of one expert: 1, or DBRX's I
+    return attach_rows(site.experts, names, [e * n + j for e in ids for j in range(n)])
 
 
 def attach_rows(experts: nn.Module, names: list[str], ids: list[int], take: list[int] | None = None,
                 initial: dict[str, Tensor] | None = None, shared=None) -> tuple[list[nn.Parameter], list]:
-    """Parametrize the stacked tensors `names` of an experts module so that only rows `ids` train; (the trainable row
-    parameters, the caching hooks). Expert parallelism: the module holds this rank's share, `ids` index it, and each
-    parameter holds `initial[name]`, every selected row of the layer, of which rows `take` are this share's;
-    `shared` sums their gradients over the ranks (ExpertRows)."""
+    """Parametrize the stacked tensors `names` of an experts module (a dotted name: of its child) so that only rows
+    `ids` train; (the trainable row parameters, the caching hooks, on the experts module). Expert parallelism: the
+    module holds this rank's share, `ids` index it, and each parameter holds `initial[name]`, every selected row of
+    the layer, of which rows `take` are this share's; `shared` sums their gradients over the ranks (ExpertRows)."""
     trainable, rows = [], []
     for name in names:
-        full = getattr(experts, name)
+        owner, _, leaf = name.rpartition(".")
+        module = experts.get_submodule(owner)
+        full = getattr(module, leaf)
         idx = torch.tensor(ids, dtype=torch.long, device=full.device)  # (K,) or (K_local,)
         if initial is None:
             rows.append(ExpertRows(full, idx))
         else:
             rows.append(ExpertRows(full, idx, torch.tensor(take, dtype=torch.long, device=full.device), initial[name],
                                    shared))
-        parametrize.register_parametrization(experts, name, rows[-1], unsafe=True)
-        p = experts.parametrizations[name].original  # the same Parameter object, now (K, ...)
+        parametrize.register_parametrization(module, leaf, rows[-1], unsafe=True)
+        p = module.parametrizations[leaf].original  # the same Parameter object, now (K, ...)
         p.requires_grad_(True)
         trainable.append(p)
 
@@ -146,7 +153,8 @@ def attach(model: nn.Module, selection: Selection | dict[str, list[int]]) -> Sel
         p.requires_grad_(False)
     trainable, hooks, per_expert = [], [], {}
     for site, ids in layers:
-        per_expert[site.name] = sum(getattr(site.experts, n)[0].numel() for n in _expert_tensors(site))
+        per_expert[site.name] = sum(site.experts.get_parameter(n).numel() // site.num_experts
+                                    for n in _expert_tensors(site))
         params, h = _attach_layer(site, ids)
         trainable += params
         hooks += h

@@ -35,7 +35,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor, nn
 
-from moekit.errors import ConfigError, MoekitError
+from moekit.errors import ConfigError, MoekitError, UnsupportedModelError
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed keys the Trainer fills from TrainingArguments -> the recipe key that sets them
@@ -384,10 +384,14 @@ def _wildcard(name: str) -> str:
 def ep_plan(model: nn.Module, prefix: str = "") -> dict[str, str]:
     """transformers' EP plan for every MoE layer of `model` (moekit's or transformers'): the experts module reached
     by all-to-all token dispatch, each of its tensors with the expert dimension first split by expert."""
-    from moekit.routing.sites import moe_sites
+    from moekit.routing.sites import expert_rows, moe_sites
 
     plan = {}
     for site in moe_sites(model):
+        if expert_rows(site.experts, site.num_experts):
+            raise UnsupportedModelError(f"{site.name}: its experts hold every expert's rows in 2-D (E·n, ...) "
+                                        "parameters (DBRX's), which expert parallelism cannot split by expert; train "
+                                        "it without expert parallelism")
         path = _wildcard(f"{prefix}{site.name}.{_child_name(site.block, site.experts)}")
         plan[path] = "ep_dispatch_experts"
         for name, p in site.experts.named_parameters(recurse=False):
