@@ -136,6 +136,29 @@ def test_experts_in_parts_are_never_held_whole(checkpoints, monkeypatch):
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()} == before  # read only
 
 
+def test_llama4_experts_in_parts_keep_no_copy_per_expert(tmp_path, monkeypatch):
+    """Llama 4's experts take every expert's copy of the tokens scaled by its score, (E·T, H): loaded in parts, a
+    streamed capture keeps per batch the tokens (T, H), the router's scores (T, E) and the experts' summed output
+    (T, H), never the E copies (Llama 4 Maverick's 128 experts would make them 128 times the hidden states), and
+    gives the whole layer's decisions."""
+    from moekit.routing import streamed
+    from moekit.testing.families import tiny_family_model
+
+    tiny_family_model("llama4_text").save_pretrained(tmp_path)
+    shapes, put = [], streamed.HiddenStates.put
+
+    def spy(self, b, h):
+        shapes.extend(t.shape for t in (h if isinstance(h, tuple) else (h,)))
+        put(self, b, h)
+
+    want = collect_streamed(tmp_path, batches(), dtype=torch.float32)
+    monkeypatch.setattr(streamed.HiddenStates, "put", spy)
+    got = collect_streamed(tmp_path, batches(), dtype=torch.float32, experts_per_load=1)
+    assert np.array_equal(got.ids, want.ids)
+    tokens = max(b.input_ids.numel() for b in batches())
+    assert shapes and max(s[0] for s in shapes) <= tokens
+
+
 IN_PARTS_PEAK = textwrap.dedent('''
     import sys, torch
     from moekit._fs import peak_memory

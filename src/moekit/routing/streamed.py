@@ -324,29 +324,39 @@ class _InParts:
     @contextlib.contextmanager
     def answering(self) -> Iterator[None]:
         """The experts return the batch's output once computed; before, they raise _Reached with their inputs: (x,
-        ids, weights), or for Llama 4's experts the score-scaled copies of x (E·T, H) and x, the block's input."""
+        ids, weights), or for Llama 4's experts, which take every expert's copy of x scaled by its score (E·T, H),
+        x (T, H), the block's input, and the router's scores (T, E): not the E copies (E times the hidden states).
+        Llama 4's block sums its experts' output (E, T, H) over the experts itself: it is given the sum, then zeros."""
         experts = self.site.experts
-        signature, block_input = inspect.signature(experts.forward), [None]
+        signature, kept = inspect.signature(experts.forward), {}
 
         def keep_input(block, args) -> None:
-            block_input[0] = args[0]
+            kept["x"] = args[0]
+
+        def keep_scores(router, args, out) -> None:  # Llama 4's router: (scores (T, E), logits (T, E))
+            kept["scores"] = out[0]
 
         def forward(*args, **kwargs):
             inputs = list(signature.bind(*args, **kwargs).arguments.values())[:3]
             shape, inputs[0] = inputs[0].shape, inputs[0].reshape(-1, inputs[0].shape[-1])  # DBRX's: (B, S, H)
             if self.batch in self.done:  # a copy: a block may add to what its experts return in place
-                return self.outputs.get(self.batch).to(inputs[0].device, copy=True).reshape(shape)
+                out = self.outputs.get(self.batch).to(inputs[0].device, copy=True)
+                if not self.takes_routing:  # (T, H) summed, then (E - 1)·T rows of zeros: Llama 4's sum is it
+                    out = torch.cat([out, out.new_zeros(shape[0] - out.shape[0], out.shape[1])])
+                return out.reshape(shape)
             if not self.takes_routing:
-                inputs.append(block_input[0].reshape(-1, inputs[0].shape[-1]))  # (T, H)
+                inputs = [kept["x"].reshape(-1, inputs[0].shape[-1]), kept["scores"]]  # (T, H), (T, E)
             raise _Reached(self.index, tuple(t.cpu() for t in inputs))
 
         self.outputs, self.done, self.norms = HiddenStates(self.spill), set(), {}
         experts.forward = forward
-        hook = self.site.block.register_forward_pre_hook(keep_input)
+        hooks = [self.site.block.register_forward_pre_hook(keep_input),
+                 self.site.router.register_forward_hook(keep_scores)]
         try:
             yield
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
             del experts.forward
             self.outputs.close()
 
@@ -357,7 +367,7 @@ def _experts_first(stream: LayerStream, layer: nn.Module, batches: list[Batch], 
     capture is muted), then run those experts on every batch's inputs, `per_load` experts loaded at a time."""
     reached: dict[int, HiddenStates] = {}  # site -> batch -> (x (T, H), ids (T, k), weights (T, k))
     try:
-        with cap.muted():  # also Llama 4's router, run again on its block's input in `_in_parts`
+        with cap.muted():
             for b in range(len(batches)):
                 for part in parts.values():
                     part.batch = b
@@ -393,9 +403,8 @@ def _in_parts(stream: LayerStream, part: _InParts, inputs: HiddenStates, batches
         del experts
     if norms and not part.takes_routing:  # (E, T) norms of every expert: those of the routed slots
         for b in batches:
-            x = inputs.get(b)[1].to(device)
-            _, ids, _ = part.site.decision(part.site.router(x))  # the router's decision for x, as the capture's
-            part.norms[b] = part.norms[b].t().gather(1, ids.cpu())  # (T, k)
+            _, ids, _ = part.site.decision((inputs.get(b)[1], None))  # the top-k of the router's scores (T, E)
+            part.norms[b] = part.norms[b].t().gather(1, ids)  # (T, k)
     part.done.update(batches)
 
 
@@ -417,19 +426,22 @@ def _routed_part(experts: nn.Module, start: int, stop: int, x: Tensor, ids: Tens
     return acc, f
 
 
-def _every_expert_part(experts: nn.Module, start: int, stop: int, routed_in: Tensor, x: Tensor, out: Tensor | None,
+def _every_expert_part(experts: nn.Module, start: int, stop: int, x: Tensor, scores: Tensor, acc: Tensor | None,
                        norms: bool) -> tuple[Tensor, Tensor | None]:
-    """(the experts' output (E·T, H) so far, ‖f‖ (E, T) of the loaded experts on x (0 elsewhere) or None) of Llama
-    4's experts, which take every expert's copy of x scaled by its score, (E·T, H), expert e on rows e·T .. e·T + T
-    - 1: the loaded experts' rows go through them (the same per-expert products as the whole layer's)."""
-    T, E = x.shape[0], routed_in.shape[0] // x.shape[0]
-    out = torch.empty_like(routed_in) if out is None else out.to(x.device)
-    out[start * T:stop * T] = experts(routed_in[start * T:stop * T])
+    """(Σ over the experts so far of their output (T, H), in float32; ‖f‖ (E, T) of the loaded experts on x (0
+    elsewhere) or None) of Llama 4's experts, which take every expert's copy of x (T, H) scaled by its score (T, E),
+    expert e on rows e·T .. e·T + T - 1: the loaded experts' rows are made as Llama 4 makes them (x repeated, times
+    the score column: the same products) and go through them; the sum over experts in float32, as for every family
+    in parts (Llama 4's own sums in the model's dtype)."""
+    T, E, n = x.shape[0], scores.shape[1], stop - start
+    rows = x.repeat(n, 1) * scores[:, start:stop].transpose(0, 1).reshape(-1, 1)  # (n·T, H)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if acc is None else acc.to(x.device)
+    acc += experts(rows).float().view(n, T, -1).sum(dim=0)
     f = None
     if norms:
         f = torch.zeros(E, T, device=x.device)
-        f[start:stop] = experts(x.repeat(stop - start, 1)).float().view(stop - start, T, -1).norm(dim=-1)
-    return out, f
+        f[start:stop] = experts(x.repeat(n, 1)).float().view(n, T, -1).norm(dim=-1)
+    return acc, f
 
 
 def batches_of(tokenizer, texts: dict[str, list[str]], max_length: int, batch_size: int) -> list[Batch]:
