@@ -541,6 +541,18 @@ def test_packed_values_count_as_the_model_holds_them(tmp_path):
     assert np.array_equal(collect_streamed(ct, data).ids, collect_streamed(ref, data).ids)
 
 
+def test_kimi_k25_with_int4_experts_routes_and_prunes_as_its_float_model(tmp_path):
+    """Kimi-K2.5 (transformers' kimi_k25: a vision tower beside a DeepSeek-V3 language model), whose checkpoints ship
+    compressed-tensors INT4 weights, tiny: traces streamed (its experts 3 at a time too) and loaded, REAP disabled
+    and removed, as on its float checkpoint; the removal keeps the kept experts packed."""
+    ct, ref = _pair(tmp_path, tiny_family_model("kimi_k25", image_text=True, perturb=0.05), W4A16, "packed")
+    _routes_and_pruning_equal(tmp_path, ct, ref)
+    data = [Batch("en", IDS, torch.ones_like(IDS))]
+    assert np.array_equal(collect_streamed(ct, data, experts_per_load=3).ids, collect_streamed(ref, data).ids)
+    with safe_open(tmp_path / "packed_keep" / "model.safetensors", "pt") as cut:
+        assert any(".experts.1." in k and k.endswith("_packed") for k in cut.keys())
+
+
 def test_fused_pack_quantized_experts_read_but_are_not_removed(tmp_path):
     """Every expert packed in one tensor (the model's fused layout): read as the float checkpoint, whole and in
     parts; removing experts from it, which would change its stored shape tensor, is refused before anything is

@@ -162,7 +162,7 @@ def test_a_router_that_still_picks_a_disabled_expert_is_refused():
 
 # vision-language MoE families: their language model's MoE layers, named under model.language_model (or, Llama 4,
 # language_model.model), and saved under the names transformers renames on load
-VLM_SAMPLE = ["aria", "llama4", "qwen3_vl_moe"]
+VLM_SAMPLE = ["aria", "kimi_k25", "llama4", "qwen3_vl_moe"]
 
 
 @pytest.mark.parametrize("family", VLM_SAMPLE)

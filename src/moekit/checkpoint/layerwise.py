@@ -197,6 +197,8 @@ class LayerStream:
         config = LoadStateDictConfig(dtype=self.dtype, weight_mapping=get_model_conversion_mapping(self.model))
         with _no_load_bars():
             convert_and_load_state_dict_in_model(self.model, tensors, config)
+        if not path:  # the whole model: a tied output head follows its loaded embedding (Kimi-K2.5's)
+            self.model.tie_weights()
         left = [n for n, t in module.state_dict().items() if t.is_meta and not f"{prefix}{n}".startswith(skipped)]
         if left:
             raise CheckpointError(f"{self.folder} has no weights for {prefix}{left[0]} (and {len(left) - 1} more "
