@@ -233,10 +233,11 @@ def split_words(headers: dict, fmt: Scaled, folder: str | Path, read) -> dict:
         base = name[:-len(PACKED_WORDS)]
         info, shape_info = headers.pop(name), headers.pop(base + PACKED_SHAPE, None)
         shape = [int(x) for x in read(base + PACKED_SHAPE, shape_info).tolist()] if shape_info is not None and \
-            shape_info.dtype in ("I64", "I32") and len(shape_info.shape) == 1 else None
-        if info.dtype != "I32" or len(info.shape) < 2 or shape is None or len(shape) != len(info.shape) or \
+            shape_info.dtype in ("I64", "I32") and tuple(shape_info.shape) == (len(info.shape),) else None  # small
+        if info.dtype != "I32" or len(info.shape) < 2 or shape is None or \
                 list(shape[:-1]) != list(info.shape[:-1]) or math.ceil(shape[-1] * fmt.bits / 32) != info.shape[-1]:
-            beside = f"no {base}{PACKED_SHAPE}" if shape_info is None else f"{base}{PACKED_SHAPE} = {shape}"
+            beside = f"no {base}{PACKED_SHAPE}" if shape_info is None else f"{base}{PACKED_SHAPE} = {shape}" \
+                if shape is not None else f"{base}{PACKED_SHAPE} {shape_info.dtype} {list(shape_info.shape)}"
             raise CheckpointError(f"{folder}: {name} is {info.dtype} {list(info.shape)} beside {beside}; "
                                   f"{fmt.bits}-bit pack-quantized weights need I32 words (..., O, ⌈I·{fmt.bits}/32⌉) "
                                   "beside an I64 or I32 shape [..., O, I]")

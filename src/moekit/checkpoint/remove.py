@@ -219,10 +219,10 @@ def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo
             cuts.append(Cut(name, name, info, keep[block]))
         elif block and isinstance(fmt, Scaled) and fmt.bits and name.endswith(PACKED_WORDS) \
                 and info.shape[0] == experts:
+            shape = name.removesuffix(PACKED_WORDS) + PACKED_SHAPE
             raise ConfigError(f"{name} holds the pack-quantized values of every expert (or router row) in one tensor "
-                              f"beside its shape {name.removesuffix(PACKED_WORDS)}{PACKED_SHAPE}, which removing experts "
-                              "would change; moekit removes per-expert pack-quantized tensors (as llm-compressor "
-                              "saves them) only")
+                              f"beside its shape {shape}, which removing experts would change; moekit removes "
+                              "per-expert pack-quantized tensors (as llm-compressor saves them) only")
         else:
             cuts.append(Cut(name, name, info))
     if isinstance(fmt, Scaled) and fmt.block is not None:

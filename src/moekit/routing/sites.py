@@ -63,9 +63,8 @@ class RouterSite:
         if isinstance(out, tuple) and len(out) >= 3 and not out[2].is_floating_point():  # (logits, weights, ids, ...)
             return out[0], out[2], out[1]
         if isinstance(out, Tensor) and _routes_logits(self.block):  # DBRX: the block's own function of its logits
-            routed = type(self.block).route_tokens_to_experts(self.block, out)  # (weights, ids), in some order
-            ids = next(t for t in routed if not t.is_floating_point())
-            return out, ids, next(t for t in routed if t.is_floating_point())
+            _, ids, weights = _routed_by_block(self.block, out)
+            return out, ids, weights
         if isinstance(out, tuple) and len(out) == 2:  # Llama 4: (scores (T, E), logits (T, E))
             weights, ids = out[0].topk(self.top_k, dim=-1)  # (T, k)
             return out[1], ids, weights
@@ -100,10 +99,9 @@ class RouterSite:
             return _Reset(lambda: setattr(block, "reroute", None))
         if _routes_logits(block):  # DBRX: its route_tokens_to_experts, replaced on the instance
             def route(logits: Tensor) -> tuple[Tensor, ...]:
-                _, ids, weights = self.decision(logits)
+                routed, ids, weights = _routed_by_block(block, logits)
                 new_ids, new_weights = fn(logits, ids, weights)
-                return tuple(new_ids.to(t.dtype) if t is ids else new_weights.to(t.dtype)
-                             for t in type(block).route_tokens_to_experts(block, logits))
+                return tuple(new_ids.to(t.dtype) if t is ids else new_weights.to(t.dtype) for t in routed)
 
             block.route_tokens_to_experts = route
             return _Reset(lambda: block.__dict__.pop("route_tokens_to_experts", None))
@@ -161,6 +159,14 @@ def _top_k(router: nn.Module) -> int | None:
 def _routes_logits(block: nn.Module) -> bool:
     """Whether the block turns its router's logits into (weights, ids) itself (DBRX's route_tokens_to_experts)."""
     return callable(getattr(type(block), "route_tokens_to_experts", None))
+
+
+def _routed_by_block(block: nn.Module, logits: Tensor) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
+    """(what the block's own route_tokens_to_experts returns for `logits`: DBRX's (weights, ids), its ids (T, k), its
+    weights (T, k)); the class's function, so a reroute replacing it on the instance still reads the original."""
+    routed = type(block).route_tokens_to_experts(block, logits)
+    ids = next(t for t in routed if not t.is_floating_point())
+    return routed, ids, next(t for t in routed if t.is_floating_point())
 
 
 def expert_rows(experts: nn.Module, num: int) -> bool:

@@ -95,9 +95,9 @@ class HiddenStates:
 
 
 def decoder_stack(model: nn.Module, sites: list | None = None) -> tuple[str, nn.ModuleList]:
-    """(path, layers) of the model's decoder layers: the ModuleList named `layers` (DBRX: `blocks`) with the text config's
-    num_hidden_layers entries (a vision-language model's language model too), the one holding the MoE `sites` where
-    another stack has as many (a vision tower)."""
+    """(path, layers) of the model's decoder layers: the ModuleList named `layers` (DBRX: `blocks`) with the text
+    config's num_hidden_layers entries (a vision-language model's language model too), the one holding the MoE
+    `sites` where another stack has as many (a vision tower)."""
     n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model: only decoder-only models "

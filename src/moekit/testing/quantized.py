@@ -153,8 +153,8 @@ def save_compressed(model: nn.Module, folder: str | Path, float_folder: str | Pa
                                        "symmetric": True}
     config = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
               "format": "pack-quantized" if packed else {"float": "float-quantized", "int": "naive-quantized"}[kind],
-              "ignore": ["lm_head"],
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}}
+              "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                   "input_activations": activations}}}
     qdtype = {"float": torch.float8_e4m3fn, "int": torch.int8}[kind]
 
     def one(w: Tensor) -> tuple[dict[str, Tensor], Tensor]:
