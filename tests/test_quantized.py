@@ -174,7 +174,7 @@ def test_removing_experts_keeps_fp8(tmp_path, family, fused):
 def test_fp8_expert_removal_refuses_to_split_blocks(tmp_path):
     """A weight cut along a dimension stored in blocks (here every tensor in blocks of 3 rows, so a fused expert
     tensor's scales cannot follow a cut of a router's rows) is refused before anything is written."""
-    fp8, _ = _pair(tmp_path, tiny_qwen3_moe(), fused=True)
+    fp8, _ = _pair(tmp_path, tiny_qwen3_moe(), fused=True, block=(3, 16))
     headers = {}
     with safe_open(fp8 / "model.safetensors", "pt") as f:
         for k in f.keys():
@@ -188,12 +188,23 @@ def test_fp8_expert_removal_refuses_to_split_blocks(tmp_path):
 
     save_file(headers, fp8 / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"]["weight_block_size"] = [3, 16]
-    (fp8 / "config.json").write_text(json.dumps(config))
     keep = {f"model.layers.{i}.mlp": [0, 2] for i in range(config["num_hidden_layers"])}
     with pytest.raises(ConfigError, match="FP8 weights in blocks of 3 along the axis of its experts") as e:
         remove_experts(fp8, tmp_path / "cut", keep)
     assert "\n" not in str(e.value) and not (tmp_path / "cut").exists()
+
+
+def test_expert_removal_checks_the_scales_first(tmp_path):
+    """Removal copies quantized bytes as they are, but checks the checkpoint as the model reads it first: scales in
+    16×16 blocks under a config that declares 3×16 are refused, naming the tensor, before anything is written."""
+    fp8, _ = _pair(tmp_path, tiny_qwen3_moe(), fused=True)
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [3, 16]
+    (fp8 / "config.json").write_text(json.dumps(config))
+    before = _tree(tmp_path)
+    with pytest.raises(CheckpointError, match=r"_scale_inv is F32 \[8, 2, 2\] beside .* shaped \[8, 11, 2\]") as e:
+        remove_experts(fp8, tmp_path / "cut", {f"model.layers.{i}.mlp": [0, 2] for i in range(3)})
+    assert "\n" not in str(e.value) and _tree(tmp_path) == before
 
 
 @pytest.mark.parametrize("family,fmt", [("qwen3", "fp8"), ("llama", "fp8"), ("qwen3", "packed")])
