@@ -584,7 +584,8 @@ def test_fused_pack_quantized_experts_read_but_are_not_removed(tmp_path):
 
 @pytest.mark.parametrize("bits", [3, 16])
 def test_other_packings_are_refused(tmp_path, bits):
-    """3-bit values straddle words in compressed-tensors 0.20 but not in earlier versions; 16 bits are not packed."""
+    """moekit reads the widths whose values fill a word exactly (2, 4, 8 bits); compressed-tensors 0.20 packs 3-bit
+    values across word boundaries, which moekit does not read; 16 bits are not packed."""
     ct, _ = _pair(tmp_path, tiny_qwen3(), W4A16, "packed")
     config = json.loads((ct / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = bits
