@@ -350,8 +350,8 @@ class _InParts:
 
         self.outputs, self.done, self.norms = HiddenStates(self.spill), set(), {}
         experts.forward = forward
-        hooks = [self.site.block.register_forward_pre_hook(keep_input),
-                 self.site.router.register_forward_hook(keep_scores)]
+        hooks = [] if self.takes_routing else [self.site.block.register_forward_pre_hook(keep_input),
+                                               self.site.router.register_forward_hook(keep_scores)]
         try:
             yield
         finally:
