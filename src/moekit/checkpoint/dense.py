@@ -325,11 +325,8 @@ def check_stored_shapes(folder: Path, model: nn.Module) -> None:
     names transformers saves under last (one per expert: as many as the config declares, so only once it fits).
     A quantized checkpoint's weights count as the model holds them (ShardReader's headers: 4-bit values packed 8 to
     a word, MXFP4's 2 to a byte)."""
-    if quantization(folder) is None:
-        headers = read_headers(folder)
-    else:
-        with ShardReader(folder) as reader:
-            headers = reader.headers
+    with ShardReader(folder) as reader:  # a float checkpoint's headers as they are
+        headers = reader.headers
     _compare_shapes(folder, headers, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     check_size(model, headers, folder)
     _compare_shapes(folder, headers, stored_shapes(model))

@@ -162,6 +162,17 @@ def _along_experts(op, part: Tensor, want: torch.Size) -> Tensor:
     return next(iter(op.convert({"part": [part]}, ["part"], ["part"]).values()))
 
 
+def _shallow(module: nn.Module, params: dict, children: dict | None = None) -> nn.Module:
+    """A shallow copy of `module` holding `params` (and `children`, else the original's), without the original's
+    hooks or replaced forward."""
+    part = copy.copy(module)
+    part.__dict__.pop("forward", None)  # an instance's replaced forward stays with the original
+    part._parameters, part._forward_hooks, part._forward_pre_hooks = params, OrderedDict(), OrderedDict()
+    if children is not None:
+        part._modules = children
+    return part
+
+
 class LayerStream:
     """The model of a checkpoint directory with its weights left in the checkpoint until `load`ed (module docstring).
     `model`: the checkpoint's model with its parameters on the meta device, in the dtype they load in, and real
@@ -221,10 +232,13 @@ class LayerStream:
         of every expert, quantized or not) or per expert (the Hub's names, as `_fill_experts` reads them);
         UnsupportedModelError for experts that transformers builds another way (then load the whole layer)."""
         experts = self.model.get_submodule(path)
-        if expert_rows(experts, experts.num_experts):
-            chunk = self._rows_part(path, experts, start, stop, experts.num_experts, device)
-            chunk.num_experts = stop - start
-            return chunk
+        chunk = self._rows_part(path, experts, start, stop, experts.num_experts, device) \
+            if expert_rows(experts, experts.num_experts) else self._fused_part(path, experts, start, stop, device)
+        chunk.num_experts = stop - start
+        return chunk
+
+    def _fused_part(self, path: str, experts: nn.Module, start: int, stop: int, device) -> nn.Module:
+        """`experts` (at `path`, parameters (E, ...)) with experts start .. stop - 1 only (`load_experts`)."""
         params = {}
         for n, p in experts.named_parameters(recurse=False):
             key, ops = self._stored.get(f"{path}.{n}", (None, []))
@@ -244,19 +258,12 @@ class LayerStream:
                 raise UnsupportedModelError(f"{path}.{n}: {key} {list(self.reader.headers[key].shape)} does not "
                                             f"convert to {list(p.shape)}; load the whole layer (experts_per_load=None)")
             params[n] = nn.Parameter(part, requires_grad=False)
-        chunk = copy.copy(experts)
-        chunk.__dict__.pop("forward", None)  # an instance's replaced forward stays with the original
-        chunk._parameters, chunk._forward_hooks, chunk._forward_pre_hooks = params, OrderedDict(), OrderedDict()
-        chunk.num_experts = stop - start
-        return chunk
+        return _shallow(experts, params)
 
     def _rows_part(self, path: str, module: nn.Module, start: int, stop: int, total: int, device) -> nn.Module:
         """A shallow copy of `module` (at `path`) and its children whose parameters hold expert e's rows e·n ..
         (e+1)·n - 1 (DBRX's experts: `expert_rows`) with those of experts start .. stop - 1 only, read at once."""
-        part = copy.copy(module)
-        part.__dict__.pop("forward", None)
-        part._forward_hooks, part._forward_pre_hooks = OrderedDict(), OrderedDict()
-        part._parameters = {}
+        params = {}
         for n, p in module.named_parameters(recurse=False):
             key, ops = self._stored.get(f"{path}.{n}", (None, None))
             if key is None or ops or tuple(self.reader.headers[key].shape) != tuple(p.shape):
@@ -264,10 +271,9 @@ class LayerStream:
                                             "some of its experts alone; load the whole layer (experts_per_load=None)")
             rows = p.shape[0] // total
             t = self.reader.get_rows(key, start * rows, stop * rows).to(device=device, dtype=self.dtype)
-            part._parameters[n] = nn.Parameter(t, requires_grad=False)
-        part._modules = {n: self._rows_part(f"{path}.{n}", c, start, stop, total, device)
-                         for n, c in module.named_children()}
-        return part
+            params[n] = nn.Parameter(t, requires_grad=False)
+        return _shallow(module, params, {n: self._rows_part(f"{path}.{n}", c, start, stop, total, device)
+                                         for n, c in module.named_children()})
 
     def load_outside(self, stack: str, skip: tuple[str, ...], device: str | torch.device = "cpu") -> list[str]:
         """Load every parameter outside the module `stack` and the modules `skip` (the output head): what a model's

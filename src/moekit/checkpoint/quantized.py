@@ -38,7 +38,6 @@ IGNORED = (".activation_scale", ".input_scale", ".k_scale", ".v_scale")
 WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")
 ZERO_DTYPES = ("I8", "I32", "I64", "F32", "BF16", "F16")
-DTYPE_SIZES = {"F32": 4, "BF16": 2, "F16": 2}
 
 
 @dataclass(frozen=True)
@@ -243,7 +242,8 @@ def split_words(headers: dict, fmt: Scaled, folder: str | Path, read) -> dict:
                                   "beside an I64 or I32 shape [..., O, I]")
         scale = headers.get(base + fmt.suffix)
         dtype = scale.dtype if scale is not None and scale.dtype in fmt.weights else "F32"
-        headers[base] = replace(info, dtype=dtype, shape=tuple(shape), nbytes=math.prod(shape) * DTYPE_SIZES[dtype])
+        listed = replace(info, dtype=dtype, shape=tuple(shape))
+        headers[base] = replace(listed, nbytes=math.prod(shape) * listed.torch_dtype.itemsize)
         words[base] = info
     return words
 
