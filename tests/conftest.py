@@ -22,6 +22,15 @@ if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
+def pytest_runtest_logreport(report):
+    """With MOEKIT_TEST_FAILURES=FILE (bench/gpu.sh), each failure is appended to FILE as it happens, so a run that
+    is cut short (a device call's time limit) still says why the tests that failed so far failed."""
+    path = os.environ.get("MOEKIT_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+
+
 @pytest.fixture(scope="session")
 def tiny_recipe_overrides(tmp_path_factory):
     """`overrides(out, task="translation", **extra)`: dotted key=value overrides that point any recipe at a

@@ -289,7 +289,9 @@ def test_a_training_step_of_a_moekit_model_with_router_losses_has_no_host_sync()
     """An upcycled model's forward, MoETrainer's router losses and logs (MoEMethod.extra_loss) and the backward,
     under torch's sync debug mode "error" (the router logs read 4 scalars per layer back until 2026-11-28). The
     model gets no attention_mask: transformers' own mask preparation syncs with one, once per forward, outside
-    moekit (tests/test_aux_logs.py shows it on the CPU); the router losses get the mask."""
+    moekit (tests/test_aux_logs.py shows it on the CPU); the router losses get the mask. In bf16, as users train:
+    torch's grouped_mm runs its CUTLASS kernels for bf16 alone, and other dtypes take its per-group fallback,
+    which reads the group offsets back to the host (this test in float32 failed so on an H200, 2026-11-29)."""
     from collections import defaultdict
     from types import SimpleNamespace
 
@@ -297,7 +299,8 @@ def test_a_training_step_of_a_moekit_model_with_router_losses_has_no_host_sync()
     from moekit.methods import method
     from moekit.training.recipe import AuxConfig
 
-    model = upcycle(tiny_llama(), MoESpec(num_experts=8, top_k=2, every=1, shared_expert=True)).to(CUDA)
+    spec = MoESpec(num_experts=8, top_k=2, every=1, shared_expert=True)
+    model = upcycle(tiny_llama(), spec).to(CUDA, torch.bfloat16)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (2, 64), device=CUDA)
     mask = torch.ones(2, 64, device=CUDA)
@@ -342,7 +345,10 @@ def test_routing_capture_on_cuda_equals_cpu(dense, tmp_path, run):
                          "--device", device, "--out", tmp_path / f"{device}.npz")
         assert rc == 0, err
     a, b = RoutingTrace.load(tmp_path / "cpu.npz"), RoutingTrace.load(tmp_path / "cuda.npz")
-    assert (a.ids == b.ids).mean() >= 0.99 and abs(a.weights - b.weights).max() < 1e-4  # near-ties may flip
+    assert a.ids.shape == b.ids.shape, (a.ids.shape, b.ids.shape)
+    same = a.ids == b.ids  # near-ties may flip; a flipped slot's weight is another expert's
+    assert same.mean() >= 0.99, f"{(~same).sum()} of {same.size} slots differ"
+    assert abs(a.weights - b.weights)[same].max() < 1e-4, abs(a.weights - b.weights)[same].max()
 
 
 def test_moekit_model_on_cuda_matches_cpu_logits(dense):

@@ -119,6 +119,16 @@ def test_signal_mid_save_leaves_nothing_and_keeps_the_old_output(dense, tmp_path
     assert snapshot(tmp_path / "work") == before  # no temporary, no lock, the old output byte for byte
 
 
+def test_a_command_run_in_process_leaves_the_callers_signal_handlers_as_they_were(run):
+    """main() makes SIGTERM and SIGHUP raise only while its command runs. Left raising, they made a pytest that
+    had run a command in-process unkillable by `timeout` while stuck in native code (a GPU run, 2026-11-29)."""
+    sigs = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    before = [signal.getsignal(s) for s in sigs]
+    rc, out, _ = run("list", "formats")
+    assert rc == 0 and out
+    assert [signal.getsignal(s) for s in sigs] == before
+
+
 def test_size_limit_is_one_line_and_leaves_nothing(dense, tmp_path):
     """EFBIG (RLIMIT_FSIZE in the child, like a full disk): one line, exit 2, no leftovers."""
     out = tmp_path / "work" / "moe"

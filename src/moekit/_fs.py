@@ -56,16 +56,13 @@ def _raise_terminated(signum, frame):
     raise Terminated(signum)
 
 
-def install_signal_handlers() -> None:
-    """SIGTERM and SIGHUP raise `Terminated` (as SIGINT raises KeyboardInterrupt). Main thread only."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _raise_terminated)
-
-
 @contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """While writing, SIGTERM/SIGHUP left at their default (which kills without cleanup) raise instead."""
+def signals_raise() -> Iterator[None]:
+    """Within, SIGTERM and SIGHUP left at their default (which kills without cleanup) raise `Terminated`, as SIGINT
+    raises KeyboardInterrupt; on leaving, they are as they were. Main thread only. Around every write, and around
+    each CLI command: a command run in-process (a test, a notebook) must not leave its caller's SIGTERM raising
+    in Python code only, which a process stuck in native code never reaches (`timeout` could not end such a
+    pytest on the GPU machine, 2026-11-29)."""
     changed = []
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -399,7 +396,7 @@ def reserve(out: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), ov
         yield real
         return
     created = [p for p in reversed(real.parents) if not p.exists()]
-    with _signals_raise():
+    with signals_raise():
         try:
             real.parent.mkdir(parents=True, exist_ok=True)
             lock = _Lock(real)

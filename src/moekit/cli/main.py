@@ -13,7 +13,7 @@ import traceback
 
 from moekit.cli import (demo, evaluate, export, finetune, inspect, listing, routes, select, simoe, speech, train,
                         upcycle)
-from moekit._fs import Terminated, install_signal_handlers
+from moekit._fs import Terminated, signals_raise
 from moekit.cli.common import Parser
 from moekit.errors import MoekitError
 
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse has printed usage or help
         return e.code if isinstance(e.code, int) else 2
     quiet_hub_progress()
-    install_signal_handlers()
-    return end_process(run(args))
+    with signals_raise():
+        return end_process(run(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -62,7 +62,9 @@ def _contiguous_grad(t: Tensor) -> Tensor:
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether F.grouped_mm computes forward and backward in `dtype` on `device`: always on the CPU; on CUDA it
     depends on the GPU's architecture and the dtype, so it is tried once on a tiny product (16 x 16, 2 experts).
-    Where it fails, grouped_linear runs one matmul per expert instead (same result, more kernel launches).
+    Where it fails, grouped_linear runs one matmul per expert instead (same result, more kernel launches). Where
+    it runs on CUDA in another dtype than bf16, torch itself runs it by a per-group fallback that reads the offsets
+    back to the host, a sync per call (its CUTLASS kernels are bf16 only).
     The probe's upstream gradient is a dense tensor, as a real one is: `.sum().backward()` would hand
     grouped_mm's backward a stride-0 gradient, which it always rejects (so the probe said no on every GPU)."""
     return device.type == "cpu" or _grouped_mm_works(device, dtype)
