@@ -23,7 +23,6 @@ HARNESS_CANNOT_BUILD = {
 REFUSED = {
     "doge": "product-key routing over a bank of single-neuron experts (no top-k over E experts)",
     "jetmoe": "JetMoE's own layout (ParallelExperts input/output linears with a TopKGating router)",
-    "longcat_flash": "zero-computation experts beside the routed ones",
 }
 
 
@@ -111,6 +110,35 @@ def test_capture_streamed_equals_in_memory_or_refuses_in_one_line(family, tmp_pa
     assert np.array_equal(parts.ids, want.ids), family
     np.testing.assert_allclose(parts.weights, want.weights, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(parts.saliency, got.saliency, rtol=1e-5, atol=1e-6)
+
+
+def test_longcat_checkpoints_without_zero_expert_rows_read_as_the_model(tmp_path):
+    """LongCat-Flash's Hub checkpoints hold its routed experts only, where transformers 5.23 gives gate_up_proj a row
+    for each zero-computation expert too (and refuses such a checkpoint as a size mismatch): moekit reads it in
+    memory, streamed, and in parts, and records what the model it was saved from computes."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from moekit.checkpoint.dense import load_dense
+
+    model = tiny_family_model("longcat_flash")
+    model.save_pretrained(tmp_path)
+    routed = model.config.n_routed_experts
+    dropped = 0
+    for f in tmp_path.glob("*.safetensors"):
+        tensors = load_file(f)
+        kept = {k: v for k, v in tensors.items()
+                if not ((m := re.search(r"\.experts\.(\d+)\.", k)) and int(m.group(1)) >= routed)}
+        dropped += len(tensors) - len(kept)
+        save_file(kept, f, metadata={"format": "pt"})
+    assert dropped == 2 * model.config.zero_expert_num  # each zero expert's gate_proj and up_proj
+    want = collect_in_memory(model, _batches())
+    for got in (collect_in_memory(load_dense(tmp_path), _batches()),
+                collect_streamed(tmp_path, _batches(), dtype=torch.float32),
+                collect_streamed(tmp_path, _batches(), dtype=torch.float32, experts_per_load=4)):
+        assert np.array_equal(got.ids, want.ids) and (got.ids >= routed).any()  # zero experts picked too
+        np.testing.assert_allclose(got.weights, want.weights, rtol=1e-5, atol=1e-6)
 
 
 # families whose experts cannot load a few at a time (a layer bigger than memory), with the words of the refusal

@@ -20,7 +20,7 @@ from moekit.checkpoint.files import TensorInfo
 from moekit.checkpoint.remove import _cut, remove_experts
 from moekit.errors import ConfigError, MoekitError, UnsupportedModelError
 from moekit.moe.state import model_state
-from moekit.routing.sites import find_sites, hash_routed
+from moekit.routing.sites import find_sites, hash_routed, zero_experts
 from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
 from moekit.selection.finetune import attach
 from moekit.selection.prune import kept_experts, load_pruned, prune, save_pruned
@@ -28,7 +28,9 @@ from moekit.selection.selection import Selection
 from moekit.testing.families import moe_model_types, tiny_config, tiny_family_model
 from test_families import HARNESS_CANNOT_BUILD, REFUSED  # tests/test_families.py: what capture cannot read
 
-FAMILIES = sorted(f for f in moe_model_types() if f not in HARNESS_CANNOT_BUILD and f not in REFUSED)
+ZERO_COMPUTATION = {"longcat_flash"}  # identity experts after the routed ones: disabled, not removed or trained
+FAMILIES = sorted(f for f in moe_model_types()
+                  if f not in HARNESS_CANNOT_BUILD and f not in REFUSED and f not in ZERO_COMPUTATION)
 HASH_ROUTED = {"deepseek_v4"}  # its first layers route by token id: those layers are refused, the others pruned
 IDS = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -145,6 +147,37 @@ def _check_only_the_selected_experts_train(model):
         other = [i for i in range(old.shape[0]) if i not in rows[key]]
         assert torch.equal(after[key][other], old[other]), key
         assert all(not torch.equal(after[key][i], old[i]) for i in rows[key]), key
+
+
+@pytest.mark.parametrize("family", sorted(ZERO_COMPUTATION))
+def test_zero_computation_experts_are_disabled_but_not_removed_or_trained(family, tmp_path):
+    """LongCat-Flash: 4 routed and 2 zero-computation (identity) experts, all 6 in its router and its trace. A
+    disabled expert, routed or zero, is never picked and changes the logits, and the pruned model saved and loaded
+    computes the same; removal and selective fine-tuning are refused in one line, reading or changing nothing."""
+    model = perturbed(family)
+    (site,) = find_sites(model)
+    assert (site.num_experts, zero_experts(site)) == (6, 2)
+    before, used = logits(model), routed(model)
+    assert used[site.name] & {4, 5} and used[site.name] & {0, 1, 2, 3}  # both kinds picked on IDS
+    for off in (min(used[site.name] & {0, 1, 2, 3}), min(used[site.name] & {4, 5})):
+        handle = prune(model, {site.name: [off]})
+        assert off not in routed(model)[site.name] and not torch.equal(logits(model), before)
+        save_pruned(model, tmp_path / f"pruned{off}")
+        torch.testing.assert_close(logits(load_pruned(tmp_path / f"pruned{off}")), logits(model), rtol=1e-6,
+                                   atol=1e-6)
+        handle.remove()
+    assert torch.equal(logits(model), before)
+    model.save_pretrained(tmp_path / "src")
+    files = {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()}
+    with pytest.raises(UnsupportedModelError, match="zero-computation experts") as e:
+        remove_experts(tmp_path / "src", tmp_path / "out", {site.name: [0, 1, 2, 4, 5]})
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()} == files
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match="zero-computation experts"):
+        attach(model, {site.name: [1]})
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
 def test_a_router_that_still_picks_a_disabled_expert_is_refused():

@@ -194,8 +194,8 @@ def load_dense(path: str | Path, allow_pickle: bool = False, trust_remote_code: 
     path = check_dense_dir(path)
     has_st = has_safetensors(path, allow_pickle)
     config = load_config(path, trust_remote_code)
-    if quantization(path) is not None:  # moekit's own dequantization (moekit.checkpoint.quantized), not transformers'
-        model = _load_quantized(path, dtype, trust_remote_code)
+    if quantization(path) is not None or (has_st and getattr(config.get_text_config(), "zero_expert_num", None)):
+        model = _load_own(path, dtype, trust_remote_code)
     else:
         model = _from_pretrained(path, config, has_st, dtype, trust_remote_code)
     if not allow_nonfinite:
@@ -214,10 +214,12 @@ def _from_pretrained(path: Path, config, has_st: bool, dtype: torch.dtype, trust
         raise CheckpointError(f"{path} does not load: {' '.join(str(e).split())[:500]}") from None
 
 
-def _load_quantized(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
-    """The float model of a quantized checkpoint, its weights dequantized by moekit's reader and loaded with
-    transformers' own renaming and fusing (moekit.checkpoint.layerwise.LayerStream); its config has no
-    quantization_config (load_config)."""
+def _load_own(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+    """The model read by moekit's reader and loaded with transformers' own renaming and fusing
+    (moekit.checkpoint.layerwise.LayerStream): the float model of a quantized checkpoint (its config has no
+    quantization_config: load_config), and LongCat-Flash, whose Hub checkpoints hold no rows for the zero-computation
+    experts that transformers 5.23 gives a row of gate_up_proj (it refuses them as a size mismatch; moekit fills
+    them with zeros, never read: layerwise.zero_rows)."""
     from moekit.checkpoint.layerwise import LayerStream
 
     model = streamable_model(path, dtype, trust_remote_code)

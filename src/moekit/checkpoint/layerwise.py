@@ -116,6 +116,15 @@ def model_names(model: nn.Module, keys: list[str]) -> dict[str, tuple[str, str |
 _EXPERT = re.compile(r".+\.experts\.(\d+)\..+")  # the Hub's per-expert names: their expert
 
 
+def zero_rows(experts: nn.Module, param: Tensor) -> int:
+    """Rows of a fused expert tensor that a checkpoint need not hold: LongCat-Flash's zero-computation experts.
+    transformers 5.23 gives its gate_up_proj a row for each of them after the routed experts' (its down_proj has
+    the routed experts' alone); the forward never reads them, and the Hub's checkpoints hold the routed experts
+    only. moekit fills them with zeros; 0 for every other family."""
+    total = getattr(experts, "total_experts", None)
+    return (getattr(experts, "zero_expert_num", 0) or 0) if param.shape[0] == total else 0
+
+
 def expert_sources(model: nn.Module, names: dict[str, tuple[str, str | None]]) -> tuple[dict, dict]:
     """How transformers builds a model's tensors from a checkpoint, for reading some experts alone (`names`:
     `model_names`):
@@ -232,9 +241,14 @@ class LayerStream:
         of every expert, quantized or not) or per expert (the Hub's names, as `_fill_experts` reads them);
         UnsupportedModelError for experts that transformers builds another way (then load the whole layer)."""
         experts = self.model.get_submodule(path)
-        chunk = self._rows_part(path, experts, start, stop, experts.num_experts, device) \
-            if expert_rows(experts, experts.num_experts) else self._fused_part(path, experts, start, stop, device)
+        total = getattr(experts, "num_experts", getattr(experts, "total_experts", None))
+        chunk = self._rows_part(path, experts, start, stop, total, device) \
+            if expert_rows(experts, total) else self._fused_part(path, experts, start, stop, device)
         chunk.num_experts = stop - start
+        if hasattr(experts, "zero_expert_num"):  # LongCat-Flash: its routed experts first, then the zero ones
+            routed = max(0, min(stop, experts.num_routed_experts) - start)
+            chunk.num_routed_experts, chunk.total_experts = routed, stop - start
+            chunk.zero_expert_num = stop - start - routed
         return chunk
 
     def _fused_part(self, path: str, experts: nn.Module, start: int, stop: int, device) -> nn.Module:
@@ -242,16 +256,18 @@ class LayerStream:
         params = {}
         for n, p in experts.named_parameters(recurse=False):
             key, ops = self._stored.get(f"{path}.{n}", (None, []))
-            hub = self._hub_experts(f"{path}.{n}", p)
+            hub = self._hub_experts(f"{path}.{n}", p, zero_rows(experts, p))
             if hub is None and (key is None or self.reader.headers[key].shape[0] != p.shape[0]):
                 raise UnsupportedModelError(
                     f"{path}.{n} is not stored as one tensor of every expert or under the Hub's per-expert names, "
                     "so moekit cannot read some of its experts alone; load the whole layer (experts_per_load=None)")
             shape = p.shape[1:] if hub is not None else self.reader.headers[key].shape[1:]
-            part = torch.empty((stop - start, *shape), dtype=self.dtype, device=device)  # filled an expert at a time
-            for i, e in enumerate(range(start, stop)):
-                part[i] = torch.cat([self.reader.get(k) for k in hub[e]]) if hub is not None else \
-                    self.reader.get(key, e)
+            experts_here = range(start, min(stop, p.shape[0]))  # LongCat's down_proj: its routed experts' only
+            part = torch.zeros((len(experts_here), *shape), dtype=self.dtype, device=device)  # an expert at a time
+            for i, e in enumerate(experts_here):
+                if hub is None or e < len(hub):  # else a zero expert's row (zero_rows)
+                    part[i] = torch.cat([self.reader.get(k) for k in hub[e]]) if hub is not None else \
+                        self.reader.get(key, e)
             for op in ops:  # transformers' own, along dimensions after the experts'
                 part = _along_experts(op, part, p.shape[1:])
             if part.shape[1:] != p.shape[1:]:
@@ -307,11 +323,12 @@ class LayerStream:
             p = self.model.get_parameter(n)
             setattr(self.model.get_submodule(module), leaf, nn.Parameter(torch.empty_like(p, device="meta"), False))
 
-    def _hub_experts(self, name: str, param: Tensor) -> list[list[str]] | None:
+    def _hub_experts(self, name: str, param: Tensor, missing: int = 0) -> list[list[str]] | None:
         """The per-expert checkpoint keys of fused expert tensor `name` (`expert_sources`) where they are as many as
-        its experts and concatenate to its shape; None for anything else."""
+        its experts (or as many less the `missing` last ones: `zero_rows`) and concatenate to its shape; None for
+        anything else."""
         keys = self._per_expert.get(name)
-        if keys is None or len(keys) != param.shape[0]:
+        if keys is None or len(keys) not in (param.shape[0], param.shape[0] - missing):
             return None
         shapes = [self.reader.headers[k].shape for k in keys[0]]
         if any([self.reader.headers[k].shape for k in ks] != shapes for ks in keys) or \
@@ -326,10 +343,10 @@ class LayerStream:
         transformers' loading for every family moekit reads."""
         done = set()
         for n, p in experts.named_parameters(recurse=False):
-            keys = self._hub_experts(f"{path}.{n}", p) if p.is_meta else None
+            keys = self._hub_experts(f"{path}.{n}", p, zero_rows(experts, p)) if p.is_meta else None
             if keys is None:
                 continue
-            fused = torch.empty(p.shape, dtype=self.dtype, device=device)  # (E, ...)
+            fused = torch.zeros(p.shape, dtype=self.dtype, device=device)  # (E, ...); rows past the keys: zero_rows
             for e, ks in enumerate(keys):
                 fused[e] = torch.cat([self.reader.get(k) for k in ks])
             setattr(experts, n, nn.Parameter(fused, False))

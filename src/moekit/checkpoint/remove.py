@@ -47,7 +47,7 @@ from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
 from moekit.errors import ConfigError, UnsupportedModelError
 from moekit.progress import report
-from moekit.routing.sites import RouterSite, expert_groups, find_sites, hash_routed
+from moekit.routing.sites import RouterSite, expert_groups, find_sites, hash_routed, zero_experts
 
 _PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(.+)")  # the Hub's per-expert names: prefix, expert, rest
 OTHER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -99,6 +99,12 @@ def moe_blocks(model: nn.Module) -> dict[str, RouterSite]:
         raise UnsupportedModelError(f"{hashed[0]} picks experts by token id (hash routing, a table of expert ids): "
                                     "removing experts would change which experts its tokens reach; disable them "
                                     "instead (moekit prune without keep or drop) in the other layers")
+    zero = [n for n, s in sites.items() if zero_experts(s)]
+    if zero:
+        raise UnsupportedModelError(f"{zero[0]} has zero-computation experts (LongCat-Flash's) numbered after its "
+                                    "routed ones, with a row of its own in some expert tensors and none in others: "
+                                    "moekit does not remove experts from it; disable them instead (moekit prune "
+                                    "without keep or drop)")
     counts = sorted({s.num_experts for s in sites.values()})
     if len(counts) != 1:
         raise UnsupportedModelError(f"its MoE layers hold different numbers of experts ({counts}): removing experts "

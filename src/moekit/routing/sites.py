@@ -51,7 +51,10 @@ class RouterSite:
 
     @property
     def params_per_expert(self) -> int:
-        """Parameters of one routed expert (every parameter of the fused experts has the expert dimension)."""
+        """Parameters of one routed expert (every parameter of the fused experts has the expert dimension; LongCat's
+        down_proj has its routed experts' alone: `zero_experts`)."""
+        if zero_experts(self):
+            return sum(p.numel() // p.shape[0] for p in self.experts.parameters())
         return sum(p.numel() for p in self.experts.parameters()) // self.num_experts
 
     @property
@@ -127,11 +130,26 @@ class RouterSite:
         experts module: one call per slot, or for Llama 4's experts one call on every expert's copy of x."""
         if self.experts_take_routing:
             ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)  # (T, 1)
-            return torch.stack([self.experts(x, ids[:, s:s + 1], ones).reshape(x.shape).float().norm(dim=-1)
-                                for s in range(ids.shape[1])], dim=1)  # (T, k); DBRX's experts return (T, 1, H)
+            return torch.stack([one_slot(self.experts, x, ids[:, s:s + 1], ones).float().norm(dim=-1)
+                                for s in range(ids.shape[1])], dim=1)  # (T, k)
         out = self.experts(x.repeat(self.num_experts, 1))  # (E·T, H): expert e on rows e·T .. e·T + T - 1
         norms = out.float().view(self.num_experts, x.shape[0], -1).norm(dim=-1)  # (E, T)
         return norms.t().gather(1, ids)  # (T, k)
+
+
+def one_slot(experts: nn.Module, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    """experts(x (T, H), ids (T, 1), weights (T, 1)) -> (T, H) of experts taking (x, ids, weights): each token
+    through one expert. DBRX's experts return (T, 1, H); LongCat-Flash's drop the slot axis of a k = 1 call
+    (transformers 5.23), so there each slot goes twice, weighted as given and 0 (adding an exact zero)."""
+    if hasattr(experts, "zero_expert_num"):
+        ids, weights = ids.expand(-1, 2), torch.cat([weights, torch.zeros_like(weights)], dim=1)  # (T, 2)
+    return experts(x, ids, weights).reshape(x.shape)
+
+
+def zero_experts(site: RouterSite) -> int:
+    """How many of the layer's experts compute nothing (LongCat-Flash's zero-computation experts: identity experts
+    numbered after the routed ones, which the trace records like the others); 0 for every other family."""
+    return 0 if site.is_moekit else getattr(site.experts, "zero_expert_num", 0) or 0
 
 
 def hash_routed(site: RouterSite) -> bool:
@@ -178,7 +196,7 @@ def expert_rows(experts: nn.Module, num: int) -> bool:
 
 def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
     experts = getattr(block, "experts", None)
-    num = getattr(experts, "num_experts", None)
+    num = getattr(experts, "num_experts", getattr(experts, "total_experts", None))  # LongCat: routed + zero
     if not isinstance(experts, nn.Module) or not isinstance(num, int):
         return None
     if not any(p.dim() == 3 and p.shape[0] == num for p in experts.parameters(recurse=False)) and not (
@@ -232,5 +250,6 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
     if simoe is not None:
         return simoe.param_counts(model)
     total = sum(p.numel() for p in model.parameters())  # parameters() yields shared tensors once
-    inactive = sum((s.num_experts - s.top_k) * s.params_per_expert for s in moe_sites(model))
+    inactive = sum(sum(p.numel() for p in s.experts.parameters()) - s.top_k * s.params_per_expert
+                   for s in moe_sites(model))
     return total, total - inactive

@@ -27,7 +27,7 @@ from moekit.checkpoint.layerwise import LayerStream, in_dtype
 from moekit.errors import ConfigError, MoekitError, UnsupportedModelError
 from moekit.progress import report
 from moekit.routing.capture import RoutingCapture
-from moekit.routing.sites import RouterSite, find_sites
+from moekit.routing.sites import RouterSite, find_sites, one_slot
 from moekit.routing.trace import RoutingTrace, config_digest
 
 
@@ -96,14 +96,17 @@ class HiddenStates:
 
 def decoder_stack(model: nn.Module, sites: list | None = None) -> tuple[str, nn.ModuleList]:
     """(path, layers) of the model's decoder layers: the ModuleList named `layers` (DBRX: `blocks`) with the text
-    config's num_hidden_layers entries (a vision-language model's language model too), the one holding the MoE
-    `sites` where another stack has as many (a vision tower)."""
-    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    config's num_hidden_layers entries (a vision-language model's language model too; LongCat-Flash's num_layers,
+    half its num_hidden_layers: each of its layers holds two attention sublayers), the one holding the MoE `sites`
+    where another stack has as many (a vision tower)."""
+    text = model.config.get_text_config()
+    n = getattr(text, "num_hidden_layers", None)
+    lengths = {n, getattr(text, "num_layers", None) if hasattr(text, "zero_expert_num") else None} - {None}
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model: only decoder-only models "
                                     "stream layer by layer; capture it with the whole model loaded")
     stacks = [(name, module) for name, module in model.named_modules()
-              if name.endswith(("layers", "blocks")) and isinstance(module, nn.ModuleList) and len(module) == n]
+              if name.endswith(("layers", "blocks")) and isinstance(module, nn.ModuleList) and len(module) in lengths]
     stacks.sort(key=lambda stack: not any(s.name.startswith(stack[0] + ".") for s in sites or []))  # stable
     if stacks:
         return stacks[0]
@@ -419,10 +422,9 @@ def _routed_part(experts: nn.Module, start: int, stop: int, x: Tensor, ids: Tens
     local = (ids[t, s] - start).unsqueeze(1)  # (P, 1) expert ids among the loaded ones
     f = torch.zeros(ids.shape, device=x.device) if norms else None
     if len(t):
-        acc.index_add_(0, t, experts(x[t], local, w[t, s].unsqueeze(1)).reshape(len(t), -1).float())
-        if norms:  # (DBRX's experts return (P, 1, H))
-            f[t, s] = experts(x[t], local, torch.ones_like(w[t, s]).unsqueeze(1)).reshape(len(t), -1).float().norm(
-                dim=-1)
+        acc.index_add_(0, t, one_slot(experts, x[t], local, w[t, s].unsqueeze(1)).float())
+        if norms:
+            f[t, s] = one_slot(experts, x[t], local, torch.ones_like(w[t, s]).unsqueeze(1)).float().norm(dim=-1)
     return acc, f
 
 

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ..errors import ConfigError
-from ..routing.sites import RouterSite, expert_rows
+from ..errors import ConfigError, UnsupportedModelError
+from ..routing.sites import RouterSite, expert_rows, zero_experts
 from .common import experts_of, resolve
 from .selection import Selection
 
@@ -148,6 +148,11 @@ def attach(model: nn.Module, selection: Selection | dict[str, list[int]]) -> Sel
     layers = [(site, ids) for site, ids in resolve(model, selection) if ids]
     if not layers:
         raise ConfigError("the selection names no experts: nothing would train")
+    zero = [site.name for site, _ in layers if zero_experts(site)]
+    if zero:
+        raise UnsupportedModelError(f"{zero[0]} has zero-computation experts (LongCat-Flash's), whose expert "
+                                    "tensors hold a row for some experts and not for others: moekit does not train "
+                                    "a selection of its experts")
     flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in flags:
         p.requires_grad_(False)
