@@ -45,12 +45,12 @@ step() {  # step NAME CAP COMMAND...: COMMAND's output in $OUT/NAME.log, for at 
   cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
 }
 
-step moe_layer 170 python3 bench/moe_layer.py --tokens 16384 --repeats 15 --decode-repeats 100 --device cuda \
+step moe_layer 195 python3 bench/moe_layer.py --tokens 16384 --repeats 15 --decode-repeats 100 --device cuda \
   --dtype bfloat16 --write BENCHMARKS.md --profile "$OUT"
 step model_throughput 140 python3 bench/model_throughput.py --layers 30 --repeats 3 --batch 16 --seq 512 --new 32 \
   --device cuda --dtype bfloat16 --only-every-layer --qwen3 --qwen3-layers 12 --out /tmp/mt --profile "$OUT" \
   --write BENCHMARKS.md
-step tests 175 env MOEKIT_TEST_FAILURES="$OUT/failures.log" python3 -m pytest -v -p no:cacheprovider \
+step tests 150 env MOEKIT_TEST_FAILURES="$OUT/failures.log" python3 -m pytest -v -p no:cacheprovider \
   -o faulthandler_timeout=60 --durations=20 -rfE tests/test_gpu.py tests/test_triton_experts.py
 step device_speed 70 python3 bench/device_speed.py --work /tmp/device_speed --devices cpu cuda --repeats 1 --texts 32 \
   --write BENCHMARKS.md

@@ -315,13 +315,21 @@ def run_shape(label, E, k, H, I, T, repeats, decode_repeats, device=torch.device
             mods.pop("liger", None)
     if profile_dir is not None:
         profile(mods, impls, x, ids, w, grad, label, profile_dir)
-    rows = [timed_row(label, mode, mods, impls, x, ids, w, grad, E, repeats, False, peak)
+    rows = [shown(timed_row(label, mode, mods, impls, x, ids, w, grad, E, repeats, False, peak))
             for mode in ("fwd+bwd", "fwd")]
     for t in DECODE:
         xd, idsd, wd, *_, gradd = make_inputs(E, k, H, I, t, seed=t)
-        rows.append(timed_row(label, "fwd", mods, impls, *on(device, dtype, xd, idsd, wd, gradd), E, decode_repeats,
-                              True, peak))
+        rows.append(shown(timed_row(label, "fwd", mods, impls, *on(device, dtype, xd, idsd, wd, gradd), E,
+                                    decode_repeats, True, peak)))
     return rows
+
+
+def shown(row):
+    """`row`, printed at once (label, T, pass, median ms per implementation): a run stopped before the table is
+    rendered (a device call's time limit) still has the rows it timed."""
+    label, T, mode, _, times, *_ = row
+    print(label, T, mode, "ms", {n: round(1000 * t, 4) for n, t in times.items()}, flush=True)
+    return row
 
 
 def render(rows, T, repeats, decode_repeats, cmd, load, device, dtype, mark, peak=None):
