@@ -121,6 +121,7 @@ def test_longcat_checkpoints_without_zero_expert_rows_read_as_the_model(tmp_path
     from safetensors.torch import load_file, save_file
 
     from moekit.checkpoint.dense import load_dense
+    from moekit.checkpoint.summary import inspect
 
     model = tiny_family_model("longcat_flash")
     model.save_pretrained(tmp_path)
@@ -133,6 +134,9 @@ def test_longcat_checkpoints_without_zero_expert_rows_read_as_the_model(tmp_path
         dropped += len(tensors) - len(kept)
         save_file(kept, f, metadata={"format": "pt"})
     assert dropped == 2 * model.config.zero_expert_num  # each zero expert's gate_proj and up_proj
+    (layer,) = inspect(tmp_path).layers  # read from the config alone
+    one = 3 * model.config.hidden_size * model.config.expert_ffn_hidden_size  # a routed expert's gate, up, down
+    assert (layer.experts, layer.zero_experts, layer.params_per_expert) == (6, 2, one)
     want = collect_in_memory(model, _batches())
     for got in (collect_in_memory(load_dense(tmp_path), _batches()),
                 collect_streamed(tmp_path, _batches(), dtype=torch.float32),

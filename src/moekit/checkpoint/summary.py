@@ -30,6 +30,7 @@ class LayerSummary:
     router: str | None = None  # "own", or "shared with <path>"
     params_per_expert: int | None = None
     block: str | None = None  # the transformers class of the MoE block
+    zero_experts: int = 0  # of `experts`, those that compute nothing (LongCat-Flash's identity experts)
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,12 @@ def _moekit_layers(model: nn.Module) -> list[LayerSummary]:
 
 
 def _native_layer(site: RouterSite) -> LayerSummary:
+    from moekit.routing.sites import zero_experts
+
     shared = [n for n, m in site.block.named_children() if "shared" in n and any(True for _ in m.parameters())]
     return LayerSummary(site.name, site.num_experts, site.top_k, ", ".join(shared) or "no",
-                        params_per_expert=site.params_per_expert, block=type(site.block).__name__)
+                        params_per_expert=site.params_per_expert, block=type(site.block).__name__,
+                        zero_experts=zero_experts(site))
 
 
 __all__ = ["InspectSummary", "LayerSummary", "inspect"]

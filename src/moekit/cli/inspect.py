@@ -64,7 +64,8 @@ def native_table(s: InspectSummary) -> Table:
 
     table = Table("MoE layer", "experts", "top-k", "params per expert", "shared expert", "block")
     for x in s.layers:
-        table.add_row(x.path, str(x.experts), str(x.top_k), f"{x.params_per_expert:,}", x.shared_expert, x.block)
+        experts = f"{x.experts} ({x.zero_experts} zero-computation)" if x.zero_experts else str(x.experts)
+        table.add_row(x.path, experts, str(x.top_k), f"{x.params_per_expert:,}", x.shared_expert, x.block)
     return table
 
 
