@@ -26,7 +26,7 @@ from moekit.checkpoint.files import ShardReader
 from moekit.errors import CheckpointError, UnsupportedModelError
 from moekit.moe.prompts import cheap_rows, check_model, hidden_rows
 from moekit.moe.spec import MoESpec
-from moekit.routing.sites import expert_rows
+from moekit.routing.sites import expert_count, expert_rows
 from moekit.surgery import Slot
 
 
@@ -121,8 +121,7 @@ def zero_rows(experts: nn.Module, param: Tensor) -> int:
     transformers 5.23 gives its gate_up_proj a row for each of them after the routed experts' (its down_proj has
     the routed experts' alone); the forward never reads them, and the Hub's checkpoints hold the routed experts
     only. moekit fills them with zeros; 0 for every other family."""
-    total = getattr(experts, "total_experts", None)
-    return (getattr(experts, "zero_expert_num", 0) or 0) if param.shape[0] == total else 0
+    return (getattr(experts, "zero_expert_num", 0) or 0) if param.shape[0] == expert_count(experts) else 0
 
 
 def expert_sources(model: nn.Module, names: dict[str, tuple[str, str | None]]) -> tuple[dict, dict]:
@@ -241,7 +240,7 @@ class LayerStream:
         of every expert, quantized or not) or per expert (the Hub's names, as `_fill_experts` reads them);
         UnsupportedModelError for experts that transformers builds another way (then load the whole layer)."""
         experts = self.model.get_submodule(path)
-        total = getattr(experts, "num_experts", getattr(experts, "total_experts", None))
+        total = expert_count(experts)
         chunk = self._rows_part(path, experts, start, stop, total, device) \
             if expert_rows(experts, total) else self._fused_part(path, experts, start, stop, device)
         chunk.num_experts = stop - start
@@ -263,9 +262,11 @@ class LayerStream:
                     "so moekit cannot read some of its experts alone; load the whole layer (experts_per_load=None)")
             shape = p.shape[1:] if hub is not None else self.reader.headers[key].shape[1:]
             experts_here = range(start, min(stop, p.shape[0]))  # LongCat's down_proj: its routed experts' only
-            part = torch.zeros((len(experts_here), *shape), dtype=self.dtype, device=device)  # an expert at a time
+            part = torch.empty((len(experts_here), *shape), dtype=self.dtype, device=device)  # an expert at a time
             for i, e in enumerate(experts_here):
-                if hub is None or e < len(hub):  # else a zero expert's row (zero_rows)
+                if hub is not None and e >= len(hub):  # a zero expert's row (zero_rows)
+                    part[i].zero_()
+                else:
                     part[i] = torch.cat([self.reader.get(k) for k in hub[e]]) if hub is not None else \
                         self.reader.get(key, e)
             for op in ops:  # transformers' own, along dimensions after the experts'
@@ -346,7 +347,8 @@ class LayerStream:
             keys = self._hub_experts(f"{path}.{n}", p, zero_rows(experts, p)) if p.is_meta else None
             if keys is None:
                 continue
-            fused = torch.zeros(p.shape, dtype=self.dtype, device=device)  # (E, ...); rows past the keys: zero_rows
+            fused = torch.empty(p.shape, dtype=self.dtype, device=device)  # (E, ...)
+            fused[len(keys):].zero_()  # rows past the keys: zero_rows
             for e, ks in enumerate(keys):
                 fused[e] = torch.cat([self.reader.get(k) for k in ks])
             setattr(experts, n, nn.Parameter(fused, False))

@@ -194,9 +194,15 @@ def expert_rows(experts: nn.Module, num: int) -> bool:
     return bool(params) and all(p.dim() == 2 and p.shape[0] > num and p.shape[0] % num == 0 for p in params)
 
 
+def expert_count(experts: nn.Module | None) -> int | None:
+    """A transformers experts module's number of experts: its `num_experts`, or LongCat-Flash's `total_experts`
+    (routed and zero-computation experts); None where it declares neither."""
+    return getattr(experts, "num_experts", getattr(experts, "total_experts", None))
+
+
 def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
     experts = getattr(block, "experts", None)
-    num = getattr(experts, "num_experts", getattr(experts, "total_experts", None))  # LongCat: routed + zero
+    num = expert_count(experts)
     if not isinstance(experts, nn.Module) or not isinstance(num, int):
         return None
     if not any(p.dim() == 3 and p.shape[0] == num for p in experts.parameters(recurse=False)) and not (
