@@ -25,6 +25,12 @@ SMALL = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24
          "ffn_hidden_size": 48, "d_model": 32, "n_heads": 4, "kv_n_heads": 4, "moe_top_k": 2, "moe_topk": 2,
          "zero_expert_num": 2, "top_k_experts": 2, "linear_head_dim": 8, "vocab_size_per_layer_input": 128,
          "hidden_size_per_layer_input": 8}
+# constructor arguments of families whose per-layer sizes cannot be dropped: dots3_note_text's sliding-window layers
+# (its swa_* aliases), whose head size must equal their own MLA head sizes, shrunk as SMALL shrinks the others; 3
+# layers (2 indexed, 1 sliding), so that its per-layer entries name no layer past the last
+CONSTRUCT = {"dots3_note_text": {"num_hidden_layers": 3, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
+                                 "swa_q_lora_rank": 16, "swa_kv_lora_rank": 16, "swa_head_dim": 8,
+                                 "swa_qk_nope_head_dim": 4, "swa_v_head_dim": 8}}
 MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config is dense
 # what a family's shrunk default config lacks to build and run (a dict: entries of a sub-config)
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on reload) allows top-1 only
@@ -48,6 +54,7 @@ OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on re
              # its indexed-attention layers build the QSA indexer whether or not its (optional) sizes are set
              "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
                                 "indexer_compress_ratio": 2},
+             "dots3_note_text": {"index_n_heads": 2, "index_head_dim": 8, "index_topk": 4},  # its DSA indexer
              "fun_asr_nano": {"adaptor_config": {"intermediate_size": 8}},  # a quarter of the shrunk LM's 32
              "moonshine_streaming": {"num_key_value_heads": 4},
              # its relative positions span the attention context: within the shrunk max_position_embeddings
@@ -137,11 +144,15 @@ def tiny_config(model_type: str, cut_lists: bool = True):
     (families whose layer kinds are derived from periods rather than listed)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model(model_type)
-    if cfg.to_dict().get("per_layer_config"):  # per-layer sizes (Gemma 4): one size for every layer instead
+    cfg = AutoConfig.for_model(model_type, **CONSTRUCT.get(model_type, {}))
+    if model_type in CONSTRUCT:  # its per-layer sizes are shrunk: read and set the global ones beside them
+        cfg.allow_global_per_layer_attribute_access = True
+    elif cfg.to_dict().get("per_layer_config"):  # per-layer sizes (Gemma 4): one size for every layer instead
         cfg = AutoConfig.for_model(model_type, per_layer_config={})
     _shrink(cfg, cut_lists)
     _override(cfg, model_type)
+    if model_type in CONSTRUCT:  # rebuilt, so what its constructor derives from the sizes (dots3_note_text's partial
+        cfg = type(cfg).from_dict(cfg.to_dict())  # rotary factors) follows the shrunk ones, as on a reload
     return cfg
 
 
