@@ -28,7 +28,7 @@ from moekit.selection.selection import Selection
 from moekit.testing.families import moe_model_types, tiny_config, tiny_family_model
 from test_families import HARNESS_CANNOT_BUILD, REFUSED  # tests/test_families.py: what capture cannot read
 
-ZERO_COMPUTATION = {"longcat_flash"}  # identity experts after the routed ones: disabled, not removed or trained
+ZERO_COMPUTATION = {"longcat_flash"}  # identity experts after the routed ones: disabled and kept, not trained
 FAMILIES = sorted(f for f in moe_model_types()
                   if f not in HARNESS_CANNOT_BUILD and f not in REFUSED and f not in ZERO_COMPUTATION)
 HASH_ROUTED = {"deepseek_v4"}  # its first layers route by token id: those layers are refused, the others pruned
@@ -150,29 +150,68 @@ def _check_only_the_selected_experts_train(model):
 
 
 @pytest.mark.parametrize("family", sorted(ZERO_COMPUTATION))
-def test_zero_computation_experts_are_disabled_but_not_removed_or_trained(family, tmp_path):
+def test_zero_computation_experts_are_disabled_and_kept_by_removal_but_not_trained(family, tmp_path):
     """LongCat-Flash: 4 routed and 2 zero-computation (identity) experts, all 6 in its router and its trace. A
     disabled expert, routed or zero, is never picked and changes the logits, and the pruned model saved and loaded
-    computes the same; removal and selective fine-tuning are refused in one line, reading or changing nothing."""
+    computes the same. Removing a routed expert keeps the zero ones (renumbered 3, 4): plain transformers computes
+    what the model with that expert disabled computes, from transformers' layout and from the Hub's (no zero-expert
+    tensors, which the output lacks too: read by moekit). Dropping a zero expert and selective fine-tuning are
+    refused in one line, writing or changing nothing."""
+    from safetensors.torch import load_file, save_file
+
+    from moekit.checkpoint.dense import load_dense
+
     model = perturbed(family)
     (site,) = find_sites(model)
     assert (site.num_experts, zero_experts(site)) == (6, 2)
     before, used = logits(model), routed(model)
     assert used[site.name] & {4, 5} and used[site.name] & {0, 1, 2, 3}  # both kinds picked on IDS
-    for off in (min(used[site.name] & {0, 1, 2, 3}), min(used[site.name] & {4, 5})):
-        handle = prune(model, {site.name: [off]})
-        assert off not in routed(model)[site.name] and not torch.equal(logits(model), before)
-        save_pruned(model, tmp_path / f"pruned{off}")
-        torch.testing.assert_close(logits(load_pruned(tmp_path / f"pruned{off}")), logits(model), rtol=1e-6,
+    model.save_pretrained(tmp_path / "src")
+    off = min(used[site.name] & {0, 1, 2, 3})
+    for gone in (off, min(used[site.name] & {4, 5})):
+        handle = prune(model, {site.name: [gone]})
+        assert gone not in routed(model)[site.name] and not torch.equal(logits(model), before)
+        save_pruned(model, tmp_path / f"pruned{gone}")
+        torch.testing.assert_close(logits(load_pruned(tmp_path / f"pruned{gone}")), logits(model), rtol=1e-6,
                                    atol=1e-6)
+        if gone == off:
+            disabled = logits(model)
         handle.remove()
     assert torch.equal(logits(model), before)
-    model.save_pretrained(tmp_path / "src")
+    hub = tmp_path / "hub"  # the Hub's layout: the routed experts' tensors only
+    hub.mkdir()
+    for f in (tmp_path / "src").iterdir():
+        if f.suffix != ".safetensors":
+            (hub / f.name).write_bytes(f.read_bytes())
+            continue
+        tensors = load_file(f)
+        save_file({k: v for k, v in tensors.items() if not any(f"experts.{z}." in k for z in (4, 5))}, hub / f.name,
+                  metadata={"format": "pt"})
+    for src in (tmp_path / "src", hub):
+        keep = kept_experts(src, Selection(method="m", budget=1, experts={site.name: [off]}), "drop")
+        assert keep == {site.name: [e for e in range(6) if e != off]}
+        remove_experts(src, tmp_path / f"out-{src.name}", keep)
+        routed_only = {site.name: [e for e in range(4) if e != off]}  # a selection of routed experts keeps the zero too
+        remove_experts(src, tmp_path / f"kept-{src.name}", kept_experts(src, Selection(
+            method="m", budget=1, experts=routed_only), "keep"))
+        tensors = [{k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+                   for d in (tmp_path / f"out-{src.name}", tmp_path / f"kept-{src.name}")]
+        assert tensors[0].keys() == tensors[1].keys()
+        assert all(torch.equal(v, tensors[1][k]) for k, v in tensors[0].items())
+    removed, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out-src", dtype=torch.float32,
+                                                            output_loading_info=True)
+    assert not any(info.values()), info
+    (cut,) = find_sites(removed)
+    assert (cut.num_experts, zero_experts(cut), removed.config.n_routed_experts) == (5, 2, 3)
+    torch.testing.assert_close(logits(removed.eval()), disabled, rtol=1e-5, atol=1e-5)
+    names = {k for f in (tmp_path / "out-hub").glob("*.safetensors") for k in load_file(f)}
+    assert any(".experts.2.gate" in k for k in names)  # 3 routed experts, no zero expert's tensor
+    assert not any(".experts.3.gate" in k or ".experts.4." in k for k in names)
+    torch.testing.assert_close(logits(load_dense(tmp_path / "out-hub").eval()), disabled, rtol=1e-5, atol=1e-5)
     files = {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()}
-    with pytest.raises(UnsupportedModelError, match="zero-computation experts") as e:
-        remove_experts(tmp_path / "src", tmp_path / "out", {site.name: [0, 1, 2, 4, 5]})
-    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
-    assert {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()} == files
+    with pytest.raises(ConfigError, match="zero-computation expert") as e:
+        kept_experts(tmp_path / "src", Selection(method="m", budget=1, experts={site.name: [4]}), "drop")
+    assert "\n" not in str(e.value) and {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()} == files
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(UnsupportedModelError, match="zero-computation experts"):
         attach(model, {site.name: [1]})

@@ -20,8 +20,10 @@ refused: their stored shape would change), and config.json keeps its quantizatio
 config.json gets the new expert count; top-k is left as it is (a selection that leaves fewer experts than top-k is
 refused). Every MoE layer must keep the same number of experts, since these configs hold one number; group-limited
 routing (DeepSeek's n_group) must keep as many per group; hash routing by token id (DeepSeek-V4) is refused, as is a
-tensor that changes otherwise (it could not be cut without knowing its layout). All of it is checked before anything is
-written. The output is the same family, loaded by plain transformers; its logits equal the model with the removed
+tensor that changes otherwise (it could not be cut without knowing its layout). LongCat-Flash's zero-computation
+experts (ids E .. E+Z-1 after its E routed ones) are always kept and renumbered after the kept routed ones; a
+checkpoint stored without their tensors (the Hub's) is written without them too. All of it is checked before anything
+is written. The output is the same family, loaded by plain transformers; its logits equal the model with the removed
 experts disabled (tested on every family whose routing moekit reads: tests/test_selection_families.py).
 """
 from __future__ import annotations
@@ -99,12 +101,6 @@ def moe_blocks(model: nn.Module) -> dict[str, RouterSite]:
         raise UnsupportedModelError(f"{hashed[0]} picks experts by token id (hash routing, a table of expert ids): "
                                     "removing experts would change which experts its tokens reach; disable them "
                                     "instead (moekit prune without keep or drop) in the other layers")
-    zero = [n for n, s in sites.items() if zero_experts(s)]
-    if zero:
-        raise UnsupportedModelError(f"{zero[0]} has zero-computation experts (LongCat-Flash's) numbered after its "
-                                    "routed ones, with a row of its own in some expert tensors and none in others: "
-                                    "moekit does not remove experts from it; disable them instead (moekit prune "
-                                    "without keep or drop)")
     counts = sorted({s.num_experts for s in sites.values()})
     if len(counts) != 1:
         raise UnsupportedModelError(f"its MoE layers hold different numbers of experts ({counts}): removing experts "
@@ -119,7 +115,7 @@ def _count_keys(config: dict, experts: int, path: tuple = ()) -> list[tuple]:
         if isinstance(value, dict):
             out += _count_keys(value, experts, (*path, key))
         elif (type(value) is int and value == experts and "expert" in key
-              and not any(w in key for w in ("per_tok", "shared", "top", "group", "activ"))):
+              and not any(w in key for w in ("per_tok", "shared", "top", "group", "activ", "zero"))):
             out.append((*path, key))
     return out
 
@@ -148,14 +144,23 @@ def _rebuilt(model: nn.Module, keys: list[tuple], count: int) -> nn.Module:
     return out
 
 
+def routed_kept(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> dict[str, list[int]]:
+    """`keep` without LongCat-Flash's zero-computation experts (ids E .. E+Z-1 after its E routed ones), which are
+    always kept: they hold no weights to remove, and one config number (zero_expert_num) counts them in every layer."""
+    return {b: sorted(i for i in ids if i < sites[b].num_experts - zero_experts(sites[b])) for b, ids in keep.items()}
+
+
 def check_keep(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> int:
-    """The experts every MoE layer keeps (E'), or ConfigError: every layer named, one count for all, at least top-k,
-    per group equal."""
+    """The routed experts every MoE layer keeps (E'), or ConfigError: every layer named, one count for all, at least
+    top-k (with LongCat-Flash's zero-computation experts, which are always kept), per group equal."""
     if sorted(keep) != sorted(sites):
         other = sorted(set(sites) ^ set(keep))
         raise ConfigError(f"the selection must cover every MoE layer of the checkpoint ({len(sites)}: "
                           f"{list(sites)[:3]}{' ...' if len(sites) > 3 else ''}); it differs at {other[:5]}")
-    counts = {len(ids) for ids in keep.values()}
+    bad = [i for b, ids in keep.items() for i in ids if not 0 <= i < sites[b].num_experts]
+    if bad or any(len(set(ids)) != len(ids) for ids in keep.values()):
+        raise ConfigError(f"expert ids must be distinct and in [0, {next(iter(sites.values())).num_experts})")
+    counts = {len(ids) for ids in routed_kept(keep, sites).values()}
     if len(counts) != 1:
         raise ConfigError(f"the layers would keep different numbers of experts ({sorted(counts)}), but the config "
                           "holds one expert count for every layer; keep the same number per layer (moekit select "
@@ -164,10 +169,7 @@ def check_keep(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> int:
     kept = counts.pop()
     site = next(iter(sites.values()))
     experts = site.num_experts
-    bad = [i for ids in keep.values() for i in ids if not 0 <= i < experts]
-    if bad or any(len(set(ids)) != len(ids) for ids in keep.values()):
-        raise ConfigError(f"expert ids must be distinct and in [0, {experts})")
-    if kept < site.top_k:
+    if kept + zero_experts(site) < site.top_k:
         raise ConfigError(f"keeping {kept} experts per layer leaves fewer than the {site.top_k} each token is routed "
                           "to (num_experts_per_tok); keep at least that many")
     groups = expert_groups(site)
@@ -209,15 +211,16 @@ def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo
     want = stored_shapes(target)
     names = model_names(model, list(headers))
     blocks = sorted(sites, key=len, reverse=True)
-    experts = next(iter(sites.values())).num_experts
+    site = next(iter(sites.values()))
+    experts, zero = site.num_experts - zero_experts(site), zero_experts(site)  # routed; zero-computation after them
     cuts = []
     for name, info in headers.items():
         block = _block_of(names[name][0], blocks) or _block_of(name, blocks)
         per = _PER_EXPERT.fullmatch(name) if block else None
-        if per and int(per.group(2)) < experts:
-            e = int(per.group(2))
-            if e in keep[block]:
-                cuts.append(Cut(name, f"{per.group(1)}.{keep[block].index(e)}.{per.group(3)}", info))
+        if per and int(per.group(2)) < experts + zero:
+            e, kept = int(per.group(2)), [*keep[block], *range(experts, experts + zero)]
+            if e in kept:
+                cuts.append(Cut(name, f"{per.group(1)}.{kept.index(e)}.{per.group(3)}", info))
         elif block and name in want and tuple(info.shape) != want[name]:
             cuts.append(_cut(name, info, want[name], experts, keep[block]))
         elif block and isinstance(fmt, Mxfp4) and name.endswith(PACKED) and name.rpartition("_")[0] in want \
@@ -271,14 +274,14 @@ def plan_removal(src: Path, keep: dict[str, list[int]], trust_remote_code: bool 
     check_stored_shapes(src, model)  # else a misshapen tensor is copied on as it is
     sites = moe_blocks(model)
     kept = check_keep(keep, sites)
-    experts = next(iter(sites.values())).num_experts
+    site = next(iter(sites.values()))
+    experts = site.num_experts - zero_experts(site)  # routed
     keys = _count_keys(config, experts)
     target = _rebuilt(model, keys, kept) if keys else None
-    if target is None or any(s.num_experts != kept for s in find_sites(target)):
+    if target is None or any(s.num_experts - zero_experts(s) != kept for s in find_sites(target)):
         raise ConfigError(f"{src}/config.json: no entry that names experts and holds {experts} sets the expert count "
                           f"(tried {['.'.join(k) for k in keys] or 'none'})")
-    cuts = plan_cuts(model, target, read_headers(src), sites, {b: sorted(ids) for b, ids in keep.items()},
-                     quantization(src))
+    cuts = plan_cuts(model, target, read_headers(src), sites, routed_kept(keep, sites), quantization(src))
     return Removal(cuts, _set_count(config, keys, kept), kept, experts)
 
 

@@ -228,6 +228,7 @@ def kept_experts(model_dir: str | Path, selection: Selection, mode: str, allow_o
     from moekit.checkpoint.dense import meta_model
     from moekit.checkpoint.files import read_text
     from moekit.checkpoint.remove import moe_blocks, native_config
+    from moekit.routing.sites import zero_experts
 
     if (Path(model_dir) / "moekit.json").is_file():
         raise ConfigError(f"{model_dir} is a moekit checkpoint: removing experts needs a native transformers "
@@ -247,6 +248,11 @@ def kept_experts(model_dir: str | Path, selection: Selection, mode: str, allow_o
         if bad:
             raise ConfigError(f"the selection's layer {name!r} names expert {bad[0]}, outside [0, {experts}) of "
                               f"{model_dir}")
+        zero = [e for e in ids if e >= experts - zero_experts(sites[name])]
+        if zero and mode == "drop":
+            raise ConfigError(f"the selection drops expert {zero[0]} of {name!r}, a zero-computation expert "
+                              "(LongCat-Flash's), which holds no weights to remove: disable it instead (moekit prune "
+                              "without keep or drop)")
         out[name] = sorted(ids) if mode == "keep" else [e for e in range(experts) if e not in ids]
     return out
 
