@@ -28,7 +28,7 @@ from moekit.selection.selection import Selection
 from moekit.testing.families import moe_model_types, tiny_config, tiny_family_model
 from test_families import HARNESS_CANNOT_BUILD, REFUSED  # tests/test_families.py: what capture cannot read
 
-ZERO_COMPUTATION = {"longcat_flash"}  # identity experts after the routed ones: disabled and kept, not trained
+ZERO_COMPUTATION = {"longcat_flash"}  # identity experts after the routed ones: disabled, kept, not trained
 FAMILIES = sorted(f for f in moe_model_types()
                   if f not in HARNESS_CANNOT_BUILD and f not in REFUSED and f not in ZERO_COMPUTATION)
 HASH_ROUTED = {"deepseek_v4"}  # its first layers route by token id: those layers are refused, the others pruned
@@ -150,13 +150,14 @@ def _check_only_the_selected_experts_train(model):
 
 
 @pytest.mark.parametrize("family", sorted(ZERO_COMPUTATION))
-def test_zero_computation_experts_are_disabled_and_kept_by_removal_but_not_trained(family, tmp_path):
+def test_zero_computation_experts_are_disabled_and_kept_by_removal_and_fine_tuning(family, tmp_path):
     """LongCat-Flash: 4 routed and 2 zero-computation (identity) experts, all 6 in its router and its trace. A
     disabled expert, routed or zero, is never picked and changes the logits, and the pruned model saved and loaded
     computes the same. Removing a routed expert keeps the zero ones (renumbered 3, 4): plain transformers computes
     what the model with that expert disabled computes, from transformers' layout and from the Hub's (no zero-expert
-    tensors, which the output lacks too: read by moekit). Dropping a zero expert and selective fine-tuning are
-    refused in one line, writing or changing nothing."""
+    tensors, which the output lacks too: read by moekit); dropping a zero expert is refused in one line, writing
+    nothing. Fine-tuning a selection trains its routed experts' rows of gate_up_proj (6 rows) and down_proj (4)
+    alone; the zero experts it names have nothing to train, and a selection of zero experts only is refused."""
     from safetensors.torch import load_file, save_file
 
     from moekit.checkpoint.dense import load_dense
@@ -212,11 +213,25 @@ def test_zero_computation_experts_are_disabled_and_kept_by_removal_but_not_train
     with pytest.raises(ConfigError, match="zero-computation expert") as e:
         kept_experts(tmp_path / "src", Selection(method="m", budget=1, experts={site.name: [4]}), "drop")
     assert "\n" not in str(e.value) and {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()} == files
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(UnsupportedModelError, match="zero-computation experts"):
-        attach(model, {site.name: [1]})
-    assert all(p.requires_grad for p in model.parameters())
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ConfigError, match="no experts with weights") as e:
+        attach(model, {site.name: [4, 5]})
+    assert "\n" not in str(e.value) and all(p.requires_grad for p in model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = attach(model, {site.name: [off, 4]})  # the zero expert has nothing to train
+    assert handle.experts == {site.name: [off]}
+    opt = torch.optim.AdamW(handle.trainable, lr=1e-2, weight_decay=0.1)
+    model.train()
+    for _ in range(2):
+        model(input_ids=IDS, labels=IDS).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    handle.merge()
+    after = model.state_dict()
+    trained = {f"{site.name}.experts.{n}" for n in ("gate_up_proj", "down_proj")}  # (6, ...) and (4, ...)
+    for key, old in before.items():
+        other = [i for i in range(old.shape[0]) if i != off] if key in trained else range(old.shape[0])
+        assert torch.equal(after[key][other], old[other]), key
+        assert key not in trained or not torch.equal(after[key][off], old[off]), key
 
 
 def test_a_router_that_still_picks_a_disabled_expert_is_refused():

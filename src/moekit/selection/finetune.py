@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError
 from ..routing.sites import RouterSite, expert_rows, zero_experts
 from .common import experts_of, resolve
 from .selection import Selection
@@ -93,12 +93,26 @@ class SelectiveHandle:
 
 
 def _expert_tensors(site: RouterSite) -> list[str]:
-    """Names of the experts module's parameters stacked along the expert dim (dim 0): its own (E, ...) ones, or
-    DBRX's (E·n, ...) rows of every expert in its child (`mlp.w1`, ...)."""
+    """Names of the experts module's parameters stacked along the expert dim (dim 0): its own (E, ...) ones (LongCat-
+    Flash's down_proj: its routed experts' rows alone), or DBRX's (E·n, ...) rows of every expert in its child
+    (`mlp.w1`, ...)."""
     if expert_rows(site.experts, site.num_experts):
         return [n for n, _ in site.experts.named_parameters()]
     return [n for n, p in site.experts.named_parameters(recurse=False)
-            if p.dim() >= 1 and p.shape[0] == site.num_experts]
+            if p.dim() >= 1 and p.shape[0] in (site.num_experts, site.num_experts - zero_experts(site))]
+
+
+def trainable_ids(site: RouterSite, ids: list[int]) -> list[int]:
+    """The selected experts that hold weights: all but LongCat-Flash's zero-computation experts (ids E .. E+Z-1,
+    after its E routed ones), which a selection made from routing may name but which have nothing to train."""
+    return [i for i in ids if i < site.num_experts - zero_experts(site)]
+
+
+def _per_expert(site: RouterSite) -> int:
+    """Elements of one expert across its stacked tensors."""
+    if expert_rows(site.experts, site.num_experts):
+        return sum(p.numel() for p in site.experts.parameters()) // site.num_experts
+    return sum((p := site.experts.get_parameter(n)).numel() // p.shape[0] for n in _expert_tensors(site))
 
 
 def _attach_layer(site: RouterSite, ids: list[int]) -> tuple[list[nn.Parameter], list]:
@@ -145,21 +159,16 @@ def attach(model: nn.Module, selection: Selection | dict[str, list[int]]) -> Sel
     """Make only the selected experts of `model` trainable (in place); see the module docstring."""
     if any(isinstance(m, ExpertRows) for m in model.modules()):
         raise ConfigError("the model already has selective-training parametrizations; merge them first")
-    layers = [(site, ids) for site, ids in resolve(model, selection) if ids]
+    layers = [(site, ids) for site, selected in resolve(model, selection) if (ids := trainable_ids(site, selected))]
     if not layers:
-        raise ConfigError("the selection names no experts: nothing would train")
-    zero = [site.name for site, _ in layers if zero_experts(site)]
-    if zero:
-        raise UnsupportedModelError(f"{zero[0]} has zero-computation experts (LongCat-Flash's), whose expert "
-                                    "tensors hold a row for some experts and not for others: moekit does not train "
-                                    "a selection of its experts")
+        raise ConfigError("the selection names no experts with weights (zero-computation experts hold none): nothing "
+                          "would train")
     flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in flags:
         p.requires_grad_(False)
     trainable, hooks, per_expert = [], [], {}
     for site, ids in layers:
-        per_expert[site.name] = sum(site.experts.get_parameter(n).numel() // site.num_experts
-                                    for n in _expert_tensors(site))
+        per_expert[site.name] = _per_expert(site)
         params, h = _attach_layer(site, ids)
         trainable += params
         hooks += h
