@@ -117,13 +117,9 @@ def _check_disabled_equals_removed(family, model, tmp_path):
     torch.testing.assert_close(logits(removed.eval()), pruned, rtol=1e-5, atol=1e-5)
 
 
-def _check_only_the_selected_experts_train(model):
-    """attach -> two AdamW steps with weight decay -> merge: the selected experts' rows changed, every other tensor
-    and row of the model is bit-identical."""
-    sites = find_sites(model)
-    sel = {sites[0].name: [1, 2], sites[-1].name: [0]}
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = attach(model, sel)
+def _train_selected(model, selection: dict[str, list[int]]) -> dict[str, list[int]]:
+    """attach -> two AdamW steps with weight decay on IDS -> merge; the experts that trained (handle.experts)."""
+    handle = attach(model, selection)
     opt = torch.optim.AdamW(handle.trainable, lr=1e-2, weight_decay=0.1)
     model.train()
     for _ in range(2):
@@ -131,6 +127,16 @@ def _check_only_the_selected_experts_train(model):
         opt.step()
         opt.zero_grad()
     handle.merge()
+    return handle.experts
+
+
+def _check_only_the_selected_experts_train(model):
+    """attach -> two AdamW steps with weight decay -> merge: the selected experts' rows changed, every other tensor
+    and row of the model is bit-identical."""
+    sites = find_sites(model)
+    sel = {sites[0].name: [1, 2], sites[-1].name: [0]}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _train_selected(model, sel)
     after = model.state_dict()
     assert after.keys() == before.keys()
     rows = {}  # the selected experts' rows of every tensor stacked by expert: (E, ...), or DBRX's (E·n, ...)
@@ -217,15 +223,7 @@ def test_zero_computation_experts_are_disabled_and_kept_by_removal_and_fine_tuni
         attach(model, {site.name: [4, 5]})
     assert "\n" not in str(e.value) and all(p.requires_grad for p in model.parameters())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = attach(model, {site.name: [off, 4]})  # the zero expert has nothing to train
-    assert handle.experts == {site.name: [off]}
-    opt = torch.optim.AdamW(handle.trainable, lr=1e-2, weight_decay=0.1)
-    model.train()
-    for _ in range(2):
-        model(input_ids=IDS, labels=IDS).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    handle.merge()
+    assert _train_selected(model, {site.name: [off, 4]}) == {site.name: [off]}  # the zero expert: nothing to train
     after = model.state_dict()
     trained = {f"{site.name}.experts.{n}" for n in ("gate_up_proj", "down_proj")}  # (6, ...) and (4, ...)
     for key, old in before.items():
