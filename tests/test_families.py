@@ -20,7 +20,6 @@ HARNESS_CANNOT_BUILD: dict[str, str] = {}
 # moekit cannot read these families' routing (docs/guides/routing.md, "Families")
 REFUSED = {
     "doge": "product-key routing over a bank of single-neuron experts (no top-k over E experts)",
-    "jetmoe": "JetMoE's own layout (ParallelExperts input/output linears with a TopKGating router)",
 }
 
 
@@ -34,7 +33,8 @@ def _batches():
 
 def _reference(model, batches):
     """(ids, weights) per MoE layer at the kept positions, from hooks on each family's experts (what they are passed)
-    or, where experts are not passed the decision (Llama 4), on the router's (scores, logits)."""
+    or, where experts are not passed the decision, on the router's output: Llama 4's (scores, logits), or JetMoE's
+    logits, of which it takes the top k and their softmax (JetMoeTopKGating)."""
     sites = find_sites(model)
     got = [[] for _ in sites]
     handles = []
@@ -44,6 +44,10 @@ def _reference(model, batches):
                 lambda m, args, i=i: got[i].append((args[1].detach().clone(), args[2].detach().clone()))))
         else:
             def hook(m, args, out, i=i, k=s.top_k):
+                if len(out) == 5:  # JetMoE
+                    top, ids = out[4].topk(k, dim=1)
+                    got[i].append((ids, torch.softmax(top, dim=1)))
+                    return
                 w, ids = out[0].topk(k, dim=-1)
                 got[i].append((ids, w))
             handles.append(s.router.register_forward_hook(hook))
@@ -144,7 +148,7 @@ def test_longcat_checkpoints_without_zero_expert_rows_read_as_the_model(tmp_path
 
 
 # families whose experts cannot load a few at a time (a layer bigger than memory), with the words of the refusal
-IN_PARTS_REFUSED: dict[str, str] = {}
+IN_PARTS_REFUSED = {"jetmoe": "cannot load a few experts at a time"}  # its experts: two modules of its block
 # families whose layers moekit cannot stream one at a time, with the words of the refusal
 STREAM_REFUSED = {"glm_moe_dsa": "state passed from layer to layer",  # each layer hands its top-k indices on
                   "hy_v4": "state passed from layer to layer",
@@ -187,3 +191,19 @@ def test_a_family_whose_own_forward_fails_in_transformers_is_refused_in_one_line
     want = _reference(model, batches)
     for trace in (collect_in_memory(model, batches), collect_streamed(tmp_path, batches, dtype=torch.float32)):
         assert all(np.array_equal(trace.ids[i, :, :ids.shape[1]], ids.numpy()) for i, (ids, _) in enumerate(want))
+
+
+def test_jetmoe_experts_seen_as_one_module_compute_its_experts():
+    """JetMoE's experts are two modules of its FFN block (input_linear (E, 2I, H), output_linear (E, H, I)): the
+    saliency norms moekit computes through them are ‖W_out,e (act(W_g,e x) ⊙ W_u,e x)‖ of each routed slot."""
+    model = tiny_family_model("jetmoe", perturb=0.05)
+    site = find_sites(model)[0]
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(5, 32, generator=g), torch.tensor([[0, 2], [1, 3], [3, 0], [2, 1], [0, 1]])
+    w_in, w_out = site.block.input_linear.weight, site.block.output_linear.weight  # (E, 2I, H), (E, H, I)
+    with torch.no_grad():
+        got = site.expert_norms(x, ids)  # (T, k)
+        gate, up = torch.einsum("tkoh,th->tko", w_in[ids], x).chunk(2, dim=-1)  # (T, k, I) each
+        want = torch.einsum("tkhi,tki->tkh", w_out[ids], torch.nn.functional.silu(gate) * up).norm(dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert site.params_per_expert == w_in[0].numel() + w_out[0].numel()

@@ -20,7 +20,7 @@ from moekit.checkpoint.files import TensorInfo
 from moekit.checkpoint.remove import _cut, remove_experts
 from moekit.errors import ConfigError, MoekitError, UnsupportedModelError
 from moekit.moe.state import model_state
-from moekit.routing.sites import find_sites, hash_routed, zero_experts
+from moekit.routing.sites import SplitExperts, find_sites, hash_routed, zero_experts
 from moekit.routing.streamed import Batch, collect_in_memory, collect_streamed
 from moekit.selection.finetune import attach
 from moekit.selection.prune import kept_experts, load_pruned, prune, save_pruned
@@ -32,6 +32,7 @@ ZERO_COMPUTATION = {"longcat_flash"}  # identity experts after the routed ones: 
 FAMILIES = sorted(f for f in moe_model_types()
                   if f not in HARNESS_CANNOT_BUILD and f not in REFUSED and f not in ZERO_COMPUTATION)
 HASH_ROUTED = {"deepseek_v4"}  # its first layers route by token id: those layers are refused, the others pruned
+SHARED_COUNT = {"jetmoe"}  # its mixture-of-attention experts share the expert count: removal refused
 IDS = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
@@ -56,11 +57,12 @@ def routed(model) -> dict[str, set[int]]:
 
 
 def test_every_family_of_the_capture_sweep_is_here_and_in_the_guide():
-    assert len(FAMILIES) >= 40 and HASH_ROUTED <= set(FAMILIES)
+    assert len(FAMILIES) >= 40 and HASH_ROUTED | SHARED_COUNT <= set(FAMILIES)
     guide = Path(__file__).parents[1] / "docs" / "guides" / "selection.md"
     rows = [line.split("|")[2].strip() for line in guide.read_text().splitlines()
             if line.startswith("| disabled equals removed") or line.startswith("| the same, except")]
-    assert [r.split(", ") for r in rows] == [[f for f in FAMILIES if f not in HASH_ROUTED], sorted(HASH_ROUTED)]
+    assert [r.split(", ") for r in rows] == [[f for f in FAMILIES if f not in HASH_ROUTED | SHARED_COUNT],
+                                             sorted(HASH_ROUTED), sorted(SHARED_COUNT)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -107,6 +109,13 @@ def _check_disabled_equals_removed(family, model, tmp_path):
     torch.testing.assert_close(logits(load_pruned(tmp_path / "pruned")), pruned, rtol=1e-6, atol=1e-6)
     if family in HASH_ROUTED:
         return
+    if family in SHARED_COUNT:
+        files = {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()}
+        with pytest.raises(UnsupportedModelError, match="share the count") as e:
+            remove_experts(tmp_path / "src", tmp_path / "out", {n: [1, 2, 3] for n in off})
+        assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+        assert {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()} == files
+        return
     keep = kept_experts(tmp_path / "src", Selection(method="m", budget=1, experts=off), "drop")
     assert keep == {n: [e for e in range(4) if e not in ids] for n, ids in off.items()}
     remove_experts(tmp_path / "src", tmp_path / "out", keep)
@@ -141,10 +150,12 @@ def _check_only_the_selected_experts_train(model):
     assert after.keys() == before.keys()
     rows = {}  # the selected experts' rows of every tensor stacked by expert: (E, ...), or DBRX's (E·n, ...)
     for s in sites:
+        split = isinstance(s.experts, SplitExperts)  # JetMoE's: the block's input_linear and output_linear
         for n, p in s.experts.named_parameters():
             per, rest = divmod(p.shape[0], s.num_experts)
-            if s.name in sel and not rest and ("." not in n and per == 1 or p.dim() == 2 and per > 1):
-                rows[f"{s.name}.experts.{n}"] = [e * per + j for e in sel[s.name] for j in range(per)]
+            if s.name in sel and not rest and (("." not in n or split) and per == 1 or p.dim() == 2 and per > 1):
+                rows[f"{s.name}.{n}" if split else f"{s.name}.experts.{n}"] = [
+                    e * per + j for e in sel[s.name] for j in range(per)]
     assert rows
     for key, old in before.items():
         if key not in rows:

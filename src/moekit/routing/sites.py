@@ -7,9 +7,13 @@ shared-expert gammas, Zaya's router state) and a fused `experts` child with 3-D 
 first). Llama 4's router returns `(scores, logits)` instead, with scores (T, E) zero outside each token's top-k;
 its decision is the top-k of the scores, and its experts take the score-scaled input of every expert rather than
 (x, ids, weights). DBRX's router returns its logits alone and its block turns them into (weights, ids) with its
-own `route_tokens_to_experts`; its experts hold every expert's rows in 2-D (E·I, H) parameters of a child module. Sites
-are found by that structure, not by class name, and the decision is read from the router's output (DBRX: the
-block's own function of it), never recomputed by moekit.
+own `route_tokens_to_experts`; its experts hold every expert's rows in 2-D (E·I, H) parameters of a child module.
+JetMoE's FFN block holds its experts as two children (`input_linear` (E, 2I, H), `output_linear` (E, H, I)) beside a
+router whose output is the decision already sorted by expert (sorted slot order, token of each, weights, per-expert
+counts, logits); moekit reads (ids, weights) back from it and sees the two children as one experts module
+(`SplitExperts`). Its mixture-of-attention blocks (query projections routed per token) are not read. Sites are found by
+that structure, not by class name, and the decision is read from the router's output (DBRX: the block's own function of
+it), never recomputed by moekit.
 """
 from __future__ import annotations
 
@@ -63,6 +67,8 @@ class RouterSite:
 
     def decision(self, out) -> tuple[Tensor, Tensor, Tensor]:
         """(logits (T, E), ids (T, k), weights (T, k)) from a transformers router's output."""
+        if isinstance(out, tuple) and len(out) == 5 and isinstance(out[3], list):  # JetMoE: sorted by expert
+            return out[4], *_unsorted(out, self.top_k)
         if isinstance(out, tuple) and len(out) >= 3 and not out[2].is_floating_point():  # (logits, weights, ids, ...)
             return out[0], out[2], out[1]
         if isinstance(out, Tensor) and _routes_logits(self.block):  # DBRX: the block's own function of its logits
@@ -112,6 +118,8 @@ class RouterSite:
         def hook(m, args, out):
             logits, ids, weights = self.decision(out)
             new_ids, new_weights = fn(logits, ids, weights)
+            if len(out) == 5:  # JetMoE
+                return _sorted(new_ids, new_weights.to(out[2].dtype), logits)
             if len(out) == 2:  # Llama 4: scores (T, E), zero outside the top-k
                 scores = torch.zeros_like(out[0]).scatter(-1, new_ids, new_weights.to(out[0].dtype))
                 return scores, out[1]
@@ -135,6 +143,54 @@ class RouterSite:
         out = self.experts(x.repeat(self.num_experts, 1))  # (E·T, H): expert e on rows e·T .. e·T + T - 1
         norms = out.float().view(self.num_experts, x.shape[0], -1).norm(dim=-1)  # (E, T)
         return norms.t().gather(1, ids)  # (T, k)
+
+
+def _unsorted(out: tuple, k: int) -> tuple[Tensor, Tensor]:
+    """JetMoE's decision (sorted slots s·k + j (S,), their tokens, weights (S,), per-expert counts, logits) back in
+    token order: ids (T, k), weights (T, k)."""
+    order, _, gates, counts, _ = out
+    experts = torch.repeat_interleave(torch.arange(len(counts), device=order.device),
+                                      torch.tensor(counts, device=order.device))  # (S,) the expert of each sorted slot
+    ids = torch.empty_like(order).index_put_((order,), experts)  # (S,)
+    weights = torch.empty_like(gates).index_put_((order,), gates)  # (S,)
+    return ids.view(-1, k), weights.view(-1, k)
+
+
+def _sorted(ids: Tensor, weights: Tensor, logits: Tensor) -> tuple:
+    """ids (T, k), weights (T, k) sorted by expert as JetMoE's router returns them (`_unsorted`'s inverse)."""
+    flat = ids.reshape(-1)  # (S,)
+    order = flat.argsort(stable=True)  # (S,) slots by expert
+    counts = torch.bincount(flat, minlength=logits.shape[-1]).tolist()
+    return order, order.div(ids.shape[1], rounding_mode="trunc"), weights.reshape(-1)[order], counts, logits
+
+
+class SplitExperts(nn.Module):
+    """JetMoE's experts, held by its FFN block as two children, seen as one module (not in the model's tree: the
+    parameters are the block's): forward(x) (E·T, H) -> (E·T, H) runs expert e on rows e·T .. e·T + T - 1,
+    unweighted and without the block's output bias (what Llama 4's experts take, for `expert_norms`)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.input_linear, self.output_linear, self.act = block.input_linear, block.output_linear, block.activation
+        self.num_experts = block.input_linear.num_experts
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.shape[0] // self.num_experts
+        h = self.input_linear(x, [rows] * self.num_experts)  # (E·T, 2I)
+        gate, up = h.chunk(2, dim=-1)
+        return self.output_linear(self.act(gate) * up, [rows] * self.num_experts)  # (E·T, H)
+
+
+def _split_site(name: str, block: nn.Module) -> RouterSite | None:
+    """JetMoE's FFN block (module docstring): a router with `top_k` and an E-row `layer`, the experts' two children
+    with (E, ...) weights, and an activation (its mixture-of-attention blocks have none)."""
+    router, first, second = (getattr(block, n, None) for n in ("router", "input_linear", "output_linear"))
+    num = getattr(first, "num_experts", None)
+    if (isinstance(num, int) and getattr(second, "num_experts", None) == num and callable(getattr(block, "activation", None))
+            and isinstance(getattr(router, "top_k", None), int)
+            and getattr(getattr(router, "layer", None), "out_features", None) == num):
+        return RouterSite(name, block, router, SplitExperts(block), num, router.top_k)
+    return None
 
 
 def one_slot(experts: nn.Module, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
@@ -201,6 +257,9 @@ def expert_count(experts: nn.Module | None) -> int | None:
 
 
 def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
+    split = _split_site(name, block)
+    if split is not None:
+        return split
     experts = getattr(block, "experts", None)
     num = expert_count(experts)
     if not isinstance(experts, nn.Module) or not isinstance(num, int):

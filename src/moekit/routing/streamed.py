@@ -270,6 +270,10 @@ def _in_parts_of(model: nn.Module, cap: RoutingCapture, dtype: torch.dtype, devi
     parts = {}
     for site in find_sites(model):
         n = per_load(site, dtype, device, given)
+        if n < site.num_experts and id(site.experts) not in names:
+            raise UnsupportedModelError(f"{site.name}: its experts are two modules of its block (JetMoE's input_linear "
+                                        "and output_linear), which moekit cannot load a few experts at a time; load "
+                                        "each layer whole")
         if n < site.num_experts:
             i = recorded.get(id(site.block), -1 - len(parts))  # a layer not recorded: an index no site has
             parts[i] = _InParts(i, site, names[id(site.experts)], n, spill)

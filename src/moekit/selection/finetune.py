@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..errors import ConfigError
-from ..routing.sites import RouterSite, expert_rows, zero_experts
+from ..routing.sites import RouterSite, SplitExperts, expert_rows, zero_experts
 from .common import experts_of, resolve
 from .selection import Selection
 
@@ -94,11 +94,11 @@ class SelectiveHandle:
 
 def _expert_tensors(site: RouterSite) -> list[str]:
     """Names of the experts module's parameters stacked along the expert dim (dim 0): its own (E, ...) ones (LongCat-
-    Flash's down_proj: its routed experts' rows alone), or DBRX's (E·n, ...) rows of every expert in its child
-    (`mlp.w1`, ...)."""
+    Flash's down_proj: its routed experts' rows alone; JetMoE's: its two children's), or DBRX's (E·n, ...) rows of
+    every expert in its child (`mlp.w1`, ...)."""
     if expert_rows(site.experts, site.num_experts):
         return [n for n, _ in site.experts.named_parameters()]
-    return [n for n, p in site.experts.named_parameters(recurse=False)
+    return [n for n, p in site.experts.named_parameters(recurse=isinstance(site.experts, SplitExperts))
             if p.dim() >= 1 and p.shape[0] in (site.num_experts, site.num_experts - zero_experts(site))]
 
 
