@@ -430,8 +430,8 @@ def test_a_pretrained_ctc_encoder_trains_under_fsdp2_and_expert_parallelism_as_u
 
 def test_expert_parallelism_refuses_experts_it_cannot_split_by_expert():
     """transformers' EP plan splits tensors stacked by expert (E, ...) into shares of whole experts: Mixtral's fused
-    experts get one entry each; DBRX's hold every expert's rows in 2-D (E·I, H) tensors and are refused in one line,
-    naming the layer, before any rank trains."""
+    experts get one entry each; DBRX's hold every expert's rows in 2-D (E·I, H) tensors, and JetMoE's are two modules
+    of its block: both refused in one line, naming the layer, before any rank trains."""
     from moekit.errors import UnsupportedModelError
     from moekit.testing.families import tiny_family_model
     from moekit.training.parallel import ep_plan
@@ -441,4 +441,7 @@ def test_expert_parallelism_refuses_experts_it_cannot_split_by_expert():
     assert plan["model.layers.*.mlp.experts.gate_up_proj"] == "grouped_gemm"
     with pytest.raises(UnsupportedModelError, match=r"transformer\.blocks\.0\.ffn: .*DBRX's.*without expert") as e:
         ep_plan(tiny_family_model("dbrx"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.0\.mlp: .*JetMoE's.*without expert") as e:
+        ep_plan(tiny_family_model("jetmoe"))
     assert "\n" not in str(e.value)

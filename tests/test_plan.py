@@ -457,3 +457,30 @@ def test_finetune_dry_run_checks_the_selections_model(kind, run, tiny_moe, tmp_p
     assert tree_hash(tmp_path) == before and not (tmp_path / "ft").exists()
     rc, stdout, err = dry_run(tmp_path / "other.json", "--allow-other-model")
     assert rc == 0 and "the K selected rows" in stdout, err
+
+
+@pytest.mark.parametrize("family,intermediate,experts", [
+    ("mixtral", 48, 4), ("qwen3_moe", 24, 4), ("dbrx", 48, 4), ("gpt_oss", 48, 4), ("jetmoe", 48, 4),
+    ("longcat_flash", 24, 6)])  # 6: LongCat's 4 routed and 2 zero-computation experts
+def test_finetune_plan_sees_every_layout_of_experts_under_selection(family, intermediate, experts, tmp_path):
+    """The plan's geometry (what its activation estimate reads) of a transformers family with the selection attached
+    (its expert tensors parametrized to the selected rows): each MoE layer gated, with the family's expert
+    intermediate size, its expert count and top-k, only the selected layer's experts trained (both projections), no
+    router; the same for fused (E, ...) experts, GPT-OSS's (E, H, 2I), DBRX's (E·I, H) rows, JetMoE's two modules
+    and LongCat-Flash's decoder stack of num_layers entries. Before, a selected layer read as a dense FFN with its
+    router and shared expert trained (its tensors no longer (E, ...)), and the others' sizes 0 for some layouts."""
+    import json
+
+    from moekit.routing.sites import find_sites
+    from moekit.testing.families import tiny_family_model
+    from moekit.training.api import finetune_plan
+
+    model = tiny_family_model(family)
+    sites = find_sites(model)
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "sel.json").write_text(json.dumps({"method": "m", "budget": 1, "experts": {sites[0].name: [1]}}))
+    ffns = [layer.ffn for layer in finetune_plan(tmp_path / "model", tmp_path / "sel.json").geometry.layers]
+    assert len(ffns) == len(sites)
+    for i, ffn in enumerate(ffns):
+        assert (ffn.intermediate, ffn.gated, ffn.experts, ffn.top_k) == (intermediate, True, experts, 2), (i, ffn)
+        assert (ffn.trained, ffn.down_trained, ffn.router_trained, ffn.shared_trained) == (i == 0, i == 0, False, False)

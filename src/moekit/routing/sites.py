@@ -246,8 +246,22 @@ def _routed_by_block(block: nn.Module, logits: Tensor) -> tuple[tuple[Tensor, ..
 def expert_rows(experts: nn.Module, num: int) -> bool:
     """Whether `experts` holds every expert's rows in 2-D (E·n, ...) parameters (DBRX's, in its `mlp` child) rather
     than transformers 5's 3-D (E, ...) ones."""
-    params = list(experts.parameters())
+    params = list(stacked_tensors(experts).values())
     return bool(params) and all(p.dim() == 2 and p.shape[0] > num and p.shape[0] % num == 0 for p in params)
+
+
+def stacked_tensors(experts: nn.Module) -> dict[str, Tensor]:
+    """An experts module's parameters by name (its children's too), each one that selective fine-tuning parametrized
+    (moekit.selection.finetune.ExpertRows: K trainable rows) by its whole frozen tensor: the shapes its forward sees."""
+    out = {}
+    for path, module in experts.named_modules():
+        if "parametrizations" in path.split("."):
+            continue
+        prefix = f"{path}." if path else ""
+        out.update({prefix + n: t for n, t in module.named_parameters(recurse=False)})
+        for n, plist in getattr(module, "parametrizations", {}).items():
+            out[prefix + n] = getattr(plist[0], "base", plist.original)
+    return out
 
 
 def expert_count(experts: nn.Module | None) -> int | None:
@@ -264,7 +278,8 @@ def _hf_site(name: str, block: nn.Module) -> RouterSite | None:
     num = expert_count(experts)
     if not isinstance(experts, nn.Module) or not isinstance(num, int):
         return None
-    if not any(p.dim() == 3 and p.shape[0] == num for p in experts.parameters(recurse=False)) and not (
+    own = [t for n, t in stacked_tensors(experts).items() if "." not in n]  # parametrized ones whole
+    if not any(p.dim() == 3 and p.shape[0] == num for p in own) and not (
             expert_rows(experts, num) and _routes_logits(block)
             and len(inspect.signature(experts.forward).parameters) >= 3):
         return None  # not fused experts (e.g. transformers 4.x ModuleList experts)

@@ -94,14 +94,21 @@ class HiddenStates:
             remove(self._folder)
 
 
+def stack_lengths(text_config) -> set[int]:
+    """How many entries a text config's decoder stack may have: its num_hidden_layers, or LongCat-Flash's num_layers
+    (half its num_hidden_layers: each of its layers holds two attention sublayers)."""
+    lengths = {getattr(text_config, "num_hidden_layers", None),
+               getattr(text_config, "num_layers", None) if hasattr(text_config, "zero_expert_num") else None}
+    return {n for n in lengths if isinstance(n, int)}
+
+
 def decoder_stack(model: nn.Module, sites: list | None = None) -> tuple[str, nn.ModuleList]:
     """(path, layers) of the model's decoder layers: the ModuleList named `layers` (DBRX: `blocks`) with the text
     config's num_hidden_layers entries (a vision-language model's language model too; LongCat-Flash's num_layers,
     half its num_hidden_layers: each of its layers holds two attention sublayers), the one holding the MoE `sites`
     where another stack has as many (a vision tower)."""
     text = model.config.get_text_config()
-    n = getattr(text, "num_hidden_layers", None)
-    lengths = {n, getattr(text, "num_layers", None) if hasattr(text, "zero_expert_num") else None} - {None}
+    n, lengths = getattr(text, "num_hidden_layers", None), stack_lengths(text)
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model: only decoder-only models "
                                     "stream layer by layer; capture it with the whole model loaded")

@@ -392,6 +392,10 @@ def ep_plan(model: nn.Module, prefix: str = "") -> dict[str, str]:
             raise UnsupportedModelError(f"{site.name}: its experts hold every expert's rows in 2-D (E·n, ...) "
                                         "parameters (DBRX's), which expert parallelism cannot split by expert; train "
                                         "it without expert parallelism")
+        if not any(m is site.experts for m in site.block.children()):
+            raise UnsupportedModelError(f"{site.name}: its experts are two modules of its block (JetMoE's input_linear "
+                                        "and output_linear), not one that expert parallelism can dispatch tokens to; "
+                                        "train it without expert parallelism")
         path = _wildcard(f"{prefix}{site.name}.{_child_name(site.block, site.experts)}")
         plan[path] = "ep_dispatch_experts"
         for name, p in site.experts.named_parameters(recurse=False):

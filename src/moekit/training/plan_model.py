@@ -194,25 +194,24 @@ def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(model.named_parameters())  # tied and shared tensors once
 
 
-def _paths(model: nn.Module) -> dict[int, str]:
-    return {id(m): name for name, m in model.named_modules()}
-
 
 def routed_names(model: nn.Module) -> set[str]:
     """Names of the routed experts' parameters (every MoE layer's stacked expert tensors)."""
     from moekit.routing.sites import moe_sites
 
-    paths = _paths(model)
-    prefixes = tuple(f"{paths[id(s.experts)]}." for s in moe_sites(model))
-    return {n for n, _ in unique_params(model) if prefixes and n.startswith(prefixes)}
+    routed = {id(p) for s in moe_sites(model) for p in s.experts.parameters()}  # JetMoE's: two modules of its block
+    return {n for n, p in unique_params(model) if id(p) in routed}
 
 
 def decoder_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The ModuleList of decoder layers: as many as config.num_hidden_layers, the one with the most parameters."""
+    """The ModuleList of decoder layers: as many as config.num_hidden_layers (LongCat-Flash: num_layers), the one with
+    the most parameters."""
+    from moekit.routing.streamed import stack_lengths
+
     cfg = getattr(model, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    n = getattr(text, "num_hidden_layers", None)
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    lengths = stack_lengths(text)
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) in lengths]
     if not lists:
         return None
     return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
@@ -282,12 +281,13 @@ def _ffns(model: nn.Module, stack: str, trained: set[str], intermediate: int) ->
     from moekit.routing.sites import moe_sites
     from moekit.surgery import find_slots
 
-    paths, out = _paths(model), {}
+    full, out = {id(p): n for n, p in unique_params(model)}, {}
     prefix = f"{stack}."
 
     def trains(module: nn.Module | None, part: Callable[[str], bool] = lambda n: True) -> bool:
-        path = paths.get(id(module))
-        return module is not None and path is not None and any(n.startswith(f"{path}.") and part(n) for n in trained)
+        """Whether a parameter of `module` whose name in it passes `part` trains (by identity: JetMoE's experts module
+        is not in the model's tree)."""
+        return module is not None and any(full.get(id(p)) in trained and part(n) for n, p in module.named_parameters())
 
     for site in moe_sites(model):
         if site.name.startswith(prefix):
@@ -296,7 +296,7 @@ def _ffns(model: nn.Module, stack: str, trained: set[str], intermediate: int) ->
             shared = _shared(site.block)
             out[i] = Ffn(inter, gated, site.num_experts, site.top_k,
                          0 if shared is None else shared.up_proj.out_features,
-                         trains(site.experts, lambda n: "down" not in n), trains(site.experts, lambda n: "down" in n),
+                         trains(site.experts, lambda n: not _down(n)), trains(site.experts, _down),
                          trains(site.router), trains(shared))
     try:
         slots = find_slots(model)
@@ -318,16 +318,26 @@ def _ffns(model: nn.Module, stack: str, trained: set[str], intermediate: int) ->
 
 def _expert_shape(experts: nn.Module, n: int) -> tuple[int, bool]:
     """(one expert's intermediate size, gated) from the stacked tensors: down (E, H, I), gate_up (E, 2I, H) or up
-    (E, I, H)."""
+    (E, I, H); DBRX's rows (E·I, H)."""
+    from moekit.routing.sites import expert_rows, stacked_tensors
+
     inter = getattr(experts, "intermediate_size", None)
     gated = getattr(experts, "gated", None)
-    stacked = {name: p for name, p in experts.named_parameters() if p.dim() == 3 and p.shape[0] == n}
-    down = next((p for name, p in stacked.items() if "down" in name), None)
+    tensors = stacked_tensors(experts)
+    if expert_rows(experts, n):  # DBRX's (E·I, H) rows: w1 and v1 (gate, up), w2 (down, transposed)
+        return tensors["mlp.w1"].shape[0] // n, "mlp.v1" in tensors
+    stacked = {name: p for name, p in tensors.items() if p.dim() == 3 and p.shape[0] == n}
+    down = next((p for name, p in stacked.items() if _down(name)), None)
     if inter is None and down is not None:
         inter = down.shape[2]
-    if gated is None:
-        gated = any(p.shape[1] == 2 * inter for name, p in stacked.items() if "down" not in name)
+    if gated is None:  # gate and up stacked: 2I rows (or GPT-OSS's (E, H, 2I) columns)
+        gated = any(2 * inter in p.shape[1:] for name, p in stacked.items() if not _down(name))
     return int(inter or 0), bool(gated)
+
+
+def _down(name: str) -> bool:
+    """Whether an experts module's tensor is its down projection (JetMoE's: output_linear; DBRX's: mlp.w2)."""
+    return "down" in name or "output_linear" in name or "w2" in name.split(".")
 
 
 def _shared(block: nn.Module) -> nn.Module | None:
