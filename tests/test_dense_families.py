@@ -29,7 +29,6 @@ NOT_BUILT = {"blt": "its default sub-configs are not shrunk by name: gigabytes o
 # the shrunk default config does not build or run in transformers 5.23 (why)
 HARNESS_CANNOT_BUILD = {
     "cohere_compass_text": "its layer-type table has no entry for full_attention",
-    "dots1": "an MoE family whose default config leaves its expert sizes unset",
     "gemma4_unified_assistant": "head_dim is a per-layer attribute",
     "hrm_text": "its layer lists do not shrink",
     "musicgen": "its decoder config has no dropout",

@@ -32,6 +32,7 @@ CONSTRUCT = {"dots3_note_text": {"num_hidden_layers": 3, "swa_num_attention_head
                                  "swa_q_lora_rank": 16, "swa_kv_lora_rank": 16, "swa_head_dim": 8,
                                  "swa_qk_nope_head_dim": 4, "swa_v_head_dim": 8}}
 MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config is dense
+EXPERT_COUNTS = ("n_routed_experts",)  # MoE families whose default config leaves it unset (dots1: None)
 # what a family's shrunk default config lacks to build and run (a dict: entries of a sub-config)
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on reload) allows top-1 only
              # no layer kinds listed, or none but linear attention among the first layers: a layer of each kind
@@ -54,6 +55,7 @@ OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on re
              # its indexed-attention layers build the QSA indexer whether or not its (optional) sizes are set
              "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
                                 "indexer_compress_ratio": 2},
+             "dots1": {"n_shared_experts": 1},  # unset by default (dots.llm1 has 2)
              "dots3_note_text": {"index_n_heads": 2, "index_head_dim": 8, "index_topk": 4},  # its DSA indexer
              "fun_asr_nano": {"adaptor_config": {"intermediate_size": 8}},  # a quarter of the shrunk LM's 32
              "moonshine_streaming": {"num_key_value_heads": 4},
@@ -86,7 +88,7 @@ def _model_types(moe: bool) -> dict[str, str]:
                 continue
             text = str(cfg.to_dict())
             experts = re.search(r"['\"][a-z_]*expert[a-z_]*['\"]\s*:\s*\d", text) or any(
-                re.search(rf"['\"]{key}['\"]\s*:", text) for key in MOE_SWITCHES)
+                re.search(rf"['\"]{key}['\"]\s*:", text) for key in (*MOE_SWITCHES, *EXPERT_COUNTS))
             if bool(experts) == moe and cls not in out.values():
                 out[model_type] = cls
     return out
