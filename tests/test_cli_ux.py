@@ -364,3 +364,41 @@ def test_public_api_is_lazy_and_exports_export():
     res = python("-c", code)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[-1] == "True"  # `import moekit` imports neither torch nor transformers
+
+
+ENTRY = """
+import atexit, sys, threading, time
+from pathlib import Path
+from moekit.cli.main import entry
+done = Path(sys.argv[1])
+atexit.register(lambda: print("exit handler ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.5), done.write_text("joined"))).start()  # a non-daemon thread
+sys.argv = ["moekit", *sys.argv[2:]]
+entry()
+print("never reached")
+"""
+
+
+@pytest.mark.parametrize("argv,code", [(["--version"], 0), (["nosuch"], 2)])
+def test_the_command_ends_without_teardown_but_with_what_an_exit_does(argv, code, tmp_path):
+    """`moekit` (and `python -m moekit`) is cli.main.entry: main()'s exit code, then no interpreter teardown (it frees
+    torch's and transformers' modules one by one), but non-daemon threads joined and atexit handlers run first."""
+    res = subprocess.run([sys.executable, "-c", ENTRY, str(tmp_path / "done"), *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == code, res.stderr
+    assert "exit handler ran" in res.stdout and "never reached" not in res.stdout
+    assert (tmp_path / "done").read_text() == "joined"
+    scripts = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")}
+    assert scripts["moekit"] == "moekit.cli.main:entry"
+
+
+def test_naming_an_activation_builds_none_of_the_others():
+    """surgery.locate names an FFN's activation by comparing it with transformers' ACT2FN on a probe, finding its
+    class in ACT2CLS without building every activation: building xIELU prints a warning about its CUDA kernel on
+    every command that reads a dense model."""
+    names = ["gelu_new", "gelu_pytorch_tanh", "silu", "relu2", "gelu_10", "quick_gelu", "mish"]
+    code = ("import sys; from transformers.activations import ACT2FN; from moekit.surgery.locate import _named; "
+            "print(*(_named(ACT2FN[k], None) for k in sys.argv[1:]))")
+    res = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == names, res.stdout + res.stderr  # each its own name
+    assert "xIELU" not in res.stderr

@@ -1,4 +1,4 @@
 """`python -m moekit` runs the command line."""
-from moekit.cli.main import main
+from moekit.cli.main import entry
 
-raise SystemExit(main())
+entry()

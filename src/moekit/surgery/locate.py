@@ -119,7 +119,9 @@ def _named(fn, first: str | None) -> str | None:
         return None
     if not isinstance(got, torch.Tensor) or got.shape != _ACT_PROBE.shape or got.device != _ACT_PROBE.device:
         return None
-    same = [k for k in ACT2CLS if type(ACT2FN[k]) is type(fn)]  # its own class first: gelu_new, not gelu_fast
+    # its own class first (gelu_new, not gelu_fast), read off ACT2CLS: instantiating every activation would build
+    # xIELU, whose constructor prints a warning about its CUDA kernel
+    same = [k for k, c in ACT2CLS.items() if (c[0] if isinstance(c, tuple) else c) is type(fn)]
     keys = [k for k in ([first] if first in ACT2CLS else []) + same + list(ACT2CLS) if k not in _NOT_NAMED]
     with torch.no_grad():
         return next((k for k in keys if torch.allclose(ACT2FN[k](_ACT_PROBE.clone()), got, rtol=1e-6, atol=1e-6)),
