@@ -233,11 +233,10 @@ def plan_cuts(model: nn.Module, target: nn.Module, headers: dict[str, TensorInfo
                               f"beside its shape {shape}, which removing experts would change; moekit removes "
                               "per-expert pack-quantized tensors (as llm-compressor saves them) only")
         elif name in want and tuple(info.shape) != want[name]:
-            raise UnsupportedModelError(f"{name} lies outside the MoE layers moekit reads but holds {list(info.shape)} "
-                                        f"with {experts} experts and {list(want[name])} with {len(next(iter(keep.values())))}"
-                                        " (JetMoE's mixture-of-attention experts share the count): moekit cannot "
-                                        "remove experts from it; disable them instead (moekit prune without keep or "
-                                        "drop)")
+            raise UnsupportedModelError(f"{name} lies outside the MoE layers moekit reads but changes with the "
+                                        f"expert count ({list(info.shape)} -> {list(want[name])}; JetMoE's "
+                                        "mixture-of-attention experts share the count): moekit cannot remove experts "
+                                        "from it; disable them instead (moekit prune without keep or drop)")
         else:
             cuts.append(Cut(name, name, info))
     if isinstance(fmt, Scaled) and fmt.block is not None:

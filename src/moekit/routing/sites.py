@@ -186,8 +186,8 @@ def _split_site(name: str, block: nn.Module) -> RouterSite | None:
     with (E, ...) weights, and an activation (its mixture-of-attention blocks have none)."""
     router, first, second = (getattr(block, n, None) for n in ("router", "input_linear", "output_linear"))
     num = getattr(first, "num_experts", None)
-    if (isinstance(num, int) and getattr(second, "num_experts", None) == num and callable(getattr(block, "activation", None))
-            and isinstance(getattr(router, "top_k", None), int)
+    if (isinstance(num, int) and getattr(second, "num_experts", None) == num
+            and callable(getattr(block, "activation", None)) and isinstance(getattr(router, "top_k", None), int)
             and getattr(getattr(router, "layer", None), "out_features", None) == num):
         return RouterSite(name, block, router, SplitExperts(block), num, router.top_k)
     return None

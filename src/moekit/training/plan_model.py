@@ -194,7 +194,6 @@ def unique_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(model.named_parameters())  # tied and shared tensors once
 
 
-
 def routed_names(model: nn.Module) -> set[str]:
     """Names of the routed experts' parameters (every MoE layer's stacked expert tensors)."""
     from moekit.routing.sites import moe_sites
