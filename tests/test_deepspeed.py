@@ -1,9 +1,6 @@
 """`train.trainer_args.deepspeed` on the CPU: 2 processes (torchrun, gloo) train a tiny upcycled MoE 2 steps
 with DeepSpeed ZeRO-2 through the Trainer; the saved moekit checkpoint equals the same run under plain DDP.
-
-ZeRO-3 is not covered: with moekit's MoE layers its first backward fails here ("The size of tensor a (0)
-must match the size of tensor b (32) at non-singleton dimension 1": a partitioned parameter is used in the
-backward pass outside the module hooks that gather it); a dense model trains under ZeRO-3 (see docs/guides/distributed.md)."""
+ZeRO-3 (with every parameter partitioned), FSDP2 and expert parallelism against DDP, for every recipe: tests/test_parallel.py."""
 import json
 import sys
 from pathlib import Path
