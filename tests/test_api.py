@@ -239,6 +239,7 @@ def test_finetune_trains_what_the_command_trains(fx, tmp_path, run):
     done = moekit.finetune(fx / "moe", tmp_path / "sel.json", {"fr": fx / "fr.txt"}, tmp_path / "py", steps=2,
                            batch_size=2, max_length=16, device="cpu")
     assert done.steps == 2 and len(done.losses) == 2 and done.selection == sel
+    assert done.trained == {layer: ids for layer, ids in sel.experts.items() if ids}  # every selected expert trained
     rc, _, err = run("finetune", "--model", fx / "moe", "--experts", tmp_path / "sel.json", "--data",
                      f"fr={fx / 'fr.txt'}", "--out", tmp_path / "cli", "--steps", 2, "--batch-size", 2,
                      "--max-length", 16, "--device", "cpu")

@@ -102,7 +102,7 @@ def run_finetune(args: argparse.Namespace) -> None:
     if done is None:  # not the main process of a distributed launch
         return
     loss = f"loss {done.losses[0]:.4f} -> {done.losses[-1]:.4f}, " if done.losses else ""
-    out_console().print(f"trained {done.selection.count} experts in {len(done.selection.experts)} layers for "
+    out_console().print(f"trained {sum(map(len, done.trained.values()))} experts in {len(done.trained)} layers for "
                         f"{done.steps} steps ({loss}{time.perf_counter() - start:.1f} s); saved to {args.out}")
 
 

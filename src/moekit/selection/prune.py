@@ -221,7 +221,8 @@ def reapply(model: nn.Module, folder: str | Path) -> nn.Module:
 def kept_experts(model_dir: str | Path, selection: Selection, mode: str, allow_other_model: bool = False,
                  trust_remote_code: bool = False, log=None) -> dict[str, list[int]]:
     """{MoE block name: expert ids to keep} of a native checkpoint for `selection`: its experts (mode "keep") or every
-    other expert of each MoE layer it names (mode "drop"); for moekit.checkpoint.remove. A selection made for another
+    other expert of each MoE layer it names (mode "drop"), with LongCat-Flash's zero-computation experts in either
+    (they hold no weights; dropping one is refused); for moekit.checkpoint.remove. A selection made for another
     model is refused unless `allow_other_model` (moekit.selection.common.check_source, with `log`)."""
     import json
 
@@ -248,12 +249,14 @@ def kept_experts(model_dir: str | Path, selection: Selection, mode: str, allow_o
         if bad:
             raise ConfigError(f"the selection's layer {name!r} names expert {bad[0]}, outside [0, {experts}) of "
                               f"{model_dir}")
-        zero = [e for e in ids if e >= experts - zero_experts(sites[name])]
+        routed = experts - zero_experts(sites[name])  # LongCat-Flash's zero-computation experts follow: always kept
+        zero = [e for e in ids if e >= routed]
         if zero and mode == "drop":
             raise ConfigError(f"the selection drops expert {zero[0]} of {name!r}, a zero-computation expert "
                               "(LongCat-Flash's), which holds no weights to remove: disable it instead (moekit prune "
                               "without keep or drop)")
-        out[name] = sorted(ids) if mode == "keep" else [e for e in range(experts) if e not in ids]
+        keep = sorted({*ids, *range(routed, experts)}) if mode == "keep" else [e for e in range(experts) if e not in ids]
+        out[name] = keep
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -208,6 +208,8 @@ class Finetuned:
     steps: int  # optimizer steps run
     losses: list[float]  # the training loss at each logged step
     log_history: list[dict[str, Any]]  # the Trainer's, as saved in finetune.json
+    trained: dict[str, list[int]] = field(default_factory=dict)  # {layer: experts}: LongCat-Flash's zero-computation
+    # experts in the selection hold no weights and are not among them
 
 
 def finetune(model: str | Path, experts: str | Path, data: dict[str, str | Path], out: str | Path, *,
@@ -330,7 +332,7 @@ def _finetune(model: str | Path, experts: str | Path, data: dict[str, str | Path
     from moekit.errors import CheckpointError
     from moekit.selection.api import load_for_selection
     from moekit.selection.common import save_model
-    from moekit.training.finetune import finetune as train_selected
+    from moekit.training.finetune import finetune as train_selected, targets_of
     from moekit.training.parallel import is_main, leave_launch
 
     main, device = is_main(), resolve_device(device)
@@ -346,6 +348,7 @@ def _finetune(model: str | Path, experts: str | Path, data: dict[str, str | Path
         def reload() -> Any:
             return load_model(folder, trust_remote_code=trust_remote_code)
 
+        trained_ids = {t.layer: t.ids for t in targets_of(loaded, selection)}
         trained, history = train_selected(loaded, selection, tokenizer, lines, engine, reload, max_length=max_length,
                                           device=device, deepspeed=deepspeed, **settings)
         leave_launch()
@@ -358,7 +361,7 @@ def _finetune(model: str | Path, experts: str | Path, data: dict[str, str | Path
                   "weight_decay": settings["weight_decay"], "seed": settings["seed"], "engine": engine.describe(),
                   "log_history": history}
         save_model(trained, real, overwrite, tokenizer, extra={"finetune.json": record})
-    return Finetuned(Path(out), selection, steps, [e["loss"] for e in history if "loss" in e], history)
+    return Finetuned(Path(out), selection, steps, [e["loss"] for e in history if "loss" in e], history, trained_ids)
 
 
 def _read_lines(data: dict[str, str | Path]) -> list[str]:
