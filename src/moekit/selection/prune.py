@@ -255,8 +255,8 @@ def kept_experts(model_dir: str | Path, selection: Selection, mode: str, allow_o
             raise ConfigError(f"the selection drops expert {zero[0]} of {name!r}, a zero-computation expert "
                               "(LongCat-Flash's), which holds no weights to remove: disable it instead (moekit prune "
                               "without keep or drop)")
-        keep = sorted({*ids, *range(routed, experts)}) if mode == "keep" else [e for e in range(experts) if e not in ids]
-        out[name] = keep
+        out[name] = sorted({*ids, *range(routed, experts)}) if mode == "keep" else [
+            e for e in range(experts) if e not in ids]
     return out
 
 
