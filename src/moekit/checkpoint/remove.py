@@ -49,7 +49,7 @@ from moekit.checkpoint.writer import DEFAULT_SHARD, Planned, ShardWriter
 from moekit.config import validate
 from moekit.errors import ConfigError, UnsupportedModelError
 from moekit.progress import report
-from moekit.routing.sites import RouterSite, expert_groups, find_sites, hash_routed, zero_experts
+from moekit.routing.sites import RouterSite, expert_groups, find_sites, hash_routed, routed_ids, zero_experts
 
 _PER_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(.+)")  # the Hub's per-expert names: prefix, expert, rest
 OTHER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -147,7 +147,7 @@ def _rebuilt(model: nn.Module, keys: list[tuple], count: int) -> nn.Module:
 def routed_kept(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> dict[str, list[int]]:
     """`keep` without LongCat-Flash's zero-computation experts (ids E .. E+Z-1 after its E routed ones), which are
     always kept: they hold no weights to remove, and one config number (zero_expert_num) counts them in every layer."""
-    return {b: sorted(i for i in ids if i < sites[b].num_experts - zero_experts(sites[b])) for b, ids in keep.items()}
+    return {b: sorted(routed_ids(sites[b], ids)) for b, ids in keep.items()}
 
 
 def check_keep(keep: dict[str, list[int]], sites: dict[str, RouterSite]) -> int:

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import traceback
+from typing import NoReturn
 
 from moekit.cli import (demo, evaluate, export, finetune, inspect, listing, routes, select, simoe, speech, train,
                         upcycle)
@@ -101,6 +102,11 @@ def entry() -> None:
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()  # the interpreter's own call at exit (no public equivalent)
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """stdout and stderr flushed, then the process ends with `code`, without the interpreter's teardown."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -142,9 +148,7 @@ def end_process(code: int) -> int:
     import logging
 
     logging.shutdown()  # flushes and closes the handlers
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _exit_now(code)
 
 
 def quiet_hub_progress() -> None:

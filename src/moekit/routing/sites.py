@@ -208,6 +208,12 @@ def zero_experts(site: RouterSite) -> int:
     return 0 if site.is_moekit else getattr(site.experts, "zero_expert_num", 0) or 0
 
 
+def routed_ids(site: RouterSite, ids: list[int]) -> list[int]:
+    """The experts of `ids` that hold weights: all but LongCat-Flash's zero-computation experts (ids E .. E+Z-1 after
+    its E routed ones), which a selection made from routing may name."""
+    return [i for i in ids if i < site.num_experts - zero_experts(site)]
+
+
 def hash_routed(site: RouterSite) -> bool:
     """Whether the layer picks experts by token id (DeepSeek-V4's hash layers: a table of expert ids), not by logits."""
     return not site.is_moekit and "input_ids" in inspect.signature(site.router.forward).parameters

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..errors import ConfigError
-from ..routing.sites import RouterSite, SplitExperts, expert_rows, zero_experts
+from ..routing.sites import RouterSite, SplitExperts, expert_rows, routed_ids, zero_experts
 from .common import experts_of, resolve
 from .selection import Selection
 
@@ -102,12 +102,6 @@ def _expert_tensors(site: RouterSite) -> list[str]:
             if p.dim() >= 1 and p.shape[0] in (site.num_experts, site.num_experts - zero_experts(site))]
 
 
-def trainable_ids(site: RouterSite, ids: list[int]) -> list[int]:
-    """The selected experts that hold weights: all but LongCat-Flash's zero-computation experts (ids E .. E+Z-1,
-    after its E routed ones), which a selection made from routing may name but which have nothing to train."""
-    return [i for i in ids if i < site.num_experts - zero_experts(site)]
-
-
 def _per_expert(site: RouterSite) -> int:
     """Elements of one expert across its stacked tensors."""
     if expert_rows(site.experts, site.num_experts):
@@ -159,7 +153,7 @@ def attach(model: nn.Module, selection: Selection | dict[str, list[int]]) -> Sel
     """Make only the selected experts of `model` trainable (in place); see the module docstring."""
     if any(isinstance(m, ExpertRows) for m in model.modules()):
         raise ConfigError("the model already has selective-training parametrizations; merge them first")
-    layers = [(site, ids) for site, selected in resolve(model, selection) if (ids := trainable_ids(site, selected))]
+    layers = [(site, ids) for site, selected in resolve(model, selection) if (ids := routed_ids(site, selected))]
     if not layers:
         raise ConfigError("the selection names no experts with weights (zero-computation experts hold none): nothing "
                           "would train")

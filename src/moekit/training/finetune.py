@@ -47,11 +47,12 @@ class Target:
 
 
 def targets_of(model: nn.Module, selection) -> list[Target]:
-    from moekit.selection.finetune import _expert_tensors, trainable_ids
+    from moekit.routing.sites import routed_ids
+    from moekit.selection.finetune import _expert_tensors
     from moekit.selection.common import resolve
 
     return [Target(site.name, site.experts, _expert_tensors(site), ids, site.num_experts)
-            for site, selected in resolve(model, selection) if (ids := trainable_ids(site, selected))]
+            for site, selected in resolve(model, selection) if (ids := routed_ids(site, selected))]
 
 
 def attach_local(targets: list[Target], ep, initial: dict) -> tuple[list[nn.Parameter], list]:
