@@ -1718,10 +1718,6 @@ BEYOND_ONE_DEVICE = [  # issue 31: refused before any work (a real launch would 
 # hanging it, or making it allocate what the input declares; each is refused in one line now
 
 
-def config_set(key: str, value):
-    return lambda d: edit_json(d / "config.json", lambda c: c.__setitem__(key, value))
-
-
 def npy_lie(t: Path, fx: Fx, shape: str = "(4398046511104,)") -> Path:
     """An uncompressed trace whose ids.npy header declares `shape` (8 TiB of int16) over the few bytes it holds."""
     import zipfile
@@ -2055,6 +2051,13 @@ ISSUE37_BAD_INPUTS = [
     Case("upcycle-config-200000-layers",
          lambda t, f: upc(dense_with(t, f, config_set("num_hidden_layers", 200_000)), t / "o"),
          r"config\.json: num_hidden_layers is 200000, but no tensor of its weights has a layer index above 3",
+         seconds=30),
+    # a count of layer slots (HRM-Text's num_hidden_layers beside num_layers_per_stack) may exceed the layers held
+    # up to 512, not beyond
+    Case("upcycle-config-5000-layer-slots",
+         lambda t, f: upc(dense_with(t, f, lambda d: edit_json(d / "config.json", lambda c: c.update(
+             num_hidden_layers=5000, num_layers_per_stack=4))), t / "o"),
+         r"config\.json: num_hidden_layers is 5000, but no tensor of its weights has a layer index above 3",
          seconds=30),
     Case("collect-stream-on-config-200000-layers",
          lambda t, f: collect(native_with(t, f, config_set("num_hidden_layers", 200_000)), t / "t.npz",

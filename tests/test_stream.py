@@ -342,6 +342,27 @@ def test_diversity_is_exact_for_any_chunk():
     assert all(expert_diversity(down, chunk) == pytest.approx(want, abs=1e-12) for chunk in (1, 1000, 1 << 30))
 
 
+def test_a_stored_tensor_transformers_splits_into_several_is_read_as_their_rows(tmp_path):
+    """`ShardReader.rename(parts=...)` serves one stored tensor as the tensors transformers' Chunk(dim=0) makes of it
+    (HRM-Text's gqkv_proj), each its own rows of the stored bytes: equal to torch.chunk, uneven last part included."""
+    from safetensors.torch import save_file
+
+    from moekit.checkpoint.files import ShardReader
+    from moekit.errors import CheckpointError
+
+    fused = torch.randn(11, 3)
+    save_file({"a.fused": fused, "b": torch.ones(2)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reader = ShardReader(tmp_path)
+    names = ["a.x", "a.y", "a.z"]
+    reader.rename({}, {}, {"a.fused": names})
+    assert sorted(reader.keys()) == ["a.x", "a.y", "a.z", "b"]
+    for name, want in zip(names, torch.chunk(fused, 3)):  # 4, 4 and 3 rows
+        assert torch.equal(reader.get(name), want) and torch.equal(reader.get_rows(name, 1, 3), want[1:3])
+    reader.close()
+    with ShardReader(tmp_path) as clash, pytest.raises(CheckpointError, match="holds both b and a.fused, which load as b"):
+        clash.rename({}, {}, {"a.fused": ["a.x", "b"]})
+
+
 def test_a_checkpoint_under_the_names_transformers_renames_streams_and_a_clash_is_refused(tmp_path):
     """GPT-NeoX stores its head as embed_out (transformers 5 loads it as lm_head): the streaming upcycle reads it
     under the model's name, for every method's copy; a checkpoint holding both names is refused in one line."""

@@ -117,7 +117,11 @@ def check_layer_limit(data: dict, source: str, at: str = "") -> None:
                                   f"(at most {MAX_LAYERS:,} are accepted)")
 
 
-LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                "num_layers_per_stack")
+# a count of layer slots, not of layers, where the config also counts its layers: HRM-Text's num_hidden_layers is
+# num_layers_per_stack · H_cycles · (L_cycles + 1), the slots its stacks' layers fill as they cycle (its cache's)
+SLOT_COUNTS = {"num_hidden_layers": "num_layers_per_stack"}
 
 
 SUB_CONFIG_LAYERS = 512  # a count a sub-config may claim beyond the weights: built in seconds on the meta device
@@ -128,16 +132,18 @@ def check_layer_counts(folder: Path, data: dict) -> None:
     layer index, the first number in a tensor's name) before transformers builds them: building 200,000 layers,
     even on the meta device, takes minutes. Counts are read at the top level and in sub-configs (text_config); a
     sub-config may describe a part whose weights another checkpoint holds (MoshiForCausalLM's audio_encoder_config:
-    the Mimi codec is not in its weights), so its count is refused only above SUB_CONFIG_LAYERS."""
-    claims = [(f"{k}.{c}" if k else c, v) for k, d in [("", data), *data.items()] if isinstance(d, dict)
+    the Mimi codec is not in its weights), and a count of layer slots (SLOT_COUNTS) is not one of layers, so those are
+    refused only above SUB_CONFIG_LAYERS."""
+    claims = [(f"{k}.{c}" if k else c, v, bool(k) or isinstance(d.get(SLOT_COUNTS.get(c, "")), int))
+              for k, d in [("", data), *data.items()] if isinstance(d, dict)
               for c in LAYER_COUNTS if isinstance(v := d.get(c), int) and not isinstance(v, bool)]
     if not claims or not has_safetensors(folder, allow_pickle=True):
         return
     firsts = [next((int(p) for p in name.split(".") if p.isascii() and p.isdigit() and len(p) < 19), None)
               for name in read_headers(folder)]
     top = max((i for i in firsts if i is not None), default=None)
-    for key, count in claims:
-        if top is not None and count > top + 1 and ("." not in key or count > SUB_CONFIG_LAYERS):
+    for key, count, lenient in claims:
+        if top is not None and count > top + 1 and (not lenient or count > SUB_CONFIG_LAYERS):
             raise CheckpointError(f"{folder}/config.json: {key} is {count}, but no tensor of its weights has a layer "
                                   f"index above {top}")
 

@@ -14,12 +14,13 @@ what it has read.
 """
 from __future__ import annotations
 
+
 import json
 import math
 import os
 import shutil
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -309,15 +310,28 @@ class ShardReader:
     def __contains__(self, name: str) -> bool:
         return name in self.headers
 
-    def rename(self, names: dict[str, str], built: dict[str, list[str]]) -> None:
+    def rename(self, names: dict[str, str], built: dict[str, list[str]],
+               parts: dict[str, list[str]] | None = None) -> None:
         """Serve stored tensor k as names[k] from now on (one to one; two stored tensors that would get one name are
-        refused); `built` records the model tensors that are made of several stored ones, for messages."""
+        refused); `built` records the model tensors that are made of several stored ones, for messages. `parts`:
+        {stored tensor: the model tensors it holds along dim 0, in order}, split as torch.chunk splits it (HRM-Text's
+        gqkv_proj into gate, q, k and v): each served as its own rows of the stored bytes."""
         renamed: dict[str, str] = {}
         for k in self.headers:
             other = renamed.setdefault(names.get(k, k), k)
             if other != k:
                 raise CheckpointError(f"{self.folder} holds both {other} and {k}, which load as one tensor "
                                       f"{names.get(k, k)}")
+        for k, targets in (parts or {}).items():
+            info = self.headers.pop(k)
+            size = -(-info.shape[0] // len(targets))  # torch.chunk's
+            row = info.nbytes // info.shape[0]
+            for i, name in zip(range(-(-info.shape[0] // size)), targets):  # as many parts as torch.chunk makes
+                if name in renamed:
+                    raise CheckpointError(f"{self.folder} holds both {renamed[name]} and {k}, which load as {name}")
+                n = min(size, info.shape[0] - i * size)
+                self.headers[name] = replace(info, shape=(n, *info.shape[1:]), start=info.start + i * size * row,
+                                             nbytes=n * row)
         self.headers = {names.get(k, k): v for k, v in self.headers.items()}
         self.words, self.scales, self.packed = ({names.get(k, k): v for k, v in d.items()}
                                                 for d in (self.words, self.scales, self.packed))

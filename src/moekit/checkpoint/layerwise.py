@@ -113,6 +113,19 @@ def model_names(model: nn.Module, keys: list[str]) -> dict[str, tuple[str, str |
     return out
 
 
+def chunked(model: nn.Module) -> dict[str, list[str]]:
+    """{source pattern: its target patterns} of the conversions transformers loads `model` with that split one stored
+    tensor along dim 0 (Chunk(dim=0) alone) into several, named literally: HRM-Text's attn.gqkv_proj.weight into
+    self_attn.{gate,q,k,v}_proj.weight. `model_names` names such a tensor by the first target."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    return {c.source_patterns[0]: list(c.target_patterns) for c in get_model_conversion_mapping(model)
+            if isinstance(c, WeightConverter) and len(c.source_patterns) == 1 and len(c.target_patterns) > 1
+            and [(type(o), getattr(o, "dim", None)) for o in c.operations] == [(Chunk, 0)]
+            and "\\" not in "".join(c.target_patterns)}  # no group references
+
+
 _EXPERT = re.compile(r".+\.experts\.(\d+)\..+")  # the Hub's per-expert names: their expert
 
 

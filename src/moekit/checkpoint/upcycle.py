@@ -18,7 +18,7 @@ from moekit.checkpoint.dense import check_dense_dir, declared_architecture, load
 from moekit.checkpoint.export.write import native_units
 from moekit.checkpoint.files import ShardReader, copy_file, read_headers
 from moekit.checkpoint.format import moekit_meta, unique_tensors
-from moekit.checkpoint.layerwise import model_names, streamed_prompt_rows
+from moekit.checkpoint.layerwise import chunked, model_names, streamed_prompt_rows
 from moekit.checkpoint.stream import (Copy, StoredParts, UpcycledParts, draw_router, ffn_keys, meta_moe_model,
                                       moe_units, moekit_naming, ordered_units, planned_bytes, read_ffn, write_units)
 from moekit.checkpoint.wrapped import save_config
@@ -138,13 +138,17 @@ def model_named(reader: ShardReader, model: nn.Module) -> ShardReader:
     """`reader` serving its tensors under `model`'s names, renamed as transformers renames them when it loads the
     model (moekit.checkpoint.layerwise.model_names); a tensor transformers builds from several stored ones is not
     renamed (a streaming upcycle copies tensors as they are stored) but recorded, so that asking for it says why."""
-    names, built = {}, {}
+    names, built, parts, split = {}, {}, {}, chunked(model)
     for k, (name, converted) in model_names(model, reader.keys()).items():
-        if converted:
+        targets = split.get(converted or "", [])
+        if targets and targets[0] in name and reader.headers[k].shape[:1] > (0,) and k not in reader.scales \
+                and k not in reader.packed:
+            parts[k] = [name.replace(targets[0], t) for t in targets]  # read as rows of the stored tensor
+        elif converted:
             built.setdefault(name, []).append(k)
         else:
             names[k] = name
-    reader.rename(names, built)
+    reader.rename(names, built, parts)
     return reader
 
 

@@ -26,7 +26,7 @@ from moekit.checkpoint.meta import SIMoEMeta
 from moekit.config import validate
 from moekit.errors import CheckpointError
 from moekit.simoe import hard_concrete as hc
-from moekit.simoe.layer import SILinear
+from moekit.simoe.layer import SILinear, SparseInterpolated
 from moekit.simoe.model import SIMoEConfig, install, si_modules
 from moekit.moe.state import model_state
 
@@ -109,8 +109,9 @@ def prune(model: nn.Module) -> nn.Module:
 @torch.no_grad()
 def merge(model: nn.Module, weights: torch.Tensor) -> nn.Module:
     """A plain dense model (in place) with every SI module folded for the (M,) routing `weights`:
-    W = W_pre + δ ⊙ m, m = Σ_i weights_i ẑ_i (median gates)."""
-    for path, m in si_modules(model):
+    W = W_pre + δ ⊙ m, m = Σ_i weights_i ẑ_i (median gates). An SI module at several paths (tied layers) is folded
+    once and its base put back at each."""
+    for _, m in si_modules(model):
         base = m.base
         if isinstance(m, SILinear):
             z = m.full_gates()  # (M, in) or (M, out, in) with full-granular masks
@@ -118,8 +119,10 @@ def merge(model: nn.Module, weights: torch.Tensor) -> nn.Module:
             base.weight += m.full_delta() * mix.to(base.weight.dtype)
         else:
             base.weight += (weights.to(m.log_alpha.dtype) @ m.gate_values()).to(base.weight.dtype) * m.delta
-        parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, base)
+    for path, m in list(model.named_modules(remove_duplicate=False)):
+        if isinstance(m, SparseInterpolated):
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, m.base)
     model.simoe.hook.remove()
     del model.simoe
     model_state(model).simoe = None

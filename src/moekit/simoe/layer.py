@@ -190,4 +190,6 @@ class SINorm(SparseInterpolated):
         y = self.base(x, *args, **kwargs)
         if self.routing.weights is None:
             return y
-        return y + self.normalized(x, *args, **kwargs) * (self.mixture(x) * self.delta)
+        # m shaped against the output, where the weight applies: xLSTM's multi-head norm takes (B, T, heads, d_h)
+        # and returns (B, T, heads·d_h)
+        return y + self.normalized(x, *args, **kwargs) * (self.mixture(y) * self.delta)

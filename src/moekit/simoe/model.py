@@ -228,11 +228,14 @@ def install(model: nn.Module, cfg: SIMoEConfig, kept: dict[str, int] | None = No
     masks = MaskInit(cfg.p_zero, cfg.init_std, gen, sampled=cfg.gates == "sampled", kind=cfg.masks,
                      granularity=cfg.mask_granularity)
     routing = Routing()
+    wrapped: dict[int, SparseInterpolated] = {}  # a module whose weight is another's (tied) shares its SI module
     for path, mod in targets:
-        if isinstance(mod, nn.Linear):
-            _replace(model, path, SILinear(mod, cfg.num_experts, masks, routing, (kept or {}).get(path)))
-        else:
-            _replace(model, path, SINorm(mod, cfg.num_experts, masks, routing))
+        si = wrapped.get(id(mod.weight))
+        if si is None and isinstance(mod, nn.Linear):
+            si = SILinear(mod, cfg.num_experts, masks, routing, (kept or {}).get(path))
+        elif si is None:
+            si = SINorm(mod, cfg.num_experts, masks, routing)
+        _replace(model, path, wrapped.setdefault(id(mod.weight), si))
     if hidden is None:
         hidden, skipped = _probe(model)
     s = SIMoE(cfg, hidden).to(next(model.parameters()).device)

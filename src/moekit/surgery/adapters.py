@@ -125,9 +125,10 @@ class _PairAdapter(_ChildAdapter):
 
 class GatedMLP(_ChildAdapter):
     name = "gated_mlp"
-    families = ("gated MLP with gate_proj/up_proj/down_proj, w1/w3/w2 or wi_0/wi_1/wo (Llama, Mistral, Qwen2, Qwen3, "
-                "Gemma3, ...; LFM2; T5 v1.1, Flan-T5, mT5, UMT5)")
-    TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("wi_0", "wi_1", "wo"))  # gate, up, down
+    families = ("gated MLP with gate_proj/up_proj/down_proj, w1/w3/w2, wi_0/wi_1/wo or proj_up_gate/proj_up/proj_down "
+                "(Llama, Mistral, Qwen2, Qwen3, Gemma3, ...; LFM2; T5 v1.1, Flan-T5, mT5, UMT5; xLSTM)")
+    TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("wi_0", "wi_1", "wo"),  # gate, up, down
+               ("proj_up_gate", "proj_up", "proj_down"))
 
     def triple(self, m: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
         return next((tuple(getattr(m, n) for n in names) for names in self.TRIPLES if _linears(m, *names)), None)

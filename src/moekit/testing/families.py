@@ -25,16 +25,33 @@ SMALL = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24
          "ffn_hidden_size": 48, "d_model": 32, "n_heads": 4, "kv_n_heads": 4, "moe_top_k": 2, "moe_topk": 2,
          "zero_expert_num": 2, "top_k_experts": 2, "linear_head_dim": 8, "vocab_size_per_layer_input": 128,
          "hidden_size_per_layer_input": 8}
-# constructor arguments of families whose per-layer sizes cannot be dropped: dots3_note_text's sliding-window layers
-# (its swa_* aliases), whose head size must equal their own MLA head sizes, shrunk as SMALL shrinks the others; 3
-# layers (2 indexed, 1 sliding), so that its per-layer entries name no layer past the last
+# constructor arguments of families whose config derives sizes from others when it is built: dots3_note_text's
+# sliding-window layers (its swa_* aliases), whose head size must equal their own MLA head sizes, shrunk as SMALL
+# shrinks the others; 3 layers (2 indexed, 1 sliding), so that its per-layer entries name no layer past the last.
+# Zamba's and Zamba2's attention and Mamba head sizes (from the hidden size and head counts), xLSTM's model width
+# (its hidden size, rounded up to 64 for its states: 128), HRM-Text's layers per stack (num_hidden_layers, turned
+# into the count of slots its two stacks fill as they cycle), Cohere Compass's rotary table (none by default)
 CONSTRUCT = {"dots3_note_text": {"num_hidden_layers": 3, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
                                  "swa_q_lora_rank": 16, "swa_kv_lora_rank": 16, "swa_head_dim": 8,
-                                 "swa_qk_nope_head_dim": 4, "swa_v_head_dim": 8}}
+                                 "swa_qk_nope_head_dim": 4, "swa_v_head_dim": 8},
+             "zamba": {"hidden_size": 32, "n_mamba_heads": 2, "mamba_dt_rank": 4, "num_attention_heads": 4,
+                       "num_key_value_heads": 4},
+             "zamba2": {"hidden_size": 32, "num_hidden_layers": 3, "n_mamba_heads": 4, "mamba_d_state": 16,
+                        "chunk_size": 16, "num_attention_heads": 4, "num_key_value_heads": 4, "adapter_rank": 8,
+                        "layers_block_type": ["linear_attention", "hybrid", "linear_attention"]},
+             "xlstm": {"embedding_dim": 128, "num_blocks": 2, "num_heads": 4, "ffn_round_up_to_multiple_of": 16},
+             "hrm_text": {"num_hidden_layers": 2},
+             "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 10000.0}}}}
 MOE_SWITCHES = ("enable_moe_block", "is_moe")  # families whose default config is dense
 EXPERT_COUNTS = ("n_routed_experts",)  # MoE families whose default config leaves it unset (dots1: None)
 # what a family's shrunk default config lacks to build and run (a dict: entries of a sub-config)
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on reload) allows top-1 only
+             "xlstm": {"hidden_size": 128},
+             "hrm_text": {"num_hidden_layers": 16},  # 2 layers a stack, 2 H-cycles of 3 L-cycles and 1 H-step
+             # two hybrid layers, the first at index 2: the one whose shared block the others are tied to
+             "zamba": {"layers_block_type": ["linear_attention", "linear_attention", "hybrid", "linear_attention",
+                                             "hybrid"], "num_hidden_layers": 5},
              # no layer kinds listed, or none but linear attention among the first layers: a layer of each kind
              "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "num_hidden_layers": 3,
                           "num_dense_layers": 1},
