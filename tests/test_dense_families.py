@@ -32,10 +32,7 @@ HARNESS_CANNOT_BUILD = {
     "musicgen": "its decoder config has no dropout",
     "musicgen_melody": "its decoder config has no dropout",
     "prophetnet": "it takes encoder and decoder layer counts, not num_hidden_layers",
-    "reformer": "its LM head needs is_decoder=True",
-    "rwkv": "its attention sizes are not shrunk by name",
     "xlnet": "it has no sequence length limit",
-    "xmod": "it needs a default language set",
 }
 # moekit refuses these families, with the words of its one-line refusal
 NO_FFN, NOT_FAITHFUL = "no supported FFN", "does not compute what moekit"
@@ -47,6 +44,8 @@ REFUSED = {
     "cpmant": NO_FFN, "ctrl": NO_FFN, "falcon_mamba": NO_FFN, "mamba": NO_FFN, "mamba2": NO_FFN,
     "xlm": NO_FFN,
     "zamba": NO_FFN, "zamba2": NO_FFN,  # one MLP, in a transformer block its hybrid layers share (Zamba2's: with LoRA)
+    "reformer": NO_FFN,  # its feed-forward runs in chunks (ChunkReformerFeedForward)
+    "rwkv": NO_FFN,  # channel mixing: a token shift, a squared ReLU and a receptance gate
 }
 
 

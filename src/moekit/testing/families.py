@@ -48,6 +48,12 @@ EXPERT_COUNTS = ("n_routed_experts",)  # MoE families whose default config leave
 # what a family's shrunk default config lacks to build and run (a dict: entries of a sub-config)
 OVERRIDES = {"zaya": {"num_experts_per_tok": 1},  # its config validation (on reload) allows top-1 only
              "xlstm": {"hidden_size": 128},
+             "rwkv": {"attention_hidden_size": 32, "intermediate_size": 48},
+             "xmod": {"default_language": "en_XX", "is_decoder": True},  # its language adapters: one chosen
+             # a causal LM, axial positions that sum to the shrunk width, chunks and heads within it
+             "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 16], "axial_pos_shape": (8, 8),
+                          "attention_head_size": 8, "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8,
+                          "attn_layers": ["local", "lsh"]},
              "hrm_text": {"num_hidden_layers": 16},  # 2 layers a stack, 2 H-cycles of 3 L-cycles and 1 H-step
              # two hybrid layers, the first at index 2: the one whose shared block the others are tied to
              "zamba": {"layers_block_type": ["linear_attention", "linear_attention", "hybrid", "linear_attention",
