@@ -132,6 +132,30 @@ def test_ume_streamed_equals_the_dense_family_or_refuses_in_one_line(family, tmp
     torch.testing.assert_close(_logits(load(out)), want, rtol=1e-5, atol=1e-5)
 
 
+EXACT = [f for f in BUILT if f not in REFUSED and f not in STREAM_REFUSED]
+
+
+@pytest.mark.parametrize("family", EXACT)
+def test_spri_on_every_family_keeps_the_dense_model_and_its_groups(family, tmp_path):
+    """SPRI (Gao et al. 2025, eq. 8: the dense FFN as the shared expert, routed experts from scaled residual SVD
+    blocks) on every family UME upcycles: with ρ = 0 the routed experts add nothing and the MoE computes the dense
+    model (1e-5); with the default ρ and ε = 0, every layer's expert diversity (A.1) is 1 − same-group pairs / all
+    pairs = 1 − 2/6 at E = 4, k = 2 (the k members of a group are one block, the E/k groups orthogonal), and the
+    streamed upcycle computes what the in-memory one computes."""
+    from moekit.moe.diversity import expert_diversity
+
+    dense = _dense(family)
+    want = _logits(dense)
+    spec = {"num_experts": 4, "top_k": 2, "shared_expert": True, "init": {"method": "spri", "eps": 0.0}}
+    zero = validate(MoESpec, {**spec, "init": {"method": "spri", "eps": 0.0, "rho": 0.0}})
+    torch.testing.assert_close(_logits(upcycle(_dense(family), zero)), want, rtol=1e-5, atol=1e-5)
+    dense.save_pretrained(tmp_path / "dense")
+    moe = upcycle(dense, validate(MoESpec, spec))
+    assert all(expert_diversity(m.experts.down) == pytest.approx(1 - 2 / 6, abs=1e-6) for _, m in moe_layers(moe))
+    upcycle_checkpoint(tmp_path / "dense", tmp_path / "moe", validate(MoESpec, spec))
+    torch.testing.assert_close(_logits(load(tmp_path / "moe")), _logits(moe), rtol=1e-5, atol=1e-5)
+
+
 # config options a family's default leaves off, flipped one at a time on a sample of widely used families (a sweep of
 # every family with every option they have found nothing beyond the refusals above; this keeps a sample of it)
 OPTIONS = {"mlp_bias": True, "attention_bias": True, "tie_word_embeddings": True, "hidden_act": "relu2"}
@@ -193,8 +217,7 @@ def test_the_guides_family_table_is_this_tests_outcome():
     def row(start: str) -> set[str]:
         return next(v for k, v in rows.items() if k.startswith(start))
 
-    exact = {f for f in BUILT if f not in REFUSED and f not in STREAM_REFUSED}
-    assert row("upcycled exactly, in memory and streamed") == exact
+    assert row("upcycled exactly, in memory and streamed") == set(EXACT)
     assert row("upcycled exactly in memory") == set(STREAM_REFUSED)
     for start, words in [("refused: the FFN computes", NOT_FAITHFUL), ("refused: no FFN", NO_FFN)]:
         assert row(start) == {f for f, w in REFUSED.items() if w == words}
