@@ -283,7 +283,8 @@ def leaves(tree, prefix: str = "") -> dict:
 # each engine against DDP: per-step loss and grad norm, every tensor of the written model, untouched tensors equal to
 # the input's bit for bit.
 FINETUNE = [("mixtral", "zero3"), ("mixtral", "zero2"), ("mixtral", "fsdp2"), ("mixtral", "ep2"), ("qwen2_moe", "ep2"),
-            ("qwen3_moe", "ep2"), ("moekit", "zero3"), ("moekit", "fsdp2"), ("moekit", "ep2")]
+            ("qwen3_moe", "ep2"), ("moekit", "zero3"), ("moekit", "fsdp2"), ("moekit", "ep2"),
+            ("longcat_flash", "zero3"), ("longcat_flash", "fsdp2"), ("jetmoe", "zero3"), ("jetmoe", "fsdp2")]
 FINETUNE_FLAGS = {"zero3": lambda t: ["--deepspeed", str(t / "zero3.json")],
                   "zero2": lambda t: ["--deepspeed", str(t / "zero2.json")], "fsdp2": lambda t: ["--fsdp"],
                   "ep2": lambda t: ["--expert-parallel", "2"], "ddp": lambda t: []}
@@ -297,26 +298,28 @@ def finetune_inputs(tmp_path_factory):
     from moekit.routing.sites import find_sites
     from moekit.selection.selection import Selection
     from moekit.testing import TINY_HF_MOE, tiny_llama, tiny_tokenizer
+    from moekit.testing.families import tiny_family_model
     from moekit.checkpoint.upcycle_model import upcycle
 
     root = tmp_path_factory.mktemp("finetune")
     text = root / "sw.txt"
     text.write_text("habari ya asubuhi\nnakupenda sana\nasante sana rafiki\nkaribu nyumbani\n" * 4)
     inputs = {}
-    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "moekit"):
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "moekit", "longcat_flash", "jetmoe"):
         folder = root / family
         if family == "moekit":
             spec = MoESpec(num_experts=4, top_k=2, every=1, init={"method": "noise", "std": 0.02},
                            router={"init": "normal"})
             model = upcycle(tiny_llama(tie_word_embeddings=True), spec)  # tied, as SmolLM2's
             save(model, folder, tokenizer=tiny_tokenizer())
-        else:
-            model = TINY_HF_MOE[family]()
+        else:  # LongCat-Flash's zero-computation experts, JetMoE's experts split in two modules
+            model = TINY_HF_MOE[family]() if family in TINY_HF_MOE else tiny_family_model(family, perturb=0.05)
             model.save_pretrained(folder)
             tiny_tokenizer().save_pretrained(folder)
         sites = find_sites(model)  # EP = 2: rows on both ranks' halves, and a layer with rows on rank 1 only
         e, sel = sites[0].num_experts, root / f"{family}.json"
-        Selection(method="manual", budget=4, experts={sites[0].name: [0, e - 1, 1], sites[-1].name: [e - 2]}).save(sel)
+        # (one MoE layer, LongCat's: its first three; e - 1 there is a zero-computation expert, which has no weights)
+        Selection(method="manual", budget=4, experts={sites[-1].name: [e - 2], sites[0].name: [0, e - 1, 1]}).save(sel)
         inputs[family] = (folder, sel, text)
     return inputs
 
@@ -354,7 +357,8 @@ def test_finetune_sharded_equals_ddp(family, engine, finetune_inputs, tmp_path_f
     tuned, reference = load_model(out).state_dict(), load_model(base).state_dict()
     assert tuned.keys() == reference.keys() == original.keys()
     changed = {k for k in original if not torch.equal(reference[k], original[k])}
-    assert changed and all(".experts." in k for k in changed)  # only the selected experts trained
+    # only the selected experts trained (JetMoE's are its FFN block's input_linear and output_linear)
+    assert changed and all(re.search(r"\.experts\.|\.mlp\.(input|output)_linear\.", k) for k in changed)
     for k in original:
         if k in changed:
             torch.testing.assert_close(tuned[k], reference[k], rtol=1e-4, atol=1e-5, msg=k)

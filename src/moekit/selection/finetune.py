@@ -115,6 +115,13 @@ def _attach_layer(site: RouterSite, ids: list[int]) -> tuple[list[nn.Parameter],
     return attach_rows(site.experts, names, [e * n + j for e in ids for j in range(n)])
 
 
+def owner(experts: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding stacked tensor `name` of an experts module (a dotted name: of its child, JetMoE's
+    input_linear.weight) and the tensor's name there."""
+    path, _, leaf = name.rpartition(".")
+    return experts.get_submodule(path), leaf
+
+
 def attach_rows(experts: nn.Module, names: list[str], ids: list[int], take: list[int] | None = None,
                 initial: dict[str, Tensor] | None = None, shared=None) -> tuple[list[nn.Parameter], list]:
     """Parametrize the stacked tensors `names` of an experts module (a dotted name: of its child) so that only rows
@@ -123,8 +130,7 @@ def attach_rows(experts: nn.Module, names: list[str], ids: list[int], take: list
     the layer, of which rows `take` are this share's; `shared` sums their gradients over the ranks (ExpertRows)."""
     trainable, rows = [], []
     for name in names:
-        owner, _, leaf = name.rpartition(".")
-        module = experts.get_submodule(owner)
+        module, leaf = owner(experts, name)
         full = getattr(module, leaf)
         idx = torch.tensor(ids, dtype=torch.long, device=full.device)  # (K,) or (K_local,)
         if initial is None:

@@ -28,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from moekit.errors import ConfigError
 from moekit.selection.common import experts_of
-from moekit.selection.finetune import attach
+from moekit.selection.finetune import attach, owner
 from moekit.selection.selection import Selection
 from moekit.training.args import use_cpu
 from moekit.training.parallel import (Engine, deepspeed_config, distribute, input_requires_grad, is_main, no_zero_init,
@@ -105,7 +105,7 @@ def mask_rows(targets: list[Target]) -> None:
     (refused under ZeRO-3: check_finetune), so those rows keep their values exactly."""
     for t in targets:
         for name in t.names:
-            p = getattr(t.experts, name)  # (E, ...)
+            p = t.experts.get_parameter(name)  # (E, ...)
             keep = torch.zeros(p.shape[0], *[1] * (p.dim() - 1), dtype=p.dtype)  # (E, 1, ...)
             keep[t.ids] = 1
             p.requires_grad_(True)
@@ -118,12 +118,13 @@ def trained_rows(targets: list[Target]) -> dict[tuple[str, str], torch.Tensor]:
     out = {}
     for t in targets:
         for name in t.names:
-            if parametrize.is_parametrized(t.experts, name):
-                out[t.layer, name] = t.experts.parametrizations[name].original.full_tensor().detach()
+            module, leaf = owner(t.experts, name)
+            if parametrize.is_parametrized(module, leaf):
+                out[t.layer, name] = module.parametrizations[leaf].original.full_tensor().detach()
                 continue
             import deepspeed
 
-            p = getattr(t.experts, name)
+            p = getattr(module, leaf)
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                 out[t.layer, name] = p.detach().index_select(0, torch.tensor(t.ids, device=p.device)).clone()
     return out
@@ -150,7 +151,7 @@ def finetune(model: nn.Module, selection, tokenizer, lines: list[str], engine: E
     targets = targets_of(model, selection)
     model.requires_grad_(False)
     if engine.kind == "ep":
-        initial = {t.layer: {n: getattr(t.experts, n).index_select(0, torch.tensor(t.ids)).detach().clone()
+        initial = {t.layer: {n: t.experts.get_parameter(n).index_select(0, torch.tensor(t.ids)).detach().clone()
                              for n in t.names} for t in targets}  # (K, ...) each, before the experts are split
         distribute(model, engine, between=lambda m, ep: attach_local(targets, ep, initial))
     elif engine.zero == 3:
@@ -183,8 +184,9 @@ def write_rows(model: nn.Module, targets: list[Target], trained: dict) -> nn.Mod
         for t in targets:
             experts = sites[t.layer].experts
             for name in t.names:
-                tensor = getattr(experts, name)
-                if parametrize.is_parametrized(experts, name):
+                module, leaf = owner(experts, name)
+                tensor = getattr(module, leaf)
+                if parametrize.is_parametrized(module, leaf):
                     raise ConfigError(f"{t.layer}.{name} is parametrized in the checkpoint read again")
                 tensor.index_copy_(0, torch.tensor(t.ids, device=tensor.device), trained[t.layer, name].to(tensor.dtype))
     return model.eval()
