@@ -109,10 +109,15 @@ def _per_expert(site: RouterSite) -> int:
     return sum((p := site.experts.get_parameter(n)).numel() // p.shape[0] for n in _expert_tensors(site))
 
 
+def expert_row_ids(site: RouterSite, ids: list[int]) -> list[int]:
+    """The rows of the layer's stacked expert tensors that experts `ids` hold: one each, or DBRX's I each (its
+    (E·I, H) tensors)."""
+    n = site.experts.get_parameter(_expert_tensors(site)[0]).shape[0] // site.num_experts
+    return [e * n + j for e in ids for j in range(n)]
+
+
 def _attach_layer(site: RouterSite, ids: list[int]) -> tuple[list[nn.Parameter], list]:
-    names = _expert_tensors(site)
-    n = site.experts.get_parameter(names[0]).shape[0] // site.num_experts  # rows of one expert: 1, or DBRX's I
-    return attach_rows(site.experts, names, [e * n + j for e in ids for j in range(n)])
+    return attach_rows(site.experts, _expert_tensors(site), expert_row_ids(site, ids))
 
 
 def owner(experts: nn.Module, name: str) -> tuple[nn.Module, str]:

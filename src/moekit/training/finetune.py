@@ -37,21 +37,23 @@ from moekit.training.parallel import (Engine, deepspeed_config, distribute, inpu
 
 @dataclass
 class Target:
-    """One selected layer's experts: the module, its stacked tensor names, the selected global ids, its experts."""
+    """One selected layer's experts: the module, its stacked tensor names, the selected global ids, its experts, and
+    the rows of its stacked tensors those ids hold (one per expert, DBRX's I per expert)."""
 
     layer: str
     experts: nn.Module
     names: list[str]
     ids: list[int]
     num_experts: int
+    rows: list[int]
 
 
 def targets_of(model: nn.Module, selection) -> list[Target]:
     from moekit.routing.sites import routed_ids
-    from moekit.selection.finetune import _expert_tensors
+    from moekit.selection.finetune import _expert_tensors, expert_row_ids
     from moekit.selection.common import resolve
 
-    return [Target(site.name, site.experts, _expert_tensors(site), ids, site.num_experts)
+    return [Target(site.name, site.experts, _expert_tensors(site), ids, site.num_experts, expert_row_ids(site, ids))
             for site, selected in resolve(model, selection) if (ids := routed_ids(site, selected))]
 
 
@@ -105,9 +107,9 @@ def mask_rows(targets: list[Target]) -> None:
     (refused under ZeRO-3: check_finetune), so those rows keep their values exactly."""
     for t in targets:
         for name in t.names:
-            p = t.experts.get_parameter(name)  # (E, ...)
-            keep = torch.zeros(p.shape[0], *[1] * (p.dim() - 1), dtype=p.dtype)  # (E, 1, ...)
-            keep[t.ids] = 1
+            p = t.experts.get_parameter(name)  # (E, ...) or DBRX's (E·I, H)
+            keep = torch.zeros(p.shape[0], *[1] * (p.dim() - 1), dtype=p.dtype)  # (rows, 1, ...)
+            keep[t.rows] = 1
             p.requires_grad_(True)
             p.register_hook(lambda grad, keep=keep: grad * keep.to(grad.device))
 
@@ -126,7 +128,7 @@ def trained_rows(targets: list[Target]) -> dict[tuple[str, str], torch.Tensor]:
 
             p = getattr(module, leaf)
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                out[t.layer, name] = p.detach().index_select(0, torch.tensor(t.ids, device=p.device)).clone()
+                out[t.layer, name] = p.detach().index_select(0, torch.tensor(t.rows, device=p.device)).clone()
     return out
 
 
@@ -188,7 +190,7 @@ def write_rows(model: nn.Module, targets: list[Target], trained: dict) -> nn.Mod
                 tensor = getattr(module, leaf)
                 if parametrize.is_parametrized(module, leaf):
                     raise ConfigError(f"{t.layer}.{name} is parametrized in the checkpoint read again")
-                tensor.index_copy_(0, torch.tensor(t.ids, device=tensor.device), trained[t.layer, name].to(tensor.dtype))
+                tensor.index_copy_(0, torch.tensor(t.rows, device=tensor.device), trained[t.layer, name].to(tensor.dtype))
     return model.eval()
 
 
