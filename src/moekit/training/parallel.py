@@ -442,7 +442,10 @@ def distribute(model: nn.Module, engine: Engine, units: list[str] = (), between=
         hf.fsdp_plan = {k: v for k, v in hf.fsdp_plan.items() if k not in tied}
     kwargs = {"fsdp_size": world, "fsdp_plan": fsdp_plan or None}
     if engine.kind == "ep":
-        kwargs.update(ep_size=engine.expert_parallel, ep_plan=ep_plan(hf), ep_implementation="all_to_all")
+        # moekit's plan replaces the model's, which transformers would extend with it: Gemma 4's also splits the dense
+        # MLP beside its experts (tensor parallel, over the ranks FSDP2 then shards it over: overlapping meshes)
+        hf.ep_plan = ep_plan(hf)
+        kwargs.update(ep_size=engine.expert_parallel, ep_plan=hf.ep_plan, ep_implementation="all_to_all")
     config = DistributedConfig(**kwargs)
     config, _, mesh = type(hf).prepare_distribute_model(config)
 
