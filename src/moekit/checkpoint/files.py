@@ -14,7 +14,6 @@ what it has read.
 """
 from __future__ import annotations
 
-
 import json
 import math
 import os
