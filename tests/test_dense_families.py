@@ -8,6 +8,7 @@ the reason (docs/guides/upcycle.md, "Families"), so a family that a new transfor
 failure to update these lists."""
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -148,7 +149,7 @@ def test_spri_on_every_family_keeps_the_dense_model_and_its_groups(family, tmp_p
     want = _logits(dense)
     spec = {"num_experts": 4, "top_k": 2, "shared_expert": True, "init": {"method": "spri", "eps": 0.0}}
     zero = validate(MoESpec, {**spec, "init": {"method": "spri", "eps": 0.0, "rho": 0.0}})
-    torch.testing.assert_close(_logits(upcycle(_dense(family), zero)), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_logits(upcycle(copy.deepcopy(dense), zero)), want, rtol=1e-5, atol=1e-5)
     dense.save_pretrained(tmp_path / "dense")
     moe = upcycle(dense, validate(MoESpec, spec))
     assert all(expert_diversity(m.experts.down) == pytest.approx(1 - 2 / 6, abs=1e-6) for _, m in moe_layers(moe))
