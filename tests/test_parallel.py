@@ -285,9 +285,10 @@ def leaves(tree, prefix: str = "") -> dict:
 FINETUNE = [("mixtral", "zero3"), ("mixtral", "zero2"), ("mixtral", "fsdp2"), ("mixtral", "ep2"), ("qwen2_moe", "ep2"),
             ("qwen3_moe", "ep2"), ("moekit", "zero3"), ("moekit", "fsdp2"), ("moekit", "ep2"),
             # layouts of their own (zero-computation experts; experts in two modules; I rows per expert; a dense MLP
-            # beside the experts in the model's EP plan); every family was swept by hand (docs/guides/distributed.md)
+            # beside the experts in the model's EP plan; an attention indexer that runs its key norm a number of times
+            # that depends on the tokens); every family was swept by hand (docs/guides/distributed.md)
             ("longcat_flash", "zero3"), ("jetmoe", "zero3"), ("jetmoe", "fsdp2"), ("dbrx", "zero3"), ("dbrx", "fsdp2"),
-            ("gemma4_text", "ep2")]
+            ("gemma4_text", "ep2"), ("qwen4_exp_text", "zero3")]
 FINETUNE_FLAGS = {"zero3": lambda t: ["--deepspeed", str(t / "zero3.json")],
                   "zero2": lambda t: ["--deepspeed", str(t / "zero2.json")], "fsdp2": lambda t: ["--fsdp"],
                   "ep2": lambda t: ["--expert-parallel", "2"], "ddp": lambda t: []}
@@ -308,7 +309,8 @@ def finetune_inputs(tmp_path_factory):
     text = root / "sw.txt"
     text.write_text("habari ya asubuhi\nnakupenda sana\nasante sana rafiki\nkaribu nyumbani\n" * 4)
     inputs = {}
-    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "moekit", "longcat_flash", "jetmoe", "dbrx", "gemma4_text"):
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "moekit", "longcat_flash", "jetmoe", "dbrx", "gemma4_text",
+                   "qwen4_exp_text"):
         folder = root / family
         if family == "moekit":
             spec = MoESpec(num_experts=4, top_k=2, every=1, init={"method": "noise", "std": 0.02},

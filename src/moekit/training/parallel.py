@@ -317,13 +317,19 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def zero3_leaves(model: nn.Module, extra: list[nn.Module] = ()) -> list[nn.Module]:
-    """Declare the MoE blocks (and `extra` units) ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules, by
-    instance): DeepSpeed gathers a leaf's parameters all at once when it runs and reduces their gradients after its
-    backward, instead of tracing the submodules, whose order changes with the routing. Returns the leaves."""
+    """Declare the MoE blocks, the attention indexers (and `extra` units) ZeRO-3 leaf modules
+    (deepspeed.utils.set_z3_leaf_modules, by instance): DeepSpeed gathers a leaf's parameters all at once when it runs
+    and reduces their gradients after its backward, instead of tracing the submodules, whose order changes with the
+    routing. An indexer (sparse attention's token selection: DeepSeek-V3.2's, Qwen4-exp's `indexer`) may run a
+    submodule a number of times that depends on the tokens (Qwen4-exp's QSA indexer: its key norm once per query with
+    a complete block), so that each rank would gather it a different number of times and the ranks would wait on each
+    other for ever. Returns the leaves."""
     from deepspeed.utils import set_z3_leaf_modules_by_name
 
     names = {id(m): n for n, m in model.named_modules()}
-    units = [m for m in [*moe_blocks(model), *extra] if id(m) in names]
+    indexers = [m for n, m in model.named_modules()
+                if n.rpartition(".")[2] == "indexer" and next(m.parameters(), None) is not None]
+    units = [m for m in [*moe_blocks(model), *indexers, *extra] if id(m) in names]
     if units:
         set_z3_leaf_modules_by_name(model, [names[id(m)] for m in units])
         share_across_leaves(units)
