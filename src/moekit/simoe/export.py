@@ -27,7 +27,7 @@ from moekit.config import validate
 from moekit.errors import CheckpointError
 from moekit.simoe import hard_concrete as hc
 from moekit.simoe.layer import SILinear, SparseInterpolated
-from moekit.simoe.model import SIMoEConfig, install, si_modules
+from moekit.simoe.model import SIMoEConfig, _replace, install, si_modules
 from moekit.moe.state import model_state
 
 ROUTER_IN = "simoe.router.0.weight"  # (router_hidden, H): H, the backbone's last hidden size
@@ -121,8 +121,7 @@ def merge(model: nn.Module, weights: torch.Tensor) -> nn.Module:
             base.weight += (weights.to(m.log_alpha.dtype) @ m.gate_values()).to(base.weight.dtype) * m.delta
     for path, m in list(model.named_modules(remove_duplicate=False)):
         if isinstance(m, SparseInterpolated):
-            parent, _, leaf = path.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, m.base)
+            _replace(model, path, m.base)
     model.simoe.hook.remove()
     del model.simoe
     model_state(model).simoe = None
